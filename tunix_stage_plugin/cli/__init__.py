@@ -1,0 +1,1 @@
+"""The `tunix-stage` console script."""

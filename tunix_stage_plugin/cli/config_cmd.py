@@ -1,0 +1,43 @@
+"""`tunix-stage config`: the effective staging configuration and where each value came from."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import flags as flags_lib
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+  parser = subparsers.add_parser(
+      "config",
+      help="print the effective staging configuration",
+      description="Print the effective staging configuration: each value, and whether it came "
+      "from a flag, the environment or the default (flags beat env, env beats defaults). "
+      "Exits 2 naming the variable when a value is invalid.",
+      epilog="environment:\n" + "\n".join(f"  {s.env:32s} {s.help}" for s in config_lib.SETTINGS),
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  flags_lib.add_argparse_flags(parser)
+  parser.add_argument("--json", action="store_true", help="print JSON for machines")
+  parser.add_argument("--check", action="store_true",
+                      help="print nothing; exit 0 when valid, 2 with the error otherwise")
+  parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+  try:
+    cfg = flags_lib.config_from_argparse(args)
+  except config_lib.ConfigError as e:
+    print(f"tunix-stage config: error: {e}", file=sys.stderr)
+    return 2
+  if args.check:
+    return 0
+  if args.json:
+    print(json.dumps({"enabled": cfg.enabled, "settings": cfg.as_dict()}, indent=2))
+    return 0
+  for field, item in cfg.as_dict().items():
+    print(f"{item['env']:32s} {item['value']!s:8s} ({item['source']})")
+  return 0

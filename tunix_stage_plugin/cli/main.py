@@ -1,0 +1,34 @@
+"""`tunix-stage`: one console script, a subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tunix_stage_plugin import __version__
+from tunix_stage_plugin.cli import config_cmd
+
+# Each subcommand module offers add_parser(subparsers) and run(args) -> exit code.
+_COMMANDS = (config_cmd,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      prog="tunix-stage",
+      description="Micro-batch staging for google/tunix's distributed RL trainer.",
+  )
+  parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+  subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+  for module in _COMMANDS:
+    module.add_parser(subparsers)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  return args.run(args)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

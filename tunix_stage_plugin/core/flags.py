@@ -1,0 +1,68 @@
+"""Driver flags for the staging settings, for argparse and absl drivers alike.
+
+Flags default to "not given" so the environment, then the default, applies when a flag is
+absent: flags beat env, env beats defaults (config.resolve). tunix's example drivers use
+argparse; MaxText's use absl.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Iterable
+
+from tunix_stage_plugin.core import config as config_lib
+
+ORCHESTRATOR_FIELDS = ("mode", "max_staged_batches")
+TRAINER_FIELDS = ("mode", "max_device_batches")
+ALL_FIELDS = tuple(s.field for s in config_lib.SETTINGS)
+
+
+def _flag_help(setting: config_lib.Setting) -> str:
+  return f"{setting.help} Overrides ${setting.env}; default {setting.default}."
+
+
+def add_argparse_flags(parser: argparse.ArgumentParser,
+                       fields: Iterable[str] = ALL_FIELDS) -> argparse.ArgumentParser:
+  """Adds --stage_train_batches[=off|stage], --max_staged_batches N, ... to `parser`."""
+  group = parser.add_argument_group("staging (tunix-stage-plugin)")
+  for field in fields:
+    s = config_lib.SETTINGS_BY_FIELD[field]
+    if field == "mode":
+      # A bare --stage_train_batches switches staging on, as a boolean driver flag would.
+      group.add_argument(f"--{s.flag}", nargs="?", const=config_lib.MODE_STAGE, default=None,
+                         metavar="off|stage", help=_flag_help(s))
+    else:
+      group.add_argument(f"--{s.flag}", default=None, metavar="N", help=_flag_help(s))
+  return parser
+
+
+def config_from_argparse(args: argparse.Namespace,
+                         fields: Iterable[str] = ALL_FIELDS) -> config_lib.StageConfig:
+  """Resolves the configuration from parsed argparse flags plus the environment."""
+  explicit = {f: getattr(args, config_lib.SETTINGS_BY_FIELD[f].flag, None) for f in fields}
+  return config_lib.resolve(explicit, explicit_source="flag")
+
+
+def define_absl_flags(fields: Iterable[str] = ALL_FIELDS, flag_values: Any = None) -> None:
+  """Registers the staging flags with absl (idempotent: already-defined flags are kept)."""
+  from absl import flags  # absl is a runtime dependency, but only absl drivers need it here
+
+  fv = flag_values if flag_values is not None else flags.FLAGS
+  for field in fields:
+    s = config_lib.SETTINGS_BY_FIELD[field]
+    if s.flag in fv:
+      continue
+    if field == "mode":
+      flags.DEFINE_enum(s.flag, None, list(config_lib.MODES), _flag_help(s), flag_values=fv)
+    else:
+      flags.DEFINE_integer(s.flag, None, _flag_help(s), flag_values=fv)
+
+
+def config_from_absl(fields: Iterable[str] = ALL_FIELDS,
+                     flag_values: Any = None) -> config_lib.StageConfig:
+  from absl import flags
+
+  fv = flag_values if flag_values is not None else flags.FLAGS
+  explicit = {f: fv[config_lib.SETTINGS_BY_FIELD[f].flag].value for f in fields
+              if config_lib.SETTINGS_BY_FIELD[f].flag in fv}
+  return config_lib.resolve(explicit, explicit_source="flag")
