@@ -7,8 +7,10 @@ served object three lanes:
 - compute: one thread, FIFO. fwd_bwd, update, weight-sync prepare/release, checkpoint, eval,
   compile, and any method not named below run here in arrival order, so trainer state is still
   touched by one thread in the order requests arrived (as on the single loop thread today).
-- staging: one thread. stage_batch / reset_staged run here, overlapping a running fwd_bwd.
-- inline: heartbeat / info are answered on the caller's thread at once.
+- staging: one thread. stage_batch runs here, overlapping a running fwd_bwd.
+- inline: heartbeat / info / reset_staged are answered on the caller's thread at once.
+  reset_staged only drops references, and it must not queue behind a stage that is waiting
+  (bounded) for a device slot: the reset is often what frees that slot.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ class Lane(enum.Enum):
   INLINE = "inline"
 
 
-STAGING_METHODS = frozenset({"stage_batch", "reset_staged"})
-LIGHT_METHODS = frozenset({"heartbeat", "info"})
+STAGING_METHODS = frozenset({"stage_batch"})
+LIGHT_METHODS = frozenset({"heartbeat", "info", "reset_staged"})
 
 
 class ExecutorClosedError(RuntimeError):

@@ -1,0 +1,113 @@
+"""An in-process StageEngine over the real core parts, for the core's tests.
+
+It uses the real StagedBatchStore and MethodExecutor (real threads: stage on the staging lane,
+train on the compute lane), so only the RPC hop is missing; the embedded host adds real gRPC.
+Failures are scripted per payload so tests can say exactly which fallbacks they expect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core import store as store_lib
+
+OK, PREPARE_FAILS, LOST_REPLY = "ok", "prepare_fails", "lost_reply"
+
+
+class LostReply(ConnectionError):
+  """The stage happened on the trainer, but its answer never reached the orchestrator."""
+
+
+class TrainFailed(RuntimeError):
+  pass
+
+
+class ThreadedEngine:
+
+  def __init__(self, max_device_batches: int = 1, *, stage_outcomes: dict[Any, str] | None = None,
+               stage_delay_s: dict[Any, float] | None = None, fail_train: set[Any] = frozenset(),
+               stage_gate: dict[Any, threading.Event] | None = None,
+               train_gate: dict[Any, threading.Event] | None = None,
+               slot_wait_s: float = 30.0) -> None:
+    self.store = store_lib.StagedBatchStore(max_device_batches, slot_wait_s=slot_wait_s)
+    self.executor = executor_lib.MethodExecutor(name="test")
+    self.stage_outcomes = stage_outcomes or {}
+    self.stage_delay_s = stage_delay_s or {}
+    self.stage_gate = stage_gate or {}
+    self.train_gate = train_gate or {}
+    self.fail_train = set(fail_train)
+    self.trained: list[Any] = []  # payloads in training order
+    self.trained_staged: list[bool] = []
+    self.updates: list[int] = []  # len(trained) at each optimizer step
+    self.attempts: list[tuple[Any, str]] = []  # (payload, ok|refused|prepare_fails|lost_reply)
+    self.events: list[str] = []  # ordered log across threads, for ordering assertions
+    self._log_lock = threading.Lock()
+
+  def log(self, event: str) -> None:
+    with self._log_lock:
+      self.events.append(event)
+
+  def _prepare(self, payload: Any) -> Any:
+    gate = self.stage_gate.get(payload)
+    if gate is not None and not gate.wait(timeout=30):
+      raise TimeoutError(f"stage gate for {payload!r} never opened")
+    time.sleep(self.stage_delay_s.get(payload, 0.0))  # emulated host-to-device time
+    if self.stage_outcomes.get(payload) == PREPARE_FAILS:
+      raise RuntimeError(f"injected prepare failure for {payload!r}")
+    return ("placed", payload)
+
+  def _stage(self, payload: Any, key: str) -> str | None:
+    self.log(f"stage-start {payload}")
+    result = self.store.stage(key, payload, self._prepare)
+    if result.staged:
+      outcome = LOST_REPLY if self.stage_outcomes.get(payload) == LOST_REPLY else OK
+    else:
+      outcome = PREPARE_FAILS if result.reason.startswith("prepare failed") else "refused"
+    self.attempts.append((payload, outcome))
+    self.log(f"stage-end {payload}")
+    if outcome == LOST_REPLY:
+      raise LostReply(f"reply for {key} lost")
+    return key if result.staged else None
+
+  async def stage(self, payload: Any, *, key: str) -> str | None:
+    return await self.executor.run("stage_batch", self._stage, payload, key)
+
+  def _train(self, payload: Any, stage_key: str | None, apply_optimizer: bool) -> int:
+    if stage_key is not None:
+      assert payload is None, "a train call with a stage key must not carry the payload"
+      tag, payload = self.store.take(stage_key)
+      assert tag == "placed"
+    self.log(f"train {payload}")
+    gate = self.train_gate.get(payload)
+    if gate is not None and not gate.wait(timeout=30):
+      raise TimeoutError(f"train gate for {payload!r} never opened")
+    if payload in self.fail_train:
+      raise TrainFailed(f"injected train failure for {payload!r}")
+    self.trained.append(payload)
+    self.trained_staged.append(stage_key is not None)
+    if apply_optimizer:
+      self.updates.append(len(self.trained))
+    return len(self.trained)
+
+  async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool) -> int:
+    return await self.executor.run("fwd_bwd", self._train, payload, stage_key, apply_optimizer)
+
+  async def reset(self, keys: list[str]) -> None:
+    await self.executor.run("reset_staged", self.store.reset, keys)
+
+  def close(self) -> None:
+    self.executor.close()
+
+
+async def source_of(payloads: list[Any], pull_delay_s: float = 0.0):
+  """An async micro-batch source; the last payload closes the step."""
+  from tunix_stage_plugin.core.pipeline import MicroBatch
+
+  for i, p in enumerate(payloads):
+    if pull_delay_s:
+      await asyncio.sleep(pull_delay_s)  # emulated group-pull latency
+    yield MicroBatch(p, closes_step=i == len(payloads) - 1)

@@ -1,0 +1,127 @@
+"""Configuration: explicit > env > default, and one clear error per bad value."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import flags as absl_flags
+
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import flags as flags_lib
+
+ENV_NAMES = [s.env for s in config_lib.SETTINGS]
+
+
+def test_defaults_when_env_is_empty():
+  cfg = config_lib.resolve(env={})
+  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("off", 2, 1)
+  assert not cfg.enabled
+  assert set(cfg.sources.values()) == {"default"}
+
+
+def test_env_beats_default_and_explicit_beats_env():
+  env = {"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "3",
+         "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2"}
+  cfg = config_lib.resolve(env=env)
+  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("stage", 3, 2)
+  assert cfg.enabled and set(cfg.sources.values()) == {"env"}
+  cfg = config_lib.resolve({"max_staged_batches": 1, "mode": None}, env=env,
+                           explicit_source="flag")
+  assert cfg.max_staged_batches == 1 and cfg.sources["max_staged_batches"] == "flag"
+  assert cfg.mode == "stage" and cfg.sources["mode"] == "env"  # None means "not given"
+
+
+def test_empty_env_value_counts_as_unset():
+  cfg = config_lib.resolve(env={"TUNIX_STAGE_BATCH": "  ", "TUNIX_MAX_STAGED_BATCHES": ""})
+  assert cfg.mode == "off" and cfg.max_staged_batches == 2
+
+
+@pytest.mark.parametrize("name,value,accepted", [
+    ("TUNIX_STAGE_BATCH", "on", "off | stage"),
+    ("TUNIX_STAGE_BATCH", "STAGE", "off | stage"),
+    ("TUNIX_MAX_STAGED_BATCHES", "0", "integer >= 1"),
+    ("TUNIX_MAX_STAGED_BATCHES", "-1", "integer >= 1"),
+    ("TUNIX_MAX_STAGED_BATCHES", "2.5", "integer >= 1"),
+    ("TUNIX_MAX_STAGED_BATCHES", "+2", "integer >= 1"),
+    ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "two", "integer >= 1"),
+])
+def test_invalid_env_value_names_variable_value_and_accepted(name, value, accepted):
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.resolve(env={name: value})
+  message = str(e.value)
+  assert name in message and repr(value) in message and accepted in message
+
+
+def test_invalid_explicit_value_names_the_flag():
+  with pytest.raises(config_lib.ConfigError, match=r"--max_staged_batches='0' is invalid"):
+    config_lib.resolve({"max_staged_batches": 0}, env={})
+
+
+def test_bool_mode_maps_to_stage_or_off_but_bool_depth_is_rejected():
+  assert config_lib.resolve({"mode": True}, env={}).mode == "stage"
+  assert config_lib.resolve({"mode": False}, env={"TUNIX_STAGE_BATCH": "stage"}).mode == "off"
+  with pytest.raises(config_lib.ConfigError, match="max_staged_batches"):
+    config_lib.resolve({"max_staged_batches": True}, env={})
+
+
+def test_unknown_setting_is_an_error():
+  with pytest.raises(config_lib.ConfigError, match="unknown staging setting"):
+    config_lib.resolve({"depth": 2}, env={})
+
+
+def test_argparse_flags_beat_env(monkeypatch):
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "off")
+  monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "4")
+  parser = flags_lib.add_argparse_flags(argparse.ArgumentParser())
+  cfg = flags_lib.config_from_argparse(parser.parse_args(["--stage_train_batches"]))
+  assert cfg.mode == "stage" and cfg.sources["mode"] == "flag"
+  assert cfg.max_staged_batches == 4 and cfg.sources["max_staged_batches"] == "env"
+  cfg = flags_lib.config_from_argparse(
+      parser.parse_args(["--stage_train_batches=off", "--max_staged_batches", "1"]))
+  assert (cfg.mode, cfg.max_staged_batches) == ("off", 1)
+
+
+def test_absl_flags_beat_env_and_define_is_idempotent(monkeypatch):
+  monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "4")
+  fv = absl_flags.FlagValues()
+  flags_lib.define_absl_flags(flag_values=fv)
+  flags_lib.define_absl_flags(flag_values=fv)  # a second driver module registering again
+  fv(["prog", "--stage_train_batches=stage", "--stage_max_device_batches=3"])
+  cfg = flags_lib.config_from_absl(flag_values=fv)
+  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("stage", 4, 3)
+  assert cfg.sources == {"mode": "flag", "max_staged_batches": "env", "max_device_batches": "flag"}
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+  clean = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+  return subprocess.run([sys.executable, "-m", "tunix_stage_plugin.cli.main", *args],
+                        env={**clean, **env}, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_config_exits_2_naming_the_variable():
+  out = _cli("config", env={"TUNIX_MAX_STAGED_BATCHES": "0"})
+  assert out.returncode == 2
+  assert "TUNIX_MAX_STAGED_BATCHES='0' is invalid; accepted: an integer >= 1" in out.stderr
+  assert out.stdout == ""
+
+
+def test_cli_config_json_reports_sources():
+  out = _cli("config", "--json", "--max_staged_batches", "3", env={"TUNIX_STAGE_BATCH": "stage"})
+  assert out.returncode == 0, out.stderr
+  report = json.loads(out.stdout)
+  assert report["enabled"] is True
+  assert report["settings"]["mode"] == {"value": "stage", "source": "env",
+                                        "env": "TUNIX_STAGE_BATCH"}
+  assert report["settings"]["max_staged_batches"]["source"] == "flag"
+  assert report["settings"]["max_device_batches"] == {
+      "value": 1, "source": "default", "env": "TUNIX_STAGE_MAX_DEVICE_BATCHES"}
+
+
+def test_cli_config_check_is_silent_when_valid():
+  out = _cli("config", "--check", env={"TUNIX_STAGE_BATCH": "stage"})
+  assert (out.returncode, out.stdout, out.stderr) == (0, "", "")

@@ -1,0 +1,99 @@
+"""MethodExecutor: FIFO compute lane, a staging lane that overlaps it, inline light methods."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from tunix_stage_plugin.core.executor import ExecutorClosedError, Lane, MethodExecutor
+
+
+def test_lanes():
+  ex = MethodExecutor()
+  assert ex.lane_of("fwd_bwd") is Lane.COMPUTE
+  assert ex.lane_of("update") is Lane.COMPUTE
+  assert ex.lane_of("prepare_weight_sync") is Lane.COMPUTE
+  assert ex.lane_of("some_new_method") is Lane.COMPUTE  # unknown: serialised, as today
+  assert ex.lane_of("stage_batch") is Lane.STAGING
+  assert ex.lane_of("reset_staged") is Lane.INLINE  # never queued behind a waiting stage
+  assert ex.lane_of("heartbeat") is Lane.INLINE and ex.lane_of("info") is Lane.INLINE
+  with pytest.raises(ValueError, match="both staging and light"):
+    MethodExecutor(staging_methods={"x"}, light_methods={"x"})
+
+
+def test_stage_runs_while_compute_is_blocked():
+  ex = MethodExecutor()
+  staged = threading.Event()
+  # fwd_bwd only returns once stage_batch has run: on one thread this would time out.
+  compute = ex.submit("fwd_bwd", lambda: staged.wait(10))
+  stage = ex.submit("stage_batch", staged.set)
+  assert stage.result(10) is None and compute.result(10) is True
+  ex.close()
+
+
+def test_compute_lane_is_fifo_and_single_threaded():
+  ex = MethodExecutor()
+  order, threads = [], set()
+
+  def call(i):
+    threads.add(threading.current_thread().name)
+    order.append(i)
+
+  futures = [ex.submit(name, call, i) for i, name in
+             enumerate(["fwd_bwd", "fwd_bwd", "update", "prepare_weight_sync", "compile"] * 20)]
+  for f in futures:
+    f.result(10)
+  assert order == list(range(100)) and len(threads) == 1
+  ex.close()
+
+
+def test_light_methods_run_inline_on_the_caller_thread():
+  ex = MethodExecutor()
+  assert ex.submit("heartbeat", threading.current_thread).result() is threading.current_thread()
+  error = ex.submit("info", lambda: 1 / 0).exception()
+  assert isinstance(error, ZeroDivisionError)
+  ex.close()
+
+
+def test_async_run_keeps_the_loop_free_for_light_calls():
+  ex = MethodExecutor()
+  release = threading.Event()
+
+  async def scenario():
+    compute = asyncio.create_task(ex.run("fwd_bwd", release.wait, 10))
+    # Answered at once although fwd_bwd is blocked: the loop never ran it.
+    beat = await ex.run("heartbeat", lambda: "alive")
+    assert not compute.done()
+    staged = await ex.run("stage_batch", lambda: "staged")
+    assert not compute.done()
+    release.set()
+    return beat, staged, await compute
+
+  assert asyncio.run(scenario()) == ("alive", "staged", True)
+  ex.close()
+
+
+def test_close_joins_every_thread_and_is_idempotent():
+  before = set(threading.enumerate())
+  ex = MethodExecutor(name="closetest")
+  ex.submit("fwd_bwd", lambda: None).result(10)
+  ex.submit("stage_batch", lambda: None).result(10)
+  started = [t for t in threading.enumerate() if t.name.startswith("closetest-")]
+  assert {t.name.rsplit("_", 1)[0] for t in started} == {"closetest-compute", "closetest-staging"}
+  ex.close()
+  ex.close()
+  assert not any(t.is_alive() for t in started)
+  assert set(threading.enumerate()) <= before
+  for method in ("fwd_bwd", "stage_batch", "heartbeat"):
+    with pytest.raises(ExecutorClosedError):
+      ex.submit(method, lambda: None)
+
+
+def test_close_waits_for_queued_work():
+  ex = MethodExecutor()
+  done = []
+  futures = [ex.submit("fwd_bwd", done.append, i) for i in range(20)]
+  ex.close()
+  assert done == list(range(20)) and all(f.done() for f in futures)

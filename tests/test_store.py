@@ -1,0 +1,232 @@
+"""StagedBatchStore: keyed, bounded, consumed once, clear errors, safe under concurrency."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+
+import pytest
+
+from tunix_stage_plugin.core.store import StagedBatchStore, StageKeyError
+
+
+def place(payload):
+  return ("placed", payload)
+
+
+def test_stage_then_take_once():
+  store = StagedBatchStore(1)
+  result = store.stage("k1", 7, place)
+  assert result.staged and result.reason is None
+  assert store.take("k1") == ("placed", 7)
+  with pytest.raises(StageKeyError, match="'k1' is not staged"):
+    store.take("k1")
+  assert len(store) == 0 and store.stats.consumed == 1
+
+
+@pytest.mark.parametrize("key,fragment", [
+    (7, "got int 7"), (None, "got NoneType"), (b"k", "got bytes"),
+    ("", "length 0"), ("x" * 129, "length 129"), ("a b", "'a b'"), ("k/1", "'k/1'"),
+    ("ключ", "'ключ'"),
+])
+def test_malformed_keys_are_rejected_with_the_rule(key, fragment):
+  store = StagedBatchStore(1)
+  for call in (lambda: store.stage(key, 1, place), lambda: store.take(key),
+               lambda: store.reset([key])):
+    with pytest.raises(StageKeyError) as e:
+      call()
+    assert fragment in str(e.value) and "[A-Za-z0-9._:-]" in str(e.value)
+
+
+def test_longest_allowed_key_is_accepted():
+  assert StagedBatchStore(1).stage("k" * 128, 1, place).staged
+
+
+def test_duplicate_key_is_an_error_and_keeps_the_first():
+  store = StagedBatchStore(2)
+  store.stage("k", 1, place)
+  with pytest.raises(StageKeyError, match="already staged"):
+    store.stage("k", 2, place)
+  assert store.take("k") == ("placed", 1)
+
+
+def test_over_the_bound_refuses_with_reason_and_never_evicts():
+  store = StagedBatchStore(2, slot_wait_s=0)
+  assert store.stage("a", 1, place).staged and store.stage("b", 2, place).staged
+  refused = store.stage("c", 3, place)
+  assert not refused.staged and "device bound reached: 2 of 2 staged batches held for 0" in \
+      refused.reason
+  assert "TUNIX_STAGE_MAX_DEVICE_BATCHES" in refused.reason
+  assert store.keys() == ["a", "b"] and store.stats.refused == 1
+  store.take("a")
+  assert store.stage("c", 3, place).staged  # room again once one is consumed
+
+
+def test_prepare_failure_is_reported_and_frees_the_slot():
+  store = StagedBatchStore(1)
+
+  def broken(payload):
+    raise ValueError("bad shape")
+
+  result = store.stage("a", 1, broken)
+  assert not result.staged and result.reason == "prepare failed: ValueError: bad shape"
+  assert store.stage("b", 2, place).staged and store.stats.failed == 1
+
+
+def test_reset_some_or_all():
+  store = StagedBatchStore(3)
+  for k in "abc":
+    store.stage(k, k, place)
+  assert store.reset(["b", "zz"]) == ["b"]  # unknown keys are simply not there to drop
+  assert store.keys() == ["a", "c"]
+  assert sorted(store.reset()) == ["a", "c"] and len(store) == 0
+
+
+def test_reset_while_placing_keeps_the_slot_until_placement_ends():
+  store = StagedBatchStore(1, slot_wait_s=0)
+  entered, release = threading.Event(), threading.Event()
+
+  def slow(payload):
+    entered.set()
+    assert release.wait(10)
+    return payload
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    future = pool.submit(store.stage, "a", 1, slow)
+    assert entered.wait(10)
+    assert store.reset() == ["a"]
+    # The buffers being placed still exist: a new stage must not exceed the bound.
+    assert not store.stage("b", 2, place).staged
+    release.set()
+    result = future.result(10)
+  assert not result.staged and result.reason == "reset while staging"
+  assert store.stage("b", 2, place).staged and store.keys() == ["b"]
+
+
+def test_take_waits_for_a_batch_still_being_placed():
+  store = StagedBatchStore(1)
+  entered, release = threading.Event(), threading.Event()
+
+  def slow(payload):
+    entered.set()
+    assert release.wait(10)
+    return ("placed", payload)
+
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    staged = pool.submit(store.stage, "a", 1, slow)
+    assert entered.wait(10)
+    taken = pool.submit(store.take, "a")
+    assert not taken.done()
+    release.set()
+    assert taken.result(10) == ("placed", 1) and staged.result(10).staged
+
+
+def test_take_of_a_failed_placement_names_the_failure():
+  store = StagedBatchStore(1)
+  entered, release = threading.Event(), threading.Event()
+
+  def failing(payload):
+    entered.set()
+    assert release.wait(10)
+    raise OSError("transfer aborted")
+
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    pool.submit(store.stage, "a", 1, failing)
+    assert entered.wait(10)
+    taken = pool.submit(store.take, "a")
+    release.set()
+    with pytest.raises(StageKeyError, match="OSError: transfer aborted"):
+      taken.result(10)
+
+
+def test_take_times_out_instead_of_blocking_forever():
+  store = StagedBatchStore(1)
+  entered, release = threading.Event(), threading.Event()
+
+  def stuck(payload):
+    entered.set()
+    release.wait(10)
+    return payload
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pool.submit(store.stage, "a", 1, stuck)
+    assert entered.wait(10)
+    with pytest.raises(TimeoutError, match="still being placed"):
+      store.take("a", timeout=0.01)
+    release.set()
+
+
+@pytest.mark.parametrize("slot_wait_s", [0, 10])
+def test_concurrent_stagers_never_exceed_the_bound(slot_wait_s):
+  bound, live, peak = 3, [0], [0]
+  lock = threading.Lock()
+  store = StagedBatchStore(bound, slot_wait_s=slot_wait_s)
+
+  def counting(payload):
+    with lock:
+      live[0] += 1
+      peak[0] = max(peak[0], live[0])
+    return payload
+
+  def worker(i):
+    outcomes = []
+    for j in range(200):
+      key = f"w{i}-{j}"
+      if store.stage(key, key, counting).staged:
+        outcomes.append(store.take(key) == key)
+        with lock:
+          live[0] -= 1
+    return outcomes
+
+  with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    results = [r for f in [pool.submit(worker, i) for i in range(6)] for r in f.result(60)]
+  assert all(results) and len(results) == store.stats.consumed
+  assert peak[0] <= bound and store.stats.peak <= bound and len(store) == 0
+  assert store.stats.staged + store.stats.refused == 6 * 200
+  if slot_wait_s:  # every holder releases its slot promptly: waiting stages always get one
+    assert store.stats.refused == 0 and store.stats.staged == 6 * 200
+
+
+def test_a_full_store_waits_for_the_slot_a_take_frees():
+  store = StagedBatchStore(1, slot_wait_s=30)
+  store.stage("a", 1, place)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    waiting = pool.submit(store.stage, "b", 2, place)
+    # The stage of b arrived before fwd_bwd took a out of its slot (the race a bound of 1 has).
+    assert store.take("a") == ("placed", 1)
+    assert waiting.result(10).staged
+  assert store.keys() == ["b"] and store.stats.slot_waits == 1
+
+
+def test_a_full_store_refuses_after_its_slot_wait():
+  store = StagedBatchStore(1, slot_wait_s=0.05)
+  store.stage("a", 1, place)
+  refused = store.stage("b", 2, place)  # nobody takes a: bounded wait, then a reason
+  assert not refused.staged and "held for 0.05 s" in refused.reason and store.keys() == ["a"]
+
+
+def test_reset_refuses_a_stage_waiting_for_a_slot():
+  store = StagedBatchStore(1, slot_wait_s=30)
+  store.stage("a", 1, place)
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    waiting = pool.submit(store.stage, "b", 2, place)
+    while not store.stats.slot_waits:  # b is registered as waiting under the lock
+      threading.Event().wait(0.001)
+    assert store.reset(["b"]) == []
+    result = waiting.result(10)
+  assert not result.staged and result.reason == "reset while waiting for a device slot"
+  assert store.keys() == ["a"]
+
+
+def test_a_stage_overtaken_by_its_reset_is_refused():
+  store = StagedBatchStore(1)
+  assert store.reset(["late"]) == []
+  result = store.stage("late", 1, place)
+  assert not result.staged and result.reason == "reset before it was staged" and len(store) == 0
+  assert store.stage("other", 2, place).staged
+
+
+def test_bound_must_be_a_positive_int():
+  for bad in (0, -1, 1.5, "2"):
+    with pytest.raises(ValueError, match="max_device_batches must be an int >= 1"):
+      StagedBatchStore(bad)
