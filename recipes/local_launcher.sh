@@ -1,0 +1,388 @@
+#!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
+# Runs the processes of one job on this machine, with the same staging environment as the
+# Kubernetes containers (see k8s_launcher.sh): each process gets its role's staging variables
+# and not the other role's. Every process listens on 127.0.0.1 only and logs to its own file;
+# all of them are stopped when the job ends, fails or is interrupted, and on failure the tail of
+# each log is printed. Linux only (it reads /proc).
+#
+# Hosts:
+#   embedded  the plugin's embedded host: a trainer (tunix_stage_plugin.embedded.trainer_main)
+#             and an orchestrator (tunix_stage_plugin.embedded.orchestrator_main) that runs
+#             the job against it; the job is done when the orchestrator exits.
+#   tunix     tunix's distributed runtime (python -m tunix.experimental.distributed.runtime.main)
+#             running the orchestrator, trainer and rollout mains from mlperf_base.sh; needs
+#             tunix installed for $PYTHON.
+#   auto      tunix when its runtime imports, embedded otherwise (the default).
+set -euo pipefail
+
+RECIPES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PROG="local_launcher.sh"
+LOCALHOST="127.0.0.1"
+TUNIX_RUNTIME_MODULE="tunix.experimental.distributed.runtime.main"
+EMBEDDED_TRAINER="tunix_stage_plugin.embedded.trainer_main"
+EMBEDDED_ORCHESTRATOR="tunix_stage_plugin.embedded.orchestrator_main"
+
+usage() {
+  cat <<EOF
+usage: ${PROG} [--host auto|embedded|tunix] [--port PORT] [--steps N] [--microbatches M]
+                       [--tiny] [--log-dir DIR] [--timeout SECS] [--startup-timeout SECS]
+                       [-h|--help] [-- ORCHESTRATOR_ARGS...]
+
+Starts one job's processes on this machine (127.0.0.1 only), waits for the job, then stops
+every process it started. Exits with the job's status (2 for a usage or configuration error).
+
+options:
+  --host HOST             embedded, tunix or auto (default: auto = tunix when
+                          ${TUNIX_RUNTIME_MODULE} imports, else embedded)
+  --port PORT             the trainer's port (default: a free port, chosen by the trainer
+                          on the embedded host)
+  --steps N               training steps (embedded: --steps; tunix: --max_steps)
+  --microbatches M        micro-batches per step (embedded host only)
+  --tiny                  the embedded host's tiny model (embedded host only)
+  --log-dir DIR           where the per-process logs go (default: a new temporary directory)
+  --timeout SECS          stop everything and fail when the job (start-up included) has not
+                          finished after SECS (default: 0, no limit)
+  --startup-timeout SECS  how long the trainer may take to become ready (default: 120)
+  -h, --help              show this help and exit
+  -- ARGS...              more flags for the orchestrator (embedded host), e.g.
+                          -- --payload_mib 4 --wire_mbps 200
+
+staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
+  TUNIX_STAGE_BATCH               off | stage (default off)            orchestrator, trainer
+  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, >= 1 (default 2)  orchestrator
+  TUNIX_STAGE_MAX_DEVICE_BATCHES  device-memory bound, >= 1 (default 1) trainer
+The python that runs everything is \$PYTHON (default python3).
+example:
+  TUNIX_STAGE_BATCH=stage ${PROG} --host embedded --steps 2 --tiny
+EOF
+}
+
+usage_error() {
+  echo "${PROG}: error: $*" >&2
+  echo "run '${PROG} --help' for usage" >&2
+  exit 2
+}
+
+die() {
+  echo "${PROG}: error: $*" >&2
+  exit 2
+}
+
+say() {
+  echo "${PROG}: $*"
+}
+
+option_value() {
+  local name="$1" next_count="$2" next="${3-}"
+  if ((next_count < 2)) || [[ "${next}" == --* ]]; then
+    usage_error "${name} needs a value"
+  fi
+  printf '%s' "${next}"
+}
+
+check_uint() {
+  local name="$1" value="$2" min="$3"
+  if ! [[ "${value}" =~ ^[0-9]+$ ]] || ((10#${value} < min)); then
+    usage_error "${name} must be an integer >= ${min}, not '${value}'"
+  fi
+}
+
+HOST="auto"
+PORT=""
+STEPS=""
+MICROBATCHES=""
+TINY=0
+LOG_DIR=""
+TIMEOUT=0
+STARTUP_TIMEOUT=120
+STOP_GRACE="${STOP_GRACE:-10}"
+EXTRA_ORCH_ARGS=()
+
+while (($# > 0)); do
+  case "$1" in
+    --host=*) HOST="${1#*=}"; shift ;;
+    --host) HOST="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    --port=*) PORT="${1#*=}"; shift ;;
+    --port) PORT="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    --steps=*) STEPS="${1#*=}"; shift ;;
+    --steps) STEPS="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    --microbatches=*) MICROBATCHES="${1#*=}"; shift ;;
+    --microbatches) MICROBATCHES="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    --tiny) TINY=1; shift ;;
+    --log-dir=*) LOG_DIR="${1#*=}"; shift ;;
+    --log-dir) LOG_DIR="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    --timeout=*) TIMEOUT="${1#*=}"; shift ;;
+    --timeout) TIMEOUT="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    --startup-timeout=*) STARTUP_TIMEOUT="${1#*=}"; shift ;;
+    --startup-timeout) STARTUP_TIMEOUT="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    -h | --help) usage; exit 0 ;;
+    --) shift; EXTRA_ORCH_ARGS=("$@"); break ;;
+    *) usage_error "unknown option '$1'" ;;
+  esac
+done
+
+case "${HOST}" in
+  auto | embedded | tunix) ;;
+  *) usage_error "--host must be auto, embedded or tunix, not '${HOST}'" ;;
+esac
+if [[ -n "${PORT}" ]]; then
+  check_uint --port "${PORT}" 1
+  ((10#${PORT} <= 65535)) || usage_error "--port must be at most 65535, not '${PORT}'"
+fi
+[[ -z "${STEPS}" ]] || check_uint --steps "${STEPS}" 1
+[[ -z "${MICROBATCHES}" ]] || check_uint --microbatches "${MICROBATCHES}" 1
+check_uint --timeout "${TIMEOUT}" 0
+check_uint --startup-timeout "${STARTUP_TIMEOUT}" 1
+check_uint STOP_GRACE "${STOP_GRACE}" 0
+# --timeout counts from here: starting the processes is part of the job.
+JOB_DEADLINE=$((SECONDS + 10#${TIMEOUT}))
+
+# Defaults, and the staging values validated by the plugin (stops with its message when bad).
+# shellcheck source=mlperf_base.sh
+source "${RECIPES_DIR}/mlperf_base.sh"
+
+# --- which host ---------------------------------------------------------------------------------
+
+python_imports() {
+  "${PYTHON}" -c "import $1" >/dev/null 2>&1
+}
+
+if [[ "${HOST}" == auto ]]; then
+  if python_imports "${TUNIX_RUNTIME_MODULE}"; then
+    HOST=tunix
+  else
+    HOST=embedded
+  fi
+fi
+if [[ "${HOST}" == tunix ]]; then
+  if ! python_imports "${TUNIX_RUNTIME_MODULE}"; then
+    die "tunix's distributed runtime is not installed for ${PYTHON}" \
+      "('import ${TUNIX_RUNTIME_MODULE}' failed); install tunix, or use --host embedded"
+  fi
+  if [[ -n "${MICROBATCHES}" ]] || ((TINY)) || ((${#EXTRA_ORCH_ARGS[@]})); then
+    usage_error "--microbatches, --tiny and '-- ARGS' are for the embedded host only"
+  fi
+else
+  if ! "${PYTHON}" -c 'import importlib.util, sys
+sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))' \
+    "${EMBEDDED_TRAINER}" "${EMBEDDED_ORCHESTRATOR}" >/dev/null 2>&1; then
+    die "the embedded host (${EMBEDDED_TRAINER}, ${EMBEDDED_ORCHESTRATOR}) is not in the" \
+      "tunix-stage-plugin that ${PYTHON} imports"
+  fi
+fi
+
+# --- processes ----------------------------------------------------------------------------------
+
+if [[ -z "${LOG_DIR}" ]]; then
+  LOG_DIR="$(mktemp -d "${TMPDIR:-/tmp}/tunix-stage-local.XXXXXX")"
+else
+  mkdir -p "${LOG_DIR}"
+fi
+
+NAMES=()
+PIDS=()
+LOGS=()
+declare -A REAPED=() # pid -> exit status, for the processes already waited for
+
+# True while the process runs (a dead child not yet reaped is a zombie: not running).
+proc_running() {
+  local stat
+  { read -r stat <"/proc/$1/stat"; } 2>/dev/null || return 1
+  stat="${stat##*) }"
+  [[ "${stat%% *}" != [ZX] ]]
+}
+
+# A free TCP port on 127.0.0.1, for tunix's runtime (another process could take it before it is
+# used; a process that cannot bind then fails, and the launcher says so).
+free_port() {
+  "${PYTHON}" -c 'import socket
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+print(s.getsockname()[1])'
+}
+
+# The environment a role's process runs with: everything here, less the staging variables that
+# its container would not receive. Prints the `env -u ...` prefix, one word per line.
+role_env_prefix() {
+  local role="$1" keep name
+  keep=" $(mlperf_stage_env_names "${role}") "
+  printf '%s\n' env
+  for name in TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_MAX_DEVICE_BATCHES; do
+    if [[ "${keep}" != *" ${name} "* ]]; then
+      printf '%s\n' -u "${name}"
+    fi
+  done
+}
+
+# Starts a role's process in the background with its log, and records it.
+#   $1 name (and log file name), $2 role (whose staging env it gets), then the command.
+start_process() {
+  local name="$1" role="$2" prefix=() staged="" var
+  shift 2
+  mapfile -t prefix < <(role_env_prefix "${role}")
+  for var in $(mlperf_stage_env_names "${role}"); do
+    staged+=" ${var}=${!var}"
+  done
+  local log="${LOG_DIR}/${name}.log"
+  defer_signals # a signal here would otherwise exit before the new PID is recorded
+  "${prefix[@]}" "$@" >"${log}" 2>&1 &
+  local pid=$!
+  NAMES+=("${name}")
+  PIDS+=("${pid}")
+  LOGS+=("${log}")
+  deliver_signals
+  say "started ${name} pid=${pid} log=${log} env:${staged:- (no staging variables)}"
+}
+
+# Stops one recorded process: SIGTERM, then SIGKILL after STOP_GRACE seconds; reaps it.
+stop_process() {
+  local name="$1" pid="$2" waited=0 rc=0
+  if [[ -n "${REAPED[${pid}]+set}" ]]; then
+    return 0
+  fi
+  if proc_running "${pid}"; then
+    kill -TERM "${pid}" 2>/dev/null || true
+    while proc_running "${pid}" && ((waited < STOP_GRACE * 10)); do
+      sleep 0.1
+      waited=$((waited + 1))
+    done
+    if proc_running "${pid}"; then
+      say "${name} pid=${pid} ignored SIGTERM for ${STOP_GRACE}s; sending SIGKILL"
+      kill -KILL "${pid}" 2>/dev/null || true
+    fi
+    wait "${pid}" 2>/dev/null || rc=$?
+    say "stopped ${name} pid=${pid} (exit ${rc})"
+  else
+    wait "${pid}" 2>/dev/null || rc=$?
+    say "${name} pid=${pid} had exited (exit ${rc})"
+  fi
+}
+
+print_log_tails() {
+  local i
+  for i in "${!NAMES[@]}"; do
+    echo "----- ${NAMES[i]} (${LOGS[i]}), last 40 lines -----" >&2
+    tail -n 40 "${LOGS[i]}" >&2 2>/dev/null || echo "(no log)" >&2
+  done
+}
+
+on_exit() {
+  local rc=$?
+  set +e
+  trap '' INT TERM HUP
+  local i
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+    stop_process "${NAMES[i]}" "${PIDS[i]}"
+  done
+  if ((rc != 0)); then
+    print_log_tails
+    echo "${PROG}: job failed (exit ${rc}); logs in ${LOG_DIR}" >&2
+  else
+    say "job succeeded; logs in ${LOG_DIR}"
+  fi
+  exit "${rc}"
+}
+# A signal exits with 128 + its number, through on_exit.
+deliver_signals() {
+  trap 'exit 129' HUP
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
+  if ((DEFERRED_EXIT)); then
+    exit "${DEFERRED_EXIT}"
+  fi
+}
+defer_signals() {
+  trap 'DEFERRED_EXIT=129' HUP
+  trap 'DEFERRED_EXIT=130' INT
+  trap 'DEFERRED_EXIT=143' TERM
+}
+DEFERRED_EXIT=0
+trap on_exit EXIT
+deliver_signals
+
+fail() {
+  echo "${PROG}: error: $*" >&2
+  exit 1
+}
+
+# Waits until the process's log has a line "READY <host>:<port>"; sets READY_ADDR to the address.
+# (Not in a command substitution: the launcher must stay able to act on a signal meanwhile.)
+wait_ready() {
+  local name="$1" pid="$2" log="$3" line deadline=$((SECONDS + STARTUP_TIMEOUT))
+  while true; do
+    line="$(grep -m1 '^READY ' "${log}" 2>/dev/null || true)"
+    if [[ -n "${line}" ]]; then
+      READY_ADDR="${line#READY }"
+      return 0
+    fi
+    proc_running "${pid}" || fail "${name} exited before it was ready"
+    ((SECONDS < deadline)) || fail "${name} was not ready after ${STARTUP_TIMEOUT}s"
+    check_job_deadline
+    sleep 0.1
+  done
+}
+
+check_job_deadline() {
+  if ((TIMEOUT > 0 && SECONDS >= JOB_DEADLINE)); then
+    fail "the job did not finish within ${TIMEOUT}s"
+  fi
+}
+
+# Waits for the job: until the process named $1 exits; any other process exiting first, or the
+# --timeout passing, fails the job. Returns the job process's exit status.
+wait_job() {
+  local job_name="$1" job_pid="" i rc=0
+  for i in "${!NAMES[@]}"; do
+    [[ "${NAMES[i]}" != "${job_name}" ]] || job_pid="${PIDS[i]}"
+  done
+  while proc_running "${job_pid}"; do
+    for i in "${!NAMES[@]}"; do
+      if [[ "${PIDS[i]}" != "${job_pid}" ]] && ! proc_running "${PIDS[i]}"; then
+        fail "${NAMES[i]} pid=${PIDS[i]} exited while the job was running"
+      fi
+    done
+    check_job_deadline
+    sleep 0.2
+  done
+  wait "${job_pid}" || rc=$?
+  REAPED["${job_pid}"]="${rc}"
+  say "${job_name} pid=${job_pid} exited ${rc}; last line of its log:"
+  tail -n 1 "${LOG_DIR}/${job_name}.log" | sed 's/^/  /'
+  return "${rc}"
+}
+
+say "host=${HOST} python=${PYTHON} logs=${LOG_DIR}"
+say "staging: TUNIX_STAGE_BATCH=${TUNIX_STAGE_BATCH}" \
+  "TUNIX_MAX_STAGED_BATCHES=${TUNIX_MAX_STAGED_BATCHES}" \
+  "TUNIX_STAGE_MAX_DEVICE_BATCHES=${TUNIX_STAGE_MAX_DEVICE_BATCHES}"
+
+if [[ "${HOST}" == embedded ]]; then
+  # --port 0: the trainer binds a free port itself and names it in its READY line.
+  start_process trainer trainer "${PYTHON}" -m "${EMBEDDED_TRAINER}" --port "${PORT:-0}"
+  wait_ready trainer "${PIDS[0]}" "${LOGS[0]}"
+  TRAINER_ADDR="${READY_ADDR}"
+  [[ "${TRAINER_ADDR}" == "${LOCALHOST}:"* ]] ||
+    fail "trainer reported '${TRAINER_ADDR}', not an address on ${LOCALHOST}"
+  say "trainer ready on ${TRAINER_ADDR}"
+  ORCH_ARGS=(--trainer "${TRAINER_ADDR}")
+  [[ -z "${STEPS}" ]] || ORCH_ARGS+=(--steps "${STEPS}")
+  [[ -z "${MICROBATCHES}" ]] || ORCH_ARGS+=(--microbatches "${MICROBATCHES}")
+  ((TINY == 0)) || ORCH_ARGS+=(--tiny)
+  # The same staging flags as the orchestrator's container (none when staging is off).
+  mapfile -t stage_flags < <(mlperf_stage_flags orchestrator)
+  start_process orchestrator orchestrator "${PYTHON}" -m "${EMBEDDED_ORCHESTRATOR}" \
+    "${ORCH_ARGS[@]}" ${stage_flags[@]+"${stage_flags[@]}"} \
+    ${EXTRA_ORCH_ARGS[@]+"${EXTRA_ORCH_ARGS[@]}"}
+else
+  ORCHESTRATOR_PORT="$(free_port)"
+  TRAINER_PORT="${PORT:-$(free_port)}"
+  ROLLOUT_PORT="$(free_port)"
+  [[ -z "${STEPS}" ]] || MAX_STEPS="${STEPS}"
+  for role in orchestrator trainer rollout; do
+    mapfile -t args < <(mlperf_runtime_args "${role}" "${LOCALHOST}" 0 "")
+    start_process "${role}" "${role}" "${PYTHON}" -m "${RUNTIME_MAIN}" "${args[@]}"
+  done
+fi
+
+wait_job orchestrator

@@ -1,0 +1,239 @@
+#!/usr/bin/env bash
+# Shared defaults for a tunix/MaxText RL job launched with tunix-stage-plugin.
+#
+# Sourced by k8s_launcher.sh and local_launcher.sh. Every knob is `${VAR:-default}`, so an
+# exported value wins and an empty one means "use the default" (as the plugin itself reads them).
+# Run it directly (`bash recipes/mlperf_base.sh`) to validate the environment and print the
+# effective settings. Sourcing it turns on `set -euo pipefail` in the sourcing shell, as the
+# launchers want; source it from a script, not from an interactive shell.
+#
+# The staging values are validated by the plugin's own rules (`tunix-stage config --check`, run
+# with $PYTHON), never re-checked here; a bad one stops with the plugin's one-line message, and a
+# missing plugin stops with a message saying so. After validation the three variables hold the
+# plugin's normalised values (e.g. " stage" -> "stage", "02" -> "2"), which are what the
+# containers and processes receive.
+set -euo pipefail
+
+# --- staging (tunix-stage-plugin) -------------------------------------------------------------
+# off: the job runs exactly as without the plugin; stage: micro-batches are staged on the
+# trainer's device ahead of their train call.
+export TUNIX_STAGE_BATCH="${TUNIX_STAGE_BATCH:-off}"
+# trainer: how many staged batches may sit in device memory at once.
+export TUNIX_STAGE_MAX_DEVICE_BATCHES="${TUNIX_STAGE_MAX_DEVICE_BATCHES:-1}"
+# orchestrator: how many micro-batches to keep staged ahead of the pending train call.
+export TUNIX_MAX_STAGED_BATCHES="${TUNIX_MAX_STAGED_BATCHES:-2}"
+
+# --- the job's usual knobs --------------------------------------------------------------------
+# The interpreter the recipes run (validation, local processes). Containers use CONTAINER_PYTHON.
+export PYTHON="${PYTHON:-python3}"
+export CONTAINER_PYTHON="${CONTAINER_PYTHON:-python}"
+# Names every JobSet: a lowercase DNS label (k8s_launcher.sh checks it).
+export JOB_NAME="${JOB_NAME:-tunix-mlperf}"
+export ORCHESTRATOR_ID="${ORCHESTRATOR_ID:-${JOB_NAME}-orch}"
+export TRAINER_ID="${TRAINER_ID:-${JOB_NAME}-train}"
+export ROLLOUT_ID="${ROLLOUT_ID:-${JOB_NAME}-roll}"
+export ORCHESTRATOR_PORT="${ORCHESTRATOR_PORT:-20000}"
+export ROLLOUT_PORT="${ROLLOUT_PORT:-20001}"
+export TRAINER_PORT="${TRAINER_PORT:-20002}"
+
+# tunix's distributed runtime runs each role's process_main.
+export RUNTIME_MAIN="${RUNTIME_MAIN:-tunix.experimental.distributed.runtime.main}"
+export RUNTIME_EXECUTOR="${RUNTIME_EXECUTOR:-tunix.experimental.distributed.runtime.executor.K8sExecutor}"
+export ORCHESTRATOR_MAIN="${ORCHESTRATOR_MAIN:-tunix.experimental.examples.deepswe_dist.run_deepswe_dist.main}"
+export TRAINER_MAIN="${TRAINER_MAIN:-tunix.experimental.examples.deepswe_dist.run_trainer_node.main}"
+export ROLLOUT_MAIN="${ROLLOUT_MAIN:-tunix.experimental.examples.deepswe_dist.run_rollout_node.main}"
+
+export MODEL_ID="${MODEL_ID:-Qwen/Qwen3-1.7B}"
+export TOKENIZER_PATH="${TOKENIZER_PATH:-${MODEL_ID}}"
+export BATCH_SIZE="${BATCH_SIZE:-8}"
+export NUM_GENERATIONS="${NUM_GENERATIONS:-4}"
+export MAX_STEPS="${MAX_STEPS:-100}"
+export MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-1024}"
+export MAX_RESPONSE_LENGTH="${MAX_RESPONSE_LENGTH:-1024}"
+export TRAIN_MICRO_BATCH_SIZE="${TRAIN_MICRO_BATCH_SIZE:-8}"
+export LEARNING_RATE="${LEARNING_RATE:-1.0e-6}"
+# Extra driver flags per role, split on whitespace (no quoting inside a flag).
+export ORCHESTRATOR_EXTRA_ARGS="${ORCHESTRATOR_EXTRA_ARGS:-}"
+export TRAINER_EXTRA_ARGS="${TRAINER_EXTRA_ARGS:-}"
+export ROLLOUT_EXTRA_ARGS="${ROLLOUT_EXTRA_ARGS:-}"
+
+# Cluster shape (k8s_launcher.sh).
+export TUNIX_IMAGE="${TUNIX_IMAGE:-}"
+export CPU_MACHINE="${CPU_MACHINE:-n2-standard-64}"
+export TRAINER_TPU_ACCELERATOR="${TRAINER_TPU_ACCELERATOR:-tpu-v5p-slice}"
+export TRAINER_TPU_TOPOLOGY="${TRAINER_TPU_TOPOLOGY:-2x2x2}"
+export TRAINER_TPU_HOSTS="${TRAINER_TPU_HOSTS:-2}"
+export TRAINER_TPU_CHIPS_PER_HOST="${TRAINER_TPU_CHIPS_PER_HOST:-4}"
+export ROLLOUT_TPU_ACCELERATOR="${ROLLOUT_TPU_ACCELERATOR:-tpu-v5p-slice}"
+export ROLLOUT_TPU_TOPOLOGY="${ROLLOUT_TPU_TOPOLOGY:-2x2x1}"
+export ROLLOUT_TPU_HOSTS="${ROLLOUT_TPU_HOSTS:-1}"
+export ROLLOUT_TPU_CHIPS_PER_HOST="${ROLLOUT_TPU_CHIPS_PER_HOST:-4}"
+export ROLLOUT_REPLICAS="${ROLLOUT_REPLICAS:-1}"
+
+# --- staging: validation and what each role receives -----------------------------------------
+
+# Prints an error prefixed with the recipe's name to stderr.
+mlperf_error() {
+  echo "mlperf_base.sh: error: $*" >&2
+}
+
+# Validates the staging variables with the plugin's own rules and normalises them.
+# Returns 2 (after printing why) on a bad value, a missing interpreter or a missing plugin.
+mlperf_check_staging() {
+  if ! command -v "${PYTHON}" >/dev/null 2>&1; then
+    mlperf_error "python interpreter '${PYTHON}' not found; set PYTHON to the interpreter that" \
+      "has tunix-stage-plugin installed"
+    return 2
+  fi
+  if ! "${PYTHON}" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tunix_stage_plugin") is None)' 2>/dev/null; then
+    mlperf_error "tunix-stage-plugin is not installed for ${PYTHON}; it is needed to validate" \
+      "TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES and TUNIX_STAGE_MAX_DEVICE_BATCHES." \
+      "Install it (pip install tunix-stage-plugin) or set PYTHON to an interpreter that has it."
+    return 2
+  fi
+  local out rc=0
+  # `tunix-stage config --check`, run with $PYTHON so that it is the plugin that $PYTHON imports.
+  out="$("${PYTHON}" -m tunix_stage_plugin.cli.main config --check 2>&1)" || rc=$?
+  if ((rc == 2)); then
+    mlperf_error "invalid staging setting: ${out#tunix-stage config: error: }"
+    return 2
+  elif ((rc != 0)); then
+    mlperf_error "'tunix-stage config --check' failed with exit code ${rc}:"
+    printf '%s\n' "${out}" >&2
+    return 2
+  fi
+  # The plugin's resolved values: enabled, mode, depth, device bound. (Called from an `if`, this
+  # function runs without errexit: every failure is checked by hand.)
+  local values
+  if ! values="$("${PYTHON}" -m tunix_stage_plugin.cli.main config --json | "${PYTHON}" -c '
+import json, sys
+cfg = json.load(sys.stdin)
+s = cfg["settings"]
+print(int(cfg["enabled"]), s["mode"]["value"], s["max_staged_batches"]["value"],
+      s["max_device_batches"]["value"])
+')"; then
+    mlperf_error "could not read the resolved settings from 'tunix-stage config --json'"
+    return 2
+  fi
+  read -r MLPERF_STAGING_ENABLED TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES \
+    TUNIX_STAGE_MAX_DEVICE_BATCHES <<<"${values}"
+  export TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_MAX_DEVICE_BATCHES
+}
+
+# The staging variables a role's container/process receives, space-separated.
+# orchestrator: the mode and its stage-ahead depth; trainer: the mode and its device-memory bound;
+# rollout: none (it never sees a training batch).
+mlperf_stage_env_names() {
+  case "$1" in
+    orchestrator) echo "TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES" ;;
+    trainer) echo "TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES" ;;
+    rollout) echo "" ;;
+    *)
+      mlperf_error "unknown role '$1'; accepted: orchestrator | trainer | rollout"
+      return 2
+      ;;
+  esac
+}
+
+# The staging driver flags for a role, one per line; none when staging is off.
+# Only the orchestrator's driver takes them; the trainer reads its bound from the environment
+# (tunix's trainer node rejects flags it does not define).
+mlperf_stage_flags() {
+  if [[ "${MLPERF_STAGING_ENABLED:-0}" != 1 ]]; then
+    return 0
+  fi
+  case "$1" in
+    orchestrator)
+      printf '%s\n' "--stage_train_batches=${TUNIX_STAGE_BATCH}" \
+        "--max_staged_batches=${TUNIX_MAX_STAGED_BATCHES}"
+      ;;
+    trainer | rollout) ;;
+    *)
+      mlperf_error "unknown role '$1'; accepted: orchestrator | trainer | rollout"
+      return 2
+      ;;
+  esac
+}
+
+# The arguments of tunix's distributed runtime (`python -m ${RUNTIME_MAIN} ...`) for one role,
+# one per line (for mapfile), the staging flags included.
+#   $1 role, $2 the orchestrator's host name (discovery), $3 replica index (rollout),
+#   $4 the runtime's --process_executor ("" for none: processes run where they start).
+mlperf_runtime_args() {
+  local role="$1" orch_host="$2" replica="${3:-0}" executor="${4:-}" extra=() stage=()
+  mapfile -t stage < <(mlperf_stage_flags "${role}")
+  case "${role}" in
+    orchestrator)
+      read -r -a extra <<<"${ORCHESTRATOR_EXTRA_ARGS}"
+      printf '%s\n' "--discovery_id=${ORCHESTRATOR_ID}" \
+        "--discovery_port=${ORCHESTRATOR_PORT}" \
+        "--process_main=${ORCHESTRATOR_MAIN}" \
+        "--model_id=${MODEL_ID}" \
+        "--tokenizer_path=${TOKENIZER_PATH}" \
+        "--batch_size=${BATCH_SIZE}" \
+        "--num_generations=${NUM_GENERATIONS}" \
+        "--max_steps=${MAX_STEPS}" \
+        "--max_prompt_length=${MAX_PROMPT_LENGTH}" \
+        "--max_response_length=${MAX_RESPONSE_LENGTH}" \
+        "--train_micro_batch_size=${TRAIN_MICRO_BATCH_SIZE}" \
+        "--learning_rate=${LEARNING_RATE}" \
+        "--rollout_replicas=${ROLLOUT_REPLICAS}" \
+        --stop_workers_on_exit
+      ;;
+    trainer)
+      read -r -a extra <<<"${TRAINER_EXTRA_ARGS}"
+      printf '%s\n' "--discovery_addrs=${orch_host}:${ORCHESTRATOR_PORT}" \
+        ${executor:+"--process_executor=${executor}"} \
+        "--process_main=${TRAINER_MAIN}" \
+        "--worker_id=${TRAINER_ID}" \
+        "--port=${TRAINER_PORT}" \
+        "--model_id=${MODEL_ID}" \
+        "--tokenizer_path=${TOKENIZER_PATH}" \
+        "--max_prompt_length=${MAX_PROMPT_LENGTH}" \
+        "--max_response_length=${MAX_RESPONSE_LENGTH}" \
+        "--train_micro_batch_size=${TRAIN_MICRO_BATCH_SIZE}" \
+        "--learning_rate=${LEARNING_RATE}"
+      ;;
+    rollout)
+      read -r -a extra <<<"${ROLLOUT_EXTRA_ARGS}"
+      printf '%s\n' "--discovery_addrs=${orch_host}:${ORCHESTRATOR_PORT}" \
+        ${executor:+"--process_executor=${executor}"} \
+        "--process_main=${ROLLOUT_MAIN}" \
+        "--worker_id=${ROLLOUT_ID}-${replica}" \
+        "--worker_index=$((replica + 1))" \
+        "--port=${ROLLOUT_PORT}" \
+        "--model_id=${MODEL_ID}" \
+        "--tokenizer_path=${TOKENIZER_PATH}" \
+        "--max_prompt_length=${MAX_PROMPT_LENGTH}" \
+        "--max_response_length=${MAX_RESPONSE_LENGTH}"
+      ;;
+    *)
+      mlperf_error "unknown role '${role}'; accepted: orchestrator | trainer | rollout"
+      return 2
+      ;;
+  esac
+  if ((${#stage[@]} + ${#extra[@]} > 0)); then
+    printf '%s\n' ${stage[@]+"${stage[@]}"} ${extra[@]+"${extra[@]}"}
+  fi
+}
+
+MLPERF_BASE_RUN_DIRECTLY=0
+if [[ "${BASH_SOURCE[0]}" == "${0}" ]]; then
+  MLPERF_BASE_RUN_DIRECTLY=1
+fi
+
+if ! mlperf_check_staging; then
+  if ((MLPERF_BASE_RUN_DIRECTLY)); then
+    exit 2
+  fi
+  # Sourced: the launcher's `source` fails, which stops it under set -e.
+  return 2
+fi
+
+if ((MLPERF_BASE_RUN_DIRECTLY)); then
+  "${PYTHON}" -m tunix_stage_plugin.cli.main config
+  for role in orchestrator trainer rollout; do
+    echo "${role}: env [$(mlperf_stage_env_names "${role}")]" \
+      "flags [$(mlperf_stage_flags "${role}" | tr '\n' ' ' | sed 's/ $//')]"
+  done
+fi

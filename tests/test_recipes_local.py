@@ -1,0 +1,216 @@
+"""recipes/local_launcher.sh: a tiny job end to end on this machine, and its failure paths.
+
+Real subprocesses, no cluster and no kubectl. Every run gets a unique marker variable in its
+environment, which every process it starts inherits; after the launcher exits, /proc is scanned
+for that marker, so a process left behind (a child or a grandchild) fails the test. PIDs the
+launcher reports ("started NAME pid=N") are checked too. Nothing waits on a sleep: the tests
+wait for the launcher's exit, or read its output line by line.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+import re
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LOCAL = REPO / "recipes" / "local_launcher.sh"
+VENV_BIN = Path(sys.executable).parent
+MARKER_VAR = "TUNIX_STAGE_RECIPE_TEST_MARKER"
+TUNIX_RUNTIME = "tunix.experimental.distributed.runtime.main"
+
+
+def _importable(module: str) -> bool:
+  proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                        check=False)
+  return proc.returncode == 0
+
+
+def processes_with(marker: str) -> list[int]:
+  """PIDs of the live processes whose environment holds `marker`."""
+  found = []
+  for entry in os.listdir("/proc"):
+    if not entry.isdigit():
+      continue
+    try:
+      environ = Path(f"/proc/{entry}/environ").read_bytes()
+    except OSError:
+      continue
+    if f"{MARKER_VAR}={marker}".encode() in environ.split(b"\0"):
+      found.append(int(entry))
+  return found
+
+
+def reported_pids(output: str) -> dict[str, int]:
+  return {m[1]: int(m[2]) for m in re.finditer(r"started (\w+) pid=(\d+)", output)}
+
+
+def pid_alive(pid: int) -> bool:
+  try:
+    state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
+  except (OSError, IndexError):
+    return False
+  return state not in ("Z", "X")
+
+
+@pytest.fixture
+def launch(tmp_path: Path):
+  """Runs the launcher with a fresh environment and a unique marker; yields a runner.
+
+  At teardown, kills whatever still carries the marker (only processes these tests started)
+  so that a failing test does not leave a trainer running.
+  """
+  marker = uuid.uuid4().hex
+  env = {
+      "PATH": os.pathsep.join([str(VENV_BIN), "/usr/local/bin", "/usr/bin", "/bin"]),
+      "HOME": str(tmp_path),
+      "TMPDIR": str(tmp_path),
+      "LANG": "C.UTF-8",
+      "PYTHON": sys.executable,
+      "JAX_PLATFORMS": "cpu",
+      MARKER_VAR: marker,
+  }
+
+  def runner(*args: str, timeout: float = 60, **overrides: str):
+    return subprocess.run(["bash", str(LOCAL), *args], env={**env, **overrides}, cwd=tmp_path,
+                          text=True, capture_output=True, timeout=timeout, check=False)
+
+  runner.marker = marker
+  runner.env = env
+  yield runner
+  for pid in processes_with(marker):
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+
+
+def assert_nothing_left(launch, output: str) -> None:
+  assert processes_with(launch.marker) == []
+  for name, pid in reported_pids(output).items():
+    assert not pid_alive(pid), f"{name} pid={pid} is still running"
+
+
+def test_local_host_tunix_says_when_tunix_is_not_installed(launch):
+  if _importable(TUNIX_RUNTIME):
+    pytest.skip("tunix's runtime is installed here; this checks the message without it")
+  proc = launch("--host", "tunix", "--steps", "1")
+  assert proc.returncode == 2
+  assert proc.stderr.strip() == (
+      f"local_launcher.sh: error: tunix's distributed runtime is not installed for "
+      f"{sys.executable} ('import {TUNIX_RUNTIME}' failed); install tunix, or use --host embedded")
+  assert "started" not in proc.stdout
+  assert_nothing_left(launch, proc.stdout)
+
+
+@pytest.mark.parametrize("var, value", [("TUNIX_STAGE_BATCH", "yes"),
+                                        ("TUNIX_MAX_STAGED_BATCHES", "0")])
+def test_local_bad_value_stops_before_starting_anything(launch, tmp_path: Path, var, value):
+  proc = launch("--host", "embedded", "--log-dir", str(tmp_path / "logs"), **{var: value})
+  assert proc.returncode == 2
+  assert f"mlperf_base.sh: error: invalid staging setting: {var}={value!r} is invalid" \
+      in proc.stderr
+  assert proc.stdout == ""
+  assert not (tmp_path / "logs").exists()
+  assert_nothing_left(launch, proc.stdout)
+
+
+# A job that cannot finish for minutes: 1 MiB micro-batches over an emulated 10 kB/s wire, paced
+# in the orchestrator (the trainer stays free to stop at once).
+SLOW_JOB = ("--", "--payload_mib", "1", "--wire_mbps", "0.01")
+
+
+@pytest.mark.parametrize("mode", ["stage", "off"])
+def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path, mode: str):
+  logs = tmp_path / "logs"
+  # One run goes through --host auto, which picks the embedded host where tunix is missing.
+  auto = mode == "off" and not _importable(TUNIX_RUNTIME)
+  proc = launch(*(() if auto else ("--host", "embedded")), "--steps", "2", "--microbatches", "3",
+                "--tiny", "--log-dir", str(logs), "--timeout", "50", TUNIX_STAGE_BATCH=mode)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  out = proc.stdout
+  assert out.startswith(f"local_launcher.sh: host=embedded python={sys.executable} logs={logs}\n")
+  assert set(reported_pids(out)) == {"trainer", "orchestrator"}
+  # Each process got its role's staging variables, as its container would.
+  assert (f"started trainer pid={reported_pids(out)['trainer']} log={logs}/trainer.log "
+          f"env: TUNIX_STAGE_BATCH={mode} TUNIX_STAGE_MAX_DEVICE_BATCHES=1") in out
+  assert (f"started orchestrator pid={reported_pids(out)['orchestrator']} "
+          f"log={logs}/orchestrator.log env: TUNIX_STAGE_BATCH={mode} "
+          f"TUNIX_MAX_STAGED_BATCHES=2") in out
+  assert re.search(r"trainer ready on 127\.0\.0\.1:\d+\n", out)
+  assert f"job succeeded; logs in {logs}" in out
+  assert re.search(r"^READY 127\.0\.0\.1:\d+$", (logs / "trainer.log").read_text(), re.M)
+  summary = (logs / "orchestrator.log").read_text()
+  assert "OK: 2 steps x 3 micro-batches" in summary
+  assert "trained once in order: yes" in summary
+  # Both processes run in the mode the launcher set.
+  if mode == "stage":
+    assert "staging stage depth=2" in summary and "trainer staging stage" in summary
+  else:
+    assert "staging off (inline)" in summary and "trainer staging off" in summary
+  assert_nothing_left(launch, out)
+
+
+@pytest.mark.parametrize("after", ["trainer", "orchestrator"])
+def test_local_launcher_stops_everything_when_terminated(launch, tmp_path: Path, after: str):
+  """SIGTERM to the launcher once it has started the trainer (it may still be starting up) or
+  the orchestrator (the job is running): it exits 143 and stops all it started."""
+  proc = subprocess.Popen(
+      ["bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout", "50", *SLOW_JOB],
+      env={**launch.env, "TUNIX_STAGE_BATCH": "stage"}, cwd=tmp_path, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  seen = []
+  try:
+    for line in proc.stdout:
+      seen.append(line)
+      if line.startswith(f"local_launcher.sh: started {after} pid="):
+        break
+    else:
+      pytest.fail(f"the launcher ended before starting the {after}:\n" + "".join(seen))
+    assert all(pid_alive(pid) for pid in reported_pids("".join(seen)).values())
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  out = "".join(seen) + rest
+  assert proc.returncode == 143, out
+  assert set(reported_pids(out)) == ({"trainer", "orchestrator"} if after == "orchestrator"
+                                     else {"trainer"})
+  for name in reported_pids(out):
+    assert re.search(rf"stopped {name} pid=\d+", out)
+  assert "job failed (exit 143)" in out
+  assert_nothing_left(launch, out)
+
+
+def test_local_timeout_stops_the_job_and_prints_the_logs(launch):
+  proc = launch("--host", "embedded", "--tiny", "--timeout", "4", *SLOW_JOB)
+  assert proc.returncode == 1
+  assert "local_launcher.sh: error: the job did not finish within 4s" in proc.stderr
+  assert re.search(r"^----- trainer \(.*/trainer\.log\), last 40 lines -----$", proc.stderr,
+                   re.M)
+  assert "READY 127.0.0.1:" in proc.stderr  # the trainer log's tail
+  assert "job failed (exit 1)" in proc.stderr
+  assert_nothing_left(launch, proc.stdout)
+
+
+def test_local_trainer_that_cannot_start_fails_with_its_log(launch):
+  with socket.socket() as busy:  # the requested port is taken
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    proc = launch("--host", "embedded", "--tiny", "--port", str(port), "--timeout", "50")
+  assert proc.returncode == 1
+  assert "local_launcher.sh: error: trainer exited before it was ready" in proc.stderr
+  assert "----- trainer (" in proc.stderr
+  assert str(port) in proc.stderr.split("----- trainer (", 1)[1]  # the bind error, from its log
+  assert "started orchestrator" not in proc.stdout
+  assert_nothing_left(launch, proc.stdout)
