@@ -1,0 +1,69 @@
+"""Helpers for the embedded-host tests: run a plan against a real trainer over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+from typing import Any, Iterator
+
+import grpc
+
+from tunix_stage_plugin.embedded import client as client_lib
+from tunix_stage_plugin.embedded import data as data_lib
+from tunix_stage_plugin.embedded import engine as engine_lib
+from tunix_stage_plugin.embedded import job as job_lib
+
+TINY = data_lib.TINY_SIZES
+
+
+@dataclasses.dataclass
+class PlanResult:
+  outcomes: list[job_lib.StepOutcome]
+  finish: dict[str, Any]
+
+  @property
+  def fallbacks(self) -> list[int]:
+    return [o.report.fallbacks for o in self.outcomes]
+
+
+async def run_plan_async(address: str, plan: job_lib.JobPlan, *,
+                         sizes: data_lib.Sizes = TINY, seed: int = 0,
+                         **setup: Any) -> PlanResult:
+  async with client_lib.WorkerClient(address) as client:
+    await client.wait_ready()
+    await client.call("setup", sizes=sizes.as_dict(), seed=seed, **setup)
+    outcomes = await job_lib.run_job(
+        engine_lib.EmbeddedEngine(client), plan,
+        lambda s, i: data_lib.make_batch(sizes, seed, s, i))
+    return PlanResult(outcomes, await client.call("finish"))
+
+
+def run_plan(address: str, plan: job_lib.JobPlan, **kwargs: Any) -> PlanResult:
+  return asyncio.run(run_plan_async(address, plan, **kwargs))
+
+
+def call(address: str, method: str, *args: Any, **kwargs: Any) -> Any:
+  async def go() -> Any:
+    async with client_lib.WorkerClient(address) as client:
+      return await client.call(method, *args, **kwargs)
+  return asyncio.run(go())
+
+
+def _warm_grpc_aio() -> None:
+  """grpcio starts one process-wide aio poller thread on first use and never joins it."""
+  async def go() -> None:
+    channel = grpc.aio.insecure_channel("127.0.0.1:9")
+    await channel.close()
+  asyncio.run(go())
+
+
+@contextlib.contextmanager
+def no_new_threads() -> Iterator[None]:
+  """Fails if the block leaves a Python thread behind (grpcio's own poller excepted, see above)."""
+  _warm_grpc_aio()
+  before = set(threading.enumerate())
+  yield
+  left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+  assert not left, f"threads left running: {left}"

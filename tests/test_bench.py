@@ -1,0 +1,183 @@
+"""`tunix-stage bench`: its arithmetic on made-up spans, its checks, and a tiny real run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tunix_stage_plugin.bench import metrics
+from tunix_stage_plugin.bench import report
+from tunix_stage_plugin.bench import runner
+from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.core.timeline import Span
+from tunix_stage_plugin.embedded import data as data_lib
+
+
+def _compute(step, start, end, kind="fwd_bwd"):
+  return Span("device/compute", f"{kind} s{step}", start, end, (("kind", kind), ("step", step)))
+
+
+def test_step_timings_split_a_step_into_boundary_idle_mid_step_idle_and_compute():
+  spans = [
+      _compute(0, 0.0, 1.0), _compute(0, 1.0, 1.5, "update"),
+      # step 1: 0.5 s boundary, fwd 2.0-3.0, a 0.25 s gap, fwd 3.25-4.0, update 4.0-4.5
+      _compute(1, 2.0, 3.0), _compute(1, 3.25, 4.0), _compute(1, 4.0, 4.5, "update"),
+      Span("device/sync", "weight sync", 1.5, 1.8),  # not compute: part of the boundary
+  ]
+  (t,) = metrics.step_timings(spans, [1])
+  assert (t.step, t.seconds, t.boundary_idle, t.mid_step_idle, t.compute) == (
+      1, 3.0, 0.5, 0.25, 2.25)
+  assert t.seconds == pytest.approx(t.boundary_idle + t.mid_step_idle + t.compute)
+  with pytest.raises(ValueError, match="no device compute spans for step 0"):
+    metrics.step_timings(spans, [0])
+
+
+@pytest.mark.parametrize("inline, mode, resident, expected", [
+    (10.0, 10.0, 4.0, 0.0), (10.0, 4.0, 4.0, 1.0), (10.0, 5.5, 4.0, 0.75),
+    (10.0, 5.0, 10.0, None), (None, 5.0, 4.0, None)])
+def test_hidden_fraction(inline, mode, resident, expected):
+  assert metrics.hidden_fraction(inline, mode, resident) == expected
+
+
+@pytest.mark.parametrize("resident, m, call, expected", [
+    (2.2, 4, 0.6, 2.2 / 2.4), (2.2, 4, 0.5, 1.0), (2.2, 4, None, None), (None, 4, 0.6, None)])
+def test_stage_chain_ceiling(resident, m, call, expected):
+  assert metrics.stage_chain_ceiling(resident, m, call) == expected
+
+
+def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, round_=0,
+         stage_call_s=()):
+  timings = [metrics.StepTiming(1, seconds, 0.1, 0.2, seconds - 0.3)]
+  return runner.ModeRun(
+      mode=mode, round=round_, timings=timings, fwd_bwd_s=[[1.0]], stage_call_s=list(stage_call_s), fallbacks=0, fallback_reasons=[],
+      peak_device_batches=peak, max_device_batches=2,
+      trained_order=order or data_lib.expected_order(2, 2), param_digest=digest,
+      step_foreign_cores=[foreign], spans=[], origin=0.0)
+
+
+def _result(**overrides):
+  options = runner.BenchOptions(rounds=1, steps=1, microbatches=2)
+  runs = {"inline": _run("inline", 10.0), "depth1": _run("depth1", 7.0),
+          "depth2": _run("depth2", 7.0), "depth2_prestage": _run("depth2_prestage", 4.5),
+          "resident": _run("resident", 4.0)}
+  runs.update(overrides)
+  calibration = runner.Calibration(1.0, 0.1, 1 << 20, 1e6, 2e6, 0.5, 0.0, 0.0)
+  return runner.BenchResult(options, calibration, list(runs.values()))
+
+
+def _verdicts(result):
+  summary = report.summarize(result)
+  return {c.name.split(" ")[0] + " " + c.kind: c.passed for c in report.criteria(result, summary)}
+
+
+def test_criteria_pass_on_a_good_result_and_the_table_shows_every_mode():
+  result = _result()
+  summary = report.summarize(result)
+  checks = report.criteria(result, summary)
+  assert [c.passed for c in checks] == [True, True, True, True, True]
+  assert summary["depth2_prestage"].hidden_fraction == pytest.approx(5.5 / 6)
+  table = report.format_table(result, summary)
+  for mode in runner.MODES:
+    assert mode in table
+  text = report.format_report(result, summary, checks)
+  assert text.count("PASS") == 5 and "FAIL" not in text
+  assert "stage chain" not in text  # no stage call was recorded
+
+
+def test_the_report_states_the_stage_chain_ceiling():
+  result = _result(depth2_prestage=_run("depth2_prestage", 4.5, stage_call_s=[1.25, 1.25]))
+  summary = report.summarize(result)
+  text = report.format_report(result, summary, report.criteria(result, summary))
+  assert "a stage call (wire + H2D) takes 1.573 s emulated, 1.250 s measured" in text
+  assert "min(1, T_resident / (2 x stage call)) = 1.00 (emulated) / 1.00 (measured)" in text
+
+
+@pytest.mark.parametrize("override, failing", [
+    ({"depth2_prestage": _run("depth2_prestage", 5.0)}, "depth2_prestage timing"),
+    ({"depth2": _run("depth2", 8.0)}, "inline timing"),
+    ({"depth1": _run("depth1", 7.0, digest="e" * 64)}, "same correctness"),
+    ({"depth2": _run("depth2", 7.0, order=["s0-m1", "s0-m0", "s1-m0", "s1-m1"])},
+     "expected correctness"),
+    ({"depth2": _run("depth2", 7.0, peak=3)}, "peak correctness"),
+])
+def test_each_criterion_fails_on_its_own(override, failing):
+  verdicts = _verdicts(_result(**override))
+  assert [name for name, ok in verdicts.items() if ok is False] == [failing]
+
+
+def test_noisy_steps_are_left_out_of_the_medians():
+  result = _result()
+  result.runs.append(_run("resident", 9.0, foreign=0.9))  # a retry under outside load
+  summary = report.summarize(result)["resident"]
+  assert summary.step_s == [4.0, 9.0] and summary.step_quiet == [True, False]
+  assert summary.median_step_s == 4.0 and not summary.noisy
+  only_noisy = _result(resident=_run("resident", 9.0, foreign=0.9))
+  assert report.summarize(only_noisy)["resident"].noisy
+
+
+def test_criteria_skip_what_the_chosen_modes_cannot_measure():
+  result = _result()
+  result.options = dataclasses.replace(result.options, modes=("inline", "depth2"))
+  result.runs = [r for r in result.runs if r.mode in ("inline", "depth2")]
+  verdicts = _verdicts(result)
+  assert verdicts["depth2_prestage timing"] is None
+  assert verdicts["inline timing"] is True
+
+
+def _bench_parser():
+  parser = cli_main.build_parser()
+  subparsers = next(a for a in parser._actions if a.dest == "command")
+  return subparsers.choices["bench"]
+
+
+def test_help_explains_every_option():
+  for action in _bench_parser()._actions:
+    assert action.help and len(action.help) > 10, action.dest
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--modes", "inline,fast"], "accepted a comma-separated subset"),
+    (["--rounds", "0"], "accepted an integer >= 1"),
+    (["--wire-ratio", "-1"], "accepted a number > 0"),
+])
+def test_bad_options_exit_2_naming_the_value(args, message, capsys):
+  with pytest.raises(SystemExit) as exc:
+    cli_main.main(["bench", *args])
+  assert exc.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+def test_tiny_quick_run_writes_json_png_and_trace(tmp_path):
+  out = tmp_path / "out"
+  cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
+         "--steps", "1", "--microbatches", "3", "--payload-mib", "0.05", "--out", str(out)]
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stdout + result.stderr
+  for mode in runner.MODES:  # progress on stderr, the table on stdout
+    assert f"round 1/1 {mode}" in result.stderr
+    assert mode in result.stdout
+  assert "PASS  same param_digest in every mode and round" in result.stdout
+  report_json = json.loads((out / "bench.json").read_text())
+  expected = data_lib.expected_order(2, 3)  # one warm-up step + one timed step
+  assert report_json["expected_trained_order"] == expected
+  assert set(report_json["modes"]) == set(runner.MODES)
+  digests = set()
+  for mode, m in report_json["modes"].items():
+    assert len(m["step_s"]) == 1 and m["median_step_s"] == m["step_s"][0]
+    assert set(m["idle_s"]) == {"mid_step", "boundary"}
+    assert m["trained_order"] == expected and m["fallbacks"] == 0
+    assert m["peak_device_batches"] <= m["max_device_batches"] == 2
+    digests.add(m["param_digest"])
+  assert len(digests) == 1 and len(digests.pop()) == 64
+  assert report_json["modes"]["resident"]["hidden_fraction"] == 1.0
+  assert report_json["trainer_exit_code"] == 0
+  assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  trace = json.loads((out / "trace.json").read_text())
+  names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+  assert names == {f"{m} (round 1)" for m in runner.MODES}
+  tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+  assert {"device/compute", "trainer/h2d", "orchestrator/stage"} <= tracks

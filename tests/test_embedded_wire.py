@@ -1,0 +1,245 @@
+"""The wire format, the emulated link, and the gRPC service over real loopback (no JAX)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from embedded_support import no_new_threads
+from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.embedded import client as client_lib
+from tunix_stage_plugin.embedded import pacing
+from tunix_stage_plugin.embedded import server as server_lib
+from tunix_stage_plugin.embedded import wire
+
+MIB = 1 << 20
+
+
+def _roundtrip(args, kwargs):
+  encoded = wire.encode_call("m", args, kwargs)
+  if encoded.unary is not None:
+    return encoded, wire.decode_unary(encoded.unary)[1:]
+  chunks = [bytes(c) for c in wire.iter_chunks(encoded.buffers)]
+  return encoded, wire.decode_streamed(wire.decode_header(encoded.header), chunks)
+
+
+def test_small_call_is_one_unary_message():
+  encoded, (args, kwargs) = _roundtrip((np.arange(10),), {"k": "v"})
+  assert encoded.unary is not None and not encoded.buffers
+  np.testing.assert_array_equal(args[0], np.arange(10))
+  assert kwargs == {"k": "v"}
+
+
+def test_large_arrays_travel_out_of_band_in_chunks_and_come_back_aligned():
+  rng = np.random.default_rng(0)
+  big = rng.random((3, MIB), dtype=np.float32)  # 12 MiB: three full chunks
+  odd = rng.integers(0, 100, 5 * MIB + 3, dtype=np.uint8)  # a short last chunk
+  encoded, (args, kwargs) = _roundtrip((big,), {"odd": odd, "tag": "x"})
+  assert encoded.unary is None
+  assert len(encoded.header) < 4096  # the pickle holds no array bytes
+  sizes = [c.nbytes for c in wire.iter_chunks(encoded.buffers)]
+  assert sizes == [wire.CHUNK_BYTES] * 3 + [wire.CHUNK_BYTES, MIB + 3]
+  np.testing.assert_array_equal(args[0], big)
+  np.testing.assert_array_equal(kwargs["odd"], odd)
+  for array in (args[0], kwargs["odd"]):
+    assert array.ctypes.data % wire.ALIGNMENT == 0
+    assert array.flags.writeable
+
+
+@pytest.mark.parametrize("chunks, message", [
+    ([b"\0" * 10], "stream ended"),
+    ([b"\0" * 12, b"\0" * 8], "overruns"),
+    ([b"\0" * 16, b"\0"], "beyond the announced"),
+])
+def test_assemble_rejects_streams_that_break_the_sizes(chunks, message):
+  with pytest.raises(wire.WireError, match=message):
+    wire.assemble([16], chunks)
+
+
+def test_link_pacer_serialises_chunks_at_the_bandwidth():
+  now = [0.0]
+  slept = []
+
+  async def fake_sleep(seconds):
+    slept.append(seconds)
+    now[0] += seconds
+
+  pacer = pacing.LinkPacer(100.0, clock=lambda: now[0], sleep=fake_sleep)
+
+  async def go():
+    for n in (50, 100, 50):
+      await pacer.transmit(n)
+
+  asyncio.run(go())
+  assert slept == [0.5, 1.0, 0.5]
+  assert now[0] == 2.0  # 200 bytes at 100 B/s
+
+
+def test_link_pacer_absorbs_the_senders_own_hand_over_time_but_not_idle_gaps():
+  now = [0.0]
+
+  async def fake_sleep(seconds):
+    now[0] += seconds
+
+  pacer = pacing.LinkPacer(100.0, clock=lambda: now[0], sleep=fake_sleep)
+
+  async def go():
+    for _ in range(4):
+      await pacer.transmit(100)  # 1 s per chunk
+      now[0] += 0.25  # the sender spends 0.25 s handing the chunk over
+    assert now[0] == 4.25  # not 5.0: hand-overs overlap the link's next chunk
+    now[0] += 3.0  # idle: the next transfer starts when it is sent
+    await pacer.transmit(100)
+    assert now[0] == 8.25
+
+  asyncio.run(go())
+
+
+def test_link_pacer_shares_the_link_between_concurrent_senders():
+  now = [0.0]
+  waits = []
+
+  async def fake_sleep(seconds):
+    waits.append(seconds)
+
+  pacer = pacing.LinkPacer(10.0, clock=lambda: now[0], sleep=fake_sleep)
+
+  async def go():
+    await asyncio.gather(pacer.transmit(10), pacer.transmit(10))
+
+  asyncio.run(go())
+  assert sorted(waits) == [1.0, 2.0]  # the second queues behind the first
+
+
+def test_link_pacer_rejects_a_bad_rate_and_unpaced_never_sleeps():
+  with pytest.raises(ValueError, match="bandwidth must be > 0"):
+    pacing.LinkPacer(0)
+
+  async def never(_):
+    raise AssertionError("an unpaced link must not sleep")
+
+  asyncio.run(pacing.LinkPacer(None, sleep=never).transmit(10 ** 9))
+  assert pacing.sleep_for_bandwidth(10 ** 9, None, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("address", ["", "localhost", "127.0.0.1:0", "127.0.0.1:70000",
+                                     "127.0.0.1:80 ", "http://127.0.0.1:80"])
+def test_bad_trainer_addresses_are_named(address):
+  with pytest.raises(ValueError, match="HOST:PORT"):
+    client_lib.check_address(address)
+
+
+class _Echo:
+  """A served object: which thread ran what, and a gate to hold the compute lane."""
+
+  METHODS = frozenset({"heartbeat", "digest", "boom", "hold", "stage_batch"})
+
+  def __init__(self):
+    self.gate = threading.Event()
+    self.holding = threading.Event()
+
+  def heartbeat(self):
+    return {"time": 0.0, "thread": threading.current_thread().name}
+
+  def digest(self, array, *, label):
+    return {"sha": hashlib.sha256(array.tobytes()).hexdigest(), "label": label,
+            "aligned": array.ctypes.data % wire.ALIGNMENT == 0,
+            "thread": threading.current_thread().name}
+
+  def stage_batch(self):
+    return threading.current_thread().name
+
+  def boom(self):
+    raise ValueError("bad value 7; accepted: 1..6")
+
+  def hold(self):
+    self.holding.set()
+    if not self.gate.wait(60):
+      raise TimeoutError("the test never released the compute lane")
+    return "released"
+
+
+async def _serve(echo):
+  executor = executor_lib.MethodExecutor(name="echo")
+  server = server_lib.WorkerServer(echo, executor)
+  port = await server.start(0)
+  return server, executor, f"127.0.0.1:{port}"
+
+
+def test_calls_over_real_grpc_use_the_lanes_stream_big_payloads_and_shut_down_cleanly():
+  echo = _Echo()
+  payload = np.random.default_rng(1).integers(0, 255, 20 * MIB, dtype=np.uint8)
+
+  async def go():
+    server, executor, address = await _serve(echo)
+    try:
+      async with client_lib.WorkerClient(address) as client:
+        # 20 MiB exceeds the 16 MiB message cap: it only arrives if it was chunked.
+        got = await client.call("digest", payload, label="big")
+        assert got["sha"] == hashlib.sha256(payload.tobytes()).hexdigest()
+        assert got["aligned"] and got["label"] == "big"
+        assert got["thread"].startswith("echo-compute")
+        assert (await client.call("stage_batch")).startswith("echo-staging")
+        assert (await client.call("heartbeat"))["thread"] == "MainThread"  # inline lane
+        with pytest.raises(wire.RemoteCallError, match="boom failed on the trainer: ValueError: "
+                           "bad value 7"):
+          await client.call("boom")
+        with pytest.raises(wire.RemoteCallError, match="unknown method 'nope'; accepted"):
+          await client.call("nope")
+        # A held compute lane does not hold the event loop: a heartbeat still answers.
+        held = asyncio.ensure_future(client.call("hold"))
+        await asyncio.get_running_loop().run_in_executor(None, echo.holding.wait, 60)
+        assert (await asyncio.wait_for(client.call("heartbeat"), 60))["thread"] == "MainThread"
+        echo.gate.set()
+        assert await held == "released"
+    finally:
+      await server.stop(0)
+      executor.close()
+
+  with no_new_threads():
+    asyncio.run(go())
+
+
+def test_a_port_in_use_is_refused_not_shared():
+  async def go():
+    first, executor, address = await _serve(_Echo())
+    second = server_lib.WorkerServer(_Echo(), executor)
+    try:
+      with pytest.raises(OSError, match=f"could not bind {address}: in use"):
+        await second.start(int(address.rsplit(":", 1)[1]))
+    finally:
+      await second.stop(0)
+      await first.stop(0)
+      executor.close()
+
+  asyncio.run(go())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net")
+def test_server_listens_on_127_0_0_1_only():
+  async def go():
+    server, executor, address = await _serve(_Echo())
+    try:
+      port = int(address.rsplit(":", 1)[1])
+      listening = []
+      for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+          with open(table, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+              local, state = line.split()[1], line.split()[3]
+              host, hex_port = local.rsplit(":", 1)
+              if state == "0A" and int(hex_port, 16) == port:
+                listening.append(host)
+      # 127.0.0.1 (little-endian hex), as IPv4 or IPv4-mapped IPv6; never 0.0.0.0 or [::].
+      loopback = {"0100007F", "0000000000000000FFFF00000100007F"}
+      assert listening and set(listening) <= loopback, listening
+    finally:
+      await server.stop(0)
+      executor.close()
+
+  asyncio.run(go())

@@ -1,0 +1,87 @@
+"""Step time and device idle from the trainer's device compute spans (one clock: the trainer's).
+
+A step's compute is its fwd_bwd spans and its update span (each from the call's start on the
+device to block_until_ready). For step i:
+
+- step seconds = end of step i's update - end of step i-1's update: one full cycle, including
+  the boundary before the step (weight sync, then waiting for the first micro-batch);
+- mid-step idle = the time between step i's first compute start and its update end that no
+  compute span covers: the device waiting for the next micro-batch;
+- boundary idle = step i's first compute start - step i-1's update end (this includes the
+  emulated weight sync, which holds the trainer in every mode alike).
+
+So step seconds = boundary idle + mid-step idle + busy compute, exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Iterable, Sequence
+
+from tunix_stage_plugin.core import timeline as timeline_lib
+
+COMPUTE_TRACK = "device/compute"
+STAGE_TRACK = "orchestrator/stage"  # core.pipeline's span around each engine.stage call
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+  step: int
+  seconds: float
+  mid_step_idle: float
+  boundary_idle: float
+  compute: float
+
+
+def _step_of(span: timeline_lib.Span) -> int:
+  return dict(span.args)["step"]
+
+
+def step_timings(spans: Iterable[timeline_lib.Span], steps: Iterable[int]) -> list[StepTiming]:
+  """Timings of `steps` (each needs the step before it) from device compute spans."""
+  by_step: dict[int, list[timeline_lib.Span]] = {}
+  for span in spans:
+    if span.track == COMPUTE_TRACK:
+      by_step.setdefault(_step_of(span), []).append(span)
+  out = []
+  for step in steps:
+    if step not in by_step or step - 1 not in by_step:
+      raise ValueError(f"no device compute spans for step {step} or the step before it; "
+                       f"recorded steps: {sorted(by_step)}")
+    mine, before = by_step[step], by_step[step - 1]
+    prev_end = max(s.end for s in before)
+    first, last = min(s.start for s in mine), max(s.end for s in mine)
+    busy = timeline_lib.busy_time(mine, first, last)
+    out.append(StepTiming(step, last - prev_end, (last - first) - busy, first - prev_end, busy))
+  return out
+
+
+def fwd_bwd_durations(spans: Iterable[timeline_lib.Span], step: int) -> list[float]:
+  """Device time of each of the step's fwd_bwd calls (longer under CPU contention)."""
+  return [s.duration for s in spans if s.track == COMPUTE_TRACK and _step_of(s) == step
+          and dict(s.args).get("kind") == "fwd_bwd"]
+
+
+def stage_chain_ceiling(t_resident: float | None, microbatches: int,
+                        stage_call_s: float | None) -> float | None:
+  """The most a pipeline with one stage call in flight can hide: min(1, T_resident / (M x s)).
+
+  Each step needs M stage calls of s seconds one after another, so no step is shorter than
+  M x s; with T_inline = T_resident + M x s the hidden fraction is at most T_resident / (M x s).
+  """
+  if t_resident is None or stage_call_s is None or stage_call_s <= 0:
+    return None
+  return min(1.0, t_resident / (microbatches * stage_call_s))
+
+
+def median(values: Sequence[float]) -> float | None:
+  return statistics.median(values) if values else None
+
+
+def hidden_fraction(t_inline: float | None, t_mode: float | None,
+                    t_resident: float | None) -> float | None:
+  """(T_inline - T_mode) / (T_inline - T_resident): 0 = nothing hidden, 1 = as if resident."""
+  if t_inline is None or t_mode is None or t_resident is None or t_inline - t_resident <= 0:
+    return None
+  return (t_inline - t_mode) / (t_inline - t_resident)

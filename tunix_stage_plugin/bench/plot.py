@@ -1,0 +1,77 @@
+"""The timeline picture: per mode, what the device computed and when micro-batches were staged."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tunix_stage_plugin.bench import runner
+from tunix_stage_plugin.core import timeline as timeline_lib
+
+# (row label, track, colour per span); rows are drawn top to bottom.
+ROWS = (
+    ("device compute", "device/compute"),
+    ("weight sync", "device/sync"),
+    ("host-to-device", "trainer/h2d"),
+    ("wire in (trainer)", "trainer/receive"),
+    ("stage call", "orchestrator/stage"),
+)
+COLOURS = {
+    "inline": "#d62728", "staged": "#2ca02c", "resident": "#1f77b4", "update": "#444444",
+    "device/sync": "#bbbbbb", "h2d/staging": "#ff7f0e", "h2d/inline": "#d62728",
+    "trainer/receive": "#9467bd", "orchestrator/stage": "#8c564b",
+}
+LEGEND = (
+    ("fwd_bwd, payload sent inline", "inline"), ("fwd_bwd, staged", "staged"),
+    ("fwd_bwd, resident", "resident"), ("update", "update"), ("weight sync", "device/sync"),
+    ("H2D on the staging thread", "h2d/staging"), ("H2D inline (compute thread)", "h2d/inline"),
+    ("payload received", "trainer/receive"), ("stage call (wire + H2D)", "orchestrator/stage"),
+)
+
+
+class PlotUnavailable(RuntimeError):
+  """matplotlib is not installed (pip install 'tunix-stage-plugin[plot]')."""
+
+
+def _colour(span: timeline_lib.Span) -> str:
+  args = dict(span.args)
+  if span.track == "device/compute":
+    return COLOURS["update" if args.get("kind") == "update" else args.get("source", "inline")]
+  if span.track == "trainer/h2d":
+    return COLOURS[f"h2d/{args.get('lane', 'inline')}"]
+  return COLOURS.get(span.track, "#7f7f7f")
+
+
+def write_timeline_png(path: str, runs: Sequence[runner.ModeRun], title: str = "") -> None:
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    from matplotlib import patches  # pylint: disable=import-outside-toplevel
+    from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise PlotUnavailable(f"the timeline PNG needs matplotlib ({e}); install the 'plot' extra: "
+                          "pip install -e '.[plot]'") from None
+  if not runs:
+    raise ValueError("no mode runs to plot")
+  end = max((s.end - r.origin for r in runs for s in r.spans), default=1.0)
+  fig, axes = plt.subplots(len(runs), 1, figsize=(14, 1.2 + 1.15 * len(runs)), sharex=True,
+                           squeeze=False)
+  for ax, run in zip(axes[:, 0], runs):
+    for row, (_, track) in enumerate(ROWS):
+      spans = [s for s in run.spans if s.track == track]
+      ax.broken_barh([(s.start - run.origin, s.duration) for s in spans], (row - 0.4, 0.8),
+                     facecolors=[_colour(s) for s in spans], edgecolor="white", linewidth=0.8)
+    ax.set_yticks(range(len(ROWS)), [label for label, _ in ROWS], fontsize=7)
+    ax.set_ylim(len(ROWS) - 0.5, -0.5)
+    ax.set_xlim(0, end)
+    steps = " ".join(f"{t.seconds:.2f}" for t in run.timings)
+    ax.set_title(f"{run.mode}  (timed steps {steps} s; round {run.round + 1})", fontsize=9,
+                 loc="left")
+    ax.grid(axis="x", linewidth=0.3)
+  axes[-1, 0].set_xlabel("seconds since the mode run started (first step is the warm-up)")
+  handles = [patches.Patch(color=COLOURS[key], label=label) for label, key in LEGEND]
+  fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=7, frameon=False)
+  if title:
+    fig.suptitle(title, fontsize=10)
+  fig.tight_layout(rect=(0, 0.06, 1, 0.97 if title else 1))
+  fig.savefig(path, dpi=110)
+  plt.close(fig)

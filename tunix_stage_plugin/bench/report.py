@@ -1,0 +1,223 @@
+"""The benchmark's figures: per-mode medians, the issue's criteria, the table and the JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tunix_stage_plugin.bench import cpu
+from tunix_stage_plugin.bench import metrics
+from tunix_stage_plugin.bench import runner
+from tunix_stage_plugin.embedded import data as data_lib
+
+HIDDEN_MIN = 0.9  # depth2_prestage must hide at least this much of the inline transfer time
+RATIO_MIN = 1.3  # inline / depth2 median step time
+TIMING, CORRECTNESS = "timing", "correctness"
+
+
+@dataclasses.dataclass
+class ModeSummary:
+  """Medians are over the quiet steps (other processes <= cpu.QUIET_CORES) when there are any."""
+
+  mode: str
+  step_s: list[float]  # every timed step of every run
+  step_quiet: list[bool]  # aligned with step_s
+  noisy: bool  # no quiet step: the medians are over noisy steps
+  median_step_s: float
+  mid_step_idle_s: float
+  boundary_idle_s: float
+  fwd_bwd_s: float  # median device time of one micro-batch's fwd_bwd
+  stage_call_s: float | None  # median engine.stage call (wire + H2D + overhead)
+  hidden_fraction: float | None
+  fallbacks: int
+  peak_device_batches: int
+  max_device_batches: int
+  trained_order: list[str]
+  param_digest: str
+  digests: list[str]  # one per run (round)
+  orders_match: bool  # every run trained the expected order
+
+  def to_json(self) -> dict[str, Any]:
+    return {
+        "step_s": self.step_s,
+        "step_quiet": self.step_quiet,
+        "median_step_s": self.median_step_s,
+        "median_over": "noisy steps (no quiet one)" if self.noisy else "quiet steps",
+        "idle_s": {"mid_step": self.mid_step_idle_s, "boundary": self.boundary_idle_s},
+        "median_fwd_bwd_s": self.fwd_bwd_s,
+        "median_stage_call_s": self.stage_call_s,
+        "hidden_fraction": self.hidden_fraction,
+        "fallbacks": self.fallbacks,
+        "peak_device_batches": self.peak_device_batches,
+        "max_device_batches": self.max_device_batches,
+        "trained_order": self.trained_order,
+        "param_digest": self.param_digest,
+        "param_digests_per_round": self.digests,
+        "trained_order_as_expected_every_round": self.orders_match,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Criterion:
+  name: str
+  kind: str  # TIMING or CORRECTNESS
+  passed: bool | None  # None: not measurable with the modes that ran
+  detail: str
+
+  @property
+  def verdict(self) -> str:
+    return {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
+
+
+def expected_order(result: runner.BenchResult) -> list[str]:
+  return data_lib.expected_order(result.options.total_steps, result.options.microbatches)
+
+
+def summarize(result: runner.BenchResult) -> dict[str, ModeSummary]:
+  expected = expected_order(result)
+  out = {}
+  for mode in result.options.modes:
+    runs = [r for r in result.runs if r.mode == mode]
+    timings = [t for r in runs for t in r.timings]
+    fwd_bwd = [d for r in runs for d in r.fwd_bwd_s]  # aligned with timings
+    quiet = [q for r in runs for q in r.step_quiet]
+    used = [i for i, q in enumerate(quiet) if q] or list(range(len(timings)))
+    out[mode] = ModeSummary(
+        mode=mode, step_s=[t.seconds for t in timings], step_quiet=quiet, noisy=not any(quiet),
+        median_step_s=metrics.median([timings[i].seconds for i in used]),
+        mid_step_idle_s=metrics.median([timings[i].mid_step_idle for i in used]),
+        boundary_idle_s=metrics.median([timings[i].boundary_idle for i in used]),
+        fwd_bwd_s=metrics.median([d for i in used for d in fwd_bwd[i]]),
+        stage_call_s=metrics.median([d for r in runs for d in r.stage_call_s]),
+        hidden_fraction=None, fallbacks=sum(r.fallbacks for r in runs),
+        peak_device_batches=max(r.peak_device_batches for r in runs),
+        max_device_batches=runs[-1].max_device_batches,
+        trained_order=runs[-1].trained_order, param_digest=runs[-1].param_digest,
+        digests=[r.param_digest for r in runs],
+        orders_match=all(r.trained_order == expected for r in runs))
+  t_inline, t_resident = (out[m].median_step_s if m in out else None
+                          for m in ("inline", "resident"))
+  for summary in out.values():
+    summary.hidden_fraction = metrics.hidden_fraction(t_inline, summary.median_step_s, t_resident)
+  return out
+
+
+def criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> list[Criterion]:
+  out = []
+  pre = summary.get("depth2_prestage")
+  hidden = pre.hidden_fraction if pre else None
+  out.append(Criterion(
+      f"depth2_prestage hidden fraction >= {HIDDEN_MIN}", TIMING,
+      None if hidden is None else hidden >= HIDDEN_MIN,
+      "needs inline, depth2_prestage and resident" if hidden is None else f"{hidden:.3f}"))
+  inline, depth2 = summary.get("inline"), summary.get("depth2")
+  ratio = inline.median_step_s / depth2.median_step_s if inline and depth2 else None
+  out.append(Criterion(
+      f"inline / depth2 median step ratio >= {RATIO_MIN}", TIMING,
+      None if ratio is None else ratio >= RATIO_MIN,
+      "needs inline and depth2" if ratio is None else f"{ratio:.3f}"))
+  digests = {d for s in summary.values() for d in s.digests}
+  out.append(Criterion(
+      "same param_digest in every mode and round", CORRECTNESS, len(digests) == 1,
+      f"{len(digests)} distinct: " + ", ".join(sorted(d[:12] for d in digests))))
+  wrong = [m for m, s in summary.items() if not s.orders_match]
+  out.append(Criterion(
+      "expected trained_order in every mode and round", CORRECTNESS, not wrong,
+      f"{len(expected_order(result))} micro-batches, s0-m0 .. "
+      f"{expected_order(result)[-1]}" + (f"; wrong in {wrong}" if wrong else "")))
+  staged = {m: s for m, s in summary.items() if m not in ("inline", "resident")}
+  over = [m for m, s in staged.items() if s.peak_device_batches > s.max_device_batches]
+  peaks = ", ".join(f"{m} {s.peak_device_batches}" for m, s in staged.items())
+  out.append(Criterion(
+      "peak staged device batches <= bound", CORRECTNESS,
+      None if not staged else not over,
+      f"bound {result.options.max_device_batches}; peaks: {peaks or 'no staged mode ran'}"))
+  return out
+
+
+def _fmt(value: float | None, spec: str) -> str:
+  return "-" if value is None else format(value, spec)
+
+
+def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> str:
+  header = ("mode", "step s", "mid-step idle s", "boundary idle s", "hidden", "fwd_bwd s",
+            "fallbacks", "peak device batches")
+  rows = []
+  for mode, s in summary.items():
+    if mode == "resident":
+      peak = "all resident"
+    elif mode == "inline":
+      peak = "0 (no staging)"
+    else:
+      peak = f"{s.peak_device_batches} of {s.max_device_batches}"
+    rows.append((mode + (" *" if s.noisy else ""), _fmt(s.median_step_s, ".2f"),
+                 _fmt(s.mid_step_idle_s, ".2f"),
+                 _fmt(s.boundary_idle_s, ".2f"), _fmt(s.hidden_fraction, ".2f"),
+                 _fmt(s.fwd_bwd_s, ".3f"), str(s.fallbacks), peak))
+  widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+  lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                     for i, (cell, w) in enumerate(zip(row, widths)))
+           for row in (header, *rows)]
+  lines.insert(1, "  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
+                  checks: list[Criterion]) -> str:
+  o, c = result.options, result.calibration
+  lines = [
+      f"tunix-stage bench: {o.microbatches} micro-batches/step of "
+      f"{c.payload_bytes / data_lib.MIB:.1f} MiB; per micro-batch compute {c.compute_s:.3f} s, "
+      f"wire {c.wire_s:.3f} s ({o.wire_ratio:g} x), H2D {c.h2d_s:.3f} s ({o.h2d_ratio:g} x), "
+      f"weight sync {c.sync_s:.3f} s ({o.sync_ratio:g} x); device bound {o.max_device_batches}",
+      f"medians over {o.rounds} round(s) x {o.steps} timed step(s) per mode (each run after "
+      f"{runner.WARMUP_STEPS} warm-up step); "
+      "hidden = (T_inline - T_mode) / (T_inline - T_resident)",
+      "",
+      format_table(result, summary),
+      "",
+  ]
+  lines += [f"{ch.verdict}  {ch.name}: {ch.detail}" for ch in checks]
+  pre, res = summary.get("depth2_prestage"), summary.get("resident")
+  if pre and res and pre.stage_call_s:
+    emulated = c.wire_s + c.h2d_s
+    ceilings = [metrics.stage_chain_ceiling(res.median_step_s, o.microbatches, s)
+                for s in (emulated, pre.stage_call_s)]
+    lines.append(
+        f"stage chain: a stage call (wire + H2D) takes {emulated:.3f} s emulated, "
+        f"{pre.stage_call_s:.3f} s measured, against {c.compute_s:.3f} s of compute; with one "
+        f"call in flight a step lasts at least {o.microbatches} stage calls, so depth2_prestage "
+        f"can hide about min(1, T_resident / ({o.microbatches} x stage call)) = "
+        f"{ceilings[0]:.2f} (emulated) / {ceilings[1]:.2f} (measured)")
+  dropped = sum(not q for s in summary.values() for q in s.step_quiet)
+  if dropped:
+    lines.append(f"note: {dropped} step(s) ran while other processes used more than "
+                 f"{cpu.QUIET_CORES} cores; medians leave them out")
+  noisy = [m for m, s in summary.items() if s.noisy]
+  if noisy:
+    lines.append(f"WARNING: * no quiet step at all for {', '.join(noisy)}: its figures are noise "
+                 "from other processes; rerun on a quiet machine")
+  return "\n".join(lines)
+
+
+def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
+            checks: list[Criterion], files: dict[str, str]) -> dict[str, Any]:
+  return {
+      "options": {**dataclasses.asdict(result.options), "modes": list(result.options.modes),
+                  "warmup_steps": runner.WARMUP_STEPS, "sizes": result.options.sizes().as_dict()},
+      "calibration": {**dataclasses.asdict(result.calibration), "wire_s": result.calibration.wire_s,
+                      "h2d_s": result.calibration.h2d_s},
+      "expected_trained_order": expected_order(result),
+      "modes": {m: s.to_json() for m, s in summary.items()},
+      "criteria": [{"name": ch.name, "kind": ch.kind, "passed": ch.passed, "detail": ch.detail}
+                   for ch in checks],
+      "runs": [{"mode": r.mode, "round": r.round, "step_s": [t.seconds for t in r.timings],
+                "mid_step_idle_s": [t.mid_step_idle for t in r.timings],
+                "boundary_idle_s": [t.boundary_idle for t in r.timings],
+                "fallbacks": r.fallbacks, "fallback_reasons": r.fallback_reasons,
+                "other_processes_cores": r.step_foreign_cores, "step_quiet": r.step_quiet}
+               for r in result.runs],
+      "wall_s": result.wall_s,
+      "trainer_exit_code": result.trainer_exit_code,
+      "files": files,
+  }

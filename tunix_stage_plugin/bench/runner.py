@@ -1,0 +1,261 @@
+"""Runs the staging A/B: one trainer process, the modes alternating in rounds, same data and seed.
+
+Modes:
+  inline           every micro-batch travels with its train call (no staging thread is used)
+  depth1, depth2   core.pipeline.StagePipeline keeping 1 or 2 micro-batches staged ahead
+  depth2_prestage  depth2, plus the next step's first micro-batches staging across the boundary
+  resident         every micro-batch on the device before the first step: the ceiling
+
+Emulated links are calibrated on this machine: a warm-up measures the compute time c of one
+micro-batch on the device, then the wire is paced at payload / (wire_ratio * c), host-to-device
+at payload / (h2d_ratio * c) and the boundary's weight sync holds the trainer sync_ratio * c, so
+every machine runs production's proportions (wire 8-10 s, H2D 3.9 s, compute 10.35 s).
+
+Each mode run starts from the same parameters (`setup` with the same seed), trains one warm-up
+step (it fills the pipeline; a long run's steady state has no empty start) and then the timed
+steps. Rounds rotate the mode order, so slow drift on the machine spreads over every mode.
+Other processes' CPU is sampled per step (bench.cpu); a run in which no timed step was quiet is
+re-run, at most `retries` times per benchmark.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import statistics
+import time
+from typing import Callable
+
+from tunix_stage_plugin.bench import cpu
+from tunix_stage_plugin.bench import metrics
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.embedded import client as client_lib
+from tunix_stage_plugin.embedded import data as data_lib
+from tunix_stage_plugin.embedded import engine as engine_lib
+from tunix_stage_plugin.embedded import job as job_lib
+from tunix_stage_plugin.embedded import process as process_lib
+
+MODES = ("inline", "depth1", "depth2", "depth2_prestage", "resident")
+CALIBRATION_STEPS = 3  # the first compiles; the medians use the others
+WARMUP_STEPS = 1
+
+
+def plan_for(mode: str, steps: int, microbatches: int, sync_s: float) -> job_lib.JobPlan:
+  kinds = {
+      "inline": dict(kind="inline"),
+      "depth1": dict(kind="staged", depth=1),
+      "depth2": dict(kind="staged", depth=2),
+      "depth2_prestage": dict(kind="staged", depth=2, prestage=True),
+      "resident": dict(kind="resident"),
+  }
+  if mode not in kinds:
+    raise ValueError(f"unknown mode {mode!r}; accepted: {', '.join(MODES)}")
+  return job_lib.JobPlan(steps, microbatches, sync_s=sync_s, **kinds[mode])
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+  rounds: int = 3
+  steps: int = 2  # timed steps per mode run, after WARMUP_STEPS
+  microbatches: int = 4
+  payload_mib: float = 16.0
+  wire_ratio: float = 0.8
+  h2d_ratio: float = 0.4
+  sync_ratio: float = 0.5
+  max_device_batches: int = 2
+  modes: tuple[str, ...] = MODES
+  seed: int = 0
+  tiny: bool = False
+  retries: int = 3  # re-runs of mode runs with no quiet step, for the whole benchmark
+
+  def __post_init__(self) -> None:
+    if not isinstance(self.retries, int) or self.retries < 0:
+      raise ValueError(f"retries must be an integer >= 0; got {self.retries!r}")
+    for name in ("rounds", "steps", "microbatches", "max_device_batches"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
+    for name in ("payload_mib", "wire_ratio", "h2d_ratio"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
+    if not self.sync_ratio >= 0:
+      raise ValueError(f"sync_ratio must be >= 0; got {self.sync_ratio!r}")
+    unknown = [m for m in self.modes if m not in MODES]
+    if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
+      raise ValueError(f"modes must be distinct names from {', '.join(MODES)}; got {self.modes}")
+
+  @property
+  def total_steps(self) -> int:
+    return WARMUP_STEPS + self.steps
+
+  def sizes(self) -> data_lib.Sizes:
+    base = data_lib.TINY_SIZES if self.tiny else data_lib.DEFAULT_SIZES
+    return base.with_payload_mib(self.payload_mib)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  compute_s: float  # median fwd_bwd of one micro-batch on the device
+  update_s: float
+  payload_bytes: int
+  wire_bytes_per_s: float
+  h2d_bytes_per_s: float
+  sync_s: float
+  clock_offset_s: float  # trainer perf_counter + offset = orchestrator perf_counter
+  clock_uncertainty_s: float
+
+  @property
+  def wire_s(self) -> float:
+    return self.payload_bytes / self.wire_bytes_per_s
+
+  @property
+  def h2d_s(self) -> float:
+    return self.payload_bytes / self.h2d_bytes_per_s
+
+
+@dataclasses.dataclass
+class ModeRun:
+  mode: str
+  round: int
+  timings: list[metrics.StepTiming]
+  fwd_bwd_s: list[list[float]]  # per timed step, each micro-batch's device time (contention)
+  stage_call_s: list[float]  # every engine.stage call of the run, orchestrator side
+  fallbacks: int
+  fallback_reasons: list[str]
+  peak_device_batches: int
+  max_device_batches: int
+  trained_order: list[str]
+  param_digest: str
+  step_foreign_cores: list[float | None]  # other processes' CPU during each timed step
+  spans: list[timeline_lib.Span]  # orchestrator and trainer spans, on the orchestrator's clock
+  origin: float  # orchestrator time the run started
+
+  @property
+  def step_quiet(self) -> list[bool]:
+    return [f is None or f <= cpu.QUIET_CORES for f in self.step_foreign_cores]
+
+
+@dataclasses.dataclass
+class BenchResult:
+  options: BenchOptions
+  calibration: Calibration
+  runs: list[ModeRun]
+  wall_s: float = 0.0
+  trainer_exit_code: int | None = None
+
+
+def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _: None
+              ) -> BenchResult:
+  """Starts a trainer process, runs every round, stops the trainer (checking it exits 0)."""
+  start = time.monotonic()
+
+  def say(text: str) -> None:
+    progress(f"[{time.monotonic() - start:5.0f} s] {text}")
+
+  say("starting the trainer process (JAX, 2-device CPU mesh, gRPC on 127.0.0.1)")
+  with process_lib.TrainerProcess(max_device_batches=options.max_device_batches) as trainer:
+    result = asyncio.run(_run(options, trainer, say))
+  result.trainer_exit_code = trainer.proc.returncode
+  result.wall_s = time.monotonic() - start
+  return result
+
+
+async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
+               say: Callable[[str], None]) -> BenchResult:
+  async with client_lib.WorkerClient(trainer.address) as client:
+    await client.wait_ready()
+    engine = engine_lib.EmbeddedEngine(client)
+    sizes = options.sizes()
+    say(f"building {options.total_steps * options.microbatches} micro-batches of "
+        f"{sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed})")
+    batches = {(s, i): data_lib.make_batch(sizes, options.seed, s, i)
+               for s in range(options.total_steps) for i in range(options.microbatches)}
+    calibration = await _calibrate(client, engine, options, sizes)
+    c = calibration
+    say(f"calibrated: compute {c.compute_s:.3f} s/micro-batch, update {c.update_s:.3f} s -> wire "
+        f"{c.wire_bytes_per_s / 1e6:.1f} MB/s ({c.wire_s:.3f} s), H2D "
+        f"{c.h2d_bytes_per_s / 1e6:.1f} MB/s ({c.h2d_s:.3f} s), weight sync {c.sync_s:.3f} s")
+    client.pacer.set_rate(c.wire_bytes_per_s)
+    runs = []
+    retries = options.retries
+    for r in range(options.rounds):
+      shift = r % len(options.modes)
+      for mode in options.modes[shift:] + options.modes[:shift]:
+        while True:
+          run = await _run_mode(client, engine, options, calibration, mode, r, batches,
+                                trainer.pid)
+          runs.append(run)
+          say(_progress_line(options, run))
+          if any(run.step_quiet) or retries == 0:
+            break
+          retries -= 1
+          say(f"re-running {mode}: other processes used more than {cpu.QUIET_CORES} cores in "
+              f"every timed step ({retries} re-run(s) left)")
+    return BenchResult(options, calibration, runs)
+
+
+async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
+                     options: BenchOptions, sizes: data_lib.Sizes) -> Calibration:
+  """Compiles, then measures compute on resident data (every step but the compiling first)."""
+  offset, uncertainty = await client.clock_offset()
+  await client.call("setup", sizes=sizes.as_dict(), seed=options.seed)
+  plan = job_lib.JobPlan(CALIBRATION_STEPS, options.microbatches, kind="resident")
+  await job_lib.run_job(engine, plan, lambda s, i: data_lib.Batch(s, i, {}))
+  spans = await client.call("timeline")
+  warm = range(1, CALIBRATION_STEPS)
+  compute = statistics.median(d for step in warm for d in metrics.fwd_bwd_durations(spans, step))
+  update = statistics.median(s.duration for s in spans if s.track == metrics.COMPUTE_TRACK
+                             and dict(s.args)["kind"] == "update" and dict(s.args)["step"] > 0)
+  payload = sizes.payload_bytes
+  return Calibration(
+      compute_s=compute, update_s=update, payload_bytes=payload,
+      wire_bytes_per_s=payload / (options.wire_ratio * compute),
+      h2d_bytes_per_s=payload / (options.h2d_ratio * compute),
+      sync_s=options.sync_ratio * compute, clock_offset_s=offset,
+      clock_uncertainty_s=uncertainty)
+
+
+async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
+                    options: BenchOptions, calibration: Calibration, mode: str, round_: int,
+                    batches: dict[tuple[int, int], data_lib.Batch], trainer_pid: int) -> ModeRun:
+  await client.call("setup", sizes=options.sizes().as_dict(), seed=options.seed,
+                    h2d_mbps=calibration.h2d_bytes_per_s / 1e6)
+  plan = plan_for(mode, options.total_steps, options.microbatches, calibration.sync_s)
+  recorder = timeline_lib.Timeline()
+  load = cpu.ForeignLoad([os.getpid(), trainer_pid])
+  step_loads: list[float | None] = []
+  origin = time.perf_counter()
+  load.start()
+  outcomes = await job_lib.run_job(engine, plan, lambda s, i: batches[s, i], timeline=recorder,
+                                   on_step=lambda _: step_loads.append(load.lap()))
+  finish = await client.call("finish")
+  trainer_spans = await client.call("timeline")
+  timings = metrics.step_timings(trainer_spans, range(WARMUP_STEPS, options.total_steps))
+  spans = recorder.spans() + timeline_lib.shifted(trainer_spans, calibration.clock_offset_s)
+  fwd_bwd = [metrics.fwd_bwd_durations(trainer_spans, t.step) for t in timings]
+  return ModeRun(
+      mode=mode, round=round_, timings=timings, fwd_bwd_s=fwd_bwd,
+      stage_call_s=[s.duration for s in recorder.spans(metrics.STAGE_TRACK)],
+      fallbacks=sum(o.report.fallbacks for o in outcomes),
+      fallback_reasons=[r for o in outcomes for r in o.report.fallback_reasons],
+      peak_device_batches=finish["store"]["peak"],
+      max_device_batches=finish["max_device_batches"],
+      trained_order=finish["trained_order"], param_digest=finish["param_digest"],
+      step_foreign_cores=step_loads[WARMUP_STEPS:], spans=spans, origin=origin)
+
+
+def _progress_line(options: BenchOptions, run: ModeRun) -> str:
+  steps = " ".join(f"{t.seconds:.2f}" for t in run.timings)
+  foreign = " ".join("n/a" if f is None else f"{f:.2f}" for f in run.step_foreign_cores)
+  return (f"round {run.round + 1}/{options.rounds} {run.mode:<16} steps {steps} s, "
+          f"fallbacks {run.fallbacks}, peak {run.peak_device_batches}/{run.max_device_batches}, "
+          f"digest {run.param_digest[:8]}, other processes {foreign} cores")
+
+
+def runs_of_round(result: BenchResult, round_: int | None = None) -> dict[str, ModeRun]:
+  """The runs of one round (the last by default), by mode, in the options' mode order."""
+  round_ = result.options.rounds - 1 if round_ is None else round_
+  runs = {r.mode: r for r in result.runs if r.round == round_}
+  return {m: runs[m] for m in result.options.modes if m in runs}
+

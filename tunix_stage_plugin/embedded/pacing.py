@@ -1,0 +1,58 @@
+"""Emulated links: a wire of given bandwidth, and a host-to-device copy of given bandwidth.
+
+On a CPU machine, loopback gRPC runs at ~1 GB/s and `jax.device_put` of an aligned buffer is
+zero-copy, so neither resembles production (wire 8-10 s, host-to-device 3.9 s per micro-batch).
+Both are emulated by *sleeping* for the bytes' transmission time: the CPU stays free, as it would
+while a NIC or a DMA engine moves the bytes (perf-limits.md §9).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable
+
+
+class LinkPacer:
+  """One shared link: bytes are sent in order, each chunk leaves once its transmission time is up.
+
+  `bytes_per_s=None` means an unpaced link (the real loopback speed).
+  """
+
+  def __init__(self, bytes_per_s: float | None = None, *,
+               clock: Callable[[], float] = time.perf_counter,
+               sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+    self.set_rate(bytes_per_s)
+    self._clock = clock
+    self._sleep = sleep
+    self._free_at = 0.0  # when the link has finished the bytes queued so far
+
+  def set_rate(self, bytes_per_s: float | None) -> None:
+    if bytes_per_s is not None and not bytes_per_s > 0:
+      raise ValueError(f"link bandwidth must be > 0 bytes/s or None (unpaced); got {bytes_per_s!r}")
+    self.bytes_per_s = bytes_per_s
+
+  async def transmit(self, nbytes: int) -> None:
+    """Returns when `nbytes` queued behind earlier chunks have crossed the link."""
+    if self.bytes_per_s is None or nbytes <= 0:
+      return
+    now = self._clock()
+    slot = nbytes / self.bytes_per_s
+    # A sender handing over its next chunk less than one slot after the link went free is sending
+    # back to back: the link holds one chunk, so the hand-over itself (copying the chunk into
+    # grpc, a few ms) overlaps the transmission instead of adding to it on every chunk.
+    start = self._free_at if now < self._free_at + slot else now
+    self._free_at = start + slot
+    delay = self._free_at - now
+    if delay > 0:
+      await self._sleep(delay)
+
+
+def sleep_for_bandwidth(nbytes: int, bytes_per_s: float | None, started: float) -> float:
+  """Host-to-device: sleeps what is left of `nbytes / bytes_per_s` since `started`; returns it."""
+  if bytes_per_s is None:
+    return 0.0
+  remaining = nbytes / bytes_per_s - (time.perf_counter() - started)
+  if remaining > 0:
+    time.sleep(remaining)
+  return max(0.0, remaining)

@@ -1,0 +1,106 @@
+"""The trainer's gRPC service: a generic method call (method name + pickled arguments), as tunix's.
+
+The server's event loop only moves messages: it never copies a payload, unpickles one, places it
+or waits for the device. Each method runs on its core.executor lane (compute, staging or inline),
+and for a streamed call the chunk assembly and unpickling run on that lane too (perf-limits.md §5:
+a ping waits 452 ms behind a 0.5 s handler on the loop).
+
+Binds 127.0.0.1 only: the calls are pickles, trusted because they come from this machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import grpc
+
+from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.embedded import wire
+
+log = logging.getLogger("tunix_stage_plugin.embedded")
+
+BIND_HOST = "127.0.0.1"
+
+
+class ServedWorker(Protocol):
+  """What the server needs from the object it serves."""
+
+  METHODS: frozenset[str]  # the callable method names; anything else is refused by name
+
+
+class WorkerServer:
+  """Serves one worker's METHODS on 127.0.0.1, each on its executor lane."""
+
+  def __init__(self, worker: ServedWorker, executor: executor_lib.MethodExecutor, *,
+               timeline: timeline_lib.Timeline | None = None) -> None:
+    self._worker = worker
+    self._executor = executor
+    self._timeline = timeline or timeline_lib.Timeline(enabled=False)
+    self._server: grpc.aio.Server | None = None
+    self.port: int | None = None
+
+  async def start(self, port: int = 0) -> int:
+    """Starts serving; `port=0` picks a free port. Returns the bound port."""
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+      raise ValueError(f"port must be an int in 0..65535 (0: any free port); got {port!r}")
+    # grpc sets SO_REUSEPORT by default: a second trainer would then "bind" a port in use and
+    # share its connections. Refuse instead.
+    server = grpc.aio.server(options=[*wire.grpc_options(), ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, {
+        "Call": grpc.unary_unary_rpc_method_handler(self._call),
+        "CallStream": grpc.stream_unary_rpc_method_handler(self._call_stream),
+    }),))
+    try:
+      bound = server.add_insecure_port(f"{BIND_HOST}:{port}")
+    except RuntimeError as e:  # grpcio's way of saying the bind failed
+      raise OSError(f"could not bind {BIND_HOST}:{port}: in use or not available ({e})") from None
+    await server.start()
+    self._server, self.port = server, bound
+    return bound
+
+  async def stop(self, grace: float = 1.0) -> None:
+    if self._server is not None:
+      server, self._server = self._server, None
+      await server.stop(grace)
+
+  def _method(self, name: str) -> Any:
+    if name not in self._worker.METHODS:
+      raise AttributeError(f"unknown method {name!r}; accepted: {sorted(self._worker.METHODS)}")
+    return getattr(self._worker, name)
+
+  async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    method = "?"
+    try:
+      method, args, kwargs = wire.decode_unary(request)  # small by construction: fine on the loop
+      fn = self._method(method)
+      return wire.encode_reply(await self._executor.run(method, fn, *args, **kwargs))
+    except Exception as e:  # pylint: disable=broad-except  (travels back to the caller)
+      log.debug("call %s failed: %s: %s", method, type(e).__name__, e)
+      return wire.encode_error(e)
+
+  async def _call_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> bytes:
+    method = "?"
+    try:
+      start = time.perf_counter()
+      iterator = requests.__aiter__()
+      header = wire.decode_header(await anext(iterator))
+      method = header["method"]
+      fn = self._method(method)
+      # Keep the bytes objects grpc already made; copying them is the lane's job.
+      chunks = [chunk async for chunk in iterator]
+      self._timeline.add("trainer/receive", method, start, time.perf_counter(),
+                         bytes=sum(header["sizes"]))
+
+      def run() -> Any:
+        args, kwargs = wire.decode_streamed(header, chunks)
+        chunks.clear()  # the aligned copies are all that is kept
+        return fn(*args, **kwargs)
+
+      return wire.encode_reply(await self._executor.run(method, run))
+    except Exception as e:  # pylint: disable=broad-except  (travels back to the caller)
+      log.debug("streamed call %s failed: %s: %s", method, type(e).__name__, e)
+      return wire.encode_error(e)
+

@@ -1,0 +1,220 @@
+"""The trainer worker the server exposes: train, update, stage, and what the benchmark asks for.
+
+Lanes (core.executor): fwd_bwd / update / weight_sync / setup / place_resident / finish on the
+compute lane in arrival order; stage_batch on the staging lane, so a stage overlaps a running
+fwd_bwd; heartbeat / info / timeline / reset_staged inline. With staging off, stage_batch runs on
+the compute lane and refuses, so an inline-only trainer never starts a staging thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Any, Iterable
+
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.embedded import data as data_lib
+from tunix_stage_plugin.embedded import pacing
+
+COMPUTE_TRACK = "device/compute"
+SYNC_TRACK = "device/sync"
+H2D_TRACK = "trainer/h2d"
+LIGHT_METHODS = executor_lib.LIGHT_METHODS | {"timeline"}
+
+
+def make_executor(cfg: config_lib.StageConfig) -> executor_lib.MethodExecutor:
+  staging = executor_lib.STAGING_METHODS if cfg.enabled else frozenset()
+  return executor_lib.MethodExecutor(staging_methods=staging, light_methods=LIGHT_METHODS)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Staged:
+  step: int
+  mb_id: str
+  placed: Any  # device arrays
+
+
+class InjectedStageFailure(RuntimeError):
+  """A stage failure the test or benchmark asked for (`fail_stage`)."""
+
+
+class TrainerWorker:
+  """Serves one JAX trainer; `setup` (re)builds it, so one process can run many benchmark modes."""
+
+  METHODS = frozenset({
+      "heartbeat", "info", "timeline", "setup", "place_resident", "fwd_bwd", "update",
+      "weight_sync", "finish", "stage_batch", "reset_staged",
+  })
+
+  def __init__(self, cfg: config_lib.StageConfig, *,
+               timeline: timeline_lib.Timeline | None = None,
+               fail_stage: Iterable[str] = ()) -> None:
+    self.cfg = cfg
+    self._configured_fail_stage = frozenset(fail_stage)
+    self.recorder = timeline or timeline_lib.Timeline()
+    self.store = store_lib.StagedBatchStore(cfg.max_device_batches)
+    self._trainer: Any = None
+    self._seed = 0
+    self._h2d_bytes_per_s: float | None = None
+    self._fail_stage = self._configured_fail_stage
+    self._resident: dict[str, Any] = {}
+    self._trained: list[str] = []
+    self._last_step = -1
+
+  # --- inline lane ------------------------------------------------------------------------------
+
+  def heartbeat(self) -> dict[str, Any]:
+    return {"time": time.perf_counter(), "pid": os.getpid()}
+
+  def info(self) -> dict[str, Any]:
+    trainer = self._trainer  # JAX loads with the first setup; info never imports it on the loop
+    return {
+        "pid": os.getpid(),
+        "mode": self.cfg.mode,
+        "max_device_batches": self.store.max_device_batches,
+        "devices": [] if trainer is None else [str(d) for d in trainer.mesh.devices.flat],
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "staged_keys": self.store.keys(),
+    }
+
+  def timeline(self) -> list[timeline_lib.Span]:
+    """The spans recorded since the last setup, on this process's perf_counter clock."""
+    return self.recorder.spans()
+
+  # --- compute lane -----------------------------------------------------------------------------
+
+  def setup(self, *, sizes: dict[str, int], seed: int = 0, h2d_mbps: float | None = None,
+            max_device_batches: int | None = None,
+            fail_stage: Iterable[str] | None = None, record_timeline: bool = True) -> dict:
+    """Fresh parameters, optimizer state, store and records; the same seed gives the same run.
+
+    None keeps the trainer's configuration: its bound (TUNIX_STAGE_MAX_DEVICE_BATCHES) and the
+    micro-batch ids whose stage it fails on purpose (trainer_main --fail_stage_ids).
+    `record_timeline=False` records no spans (a long job would otherwise grow them forever).
+    """
+    # pylint: disable-next=import-outside-toplevel  (JAX loads with the first setup, not at import)
+    from tunix_stage_plugin.embedded import trainer as trainer_lib
+
+    if h2d_mbps is not None and not h2d_mbps > 0:
+      raise ValueError(f"h2d_mbps must be > 0 or None (unpaced); got {h2d_mbps!r}")
+    self.store.reset()
+    bound = self.cfg.max_device_batches if max_device_batches is None else max_device_batches
+    self.store = store_lib.StagedBatchStore(bound)
+    self._trainer = trainer_lib.Trainer(data_lib.sizes_from_dict(sizes), seed)
+    self._seed = seed
+    self._h2d_bytes_per_s = None if h2d_mbps is None else h2d_mbps * 1e6
+    self._fail_stage = (self._configured_fail_stage if fail_stage is None
+                        else frozenset(fail_stage))
+    self._resident.clear()
+    self._trained.clear()
+    self._last_step = -1
+    self.recorder.clear()
+    self.recorder.enabled = record_timeline
+    return {"max_device_batches": bound, "payload_bytes": self._trainer.sizes.payload_bytes}
+
+  def place_resident(self, ids: list[tuple[int, int]]) -> int:
+    """Builds these micro-batches here and places them: the benchmark's no-transfer ceiling."""
+    trainer = self._require_trainer()
+    for step, index in ids:
+      batch = data_lib.make_batch(trainer.sizes, self._seed, step, index)
+      self._resident[batch.mb_id] = _Staged(step, batch.mb_id, trainer.place(batch.arrays))
+    return len(self._resident)
+
+  def fwd_bwd(self, batch: data_lib.Batch | None = None, *, stage_key: str | None = None,
+              resident: str | None = None) -> dict[str, Any]:
+    """Accumulates one micro-batch's gradients: `batch` inline, or a staged / resident one."""
+    trainer = self._require_trainer()
+    given = [name for name, v in (("batch", batch), ("stage_key", stage_key),
+                                  ("resident", resident)) if v is not None]
+    if len(given) != 1:
+      raise TypeError(f"fwd_bwd takes exactly one of batch, stage_key, resident; got {given}")
+    if stage_key is not None:
+      item, source = self.store.take(stage_key), "staged"
+    elif resident is not None:
+      if resident not in self._resident:
+        raise KeyError(f"micro-batch {resident!r} is not resident; "
+                       f"resident: {sorted(self._resident)}")
+      item, source = self._resident.pop(resident), "resident"
+    else:
+      item = _Staged(batch.step, batch.mb_id, self._place(batch, "inline"))
+      source = "inline"
+    start = time.perf_counter()
+    loss = trainer.fwd_bwd(item.placed)
+    self.recorder.add(COMPUTE_TRACK, item.mb_id, start, time.perf_counter(), step=item.step,
+                      kind="fwd_bwd", source=source)
+    self._trained.append(item.mb_id)
+    self._last_step = item.step
+    return {"loss": loss, "mb_id": item.mb_id, "source": source}
+
+  def update(self) -> dict[str, Any]:
+    trainer = self._require_trainer()
+    start = time.perf_counter()
+    count = trainer.update()
+    self.recorder.add(COMPUTE_TRACK, f"update s{self._last_step}", start, time.perf_counter(),
+                      step=self._last_step, kind="update")
+    return {"updates": count}
+
+  def weight_sync(self, seconds: float) -> None:
+    """The step boundary's weight sync, emulated: it holds the compute lane, not the CPU."""
+    if not seconds >= 0:
+      raise ValueError(f"weight_sync seconds must be >= 0; got {seconds!r}")
+    start = time.perf_counter()
+    time.sleep(seconds)
+    self.recorder.add(SYNC_TRACK, f"weight sync after s{self._last_step}", start,
+                      time.perf_counter(), step=self._last_step)
+
+  def finish(self) -> dict[str, Any]:
+    trainer = self._require_trainer()
+    return {
+        "param_digest": trainer.digest(),
+        "trained_order": list(self._trained),
+        "updates": trainer.updates,
+        "store": dataclasses.asdict(self.store.stats),
+        "max_device_batches": self.store.max_device_batches,
+    }
+
+  # --- staging lane -----------------------------------------------------------------------------
+
+  def stage_batch(self, batch: data_lib.Batch, *, key: str) -> dict[str, Any]:
+    """Places `batch` under `key`; {'staged': False, 'reason', 'failed'} when it did not."""
+    if not self.cfg.enabled:
+      return {"staged": False, "failed": False,
+              "reason": "staging is off on this trainer (TUNIX_STAGE_BATCH=off)"}
+    self._require_trainer()
+    raised: list[BaseException] = []
+
+    def prepare(b: data_lib.Batch) -> _Staged:
+      try:
+        if b.mb_id in self._fail_stage:
+          raise InjectedStageFailure(f"injected stage failure for micro-batch {b.mb_id}")
+        return _Staged(b.step, b.mb_id, self._place(b, "staging"))
+      except BaseException as e:
+        raised.append(e)
+        raise
+
+    result = self.store.stage(key, batch, prepare)
+    return {"staged": result.staged, "failed": bool(raised), "reason": result.reason}
+
+  def reset_staged(self, keys: list[str] | None = None) -> list[str]:
+    return self.store.reset(keys)
+
+  # --- helpers ----------------------------------------------------------------------------------
+
+  def _require_trainer(self) -> Any:
+    if self._trainer is None:
+      raise RuntimeError("the trainer is not set up; call setup(sizes=...) first")
+    return self._trainer
+
+  def _place(self, batch: data_lib.Batch, lane: str) -> Any:
+    """Real placement plus the emulated host-to-device time, on the calling lane's thread."""
+    start = time.perf_counter()
+    placed = self._require_trainer().place(batch.arrays)
+    pacing.sleep_for_bandwidth(batch.nbytes, self._h2d_bytes_per_s, start)
+    self.recorder.add(H2D_TRACK, batch.mb_id, start, time.perf_counter(), step=batch.step,
+                      lane=lane, bytes=batch.nbytes)
+    return placed
