@@ -4,3 +4,17 @@ Importing this package changes nothing in any host; see README.md for how stagin
 """
 
 __version__ = "0.1.0"
+
+
+def install(config=None, **kwargs):
+  """Installs the staging hooks into tunix (see tunix_stage_plugin.activation.install)."""
+  from tunix_stage_plugin.activation import manager  # lazy: importing the package stays free
+
+  return manager.install(config, **kwargs)
+
+
+def uninstall(host=None, **kwargs):
+  """Removes the staging hooks exactly (see tunix_stage_plugin.activation.uninstall)."""
+  from tunix_stage_plugin.activation import manager
+
+  return manager.uninstall(host, **kwargs)

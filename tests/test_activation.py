@@ -1,0 +1,260 @@
+"""Activation: install / uninstall through an exact-reversal registry, idempotent, probed first.
+
+The host here is a fake defined in this module: it stands in for tunix's classes because tunix's
+experimental stack cannot be installed in CI. The same checks against the real classes are in
+test_tunix_activation.py (marked `tunix`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import tunix_stage_plugin
+from tunix_stage_plugin.activation import entry_points
+from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.activation import native
+from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.hosts import Probe
+
+STAGE = {"TUNIX_STAGE_BATCH": "stage"}
+
+
+class FakeBase:
+  def inherited(self):
+    return "host inherited"
+
+
+class FakeWorker(FakeBase):
+  def fwd_bwd(self, payload, **kwargs):
+    return ("host fwd_bwd", payload, kwargs)
+
+
+class FakeEngine:
+  def train_step(self, payload, **kwargs):
+    return "host train_step"
+
+
+def staged_fwd_bwd(self, *args, **kwargs):
+  return "hooked fwd_bwd"
+
+
+def stage_batch(self, payload, key):
+  return "hooked stage_batch"
+
+
+def hooked_inherited(self):
+  return "hooked inherited"
+
+
+def snapshot():
+  return {cls: dict(cls.__dict__) for cls in (FakeBase, FakeWorker, FakeEngine)}
+
+
+class FakeAdapter:
+  name = "fake"
+  trigger_modules = ("fake_host_module",)
+  hook_groups = ("worker: fake hooks",)
+
+  def __init__(self, *, probe_ok=True, importable=True, fail_apply=False):
+    self.probe_ok = probe_ok
+    self.importable = importable
+    self.fail_apply = fail_apply
+    self.applied = 0
+
+  def load(self):
+    if not self.importable:
+      raise ModuleNotFoundError("No module named 'fake_host'")
+
+  def describe(self):
+    return "fakehost 1.2 (commit abcdef0)"
+
+  def probe(self):
+    return [Probe("worker: FakeWorker.fwd_bwd", True),
+            Probe("engine: FakeEngine.train_step", self.probe_ok, "train_step lacks **kwargs")]
+
+  def runtime_probes(self):
+    return []
+
+  def apply(self, registry, config):
+    self.applied += 1
+    registry.set(FakeWorker, "fwd_bwd", staged_fwd_bwd)  # own attribute: restored
+    registry.set(FakeWorker, "stage_batch", stage_batch)  # new attribute: deleted again
+    registry.set(FakeWorker, "inherited", hooked_inherited)  # shadows the base's: deleted again
+    if self.fail_apply:
+      raise RuntimeError("boom while patching")
+    registry.set(FakeEngine, "stage_train_batch", stage_batch)
+
+
+@pytest.fixture
+def adapter(monkeypatch):
+  fake = FakeAdapter()
+  monkeypatch.setattr(entry_points, "load_adapter",
+                      lambda name: fake if name == "fake" else entry_points.load_adapter(name))
+  yield fake
+  manager.uninstall("fake", quiet=True)
+
+
+def stage_config(**explicit):
+  return config_lib.resolve({"mode": "stage", **explicit}, env={})
+
+
+def test_install_patches_and_uninstall_restores_class_dicts_exactly(adapter, capsys):
+  before = snapshot()
+  activation = manager.install(stage_config(max_staged_batches=3), host="fake")
+  assert activation.installed
+  assert FakeWorker().fwd_bwd(1) == "hooked fwd_bwd"
+  assert FakeWorker().inherited() == "hooked inherited"
+  assert FakeWorker.__dict__[registry_lib.SENTINEL] is True
+  assert activation.hooks == [
+      f"{__name__}.FakeWorker.fwd_bwd", f"{__name__}.FakeWorker.stage_batch",
+      f"{__name__}.FakeWorker.inherited", f"{__name__}.FakeEngine.stage_train_batch"]
+  err = capsys.readouterr().err.splitlines()
+  assert err == [activation.line]
+  assert "fakehost 1.2 (commit abcdef0)" in err[0] and "4 hooks" in err[0]
+  assert "max_staged_batches=3" in err[0] and "max_device_batches=1" in err[0]
+
+  assert manager.uninstall("fake", quiet=True) == ["fake"]
+  assert snapshot() == before
+  assert FakeWorker().fwd_bwd(1) == ("host fwd_bwd", 1, {})
+  assert FakeWorker.__dict__["fwd_bwd"] is before[FakeWorker]["fwd_bwd"]
+
+
+def test_install_is_idempotent_and_updates_depths(adapter, capsys):
+  manager.install(stage_config(), host="fake")
+  patched = snapshot()
+  again = manager.install(stage_config(max_staged_batches=4), host="fake")
+  assert again.installed and adapter.applied == 1
+  assert snapshot() == patched
+  assert manager.current_config("fake").max_staged_batches == 4
+  assert len(capsys.readouterr().err.splitlines()) == 1  # the second call prints nothing
+
+
+def test_reinstall_after_uninstall_is_exact_again(adapter):
+  before = snapshot()
+  for _ in range(3):
+    manager.install(stage_config(), host="fake", quiet=True)
+    assert manager.is_installed("fake")
+    manager.uninstall("fake", quiet=True)
+    assert snapshot() == before
+  assert not manager.is_installed("fake") and manager.installed_hooks("fake") == []
+
+
+def test_mode_off_installs_nothing_and_says_so(adapter, capsys):
+  before = snapshot()
+  activation = manager.install(config_lib.resolve(env={}), host="fake")
+  assert not activation.installed and snapshot() == before and adapter.applied == 0
+  assert capsys.readouterr().err.strip() == (
+      "tunix-stage: staging is off (default=off); nothing installed")
+
+
+def test_mode_off_from_env_is_named(adapter, capsys, monkeypatch):
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "off")
+  assert not manager.install(host="fake").installed
+  assert "(TUNIX_STAGE_BATCH=off)" in capsys.readouterr().err
+
+
+def test_failed_probe_installs_nothing_with_one_line(adapter, capsys):
+  adapter.probe_ok = False
+  before = snapshot()
+  activation = manager.install(stage_config(), host="fake")
+  assert not activation.installed and snapshot() == before and adapter.applied == 0
+  err = capsys.readouterr().err.splitlines()
+  assert err == ["tunix-stage: fakehost 1.2 (commit abcdef0) does not match (engine: "
+                 "FakeEngine.train_step: train_step lacks **kwargs)"]
+
+
+def test_absent_host_installs_nothing(adapter, capsys):
+  adapter.importable = False
+  assert not manager.install(stage_config(), host="fake").installed
+  assert capsys.readouterr().err.strip() == (
+      "tunix-stage: fake is not importable (ModuleNotFoundError: No module named 'fake_host')")
+
+
+def test_failure_while_patching_reverts_everything(adapter, capsys):
+  adapter.fail_apply = True
+  before = snapshot()
+  assert not manager.install(stage_config(), host="fake").installed
+  assert snapshot() == before and not manager.is_installed("fake")
+  assert "applying hooks failed, all reverted: RuntimeError: boom" in capsys.readouterr().err
+
+
+def test_invalid_env_value_installs_nothing(adapter, capsys, monkeypatch):
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "stage")
+  monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "0")
+  assert not manager.install(host="fake").installed
+  assert ("invalid staging configuration: TUNIX_MAX_STAGED_BATCHES='0' is invalid"
+          in capsys.readouterr().err)
+
+
+def test_unknown_host_names_the_registered_ones(capsys):
+  assert not manager.install(stage_config(), host="nohost").installed
+  err = capsys.readouterr().err
+  assert "no host adapter 'nohost'" in err and "'tunix'" in err
+
+
+def test_uninstall_leaves_a_hook_someone_replaced_and_says_so(adapter, capsys):
+  manager.install(stage_config(), host="fake", quiet=True)
+
+  def theirs(self):
+    return "theirs"
+
+  FakeWorker.stage_batch = theirs
+  try:
+    manager.uninstall("fake", quiet=True)
+    assert FakeWorker.__dict__["stage_batch"] is theirs
+    assert "FakeWorker.stage_batch was replaced after install; left as found" in (
+        capsys.readouterr().err)
+    assert "fwd_bwd" in FakeWorker.__dict__ and FakeWorker().fwd_bwd(2)[0] == "host fwd_bwd"
+  finally:
+    del FakeWorker.stage_batch
+
+
+def test_current_config_needs_an_install():
+  with pytest.raises(RuntimeError, match="not installed"):
+    manager.current_config("fake")
+
+
+def test_package_level_install_and_uninstall_delegate(adapter):
+  before = snapshot()
+  assert tunix_stage_plugin.install(stage_config(), host="fake", quiet=True).installed
+  assert tunix_stage_plugin.uninstall("fake", quiet=True) == ["fake"]
+  assert snapshot() == before
+
+
+def test_configure_follows_driver_flags_over_the_environment(adapter, capsys):
+  before = snapshot()
+  manager.install(stage_config(), host="fake", quiet=True)  # as the bootstrap would, from env
+  updated = manager.configure(stage_config(max_staged_batches=5), host="fake", quiet=True)
+  assert updated.installed and manager.current_config("fake").max_staged_batches == 5
+  off = config_lib.resolve({"mode": "off"}, env={"TUNIX_STAGE_BATCH": "stage"},
+                           explicit_source="flag")
+  removed = manager.configure(off, host="fake")
+  assert not removed.installed and snapshot() == before
+  assert capsys.readouterr().err.strip() == (
+      "tunix-stage: staging is off (--stage_train_batches=off); hooks removed")
+  assert not manager.configure(off, host="fake", quiet=True).installed  # already off: no-op
+
+
+def test_native_entry_point_is_silent_when_off(monkeypatch, capsys):
+  calls = []
+  monkeypatch.setattr(manager, "install", lambda *a, **k: calls.append((a, k)))
+  monkeypatch.delenv("TUNIX_STAGE_BATCH", raising=False)
+  native.activate()
+  assert calls == [] and capsys.readouterr().err == ""
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "stage")
+  native.activate()
+  assert len(calls) == 1 and calls[0][1] == {"host": "tunix"} and calls[0][0][0].enabled
+
+
+def test_registry_refuses_a_double_patch_and_undoes_in_reverse():
+  registry = registry_lib.PatchRegistry()
+  before = snapshot()
+  registry.set(FakeWorker, "fwd_bwd", staged_fwd_bwd)
+  with pytest.raises(RuntimeError, match="already patched"):
+    registry.set(FakeWorker, "fwd_bwd", stage_batch)
+  registry.set(FakeEngine, "train_step", stage_batch)
+  assert registry.names() == [f"{__name__}.FakeWorker.fwd_bwd",
+                              f"{__name__}.FakeEngine.train_step"]
+  assert registry.undo() == []
+  assert snapshot() == before and len(registry) == 0

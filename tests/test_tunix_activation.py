@@ -1,0 +1,154 @@
+"""Activation against the real tunix classes: exact reversal, probes, the bootstrap, routing, flags.
+
+Subprocess tests run a fresh interpreter (the patches are process-global) with the installed
+.pth bootstrap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+pytest.importorskip("tunix.experimental.orchestrator.rl_program",
+                    reason="tunix's experimental stack (google/tunix main) is not importable")
+
+from tunix.experimental.common import datatypes  # pylint: disable=wrong-import-position
+from tunix.experimental.orchestrator import distributed_rl_engine
+from tunix.experimental.orchestrator import rl_program
+from tunix.experimental.worker import remote_execution
+from tunix.experimental.worker import trainer_worker
+
+from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import flags as flags_lib
+
+pytestmark = pytest.mark.tunix
+HOST_CLASSES = (remote_execution.RemoteExecutionServer, remote_execution.GrpcRemoteExecutionServer,
+                remote_execution.InProcessRemoteExecutionServer, trainer_worker.TrainerWorker,
+                distributed_rl_engine.DistributedRLEngine, rl_program.StandardRLProgram,
+                rl_program.RLStepResult)
+STAGE = config_lib.resolve({"mode": "stage"}, env={})
+
+
+def snapshot():
+  return {cls: dict(cls.__dict__) for cls in HOST_CLASSES}
+
+
+@pytest.fixture
+def clean():
+  manager.uninstall("tunix", quiet=True)  # e.g. the bootstrap installed at import
+  yield
+  manager.uninstall("tunix", quiet=True)
+
+
+def test_install_uninstall_reinstall_leaves_classes_exactly_as_they_were(clean):
+  before = snapshot()
+  for _ in range(2):
+    activation = manager.install(STAGE, quiet=True)
+    assert activation.installed and len(activation.hooks) == 10
+    assert trainer_worker.TrainerWorker.__dict__[registry_lib.SENTINEL] is True
+    assert manager.install(STAGE, quiet=True).installed  # idempotent
+    assert snapshot() != before
+    manager.uninstall("tunix", quiet=True)
+    assert snapshot() == before
+  assert not hasattr(trainer_worker.TrainerWorker, "stage_batch")
+
+
+def test_host_that_has_its_own_stage_batch_gets_nothing(clean, monkeypatch, capsys):
+  monkeypatch.setattr(trainer_worker.TrainerWorker, "stage_batch", lambda self: None,
+                      raising=False)
+  before = snapshot()
+  assert not manager.install(STAGE).installed
+  assert snapshot() == before
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("tunix-stage: tunix 0.1.8")
+  assert "does not match (worker: TrainerWorker.fwd_bwd(payload, **kwargs): TrainerWorker " \
+         "already has ['stage_batch']" in err[0]
+
+
+def run_fresh(code, **env_updates):
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
+  env.update(JAX_PLATFORMS="cpu", **env_updates)
+  return subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env,
+                        capture_output=True, text=True, timeout=120, check=True)
+
+
+PROBE_PATCHED = ("import tunix.experimental.orchestrator.rl_program as p; "
+                 "from tunix.experimental.worker import trainer_worker as t; "
+                 "print(hasattr(t.TrainerWorker, 'stage_batch'), "
+                 "hasattr(p.StandardRLProgram, '_stage_ahead_while_pending'))")
+
+
+def test_bootstrap_installs_on_first_tunix_import_only_when_stage():
+  on = run_fresh(PROBE_PATCHED, TUNIX_STAGE_BATCH="stage", TUNIX_MAX_STAGED_BATCHES="3")
+  assert on.stdout.split() == ["True", "True"]
+  lines = [l for l in on.stderr.splitlines() if l.startswith("tunix-stage:")]
+  assert len(lines) == 1 and "staging on for tunix 0.1.8 (commit " in lines[0]
+  assert "10 hooks" in lines[0] and "max_staged_batches=3" in lines[0]
+  off = run_fresh(PROBE_PATCHED, TUNIX_STAGE_BATCH="off")
+  assert off.stdout.split() == ["False", "False"]
+  assert "tunix-stage" not in off.stderr
+  unset = run_fresh(PROBE_PATCHED + "; import sys; "
+                    "print('tunix_stage_plugin' in sys.modules)")
+  assert unset.stdout.split()[-1] == "False" and "tunix-stage" not in unset.stderr
+
+
+class Probe:
+  """A non-trainer object served by tunix: its requests must stay on the loop, as upstream."""
+
+  def where(self):
+    return threading.current_thread().name
+
+
+class ThreadTrainer:
+  def fwd_bwd(self, payload, **kwargs):
+    self.thread = threading.current_thread().name
+
+
+def test_only_trainer_workers_are_routed(clean):
+  manager.install(STAGE, quiet=True)
+  worker = trainer_worker.TrainerWorker(ThreadTrainer)
+  worker.initialize()
+
+  async def main():
+    probe = remote_execution.InProcessActorHandle(
+        remote_execution.InProcessRemoteExecutionServer(Probe()))
+    trainer = remote_execution.InProcessActorHandle(
+        remote_execution.InProcessRemoteExecutionServer(worker))
+    await trainer.asubmit("fwd_bwd", payload={"x": 1})
+    health = await trainer.asubmit("heartbeat")
+    return await probe.asubmit("where"), health
+
+  where, health = asyncio.run(main())
+  assert where == threading.current_thread().name  # unchanged: on the loop's thread
+  assert worker._trainer.thread.startswith("trainer-compute")  # pylint: disable=protected-access
+  assert health.state == datatypes.WorkerState.READY
+
+
+def test_staging_flags_register_on_tunixs_own_driver(monkeypatch):
+  grpo = pytest.importorskip(
+      "tunix.experimental.examples.math_gsm8k_dist.run_gsm8k_dist_grpo",
+      reason="the GSM8K driver's dependencies (transformers) are not importable")
+  parse_args = argparse.ArgumentParser.parse_args
+
+  def with_staging_flags(self, args=None, namespace=None):
+    flags_lib.add_argparse_flags(self, flags_lib.ORCHESTRATOR_FIELDS)
+    return parse_args(self, args, namespace)
+
+  # The driver builds its parser inside _parse_args; add our flags to it right before parsing.
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", with_staging_flags)
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "off")
+  monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "5")
+  args = grpo._parse_args(["--max_steps", "3", "--stage_train_batches", "--max_staged_batches",
+                           "2"])  # pylint: disable=protected-access
+  cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
+  assert args.max_steps == 3 and args.rpc_timeout_s == 1800.0  # the driver's own flags intact
+  assert (cfg.mode, cfg.max_staged_batches) == ("stage", 2)  # flags beat env
+  assert cfg.sources["mode"] == cfg.sources["max_staged_batches"] == "flag"

@@ -1,0 +1,286 @@
+"""The tunix hooks against real tunix classes, in one process.
+
+A real StandardRLProgram and DistributedRLEngine drive a real TrainerWorker over tunix's
+in-process server (routed through the method executor like the gRPC one); only the trainer is a
+recorder (what fwd_bwd/update received, in order), with
+its model on a one-device mesh. The two-device gRPC path with tunix's PeftTrainer is in
+test_tunix_grpc.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import types
+from unittest import mock
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix.experimental.orchestrator.rl_program",
+                    reason="tunix's experimental stack (google/tunix main) is not importable")
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tunix.experimental.common import datatypes
+from tunix.experimental.orchestrator import distributed_rl_engine
+from tunix.experimental.orchestrator import rl_program
+from tunix.experimental.worker import remote_execution
+from tunix.experimental.worker import trainer_worker
+from tunix.sft import sharding_utils
+
+from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.hosts import tunix as tunix_host
+
+pytestmark = pytest.mark.tunix
+ACTOR = datatypes.Role.ACTOR
+MB_PER_STEP = 4  # mini_batch_size 2 groups x group_size 2 items, one micro-batch per item
+
+
+@pytest.fixture
+def staging(request):
+  """Installs the hooks with the given settings for one test; uninstalls after."""
+  settings = getattr(request, "param", {})
+  cfg = config_lib.resolve({"mode": "stage", "max_staged_batches": 2, "max_device_batches": 4,
+                            **settings}, env={})
+  manager.uninstall("tunix", quiet=True)
+  assert manager.install(cfg, quiet=True).installed
+  yield cfg
+  manager.uninstall("tunix", quiet=True)
+
+
+class RecordingTrainer:
+  """Records each fwd_bwd/update; prepares payloads with tunix's own shard_input."""
+
+  def __init__(self):
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+    self.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    state = nnx.state(self.model)
+    nnx.update(self.model, jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec())), state))
+    self.calls = []
+
+  def _prepare_payload(self, payload):
+    return sharding_utils.shard_input(payload, ("fsdp",))
+
+  def fwd_bwd(self, payload, **kwargs):
+    leaf = payload["mb"]
+    self.calls.append(("fwd", int(np.asarray(leaf).ravel()[0]), isinstance(leaf, jax.Array)))
+
+  def update(self, **kwargs):
+    self.calls.append(("update",))
+    return sum(c[0] == "update" for c in self.calls)
+
+  def fwd_order(self):
+    return [c[1] for c in self.calls if c[0] == "fwd"]
+
+
+class SlowTrainHandle(remote_execution.InProcessActorHandle):
+  """tunix's in-process handle, with a fwd_bwd that takes a while (as over the network).
+
+  In-process calls never suspend, so without the delay every train call would finish before the
+  next micro-batch could be staged and the pipeline (rightly) would train it inline.
+  """
+
+  async def asubmit(self, method_name=None, *args, **kwargs):
+    if method_name == "fwd_bwd":
+      await asyncio.sleep(0.02)
+    return await super().asubmit(method_name, *args, **kwargs)
+
+
+def make_engine(worker):
+  handle = SlowTrainHandle(remote_execution.InProcessRemoteExecutionServer(worker))
+  return distributed_rl_engine.DistributedRLEngine(rollout_workers=[],
+                                                   trainer_workers={ACTOR: handle})
+
+
+class OnePerItem:
+  """An assembler packing each payload into its own micro-batch."""
+
+  def pack(self, payloads):
+    return list(payloads)
+
+
+async def fill_queue(program, steps):
+  n = 0
+  for group in range(steps * 2):
+    for pair in range(2):
+      item = datatypes.TrajectoryItem(pair_index=pair, group_id=f"g{group}", start_step=0,
+                                      traj=datatypes.Trajectory(reward=float(n)))
+      item.payload = {"mb": np.full((1, 2), n, np.int32)}
+      await program.scored_q.put(item)
+      n += 1
+
+
+def run_program(steps=3, max_staleness=None):
+  trainer = RecordingTrainer()
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  reports = []
+  program = rl_program.StandardRLProgram(
+      algo=types.SimpleNamespace(group_size=2, mini_batch_size=2), assembler=OnePerItem(),
+      max_staleness=max_staleness, sync_weights=False,
+      on_step_end=lambda step, result: reports.append(program.last_step_result))
+
+  async def main():
+    await fill_queue(program, steps)
+    await program.train_stage(make_engine(worker), num_steps=steps)
+
+  asyncio.run(main())
+  return trainer, worker, reports
+
+
+def expected_calls(steps):
+  calls = []
+  for step in range(steps):
+    calls += [("fwd", n) for n in range(step * MB_PER_STEP, (step + 1) * MB_PER_STEP)]
+    calls.append(("update",))
+  return calls
+
+
+def test_staged_program_trains_every_microbatch_once_in_order(staging):
+  trainer, worker, reports = run_program(steps=3)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)
+  staged = [c[1] for c in trainer.calls if c[0] == "fwd" and c[2]]
+  assert len(staged) >= 6, trainer.calls  # most micro-batches arrived already on the device
+  for step, result in enumerate(reports):
+    assert isinstance(result, rl_program.RLStepResult) and result.step == step
+    assert result.num_microbatches == MB_PER_STEP and result.num_rollouts == 4
+    assert result.reward_mean == pytest.approx(np.mean(range(4 * step, 4 * step + 4)))
+    m = result.stage_metrics
+    assert m["stage/fallbacks"] == 0
+    assert m["stage/staged"] + m["stage/inline"] == MB_PER_STEP
+  # Steps after the first start with micro-batches staged during the previous boundary.
+  assert all(r.stage_metrics["stage/prestaged"] >= 1 for r in reports[1:])
+  assert worker.state == datatypes.WorkerState.READY
+  assert len(tunix_host.worker.staging_of(worker).store) == 0  # nothing left on the device
+
+
+def test_no_cross_step_prestage_at_max_staleness_0_logged_once(staging, caplog, monkeypatch):
+  monkeypatch.setattr(tunix_host.program, "_logged_staleness", False)
+  with caplog.at_level(logging.INFO, logger="tunix_stage_plugin"):
+    trainer, _, reports = run_program(steps=3, max_staleness=0)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)
+  assert [r.stage_metrics["stage/prestaged"] for r in reports] == [0, 0, 0]
+  lines = [r.message for r in caplog.records if "max_staleness" in r.message]
+  assert len(lines) == 1 and "needs max_staleness >= 1" in lines[0]
+
+
+def test_failing_stage_falls_back_inline_and_is_counted(staging):
+  def fail_on_6(payload):
+    if int(np.asarray(payload["mb"]).ravel()[0]) == 6:
+      raise ValueError("cannot densify routing record")
+    return payload
+
+  tunix_host.register_payload_transform(fail_on_6)
+  try:
+    trainer, worker, reports = run_program(steps=2)
+  finally:
+    tunix_host.unregister_payload_transform(fail_on_6)
+  assert [c[:2] for c in trainer.calls] == expected_calls(2)
+  assert ("fwd", 6, False) in trainer.calls  # trained inline, with its payload
+  assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [0, 1]
+  assert worker.state == datatypes.WorkerState.READY
+
+
+@pytest.mark.parametrize("staging", [{"max_device_batches": 1}], indirect=True)
+def test_device_bound_holds_and_order_is_kept(staging):
+  trainer, worker, reports = run_program(steps=2)
+  assert [c[:2] for c in trainer.calls] == expected_calls(2)
+  stats = tunix_host.worker.staging_of(worker).store.stats
+  assert stats.peak == 1 and stats.staged >= 1  # never more than one batch on the device
+  assert all(r.stage_metrics["stage/staged"] + r.stage_metrics["stage/inline"] == MB_PER_STEP
+             for r in reports)
+
+
+def test_mock_engine_keeps_the_hosts_loop(staging):
+  engine = mock.MagicMock(spec=distributed_rl_engine.DistributedRLEngine)
+  engine.train_step = mock.AsyncMock(return_value="step_done")
+  engine.stage_train_batch = mock.AsyncMock(side_effect=AssertionError("staged path taken"))
+  program = rl_program.StandardRLProgram(
+      algo=types.SimpleNamespace(group_size=2, mini_batch_size=2), assembler=OnePerItem(),
+      sync_weights=False)
+
+  async def main():
+    await fill_queue(program, 1)
+    await program.train_stage(engine, num_steps=1)
+
+  asyncio.run(main())
+  assert [c.kwargs["apply_optimizer"] for c in engine.train_step.call_args_list] == [
+      False, False, False, True]
+  assert type(program.last_step_result) is rl_program.RLStepResult  # the host's own result
+
+
+def test_engine_train_step_with_a_key_sends_no_payload(staging):
+  calls = []
+
+  class Handle:
+    async def asubmit(self, method, **kwargs):
+      calls.append((method, kwargs))
+      return 7
+
+  engine = distributed_rl_engine.DistributedRLEngine([], {ACTOR: Handle()})
+  asyncio.run(engine.train_step(None, stage_key="k1", apply_optimizer=True))
+  asyncio.run(engine.train_step({"x": 1}, apply_optimizer=False))
+  assert calls == [("fwd_bwd", {"payload": None, "skip_jit": False, "stage_key": "k1"}),
+                   ("update", {}),
+                   ("fwd_bwd", {"payload": {"x": 1}, "skip_jit": False})]
+
+
+def test_engine_stage_returns_key_or_none(staging):
+  trainer = RecordingTrainer()
+  engine = make_engine(trainer_worker.TrainerWorker(lambda: trainer))
+  payload = {"mb": np.zeros((1, 2), np.int32)}
+  assert asyncio.run(engine.stage_train_batch(payload, key="a-1")) == "a-1"
+  assert asyncio.run(engine.reset_staged_batches(["a-1", "never"])) == ["a-1"]
+
+  class NoStaging:  # a worker without stage_batch: the host's error envelope, then None
+    pass
+
+  handle = remote_execution.InProcessActorHandle(
+      remote_execution.InProcessRemoteExecutionServer(NoStaging()))
+  other = distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
+  assert asyncio.run(other.stage_train_batch(payload, key="b-1")) is None
+  with pytest.raises(ValueError, match="No trainer worker registered"):
+    asyncio.run(other.stage_train_batch(payload, key="b-2", role=datatypes.Role.CRITIC))
+
+
+def test_worker_stages_on_the_mesh_and_consumes_a_key_once(staging):
+  trainer = RecordingTrainer()
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  worker.initialize()
+  response = worker.stage_batch({"mb": np.full((1, 2), 5, np.int32)}, key="k-5")
+  assert response.metadata["staged"] is True and response.metadata["stage_key"] == "k-5"
+  worker.fwd_bwd(payload=None, skip_jit=False, stage_key="k-5")
+  assert trainer.calls == [("fwd", 5, True)]
+  with pytest.raises(store_lib.StageKeyError, match="not staged"):
+    worker.fwd_bwd(payload=None, stage_key="k-5")
+  assert worker.state == datatypes.WorkerState.READY
+  with pytest.raises(ValueError, match="a payload and stage_key"):
+    worker.fwd_bwd({"mb": 1}, stage_key="k-6")
+
+
+def test_worker_stage_never_touches_state_and_degrades(staging):
+  worker = trainer_worker.TrainerWorker(lambda: types.SimpleNamespace())  # cannot stage
+  response = worker.stage_batch({"mb": np.zeros((1, 2))}, key="k-1")
+  assert response.metadata["staged"] is False
+  assert "AttributeError" in response.metadata["reason"]
+  assert worker.state == datatypes.WorkerState.PENDING  # no readiness check, no state write
+  ready = trainer_worker.TrainerWorker(RecordingTrainer)
+  ready.initialize()
+  ready.state = datatypes.WorkerState.SYNCING  # e.g. a prestage during weight sync
+  assert ready.stage_batch({"mb": np.zeros((1, 2), np.int32)}, key="k-2").metadata["staged"]
+  assert ready.state == datatypes.WorkerState.SYNCING
+  refused = ready.stage_batch(datatypes.TrainerPayload(token_ids=[1], token_mask=[1]),
+                              key="k-3").metadata
+  assert not refused["staged"] and "is not a JAX pytree" in refused["reason"]
+
+
+def test_fwd_bwd_without_a_key_is_the_hosts_call(staging):
+  trainer = mock.MagicMock()
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  response = worker.fwd_bwd({"x": 1}, skip_jit=True, extra=2)
+  trainer.fwd_bwd.assert_called_once_with({"x": 1}, extra=2)
+  assert response.metadata["queued"] is True

@@ -1,0 +1,35 @@
+"""Finds host adapters through the `tunix_stage_plugin.hosts` entry-point group."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from typing import Any
+
+ENTRY_POINT_GROUP = "tunix_stage_plugin.hosts"
+
+
+def host_entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+  return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def load_adapter(name: str) -> Any:
+  """Loads the adapter registered under `name`; raises LookupError naming what is registered."""
+  eps = host_entry_points()
+  if name not in eps:
+    raise LookupError(
+        f"no host adapter {name!r} in entry-point group {ENTRY_POINT_GROUP!r} (registered: "
+        f"{sorted(eps) or 'none'}); is tunix-stage-plugin installed (pip install -e .)?")
+  return eps[name].load()
+
+
+def load_adapters() -> dict[str, Any]:
+  """Every registered adapter; one that fails to load is reported in one line and skipped."""
+  adapters = {}
+  for name, ep in host_entry_points().items():
+    try:
+      adapters[name] = ep.load()
+    except Exception as e:  # pylint: disable=broad-except  (one broken adapter must not stop the rest)
+      print(f"tunix-stage: host adapter {name!r} ({ep.value}) failed to load: "
+            f"{type(e).__name__}: {e}", file=sys.stderr)
+  return adapters

@@ -1,0 +1,127 @@
+"""A small post-import hook: run a callback once after any of some modules has been imported.
+
+The env-gated bootstrap runs at interpreter start, long before the host is imported (if it ever
+is), so it registers "install when tunix's experimental modules are imported" here. Import order
+between the plugin and the host therefore does not matter.
+
+The callback imports the rest of the host, so it must not run while a host module is still half
+executed (e.g. `rl_program` importing `rl_engine_interface` importing `remote_execution`: running
+the callback when `remote_execution` is done would meet a half-built `rl_engine_interface`). A
+watch is therefore *triggered* by a watched module and *fired* once no other module of the same
+top-level package is still initializing, i.e. when the outermost host import finishes. The finder
+only wraps loaders of that package's modules, and leaves `sys.meta_path` once every watch fired.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import threading
+from typing import Any, Callable, Iterable
+
+
+class _Watch:
+  def __init__(self, modules: frozenset[str], callback: Callable[[], None]) -> None:
+    self.modules = modules
+    self.roots = frozenset(m.split(".", 1)[0] for m in modules)
+    self.callback = callback
+    self.triggered = False
+    self.fired = False
+
+  def covers(self, name: str) -> bool:
+    return name.split(".", 1)[0] in self.roots
+
+
+class _NotifyingLoader(importlib.abc.Loader):
+  """Wraps the real loader for one import: execute the module, hand it back, then notify."""
+
+  def __init__(self, loader: Any, finder: "PostImportFinder") -> None:
+    self._loader = loader
+    self._finder = finder
+
+  def create_module(self, spec: Any) -> Any:
+    return self._loader.create_module(spec)
+
+  def exec_module(self, module: Any) -> None:
+    # The import system reads spec.loader again to call exec_module, so the real loader can only
+    # be handed back here; the module keeps it, never this wrapper.
+    module.__spec__.loader = self._loader
+    module.__loader__ = self._loader
+    self._loader.exec_module(module)
+    self._finder.notify(module.__name__)
+
+
+def _initializing(root: str, but: str) -> bool:
+  """Whether a module of package `root` other than `but` is still executing its body."""
+  for name, module in list(sys.modules.items()):
+    if name != but and name.split(".", 1)[0] == root:
+      # importlib's own marker for a module whose body is running (importlib._bootstrap).
+      if getattr(getattr(module, "__spec__", None), "_initializing", False):
+        return True
+  return False
+
+
+class PostImportFinder(importlib.abc.MetaPathFinder):
+  """Meta-path finder that wraps the loaders of watched packages; passes on everything else."""
+
+  def __init__(self) -> None:
+    self._lock = threading.RLock()
+    self._watches: list[_Watch] = []
+
+  def _live(self) -> list[_Watch]:
+    with self._lock:
+      return [w for w in self._watches if not w.fired]
+
+  def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    if not any(w.covers(fullname) for w in self._live()):
+      return None
+    for finder in list(sys.meta_path):
+      if finder is self or not hasattr(finder, "find_spec"):
+        continue
+      spec = finder.find_spec(fullname, path, target)
+      if spec is not None:
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+          return spec  # a namespace package or legacy loader: nothing to wrap
+        spec.loader = _NotifyingLoader(spec.loader, self)
+        return spec
+    return None
+
+  def add(self, modules: Iterable[str], callback: Callable[[], None]) -> None:
+    watch = _Watch(frozenset(modules), callback)
+    with self._lock:
+      self._watches.append(watch)
+      if self not in sys.meta_path:
+        sys.meta_path.insert(0, self)
+    if watch.modules & set(sys.modules):  # already imported: no import will come to watch
+      watch.triggered = True
+      self._settle(watch, just_loaded="")
+
+  def notify(self, module_name: str) -> None:
+    for watch in self._live():
+      if module_name in watch.modules:
+        watch.triggered = True
+      if watch.triggered and watch.covers(module_name):
+        self._settle(watch, just_loaded=module_name)
+
+  def _settle(self, watch: _Watch, just_loaded: str) -> None:
+    if any(_initializing(root, but=just_loaded) for root in watch.roots):
+      return  # an outer host import is still running; its completion will settle this watch
+    with self._lock:
+      if watch.fired:
+        return
+      watch.fired = True
+      self._watches = [w for w in self._watches if not w.fired]
+      if not self._watches and self in sys.meta_path:
+        sys.meta_path.remove(self)
+    try:
+      watch.callback()
+    except Exception as e:  # pylint: disable=broad-except  (never break the host's own import)
+      print(f"tunix-stage: post-import hook failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+_finder = PostImportFinder()
+
+
+def when_imported(modules: Iterable[str], callback: Callable[[], None]) -> None:
+  """Calls `callback` once after the first of `modules` is imported (now, if one already is)."""
+  _finder.add(modules, callback)

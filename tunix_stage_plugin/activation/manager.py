@@ -1,0 +1,153 @@
+"""install / uninstall: one activation per host per process, idempotent and exactly reversible.
+
+Order of work in `install`: resolve the configuration (off means nothing is touched), load the
+host adapter, import the host, run every capability probe, and only when all pass, apply the hooks
+through a registry that records what each class had. Any refusal installs nothing and prints one
+line saying why; success prints one activation line (host version/commit, hooks, depths). Both go
+to stderr, because a pod's stdout is often the training log that users grep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from typing import Any
+
+from tunix_stage_plugin.activation import entry_points
+from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.core import config as config_lib
+
+DEFAULT_HOST = "tunix"
+
+
+@dataclasses.dataclass
+class Activation:
+  """What `install` did (or why it did nothing)."""
+
+  host: str
+  installed: bool
+  line: str  # the one-line report
+  hooks: list[str] = dataclasses.field(default_factory=list)
+  config: config_lib.StageConfig | None = None
+
+
+@dataclasses.dataclass
+class _Active:
+  adapter: Any
+  registry: registry_lib.PatchRegistry
+  config: config_lib.StageConfig
+  line: str
+
+
+_lock = threading.RLock()  # re-entrant: install imports host modules, which may fire the bootstrap
+_active: dict[str, _Active] = {}
+
+
+def _say(line: str, quiet: bool) -> None:
+  if not quiet:
+    print(line, file=sys.stderr, flush=True)
+
+
+def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT_HOST,
+            quiet: bool = False) -> Activation:
+  """Installs the staging hooks into `host` when the configuration says `stage`.
+
+  Args:
+    config: the configuration to run with; resolved from the environment when None. Calling
+      install again with a new enabled config updates the depths without re-patching.
+    host: the entry-point name of the host adapter.
+    quiet: print nothing (the returned Activation still carries the line).
+  """
+  with _lock:
+    try:
+      config = config_lib.resolve() if config is None else config
+    except config_lib.ConfigError as e:
+      return _refuse(host, f"invalid staging configuration: {e}", quiet)
+    if not config.enabled:
+      if host in _active:
+        return _refuse(host, f"staging is off ({_mode_origin(config)}) but hooks are installed; "
+                       "call uninstall() to remove them", quiet, installed=True)
+      return _refuse(host, f"staging is off ({_mode_origin(config)}); nothing installed", quiet)
+    current = _active.get(host)
+    if current is not None:
+      current.config = config  # idempotent: same hooks, the new depths
+      return Activation(host, True, current.line, current.registry.names(), config)
+    try:
+      adapter = entry_points.load_adapter(host)
+      adapter.load()
+    except ImportError as e:
+      return _refuse(host, f"{host} is not importable ({type(e).__name__}: {e})", quiet)
+    except LookupError as e:
+      return _refuse(host, str(e), quiet)
+    failed = [p for p in adapter.probe() if not p.ok]
+    if failed:
+      reasons = "; ".join(f"{p.name}: {p.detail}" for p in failed)
+      return _refuse(host, f"{adapter.describe()} does not match ({reasons})", quiet)
+    registry = registry_lib.PatchRegistry()
+    try:
+      adapter.apply(registry, config)
+    except Exception as e:  # pylint: disable=broad-except  (leave the host as it was, then say why)
+      registry_lib.report_problems(registry.undo())
+      return _refuse(host, f"applying hooks failed, all reverted: {type(e).__name__}: {e}", quiet)
+    line = (f"tunix-stage: staging on for {adapter.describe()}: {len(registry.names())} hooks "
+            f"({', '.join(adapter.hook_groups)}); max_staged_batches={config.max_staged_batches}, "
+            f"max_device_batches={config.max_device_batches} [{_mode_origin(config)}]")
+    _active[host] = _Active(adapter, registry, config, line)
+    _say(line, quiet)
+    return Activation(host, True, line, registry.names(), config)
+
+
+def _mode_origin(config: config_lib.StageConfig) -> str:
+  setting = config_lib.SETTINGS_BY_FIELD["mode"]
+  source = config.sources["mode"]
+  where = {config_lib.SOURCE_ENV: setting.env, config_lib.SOURCE_DEFAULT: "default"}.get(
+      source, f"--{setting.flag}")
+  return f"{where}={config.mode}"
+
+
+def _refuse(host: str, reason: str, quiet: bool, *, installed: bool = False) -> Activation:
+  line = f"tunix-stage: {reason}"
+  _say(line, quiet)
+  return Activation(host, installed, line)
+
+
+def configure(config: config_lib.StageConfig, *, host: str = DEFAULT_HOST,
+              quiet: bool = False) -> Activation:
+  """Makes this process match `config`, e.g. from driver flags (which beat the environment).
+
+  Enabled: installs, or updates the depths of hooks the bootstrap already installed. Off: removes
+  hooks the bootstrap installed from TUNIX_STAGE_BATCH=stage (install alone never removes any).
+  """
+  with _lock:
+    if not config.enabled and host in _active:
+      uninstall(host, quiet=True)
+      return _refuse(host, f"staging is off ({_mode_origin(config)}); hooks removed", quiet)
+    return install(config, host=host, quiet=quiet)
+
+
+def uninstall(host: str | None = None, *, quiet: bool = False) -> list[str]:
+  """Removes the hooks of `host` (all hosts when None); returns the hosts it uninstalled."""
+  with _lock:
+    hosts = list(_active) if host is None else [h for h in (host,) if h in _active]
+    for h in hosts:
+      registry_lib.report_problems(_active.pop(h).registry.undo())
+      _say(f"tunix-stage: staging hooks removed from {h}", quiet)
+    return hosts
+
+
+def current_config(host: str = DEFAULT_HOST) -> config_lib.StageConfig:
+  """The configuration the installed hooks run with; raises when `host` is not installed."""
+  active = _active.get(host)
+  if active is None:
+    raise RuntimeError(f"tunix-stage hooks for {host!r} are not installed")
+  return active.config
+
+
+def installed_hooks(host: str = DEFAULT_HOST) -> list[str]:
+  active = _active.get(host)
+  return [] if active is None else active.registry.names()
+
+
+def is_installed(host: str = DEFAULT_HOST) -> bool:
+  return host in _active

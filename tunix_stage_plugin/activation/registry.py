@@ -1,0 +1,85 @@
+"""Exact-reversal patch registry: what we set on a host class, and what was there before.
+
+Every hook is an attribute set on a host class. The registry records, per (owner, attr), the
+value found in the owner's own `__dict__` (or that there was none), so `undo` puts `__dict__` back
+exactly: an inherited attribute we shadowed is deleted again, an own attribute is restored to the
+very same object. A sentinel attribute on each touched class lets a second copy of the plugin
+(another import path, a reload) see that the class is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any
+
+SENTINEL = "__tunix_stage_patched__"
+
+
+class _Absent:
+  """Marks 'the owner had no attribute of its own under this name'."""
+
+  def __repr__(self) -> str:
+    return "<absent>"
+
+
+ABSENT = _Absent()
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+  owner: type
+  attr: str
+  original: Any  # the owner's own __dict__ value before we set ours, or ABSENT
+  value: Any  # what we set
+
+  @property
+  def name(self) -> str:
+    return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.attr}"
+
+
+class PatchRegistry:
+  """Applies patches in order and undoes them in reverse order, exactly."""
+
+  def __init__(self) -> None:
+    self._patches: list[Patch] = []
+
+  def __len__(self) -> int:
+    return len(self._patches)
+
+  def names(self) -> list[str]:
+    return [p.name for p in self._patches if p.attr != SENTINEL]
+
+  def set(self, owner: type, attr: str, value: Any) -> None:
+    if any(p.owner is owner and p.attr == attr for p in self._patches):
+      raise RuntimeError(f"{owner.__qualname__}.{attr} is already patched by this registry")
+    if SENTINEL not in owner.__dict__:
+      self._set(owner, SENTINEL, True)
+    self._set(owner, attr, value)
+
+  def _set(self, owner: type, attr: str, value: Any) -> None:
+    original = owner.__dict__.get(attr, ABSENT)
+    setattr(owner, attr, value)
+    self._patches.append(Patch(owner, attr, original, value))
+
+  def undo(self) -> list[str]:
+    """Restores every patched class; returns one line per attribute it had to leave alone."""
+    problems = []
+    while self._patches:
+      p = self._patches.pop()
+      current = p.owner.__dict__.get(p.attr, ABSENT)
+      if current is not p.value:
+        # Someone replaced our hook after install; putting the original back would silently
+        # drop their change, so leave theirs in place and say so.
+        problems.append(f"{p.name} was replaced after install; left as found")
+        continue
+      if p.original is ABSENT:
+        delattr(p.owner, p.attr)
+      else:
+        setattr(p.owner, p.attr, p.original)
+    return problems
+
+
+def report_problems(problems: list[str]) -> None:
+  for line in problems:
+    print(f"tunix-stage: uninstall: {line}", file=sys.stderr)

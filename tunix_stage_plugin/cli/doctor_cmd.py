@@ -1,0 +1,108 @@
+"""`tunix-stage doctor`: can staging work here, and what would it do?
+
+Reports: the effective configuration; whether the bootstrap .pth and the entry points are
+installed; whether tunix is importable, its version and commit; every capability probe; which
+hooks are installed in this process (the bootstrap installs them while doctor imports tunix when
+TUNIX_STAGE_BATCH=stage). Exit status: 0 when staging is off or can work, 1 when staging is
+requested but cannot work, 2 when a setting is invalid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Any
+
+from tunix_stage_plugin import __version__
+from tunix_stage_plugin.activation import bootstrap
+from tunix_stage_plugin.activation import entry_points
+from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import flags as flags_lib
+
+HOST = "tunix"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+  parser = subparsers.add_parser(
+      "doctor",
+      help="check that staging can work with the installed tunix",
+      description="Check tunix, its version/commit, the capability probes, the effective "
+      "configuration and the installed hooks. Exits 1 when staging is requested (flag or "
+      "TUNIX_STAGE_BATCH=stage) but cannot work, 2 when a setting is invalid, else 0.",
+  )
+  flags_lib.add_argparse_flags(parser)
+  parser.add_argument("--json", action="store_true", help="print JSON for machines")
+  parser.set_defaults(run=run)
+
+
+def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+  """Returns the report and the problems that stop staging from working (empty: it can)."""
+  report: dict[str, Any] = {"plugin": __version__, "python": platform.python_version()}
+  problems: list[str] = []
+  cfg = flags_lib.config_from_argparse(args)  # ConfigError is the caller's exit 2
+  report["config"] = {"enabled": cfg.enabled, "settings": cfg.as_dict()}
+  report["bootstrap_pth"] = bootstrap.installed_pth_files()
+  report["entry_points"] = sorted(entry_points.host_entry_points())
+  if not report["bootstrap_pth"]:
+    problems.append(f"{bootstrap.PTH_NAME} is not installed: TUNIX_STAGE_BATCH=stage cannot "
+                    "activate on its own (reinstall the package, or call install())")
+  if HOST not in report["entry_points"]:
+    problems.append(f"no {HOST!r} adapter in entry-point group {entry_points.ENTRY_POINT_GROUP!r}")
+    return report, problems
+  adapter = entry_points.load_adapter(HOST)
+  try:
+    adapter.load()
+  except ImportError as e:
+    report["host"] = None
+    problems.append(f"tunix is not importable: {type(e).__name__}: {e}")
+    return report, problems
+  report["host"] = adapter.describe()
+  if manager.is_installed(HOST):  # the bootstrap installed while load() imported tunix
+    checks = [{"name": "host probes (passed at install)", "ok": True, "detail": "ok"}]
+  else:
+    checks = [vars(p) for p in adapter.probe()]
+  checks += [vars(p) for p in adapter.runtime_probes()]
+  report["probes"] = checks
+  problems += [f"probe failed: {c['name']}: {c['detail']}" for c in checks if not c["ok"]]
+  report["installed_hooks"] = manager.installed_hooks(HOST)
+  report["hook_groups"] = list(adapter.hook_groups)
+  return report, problems
+
+
+def run(args: argparse.Namespace) -> int:
+  try:
+    report, problems = diagnose(args)
+  except config_lib.ConfigError as e:
+    print(f"tunix-stage doctor: error: {e}", file=sys.stderr)
+    return 2
+  enabled = report["config"]["enabled"]
+  status = 1 if enabled and problems else 0
+  if args.json:
+    print(json.dumps({**report, "problems": problems, "exit": status}, indent=2))
+    return status
+  print(f"tunix-stage-plugin {report['plugin']} (Python {report['python']})")
+  print(f"staging: {'on' if enabled else 'off'}")
+  for item in report["config"]["settings"].values():
+    print(f"  {item['env']:32s} {item['value']!s:8s} ({item['source']})")
+  print(f"bootstrap .pth: {', '.join(report['bootstrap_pth']) or 'missing'}")
+  print(f"host adapters (entry points): {', '.join(report['entry_points']) or 'none'}")
+  if "host" in report:
+    print(f"host: {report['host'] or 'tunix not importable'}")
+  for check in report.get("probes", []):
+    print(f"  [{'ok' if check['ok'] else 'FAIL'}] {check['name']}"
+          + ("" if check["ok"] else f": {check['detail']}"))
+  if "installed_hooks" in report:
+    hooks = report["installed_hooks"]
+    print(f"hooks installed in this process: {len(hooks) or 'none'}")
+    for name in hooks:
+      print(f"  {name}")
+    if not hooks:
+      print("hooks staging installs: " + "; ".join(report["hook_groups"]))
+  for problem in problems:
+    print(f"{'error' if enabled else 'note'}: {problem}")
+  if enabled and not problems:
+    print("staging can work here")
+  return status

@@ -1,0 +1,80 @@
+"""The tunix adapter object the `tunix_stage_plugin.hosts` entry point names."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from tunix_stage_plugin.hosts import version
+
+if TYPE_CHECKING:
+  from tunix_stage_plugin.activation import registry as registry_lib
+  from tunix_stage_plugin.core import config as config_lib
+  from tunix_stage_plugin.hosts import Probe
+
+DIST = "google-tunix"
+REMOTE_EXECUTION = "tunix.experimental.worker.remote_execution"
+TRAINER_WORKER = "tunix.experimental.worker.trainer_worker"
+ENGINE = "tunix.experimental.orchestrator.distributed_rl_engine"
+PROGRAM = "tunix.experimental.orchestrator.rl_program"
+
+
+@dataclasses.dataclass(frozen=True)
+class Modules:
+  remote_execution: ModuleType
+  trainer_worker: ModuleType
+  engine: ModuleType
+  program: ModuleType
+
+
+class TunixAdapter:
+  name = "tunix"
+  trigger_modules = (REMOTE_EXECUTION, TRAINER_WORKER, ENGINE, PROGRAM)
+  hook_groups = (
+      "server: trainer methods off the event loop",
+      "worker: stage_batch/reset_staged/fwd_bwd(stage_key)",
+      "engine: stage_train_batch/reset_staged_batches",
+      "program: staged train loop",
+  )
+
+  def __init__(self) -> None:
+    self._modules: Modules | None = None
+
+  @property
+  def modules(self) -> Modules:
+    if self._modules is None:
+      raise RuntimeError("tunix adapter: call load() first")
+    return self._modules
+
+  def load(self) -> None:
+    # All four at once, even when one triggered the install: the hooks are one unit, so a
+    # trainer process that never builds a program still gets the program probed and patched.
+    self._modules = Modules(*(importlib.import_module(m) for m in self.trigger_modules))
+
+  def describe(self) -> str:
+    module_file = self._modules.remote_execution.__file__ if self._modules else None
+    return version.describe("tunix", DIST, module_file)
+
+  def probe(self) -> list[Probe]:
+    from tunix_stage_plugin.hosts.tunix import probes  # pylint: disable=import-outside-toplevel
+    return probes.run(self.modules)
+
+  def runtime_probes(self) -> list[Probe]:
+    from tunix_stage_plugin.hosts.tunix import probes  # pylint: disable=import-outside-toplevel
+    return [probes.trainer_probe()]
+
+  def apply(self, registry: registry_lib.PatchRegistry, config: config_lib.StageConfig) -> None:
+    del config  # the hooks read the live configuration (install can update depths)
+    # pylint: disable=import-outside-toplevel
+    from tunix_stage_plugin.hosts.tunix import engine, program, server, worker
+    m = self.modules
+    server.apply(registry, m.remote_execution.RemoteExecutionServer,
+                 m.remote_execution.GrpcRemoteExecutionServer, m.trainer_worker.TrainerWorker)
+    worker.apply(registry, m.trainer_worker.TrainerWorker)
+    engine.apply(registry, m.engine.DistributedRLEngine)
+    program.apply(registry, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
+
+
+ADAPTER = TunixAdapter()

@@ -1,0 +1,126 @@
+"""Capability probes: does this tunix have what each hook relies on, with the expected shape?
+
+Run before anything is patched; any failure means nothing is installed. A probe checks the
+attributes the hooks call or replace (and that the names the hooks add are still free, so a tunix
+that grew its own stage_batch is not silently overridden).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.hosts import Probe
+
+
+def _params(fn: Any) -> dict[str, inspect.Parameter]:
+  return dict(inspect.signature(fn).parameters)
+
+
+def _has_var_kwargs(fn: Any) -> bool:
+  return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in _params(fn).values())
+
+
+def _check(name: str, test: Callable[[], str | None]) -> Probe:
+  """`test` returns None when the capability is there, else what is wrong."""
+  try:
+    problem = test()
+  except Exception as e:  # pylint: disable=broad-except  (a probe that cannot run has failed)
+    problem = f"{type(e).__name__}: {e}"
+  return Probe(name, problem is None, problem or "ok")
+
+
+def _method(cls: type, attr: str, *, params: tuple[str, ...], coroutine: bool,
+            var_kwargs: bool = False, own: bool = False) -> str | None:
+  # getattr_static: no descriptor runs, so probing leaves the class untouched (a plain getattr
+  # of e.g. __annotations__ would create and store one on Python 3.12).
+  fn = cls.__dict__.get(attr) if own else inspect.getattr_static(cls, attr, None)
+  if fn is None:
+    return f"{cls.__qualname__}.{attr} is missing"
+  if inspect.iscoroutinefunction(fn) != coroutine:
+    return f"{cls.__qualname__}.{attr} is {'not ' if coroutine else ''}a coroutine function"
+  missing = [p for p in params if p not in _params(fn)]
+  if missing:
+    return f"{cls.__qualname__}.{attr}{inspect.signature(fn)} lacks {missing}"
+  if var_kwargs and not _has_var_kwargs(fn):
+    return f"{cls.__qualname__}.{attr}{inspect.signature(fn)} takes no **kwargs"
+  return None
+
+
+def _free(cls: type, *attrs: str) -> str | None:
+  taken = [a for a in attrs + (registry_lib.SENTINEL,) if hasattr(cls, a)]
+  if taken:
+    return (f"{cls.__qualname__} already has {taken} (the host's own, or another copy of the "
+            "plugin installed)")
+  return None
+
+
+def run(m: Any) -> list[Probe]:
+  base_server = m.remote_execution.RemoteExecutionServer
+  server = m.remote_execution.GrpcRemoteExecutionServer
+  worker = m.trainer_worker.TrainerWorker
+  engine = m.engine.DistributedRLEngine
+  program = m.program.StandardRLProgram
+  result = m.program.RLStepResult
+  step_fields = {"step", "policy_version", "num_rollouts", "num_microbatches", "reward_mean",
+                 "reward_std", "train_result"}
+
+  def server_routing() -> str | None:
+    return (_method(base_server, "execute_request", params=("request",), coroutine=True,
+                    own=True)
+            or _method(base_server, "execute_sync_request", params=("request",),
+                       coroutine=False)
+            or (None if isinstance(inspect.getattr_static(base_server, "bound_instance"), property)
+                else "bound_instance is not a property")
+            or (None if issubclass(server, base_server) and "execute_request" not in vars(server)
+                else "GrpcRemoteExecutionServer overrides execute_request")
+            or _method(server, "stop_serving", params=(), coroutine=True, own=True)
+            or _free(base_server) or _free(server))
+
+  def worker_api() -> str | None:
+    return (_method(worker, "fwd_bwd", params=("payload",), coroutine=False, var_kwargs=True,
+                    own=True)
+            or _method(worker, "_response", params=(), coroutine=False, var_kwargs=True)
+            or _free(worker, "stage_batch", "reset_staged"))
+
+  def engine_api() -> str | None:
+    return (_method(engine, "train_step", params=("payload", "role", "accumulate_gradients",
+                                                  "apply_optimizer"),
+                    coroutine=True, var_kwargs=True)
+            or _method(engine, "_invoke_worker", params=("worker", "method_name"),
+                       coroutine=True, var_kwargs=True)
+            or _method(engine, "per_token_logps", params=("role", "items"), coroutine=True)
+            or _method(engine, "sync_weights", params=("role",), coroutine=True)
+            or _free(engine, "stage_train_batch", "reset_staged_batches"))
+
+  def program_loop() -> str | None:
+    missing_init = [p for p in ("algo", "assembler", "mini_batch_size", "max_staleness",
+                                "sync_weights", "on_step_begin", "on_step_end")
+                    if p not in _params(program.__init__)]
+    fields = {f.name for f in dataclasses.fields(result)}
+    return (_method(program, "train_stage", params=("engine", "num_steps"), coroutine=True,
+                    own=True)
+            or (f"StandardRLProgram.__init__ lacks {missing_init}" if missing_init else None)
+            or (f"RLStepResult lacks {sorted(step_fields - fields)}"
+                if step_fields - fields else None)
+            or _free(program, "_stage_ahead_while_pending", "_prestage_across_boundary"))
+
+  return [
+      _check("server: RemoteExecutionServer.execute_request routing", server_routing),
+      _check("worker: TrainerWorker.fwd_bwd(payload, **kwargs)", worker_api),
+      _check("engine: DistributedRLEngine.train_step(**kwargs) / _invoke_worker", engine_api),
+      _check("program: StandardRLProgram.train_stage / RLStepResult", program_loop),
+  ]
+
+
+def trainer_probe() -> Probe:
+  """The trainer-side preparation path stage_batch uses (doctor only: imports the trainer)."""
+
+  def test() -> str | None:
+    from tunix.experimental.train import peft_trainer_v2  # pylint: disable=import-outside-toplevel
+    return _method(peft_trainer_v2.PeftTrainer, "_prepare_payload", params=("payload",),
+                   coroutine=False)
+
+  return _check("trainer: PeftTrainer._prepare_payload(payload)", test)
