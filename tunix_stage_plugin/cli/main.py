@@ -6,10 +6,13 @@ import argparse
 import sys
 
 from tunix_stage_plugin import __version__
+from tunix_stage_plugin.cli import bench_cmd
 from tunix_stage_plugin.cli import config_cmd
+from tunix_stage_plugin.cli import doctor_cmd
+from tunix_stage_plugin.cli import run_cmd
 
 # Each subcommand module offers add_parser(subparsers) and run(args) -> exit code.
-_COMMANDS = (config_cmd,)
+_COMMANDS = (config_cmd, doctor_cmd, run_cmd, bench_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
