@@ -14,6 +14,8 @@
 set -euo pipefail
 
 RECIPES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=cli_lib.sh
+source "${RECIPES_DIR}/cli_lib.sh"
 PROG="k8s_launcher.sh"
 
 usage() {
@@ -45,30 +47,10 @@ example:
 EOF
 }
 
-usage_error() {
-  echo "${PROG}: error: $*" >&2
-  echo "run '${PROG} --help' for usage" >&2
-  exit 2
-}
-
-die() {
-  echo "${PROG}: error: $*" >&2
-  exit 2
-}
-
 COMMAND=""
 ROLE="all"
 DRY_RUN=0
 IMAGE_ARG=""
-
-# Takes an option's value from "--opt=value" or the next argument; fails when there is none.
-option_value() {
-  local name="$1" next_count="$2" next="${3-}"
-  if ((next_count < 2)) || [[ "${next}" == --* ]]; then
-    usage_error "${name} needs a value"
-  fi
-  printf '%s' "${next}"
-}
 
 while (($# > 0)); do
   case "$1" in

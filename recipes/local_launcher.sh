@@ -17,6 +17,8 @@
 set -euo pipefail
 
 RECIPES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=cli_lib.sh
+source "${RECIPES_DIR}/cli_lib.sh"
 PROG="local_launcher.sh"
 LOCALHOST="127.0.0.1"
 TUNIX_RUNTIME_MODULE="tunix.experimental.distributed.runtime.main"
@@ -58,27 +60,8 @@ example:
 EOF
 }
 
-usage_error() {
-  echo "${PROG}: error: $*" >&2
-  echo "run '${PROG} --help' for usage" >&2
-  exit 2
-}
-
-die() {
-  echo "${PROG}: error: $*" >&2
-  exit 2
-}
-
 say() {
   echo "${PROG}: $*"
-}
-
-option_value() {
-  local name="$1" next_count="$2" next="${3-}"
-  if ((next_count < 2)) || [[ "${next}" == --* ]]; then
-    usage_error "${name} needs a value"
-  fi
-  printf '%s' "${next}"
 }
 
 check_uint() {
