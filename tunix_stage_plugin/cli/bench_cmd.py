@@ -135,14 +135,12 @@ def _options(args: argparse.Namespace) -> runner.BenchOptions:
 def run(args: argparse.Namespace) -> int:
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
   # pylint: disable=import-outside-toplevel  (keep `tunix-stage --help` fast)
-  import grpc
-
   from tunix_stage_plugin.bench import plot
   from tunix_stage_plugin.bench import report
   from tunix_stage_plugin.bench import runner  # pylint: disable=redefined-outer-name
   from tunix_stage_plugin.bench import trace
+  from tunix_stage_plugin.embedded import client
   from tunix_stage_plugin.embedded import process
-  from tunix_stage_plugin.embedded import wire
 
   try:
     options = _options(args)
@@ -164,12 +162,9 @@ def run(args: argparse.Namespace) -> int:
 
   try:
     result = runner.run_bench(options, progress)
-  except (process.TrainerProcessError, ConnectionError, wire.RemoteCallError) as e:
-    print(f"tunix-stage bench: error: {e}", file=sys.stderr)
-    return 1
-  except grpc.aio.AioRpcError as e:
-    print(f"tunix-stage bench: error: a call to the trainer process failed: {e.code().name}: "
-          f"{e.details()}", file=sys.stderr)
+  except (process.TrainerProcessError, *client.CALL_ERRORS) as e:
+    print(f"tunix-stage bench: error: {client.describe_call_error(e, 'the trainer process')}",
+          file=sys.stderr)
     return 1
   summary = report.summarize(result)
   checks = report.criteria(result, summary)

@@ -20,6 +20,17 @@ from tunix_stage_plugin.embedded import wire
 _ADDRESS_RE = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
 
 
+# What a call to the trainer can fail with; a command reports each in one line and exits 1.
+CALL_ERRORS = (ConnectionError, wire.RemoteCallError, wire.WireError, grpc.aio.AioRpcError)
+
+
+def describe_call_error(e: BaseException, trainer: str) -> str:
+  """One line for a CALL_ERRORS exception; gRPC's own errors get their status code."""
+  if isinstance(e, grpc.aio.AioRpcError):
+    return f"a call to {trainer} failed: {e.code().name}: {e.details()}"
+  return str(e)
+
+
 def check_address(address: str) -> str:
   match = _ADDRESS_RE.fullmatch(address or "")
   if not match or not 1 <= int(match["port"]) <= 65535:

@@ -19,15 +19,12 @@ import os
 import sys
 from typing import Any, Callable
 
-import grpc
-
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import engine as engine_lib
 from tunix_stage_plugin.embedded import job as job_lib
-from tunix_stage_plugin.embedded import wire
 
 PROG = "orchestrator_main"
 
@@ -125,12 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   try:
     return asyncio.run(run(args, cfg))
-  except (ConnectionError, wire.RemoteCallError, wire.WireError) as e:
-    print(f"{PROG}: error: {e}", file=sys.stderr)
-    return 1
-  except grpc.aio.AioRpcError as e:
-    print(f"{PROG}: error: a call to the trainer at {args.trainer} failed: {e.code().name}: "
-          f"{e.details()}", file=sys.stderr)
+  except client_lib.CALL_ERRORS as e:
+    print(f"{PROG}: error: {client_lib.describe_call_error(e, f'the trainer at {args.trainer}')}", file=sys.stderr)
     return 1
 
 
