@@ -1,11 +1,11 @@
 """RemoteExecutionServer (gRPC and in-process): a TrainerWorker's requests go through the executor.
 
 The host runs a sync worker method inline on the server's event loop (for the in-process server,
-the caller's loop), so a stage request
-waits behind a running fwd_bwd and behind the step-boundary calls (update, weight sync). With the
-hook, a server bound to a TrainerWorker sends trainer compute to one FIFO thread (arrival order,
-one thread touching trainer state, as on the loop today), stage_batch/reset_staged to the staging
-thread, and answers heartbeat/info on the loop at once. Servers bound to anything else (rollout,
+the caller's loop), so a stage request waits behind a running fwd_bwd and behind the
+step-boundary calls (update, weight sync). With the hook, a server bound to a TrainerWorker sends
+trainer compute to one FIFO thread (arrival order, one thread touching trainer state, as on the
+loop today), stage_batch to the staging thread, and answers heartbeat/info/reset_staged on the
+loop at once (core.executor's lanes). Servers bound to anything else (rollout,
 inference, tests' objects) run the host's code unchanged. The hook is on the base class, so the
 gRPC server and the in-process one route alike; the gRPC server's stop_serving also joins the
 executor's threads (an in-process server's go when the server is collected).
