@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core.outcome import StageOutcome, StageStatus
 from tunix_stage_plugin.core import store as store_lib
 
 OK, PREPARE_FAILS, LOST_REPLY = "ok", "prepare_fails", "lost_reply"
@@ -32,7 +33,8 @@ class ThreadedEngine:
                stage_delay_s: dict[Any, float] | None = None, fail_train: set[Any] = frozenset(),
                stage_gate: dict[Any, threading.Event] | None = None,
                train_gate: dict[Any, threading.Event] | None = None,
-               slot_wait_s: float = 30.0) -> None:
+               slot_wait_s: float = 30.0, fail_train_before_take: set[Any] = frozenset(),
+               on_event: Any = None) -> None:
     self.store = store_lib.StagedBatchStore(max_device_batches, slot_wait_s=slot_wait_s)
     self.executor = executor_lib.MethodExecutor(name="test")
     self.stage_outcomes = stage_outcomes or {}
@@ -40,6 +42,10 @@ class ThreadedEngine:
     self.stage_gate = stage_gate or {}
     self.train_gate = train_gate or {}
     self.fail_train = set(fail_train)
+    # Fails a train call before the trainer takes its staged batch (a call lost on the way).
+    self.fail_train_before_take = set(fail_train_before_take)
+    self.on_event = on_event  # called with each logged event (from any thread)
+    self.key_payload: dict[str, Any] = {}
     self.trained: list[Any] = []  # payloads in training order
     self.trained_staged: list[bool] = []
     self.updates: list[int] = []  # len(trained) at each optimizer step
@@ -50,6 +56,8 @@ class ThreadedEngine:
   def log(self, event: str) -> None:
     with self._log_lock:
       self.events.append(event)
+    if self.on_event is not None:
+      self.on_event(event)
 
   def _prepare(self, payload: Any) -> Any:
     gate = self.stage_gate.get(payload)
@@ -60,23 +68,27 @@ class ThreadedEngine:
       raise RuntimeError(f"injected prepare failure for {payload!r}")
     return ("placed", payload)
 
-  def _stage(self, payload: Any, key: str) -> str | None:
+  def _stage(self, payload: Any, key: str) -> StageOutcome:
     self.log(f"stage-start {payload}")
+    self.key_payload[key] = payload
     result = self.store.stage(key, payload, self._prepare)
     if result.staged:
-      outcome = LOST_REPLY if self.stage_outcomes.get(payload) == LOST_REPLY else OK
+      attempt = LOST_REPLY if self.stage_outcomes.get(payload) == LOST_REPLY else OK
     else:
-      outcome = PREPARE_FAILS if result.reason.startswith("prepare failed") else "refused"
-    self.attempts.append((payload, outcome))
+      attempt = PREPARE_FAILS if result.status is StageStatus.FAILED else "refused"
+    self.attempts.append((payload, attempt))
     self.log(f"stage-end {payload}")
-    if outcome == LOST_REPLY:
+    if attempt == LOST_REPLY:
       raise LostReply(f"reply for {key} lost")
-    return key if result.staged else None
+    return result
 
-  async def stage(self, payload: Any, *, key: str) -> str | None:
+  async def stage(self, payload: Any, *, key: str) -> StageOutcome:
     return await self.executor.run("stage_batch", self._stage, payload, key)
 
   def _train(self, payload: Any, stage_key: str | None, apply_optimizer: bool) -> int:
+    name = payload if stage_key is None else self.key_payload.get(stage_key)
+    if name in self.fail_train_before_take:
+      raise TrainFailed(f"injected train failure before take for {name!r}")
     if stage_key is not None:
       assert payload is None, "a train call with a stage key must not carry the payload"
       tag, payload = self.store.take(stage_key)

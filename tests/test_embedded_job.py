@@ -103,11 +103,11 @@ def test_a_trainer_with_staging_off_refuses_every_stage_without_a_staging_thread
     info = call(proc.address, "info")
   assert proc.proc.returncode == 0
   assert info["mode"] == "off" and not any("staging" in t for t in info["threads"])
-  # The first micro-batch of a step is sent inline before anything is staged; the rest were
-  # offered for staging, refused, and trained inline.
-  assert result.fallbacks == [MB - 1] * STEPS
-  assert {r for o in result.outcomes for r in o.report.fallback_reasons} == {
-      "stage refused by the trainer"}  # a refusal, not a failure: nothing to reset
+  # The trainer is asked once: it answers that it cannot stage at all, and every micro-batch
+  # after that trains inline without an offer (no payload sent twice).
+  assert result.fallbacks == [1] + [0] * (STEPS - 1)
+  assert [r for o in result.outcomes for r in o.report.fallback_reasons] == [
+      "unsupported: staging is off on this trainer (TUNIX_STAGE_BATCH=off)"]
   assert all(o.report.inline == MB for o in result.outcomes)
   assert result.finish["store"]["staged"] == 0
   assert result.finish["param_digest"] == inline_digest

@@ -8,7 +8,9 @@ import threading
 import pytest
 
 from core_engine import LOST_REPLY, PREPARE_FAILS, ThreadedEngine, TrainFailed, source_of
+from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core.pipeline import MicroBatch, PipelineContractError, StagePipeline
+from tunix_stage_plugin.core.store import StageKeyError
 
 
 def run(coro):
@@ -59,7 +61,8 @@ def test_depth_over_the_device_bound_falls_back_and_counts(engine_factory):
   assert engine.attempts[:2] == [(1, "ok"), (2, "refused")]
   assert engine.trained == list(range(6)) and engine.trained_staged[2] is False
   assert report.fallbacks == len(refused) and engine.store.stats.peak == 1
-  assert report.fallback_reasons.count("stage refused by the trainer") == len(refused)
+  assert sum(r.startswith("refused: device bound reached") for r in report.fallback_reasons) \
+      == len(refused)
 
 
 def test_failed_and_lost_stages_fall_back_and_leave_nothing_staged(engine_factory):
@@ -210,3 +213,133 @@ def test_metrics_names():
 def test_depth_must_be_a_positive_int(engine_factory):
   with pytest.raises(ValueError, match="TUNIX_MAX_STAGED_BATCHES"):
     StagePipeline(engine_factory(1), 0)
+
+
+# --- every staged key released on every path, typed outcomes, the step loop ------------------
+
+
+def test_a_train_failing_before_the_trainer_took_its_key_resets_that_key(engine_factory):
+  engine = engine_factory(2, fail_train_before_take={1})
+  with pytest.raises(TrainFailed, match="before take for 1"):
+    run(StagePipeline(engine, 2).run_step(0, source_of(list(range(4)))))
+  assert engine.trained == [0] and engine.trained_staged[1:] == []
+  assert len(engine.store) == 0, engine.store.keys()  # 1 was staged and is not left behind
+
+
+def test_cancel_while_adopting_a_prestage_resets_what_it_staged(engine_factory):
+  gate = threading.Event()
+  engine = engine_factory(2, stage_gate={"s1m0": gate})
+
+  async def scenario():
+    pipeline = StagePipeline(engine, 2)
+    loop_task = None
+
+    async def after_step(step, report):
+      # Step 1's head is being staged (held at the gate): cancel as step 1 starts adopting it.
+      loop_task.cancel()
+
+    loop_task = asyncio.create_task(pipeline.run_steps(
+        lambda step: source_of([f"s{step}m{i}" for i in range(3)]), steps=2,
+        after_step=after_step))
+    with pytest.raises(asyncio.CancelledError):
+      await loop_task
+    return pipeline
+
+  run(scenario())
+  gate.set()  # the stage held on the trainer finishes after the reset: it must not hold a slot
+  engine.executor.close()
+  assert engine.trained == ["s0m0", "s0m1", "s0m2"]
+  assert len(engine.store) == 0, engine.store.keys()
+
+
+def test_a_lost_reset_is_retried_before_the_next_step(engine_factory):
+  staged_1 = threading.Event()  # train 0 runs until the stage of 1 has ended (so 1 is offered)
+  engine = engine_factory(2, stage_outcomes={1: LOST_REPLY}, train_gate={0: staged_1},
+                          on_event=lambda e: e == "stage-end 1" and staged_1.set())
+  real_reset, calls = engine.reset, []
+
+  async def flaky_reset(keys):
+    calls.append(list(keys))
+    if len(calls) == 1:
+      raise ConnectionError("reset reply lost")
+    await real_reset(keys)
+
+  engine.reset = flaky_reset
+  pipeline = StagePipeline(engine, 1)
+  run(pipeline.run_step(0, source_of([0, 1, 2])))
+  assert len(calls) == 1 and pipeline.pending_resets == calls[0]
+  assert len(engine.store) == 1  # the lost stage still holds its slot until the retry
+  run(pipeline.run_step(1, source_of([3, 4])))
+  assert calls[1] == calls[0] and pipeline.pending_resets == []
+  assert len(engine.store) == 0 and engine.trained == [0, 1, 2, 3, 4]
+
+
+class _Unsupported:
+  """An engine whose trainer cannot stage at all (as a trainer without the plugin answers)."""
+
+  def __init__(self):
+    self.staged_offers, self.trained = 0, []
+    self.offered = asyncio.Event()
+
+  async def stage(self, payload, *, key):
+    self.staged_offers += 1
+    self.offered.set()
+    return outcome_lib.unsupported(key, "no stage_batch on this trainer")
+
+  async def train(self, payload, *, stage_key, apply_optimizer):
+    await self.offered.wait()  # the first train call runs until a stage was offered
+    self.trained.append(payload)
+
+  async def reset(self, keys):
+    raise AssertionError("nothing was staged: nothing to reset")
+
+
+def test_a_trainer_that_cannot_stage_is_asked_once(caplog):
+  engine = _Unsupported()
+  reports = []
+
+  async def after_step(step, report):
+    reports.append(report)
+
+  with caplog.at_level("WARNING", logger="tunix_stage_plugin"):
+    run(StagePipeline(engine, 2).run_steps(lambda s: source_of([f"s{s}m{i}" for i in range(4)]),
+                                           steps=3, after_step=after_step))
+  assert engine.staged_offers == 1 and len(engine.trained) == 12
+  assert [r.fallbacks for r in reports] == [1, 0, 0] and all(r.staged == 0 for r in reports)
+  assert sum("cannot stage" in r.message for r in caplog.records) == 1
+
+
+def test_a_malformed_key_from_the_engine_ends_the_step(engine_factory):
+  class Malformed(ThreadedEngine):
+    async def stage(self, payload, *, key):
+      return await super().stage(payload, key="bad key")
+
+  first_offered = threading.Event()
+  engine = Malformed(4, train_gate={0: first_offered},
+                     on_event=lambda e: e.startswith("stage-start") and first_offered.set())
+  try:
+    with pytest.raises(StageKeyError, match=r"\[A-Za-z0-9._:-\]"):
+      run(StagePipeline(engine, 2).run_step(0, source_of(list(range(5)))))
+  finally:
+    engine.close()
+  assert len(engine.store) == 0
+
+
+@pytest.mark.parametrize("prefix", ["a b", "k/1", "x" * 97, 7])
+def test_an_invalid_key_prefix_is_refused_up_front(engine_factory, prefix):
+  with pytest.raises((ValueError, StageKeyError), match=r"\[A-Za-z0-9._:-\]"):
+    StagePipeline(engine_factory(1), 2, key_prefix=prefix)
+
+
+def test_prestaged_counts_only_stages_started_during_the_boundary(engine_factory):
+  # Depth 1: during the boundary only s1m0 can be staged; s1m1 is pulled but staged in step 1.
+  engine = engine_factory(3)
+  reports = []
+
+  async def after_step(step, report):
+    reports.append(report)
+
+  run(StagePipeline(engine, 1).run_steps(
+      lambda s: source_of([f"s{s}m{i}" for i in range(3)]), steps=2, after_step=after_step))
+  assert engine.trained == ["s0m0", "s0m1", "s0m2", "s1m0", "s1m1", "s1m2"]
+  assert reports[1].prestaged == 1 and reports[1].staged >= 2

@@ -1,15 +1,16 @@
-"""Property: whatever the stage latencies, refusals, failures and train failures, every micro-batch
-is trained exactly once and in order, the device bound holds and fallbacks are counted exactly.
+"""Property: whatever the stage latencies, refusals, failures, train failures and cancellations,
+every micro-batch is trained at most once and in order (exactly once when nothing fails), the
+device bound holds, fallbacks are counted exactly, and nothing stays staged or running.
 
-Drives the real pipeline, store and executor threads (tests/core_engine.py); latencies are real
-sleeps in the staging thread and the source (emulated work, never used to order events).
+Drives the real step loop, store and executor threads (tests/core_engine.py); latencies are real
+sleeps in the staging thread and the source (emulated work, never used to order events). A
+cancellation is triggered by an event (the k-th stage or train call starting), not by time.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,52 +26,77 @@ def scenarios(draw):
   flat = [p for step in payloads for p in step]
   outcomes = {p: draw(st.sampled_from([OK, OK, OK, PREPARE_FAILS, LOST_REPLY])) for p in flat}
   delays = {p: draw(st.sampled_from([0.0, 0.0, 0.0005, 0.002])) for p in flat}
-  fail_train = draw(st.one_of(st.none(), st.sampled_from(flat)))
+  fault = draw(st.sampled_from(["none", "none", "train_fails", "train_fails_before_take",
+                                "cancel"]))
   return dict(
-      payloads=payloads, outcomes=outcomes, delays=delays, fail_train=fail_train,
+      payloads=payloads, outcomes=outcomes, delays=delays, fault=fault,
+      fail_train=draw(st.sampled_from(flat)),
+      cancel_at=draw(st.integers(1, 2 * len(flat))),  # the k-th stage/train event
       depth=draw(st.integers(1, 3)), bound=draw(st.integers(1, 3)),
       slot_wait_s=draw(st.sampled_from([0.0, 5.0])), prestage=draw(st.booleans()),
       pull_delay_s=draw(st.sampled_from([0.0, 0.001])),
   )
 
 
-async def drive(engine: ThreadedEngine, sc: dict) -> list:
+class Cancelled(Exception):
+  pass
+
+
+async def drive(engine: ThreadedEngine, sc: dict, armed: dict) -> list:
   pipeline = StagePipeline(engine, sc["depth"])
-  n = len(sc["payloads"])
-  sources = [source_of(p, sc["pull_delay_s"]) for p in sc["payloads"]]
-  prestaged, reports = None, []
+  reports = []
+
+  async def after_step(step, report):
+    reports.append(report)
+
+  task = asyncio.create_task(pipeline.run_steps(
+      lambda step: source_of(sc["payloads"][step], sc["pull_delay_s"]),
+      steps=len(sc["payloads"]), prestage=sc["prestage"], after_step=after_step))
+  armed["loop"], armed["task"] = asyncio.get_running_loop(), task
   try:
-    for step in range(n):
-      def start_next(step=step):
-        nonlocal prestaged
-        if sc["prestage"] and step + 1 < n:
-          prestaged = pipeline.prestage(step + 1, sources[step + 1])
-      current, prestaged = prestaged, None
-      reports.append(await pipeline.run_step(step, sources[step], prestaged=current,
-                                             after_final_dispatch=start_next))
+    await task
+  except asyncio.CancelledError:
+    if not task.cancelled():
+      raise
+    raise Cancelled() from None
   finally:
-    if prestaged is not None:
-      await prestaged.discard()
+    # Every task the pipeline started has ended: nothing left running after the step loop.
+    # (asyncio finalizes a source generator left open at a step's end in a task of its own.)
+    left = {t for t in asyncio.all_tasks() - {asyncio.current_task()}
+            if "async_generator" not in repr(t.get_coro())}
+    assert not left, left
   return reports
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenarios())
-def test_exactly_once_in_order_bounded_and_counted(sc):
-  engine = ThreadedEngine(sc["bound"], stage_outcomes=sc["outcomes"], stage_delay_s=sc["delays"],
-                          fail_train={sc["fail_train"]} - {None}, slot_wait_s=sc["slot_wait_s"])
+def test_exactly_once_in_order_bounded_counted_and_nothing_left(sc):
+  armed: dict = {}
+  seen = [0]
+
+  def on_event(event):
+    if event.startswith(("stage-start", "train")):
+      seen[0] += 1
+      if sc["fault"] == "cancel" and seen[0] == sc["cancel_at"] and "task" in armed:
+        armed["loop"].call_soon_threadsafe(armed["task"].cancel)
+
+  fault = sc["fault"]
+  engine = ThreadedEngine(
+      sc["bound"], stage_outcomes=sc["outcomes"], stage_delay_s=sc["delays"],
+      fail_train={sc["fail_train"]} if fault == "train_fails" else set(),
+      fail_train_before_take={sc["fail_train"]} if fault == "train_fails_before_take" else set(),
+      slot_wait_s=sc["slot_wait_s"], on_event=on_event)
   flat = [p for step in sc["payloads"] for p in step]
+  reports, error = None, None
   try:
-    if sc["fail_train"] is None:
-      reports = asyncio.run(drive(engine, sc))
-    else:
-      with pytest.raises(TrainFailed):
-        asyncio.run(drive(engine, sc))
-      reports = None
+    reports = asyncio.run(drive(engine, sc, armed))
+  except (TrainFailed, Cancelled) as e:
+    error = e
   finally:
     engine.close()
 
-  if sc["fail_train"] is None:
+  if fault in ("none",) or (fault == "cancel" and error is None):
+    assert error is None
     assert engine.trained == flat  # exactly once, in order
     ends = [sum(len(p) for p in sc["payloads"][:s + 1]) for s in range(len(sc["payloads"]))]
     assert engine.updates == ends  # the optimizer step is each step's last call
@@ -79,11 +105,16 @@ def test_exactly_once_in_order_bounded_and_counted(sc):
     for r, step in zip(reports, sc["payloads"]):
       assert r.trained == r.staged + r.inline == len(step)
       assert r.peak_staged <= sc["depth"]
+      assert r.prestaged <= r.staged
     # Every batch staged and answered reached training by key; nothing else did.
     assert sum(engine.trained_staged) == sum(r.staged for r in reports) == \
         len([a for a in engine.attempts if a[1] == OK])
-  else:
+  elif fault.startswith("train_fails"):
+    assert isinstance(error, TrainFailed)
     cut = flat.index(sc["fail_train"])
     assert engine.trained == flat[:cut]  # a prefix, in order, no duplicates; never retried
+  else:  # cancelled part-way: what was trained is a prefix, in order, no duplicates
+    assert isinstance(error, Cancelled)
+    assert engine.trained == flat[:len(engine.trained)]
   assert engine.store.stats.peak <= sc["bound"]
-  assert len(engine.store) == 0  # nothing left holding device memory
+  assert len(engine.store) == 0, engine.store.keys()  # nothing left holding device memory

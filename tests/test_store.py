@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.core.store import StagedBatchStore, StageKeyError
 
 
@@ -45,7 +46,7 @@ def test_longest_allowed_key_is_accepted():
 def test_duplicate_key_is_an_error_and_keeps_the_first():
   store = StagedBatchStore(2)
   store.stage("k", 1, place)
-  with pytest.raises(StageKeyError, match="already staged"):
+  with pytest.raises(StageKeyError, match="already used; keys are single-use"):
     store.stage("k", 2, place)
   assert store.take("k") == ("placed", 1)
 
@@ -59,7 +60,7 @@ def test_over_the_bound_refuses_with_reason_and_never_evicts():
   assert "TUNIX_STAGE_MAX_DEVICE_BATCHES" in refused.reason
   assert store.keys() == ["a", "b"] and store.stats.refused == 1
   store.take("a")
-  assert store.stage("c", 3, place).staged  # room again once one is consumed
+  assert store.stage("c2", 3, place).staged  # room again once one is consumed
 
 
 def test_prepare_failure_is_reported_and_frees_the_slot():
@@ -100,7 +101,7 @@ def test_reset_while_placing_keeps_the_slot_until_placement_ends():
     release.set()
     result = future.result(10)
   assert not result.staged and result.reason == "reset while staging"
-  assert store.stage("b", 2, place).staged and store.keys() == ["b"]
+  assert store.stage("c", 2, place).staged and store.keys() == ["c"]
 
 
 def test_take_waits_for_a_batch_still_being_placed():
@@ -230,3 +231,75 @@ def test_bound_must_be_a_positive_int():
   for bad in (0, -1, 1.5, "2"):
     with pytest.raises(ValueError, match="max_device_batches must be an int >= 1"):
       StagedBatchStore(bad)
+
+
+def test_reset_of_a_single_str_is_refused_not_iterated():
+  store = StagedBatchStore(2)
+  store.stage("ab", 1, place)
+  with pytest.raises(TypeError, match=r"got str 'ab' \(for one key, pass \['ab'\]\)"):
+    store.reset("ab")
+  assert store.keys() == ["ab"]
+  assert store.stage("a", 2, place).staged  # no tombstone was left for 'a' or 'b'
+
+
+@pytest.mark.parametrize("finish", ["take", "reset", "refused", "failed"])
+def test_a_used_key_cannot_be_staged_again(finish):
+  store = StagedBatchStore(1, slot_wait_s=0)
+  if finish == "refused":
+    store.stage("other", 0, place)
+    assert not store.stage("k", 1, place).staged
+  elif finish == "failed":
+    assert not store.stage("k", 1, lambda p: 1 / 0).staged
+  else:
+    store.stage("k", 1, place)
+    getattr(store, finish)(*(["k"] if finish == "take" else [["k"]]))
+  with pytest.raises(StageKeyError, match="'k' was already used; keys are single-use"):
+    store.stage("k", 2, place)
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_inside_prepare_frees_the_slot_and_propagates(interrupt):
+  store = StagedBatchStore(1, slot_wait_s=0)
+
+  def interrupted(payload):
+    raise interrupt()
+
+  with pytest.raises(interrupt):
+    store.stage("a", 1, interrupted)
+  assert len(store) == 0 and store.stage("b", 2, place).staged
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1, "5", True])
+def test_slot_wait_must_be_a_finite_number(value):
+  with pytest.raises(ValueError, match="slot_wait_s must be a finite number of seconds >= 0"):
+    StagedBatchStore(1, slot_wait_s=value)
+
+
+def test_an_unstageable_payload_is_refused_before_waiting_for_a_slot():
+  store = StagedBatchStore(1, slot_wait_s=3600)  # a wait would hang this test
+  store.stage("a", 1, place)
+
+  def check(payload):
+    raise TypeError("a TrainerPayload is not a JAX pytree")
+
+  result = store.stage("b", "not an array", place, check=check)
+  assert result.status is StageStatus.REFUSED
+  assert result.reason == "not stageable: TypeError: a TrainerPayload is not a JAX pytree"
+  assert store.keys() == ["a"] and store.stats.slot_waits == 0
+
+
+def test_a_reset_during_the_check_refuses_the_stage():
+  store = StagedBatchStore(1)
+  entered, release = threading.Event(), threading.Event()
+
+  def check(payload):
+    entered.set()
+    assert release.wait(10)
+
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    future = pool.submit(store.stage, "a", 1, place, check=check)
+    assert entered.wait(10)
+    assert store.reset(["a"]) == []
+    release.set()
+    result = future.result(10)
+  assert result.status is StageStatus.REFUSED and len(store) == 0

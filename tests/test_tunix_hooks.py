@@ -1,10 +1,11 @@
 """The tunix hooks against real tunix classes, in one process.
 
 A real StandardRLProgram and DistributedRLEngine drive a real TrainerWorker over tunix's
-in-process server (routed through the method executor like the gRPC one); only the trainer is a
-recorder (what fwd_bwd/update received, in order), with
-its model on a one-device mesh. The two-device gRPC path with tunix's PeftTrainer is in
-test_tunix_grpc.py.
+in-process server (routed through the method executor like the gRPC one). The trainer is a
+PeftTrainer subclass that records what fwd_bwd/update received (in order) instead of computing:
+tunix's own preparation seam (`_prepare_payload`: `_prepare_inputs` + shard_input) runs as in
+production, with its model on a one-device mesh. The two-device gRPC path with tunix's real
+PeftTrainer computing is in test_tunix_grpc.py.
 """
 
 from __future__ import annotations
@@ -26,18 +27,20 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tunix.experimental.common import datatypes
 from tunix.experimental.orchestrator import distributed_rl_engine
 from tunix.experimental.orchestrator import rl_program
+from tunix.experimental.train import peft_trainer_v2
 from tunix.experimental.worker import remote_execution
 from tunix.experimental.worker import trainer_worker
-from tunix.sft import sharding_utils
 
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts import tunix as tunix_host
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
 MB_PER_STEP = 4  # mini_batch_size 2 groups x group_size 2 items, one micro-batch per item
+ALGO = types.SimpleNamespace(group_size=2, mini_batch_size=2, requires_reference_kl=False)
 
 
 @pytest.fixture
@@ -52,22 +55,23 @@ def staging(request):
   manager.uninstall("tunix", quiet=True)
 
 
-class RecordingTrainer:
-  """Records each fwd_bwd/update; prepares payloads with tunix's own shard_input."""
+class RecordingTrainer(peft_trainer_v2.PeftTrainer):
+  """A PeftTrainer that records each fwd_bwd/update instead of computing (no optimizer, no jit).
 
-  def __init__(self):
+  Its fwd_bwd prepares through PeftTrainer's own `_prepare_payload`, as PeftTrainer.fwd_bwd does.
+  """
+
+  def __init__(self):  # pylint: disable=super-init-not-called  (nothing of PeftTrainer is run)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
     self.model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.config = types.SimpleNamespace(data_sharding_axis=("fsdp",))
     state = nnx.state(self.model)
     nnx.update(self.model, jax.tree.map(
         lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec())), state))
     self.calls = []
 
-  def _prepare_payload(self, payload):
-    return sharding_utils.shard_input(payload, ("fsdp",))
-
   def fwd_bwd(self, payload, **kwargs):
-    leaf = payload["mb"]
+    leaf = self._prepare_payload(payload)["mb"]
     self.calls.append(("fwd", int(np.asarray(leaf).ravel()[0]), isinstance(leaf, jax.Array)))
 
   def update(self, **kwargs):
@@ -115,13 +119,12 @@ async def fill_queue(program, steps):
       n += 1
 
 
-def run_program(steps=3, max_staleness=None):
-  trainer = RecordingTrainer()
+def run_program(steps=3, max_staleness=None, trainer_cls=None):
+  trainer = (trainer_cls or RecordingTrainer)()
   worker = trainer_worker.TrainerWorker(lambda: trainer)
   reports = []
   program = rl_program.StandardRLProgram(
-      algo=types.SimpleNamespace(group_size=2, mini_batch_size=2), assembler=OnePerItem(),
-      max_staleness=max_staleness, sync_weights=False,
+      algo=ALGO, assembler=OnePerItem(), max_staleness=max_staleness, sync_weights=False,
       on_step_end=lambda step, result: reports.append(program.last_step_result))
 
   async def main():
@@ -200,8 +203,7 @@ def test_mock_engine_keeps_the_hosts_loop(staging):
   engine.train_step = mock.AsyncMock(return_value="step_done")
   engine.stage_train_batch = mock.AsyncMock(side_effect=AssertionError("staged path taken"))
   program = rl_program.StandardRLProgram(
-      algo=types.SimpleNamespace(group_size=2, mini_batch_size=2), assembler=OnePerItem(),
-      sync_weights=False)
+      algo=ALGO, assembler=OnePerItem(), sync_weights=False)
 
   async def main():
     await fill_queue(program, 1)
@@ -229,20 +231,26 @@ def test_engine_train_step_with_a_key_sends_no_payload(staging):
                    ("fwd_bwd", {"payload": {"x": 1}, "skip_jit": False})]
 
 
-def test_engine_stage_returns_key_or_none(staging):
+def test_engine_stage_answers_a_typed_outcome(staging):
   trainer = RecordingTrainer()
   engine = make_engine(trainer_worker.TrainerWorker(lambda: trainer))
   payload = {"mb": np.zeros((1, 2), np.int32)}
-  assert asyncio.run(engine.stage_train_batch(payload, key="a-1")) == "a-1"
+  assert asyncio.run(engine.stage_train_batch(payload, key="a-1")).status is StageStatus.STAGED
   assert asyncio.run(engine.reset_staged_batches(["a-1", "never"])) == ["a-1"]
+  # A malformed or reused key is the caller's bug: an error, not a fallback.
+  with pytest.raises(store_lib.StageKeyError, match="already used"):
+    asyncio.run(engine.stage_train_batch(payload, key="a-1"))
+  with pytest.raises(store_lib.StageKeyError, match=r"\[A-Za-z0-9._:-\]"):
+    asyncio.run(engine.stage_train_batch(payload, key="bad key"))
 
-  class NoStaging:  # a worker without stage_batch: the host's error envelope, then None
+  class NoStaging:  # a worker without stage_batch (no plugin there): asked once, then no offer
     pass
 
   handle = remote_execution.InProcessActorHandle(
       remote_execution.InProcessRemoteExecutionServer(NoStaging()))
   other = distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
-  assert asyncio.run(other.stage_train_batch(payload, key="b-1")) is None
+  outcome = asyncio.run(other.stage_train_batch(payload, key="b-1"))
+  assert outcome.status is StageStatus.UNSUPPORTED and "no stage_batch" in outcome.reason
   with pytest.raises(ValueError, match="No trainer worker registered"):
     asyncio.run(other.stage_train_batch(payload, key="b-2", role=datatypes.Role.CRITIC))
 
@@ -252,7 +260,7 @@ def test_worker_stages_on_the_mesh_and_consumes_a_key_once(staging):
   worker = trainer_worker.TrainerWorker(lambda: trainer)
   worker.initialize()
   response = worker.stage_batch({"mb": np.full((1, 2), 5, np.int32)}, key="k-5")
-  assert response.metadata["staged"] is True and response.metadata["stage_key"] == "k-5"
+  assert response.metadata["staged"] is True and response.metadata["outcome"]["key"] == "k-5"
   worker.fwd_bwd(payload=None, skip_jit=False, stage_key="k-5")
   assert trainer.calls == [("fwd", 5, True)]
   with pytest.raises(store_lib.StageKeyError, match="not staged"):
@@ -260,13 +268,15 @@ def test_worker_stages_on_the_mesh_and_consumes_a_key_once(staging):
   assert worker.state == datatypes.WorkerState.READY
   with pytest.raises(ValueError, match="a payload and stage_key"):
     worker.fwd_bwd({"mb": 1}, stage_key="k-6")
+  with pytest.raises(TypeError, match="got str 'ab'"):  # would drop 'a' and 'b'
+    worker.reset_staged("ab")
 
 
 def test_worker_stage_never_touches_state_and_degrades(staging):
   worker = trainer_worker.TrainerWorker(lambda: types.SimpleNamespace())  # cannot stage
-  response = worker.stage_batch({"mb": np.zeros((1, 2))}, key="k-1")
-  assert response.metadata["staged"] is False
-  assert "AttributeError" in response.metadata["reason"]
+  outcome = worker.stage_batch({"mb": np.zeros((1, 2))}, key="k-1").metadata["outcome"]
+  assert outcome["status"] == "unsupported" and "SimpleNamespace, not a tunix PeftTrainer" in \
+      outcome["reason"]
   assert worker.state == datatypes.WorkerState.PENDING  # no readiness check, no state write
   ready = trainer_worker.TrainerWorker(RecordingTrainer)
   ready.initialize()
@@ -274,8 +284,52 @@ def test_worker_stage_never_touches_state_and_degrades(staging):
   assert ready.stage_batch({"mb": np.zeros((1, 2), np.int32)}, key="k-2").metadata["staged"]
   assert ready.state == datatypes.WorkerState.SYNCING
   refused = ready.stage_batch(datatypes.TrainerPayload(token_ids=[1], token_mask=[1]),
-                              key="k-3").metadata
-  assert not refused["staged"] and "is not a JAX pytree" in refused["reason"]
+                              key="k-3").metadata["outcome"]
+  assert refused["status"] == "refused" and "is not a JAX pytree" in refused["reason"]
+
+
+class CountingTrainer(RecordingTrainer):
+  """A non-idempotent `_prepare_inputs` (a real tunix extension point): it adds 100 to the
+  micro-batch, so preparing twice would train different numbers."""
+
+  def __init__(self):
+    super().__init__()
+    self.prepared = []
+
+  def _prepare_inputs(self, input_data):
+    self.prepared.append(int(np.asarray(input_data["mb"]).ravel()[0]))
+    return {"mb": np.asarray(input_data["mb"]) + 100}
+
+
+def test_a_staged_batch_is_prepared_once_like_inline(staging):
+  staged, _, reports = run_program(steps=2, trainer_cls=CountingTrainer)
+  assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 4  # the staged path ran
+  manager.uninstall("tunix", quiet=True)
+  inline, _, _ = run_program(steps=2, trainer_cls=CountingTrainer)  # no plugin at all
+  numbers = list(range(2 * MB_PER_STEP))
+  assert inline.prepared == numbers
+  # Each micro-batch prepared exactly once (staged ones ahead of their turn, on the staging thread).
+  assert sorted(staged.prepared) == numbers
+  assert [c[:2] for c in staged.calls] == [c[:2] for c in inline.calls]
+  assert [c[1] for c in staged.calls if c[0] == "fwd"] == [n + 100 for n in numbers]
+
+
+class OverridingTrainer(RecordingTrainer):
+
+  def _prepare_payload(self, payload):
+    return super()._prepare_payload(payload)
+
+
+def test_a_trainer_that_cannot_stage_is_asked_once(staging, caplog):
+  with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
+    trainer, worker, reports = run_program(steps=3, trainer_cls=OverridingTrainer)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)
+  assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [1, 0, 0]
+  assert all(r.stage_metrics["stage/staged"] == 0 for r in reports)
+  assert tunix_host.worker.staging_of(worker).unsupported.startswith(
+      "OverridingTrainer overrides _prepare_payload")
+  lines = [r.message for r in caplog.records if "cannot stage" in r.message]
+  assert len(lines) == 1, lines
 
 
 def test_fwd_bwd_without_a_key_is_the_hosts_call(staging):

@@ -1,14 +1,9 @@
 """Orchestrator-side stage pipeline: keep up to N micro-batches staged while a train call runs.
 
-For one step, micro-batches are pulled in order from an async source, staged on the trainer ahead
-of their turn (at most one stage call in flight, at most N staged or staging), and trained in
-order, each exactly once. While a train call is pending, the next pull and the stage call race it
-(`asyncio.wait(FIRST_COMPLETED)`), so the next micro-batch is dispatched the moment the pending one
-finishes. A refused or failed stage falls back to `train(payload)` and is counted.
-
-`prestage` starts the next step's first micro-batches staging during the step boundary (update,
-weight sync, checkpoint); `run_step(..., prestaged=...)` adopts them, including a stage or pull
-still in flight. It never stages a micro-batch that closes its step.
+One step loop for every host (`run_steps`): pulls each step's micro-batches in order, stages them
+ahead (at most one stage call in flight, at most N staged or staging), trains each exactly once,
+prestages the next step's first micro-batches during the boundary, and releases every staged key
+on every path out of a step. Semantics and invariants: README, "Core semantics".
 """
 
 from __future__ import annotations
@@ -19,8 +14,10 @@ import dataclasses
 import enum
 import logging
 import secrets
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
+from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 
 log = logging.getLogger("tunix_stage_plugin")
@@ -37,8 +34,9 @@ class MicroBatch:
 class StageEngine(Protocol):
   """What the pipeline drives (the tunix adapter and the embedded host both provide it)."""
 
-  async def stage(self, payload: Any, *, key: str) -> str | None:
-    """Stages `payload` under `key`; returns the key when staged, None when refused."""
+  async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
+    """Stages `payload` under `key`. Raising counts as FAILED (the trainer may hold it), except
+    for a StageKeyError: a malformed or reused key is the caller's bug and ends the step."""
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool) -> Any:
     """Trains one micro-batch: the staged one when `stage_key` is set, else `payload`."""
@@ -99,6 +97,24 @@ async def _next_or_end(source: AsyncIterator[MicroBatch]) -> Any:
     return _END
 
 
+async def _settle(awaitable: Awaitable[Any]) -> Any:
+  """Awaits `awaitable` to the end even if this task is cancelled meanwhile (cleanup must finish:
+  an unfinished reset leaks a device slot); a cancel that arrived is re-raised afterwards."""
+  task = asyncio.ensure_future(awaitable)
+  cancelled = False
+  while True:
+    try:
+      result = await asyncio.shield(task)
+      break
+    except asyncio.CancelledError:
+      if task.done():
+        raise
+      cancelled = True
+  if cancelled:
+    raise asyncio.CancelledError
+  return result
+
+
 class _Window:
   """Micro-batches pulled ahead of dispatch, in order, with the pull and stage in flight."""
 
@@ -127,14 +143,15 @@ class _Window:
     depth = self.pipeline.depth
     if not self.exhausted and self.pull is None and len(self.entries) < depth:
       self.pull = asyncio.create_task(_next_or_end(self.source))
-    if self.stage is None and self.staged_count() < depth:
+    if (self.stage is None and self.pipeline.staging and self.pipeline.unsupported is None
+        and self.staged_count() < depth):
       entry = next((e for e in self.entries if e.status is _Status.NEW), None)
       if entry is not None and (self.stage_closing or not entry.mb.closes_step):
         entry.status = _Status.STAGING
         self.stage = (entry, asyncio.create_task(self._stage(entry)))
         self.report.peak_staged = max(self.report.peak_staged, self.staged_count())
 
-  async def _stage(self, entry: _Entry) -> str | None:
+  async def _stage(self, entry: _Entry) -> outcome_lib.StageOutcome:
     with self.pipeline.timeline.span("orchestrator/stage", f"stage s{self.step} m{entry.index}"):
       return await self.pipeline.engine.stage(entry.mb.payload, key=entry.key)
 
@@ -157,39 +174,48 @@ class _Window:
     if self.stage is not None and self.stage[1] in done:
       (entry, task), self.stage = self.stage, None
       if task.cancelled():
-        self._fallback(entry, "stage cancelled")
-        return
-      error = task.exception()
-      if error is not None:
-        self._fallback(entry, f"stage failed: {type(error).__name__}: {error}")
-      elif task.result() is None:
-        self._fallback(entry, "stage refused by the trainer")
-      elif task.result() != entry.key:
-        raise PipelineContractError(
-            f"engine.stage returned {task.result()!r} for key {entry.key!r}; accepted: the key or None")
+        outcome = outcome_lib.failed(entry.key, "stage cancelled")
+      elif task.exception() is not None:
+        error = task.exception()
+        if isinstance(error, store_lib.StageKeyError):
+          raise error  # the caller's bug (a malformed or reused key), not a staging failure
+        outcome = outcome_lib.failed(entry.key,
+                                     f"stage call failed: {type(error).__name__}: {error}")
       else:
+        outcome = task.result()
+        if not isinstance(outcome, outcome_lib.StageOutcome) or outcome.key != entry.key:
+          raise PipelineContractError(
+              f"engine.stage returned {outcome!r} for key {entry.key!r}; accepted: a "
+              "StageOutcome for that key")
+      if outcome.staged:
         entry.status = _Status.STAGED
+      else:
+        self._fallback(entry, outcome)
 
-  def _fallback(self, entry: _Entry, reason: str) -> None:
+  def _fallback(self, entry: _Entry, outcome: outcome_lib.StageOutcome) -> None:
     entry.status = _Status.FALLBACK
     self.report.fallbacks += 1
-    self.report.fallback_reasons.append(reason)
-    log.info("stage of step %d micro-batch %d fell back to inline: %s", self.step, entry.index,
-             reason)
-    # The trainer may hold the batch even though the call failed here (a lost reply): drop it so
-    # it cannot hold a device slot. Refusals staged nothing, so they need no reset.
-    if not reason.startswith("stage refused"):
+    self.report.fallback_reasons.append(f"{outcome.status.value}: {outcome.reason}")
+    log.info("stage of step %d micro-batch %d fell back to inline (%s): %s", self.step,
+             entry.index, outcome.status.value, outcome.reason)
+    if outcome.status is outcome_lib.StageStatus.FAILED:
+      # The trainer may hold the batch although the call failed here (a lost reply): drop it so
+      # it cannot hold a device slot. A refusal staged nothing.
       self.orphan_resets.append(asyncio.create_task(self.pipeline.reset_quietly([entry.key])))
+    elif outcome.status is outcome_lib.StageStatus.UNSUPPORTED:
+      self.pipeline.stop_staging(outcome.reason or "the trainer cannot stage")
 
-  async def abort(self) -> None:
+  async def abort(self, extra_keys: tuple[str, ...] = ()) -> None:
     """After an error: stop pulling, settle the stage in flight, drop whatever is staged."""
     tasks = self.tasks()
     for task in tasks:
       task.cancel()
     await asyncio.gather(*tasks, *self.orphan_resets, return_exceptions=True)
     # A STAGING entry's key is included: its call may have reached the trainer before the cancel.
-    keys = [e.key for e in self.entries if e.status in (_Status.STAGING, _Status.STAGED)]
+    keys = [*extra_keys, *(e.key for e in self.entries
+                           if e.status in (_Status.STAGING, _Status.STAGED))]
     self.pull = self.stage = None
+    self.entries.clear()
     if keys:
       await self.pipeline.reset_quietly(keys)
 
@@ -202,8 +228,8 @@ class Prestage:
     self._driver = driver
 
   @property
-  def step(self) -> int:
-    return self._window.step
+  def source(self) -> AsyncIterator[MicroBatch]:
+    return self._window.source
 
   async def adopt(self, step: int, source: AsyncIterator[MicroBatch]) -> _Window:
     if step != self._window.step or source is not self._window.source:
@@ -214,11 +240,10 @@ class Prestage:
     self._driver.cancel()
     await asyncio.gather(self._driver, return_exceptions=True)
     if not self._driver.cancelled() and self._driver.exception() is not None:
-      await self._window.abort()
       raise self._driver.exception()
     self._window.stage_closing = True
-    for entry in self._window.entries:
-      entry.prestaged = True
+    for entry in self._window.entries:  # the stage calls that started during the boundary
+      entry.prestaged = entry.status in (_Status.STAGING, _Status.STAGED)
     return self._window
 
   async def discard(self) -> None:
@@ -228,24 +253,51 @@ class Prestage:
     await self._window.abort()
 
 
+MAX_KEY_PREFIX = store_lib.MAX_KEY_LEN - 32  # room for "-s<step>-m<index>"
+
+
 class StagePipeline:
-  """Drives one engine; `depth` is TUNIX_MAX_STAGED_BATCHES."""
+  """Drives one engine; `depth` is TUNIX_MAX_STAGED_BATCHES. `staging=False` trains every
+  micro-batch inline through the same loop (the unstaged baseline)."""
 
   def __init__(self, engine: StageEngine, depth: int, *, key_prefix: str | None = None,
-               timeline: timeline_lib.Timeline | None = None) -> None:
-    if not isinstance(depth, int) or depth < 1:
+               timeline: timeline_lib.Timeline | None = None, staging: bool = True) -> None:
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
+    # A per-pipeline prefix keeps keys unique across orchestrator restarts on one trainer.
+    key_prefix = f"st{secrets.token_hex(4)}" if key_prefix is None else key_prefix
+    if not isinstance(key_prefix, str) or len(key_prefix) > MAX_KEY_PREFIX:
+      raise ValueError(f"key_prefix must be a str of at most {MAX_KEY_PREFIX} characters from "
+                       f"[A-Za-z0-9._:-]; got {key_prefix!r}")
+    store_lib.check_key(f"{key_prefix}-s0-m0")  # raises naming the rule
     self.engine = engine
     self.depth = depth
-    # A per-pipeline prefix keeps keys unique across orchestrator restarts on one trainer.
-    self.key_prefix = key_prefix or f"st{secrets.token_hex(4)}"
+    self.key_prefix = key_prefix
     self.timeline = timeline or timeline_lib.Timeline(enabled=False)
+    self.staging = staging
+    self.unsupported: str | None = None  # why staging stopped for good (the trainer cannot stage)
+    self.pending_resets: list[str] = []  # keys whose reset failed: retried before the next step
+
+  def stop_staging(self, reason: str) -> None:
+    """The trainer said it can never stage: every later micro-batch trains inline, no offer."""
+    if self.unsupported is None:
+      self.unsupported = reason
+      log.warning("tunix-stage: the trainer cannot stage (%s); staging is off for this run and "
+                  "every micro-batch trains inline", reason)
 
   async def reset_quietly(self, keys: list[str]) -> None:
+    """Resets `keys`; a failed reset is kept and retried before the next step (never lost)."""
     try:
       await self.engine.reset(keys)
     except Exception as e:  # pylint: disable=broad-except  (cleanup must not mask the cause)
-      log.warning("could not reset staged keys %s: %s: %s", keys, type(e).__name__, e)
+      self.pending_resets.extend(k for k in keys if k not in self.pending_resets)
+      log.warning("could not reset staged keys %s (%s: %s); retrying before the next step", keys,
+                  type(e).__name__, e)
+
+  async def _retry_resets(self) -> None:
+    if self.pending_resets:
+      keys, self.pending_resets = self.pending_resets, []
+      await self.reset_quietly(keys)
 
   def prestage(self, step: int, source: AsyncIterator[MicroBatch]) -> Prestage:
     """Starts staging `step`'s first micro-batches now; pass the result to `run_step`."""
@@ -266,6 +318,50 @@ class StagePipeline:
 
     return Prestage(window, asyncio.create_task(drive()))
 
+  async def run_steps(
+      self,
+      source_for: Callable[[int], AsyncIterator[MicroBatch]],
+      *,
+      steps: int | None,
+      prestage: bool = True,
+      prestage_next: Callable[[int], bool] | None = None,
+      before_step: Callable[[int], None] | None = None,
+      after_step: Callable[[int, StepReport], Awaitable[None]] | None = None,
+  ) -> int:
+    """The step loop: steps 0, 1, ... (`steps` of them; None: until cancelled or a raise).
+
+    `source_for(step)` gives a step's micro-batches (called once per step, when the step starts
+    or when it is prestaged). When `prestage` is on and `prestage_next(next_step)` agrees, the
+    next step starts staging as soon as this step's optimizer-applying call is sent; the next
+    step adopts it, and a prestage no step adopts (an error, the end) is discarded. The host's
+    bookkeeping goes in `before_step` / `after_step`. Returns the number of steps run.
+    """
+    upcoming: Prestage | None = None
+    step = 0
+    try:
+      while steps is None or step < steps:
+        if before_step is not None:
+          before_step(step)
+        current, upcoming = upcoming, None
+        source = current.source if current is not None else source_for(step)
+
+        def after_final_dispatch(next_step: int = step + 1) -> None:
+          nonlocal upcoming
+          if (prestage and self.staging and self.unsupported is None
+              and (steps is None or next_step < steps)
+              and (prestage_next is None or prestage_next(next_step))):
+            upcoming = self.prestage(next_step, source_for(next_step))
+
+        report = await self.run_step(step, source, prestaged=current,
+                                     after_final_dispatch=after_final_dispatch)
+        if after_step is not None:
+          await after_step(step, report)
+        step += 1
+    finally:
+      if upcoming is not None:
+        await _settle(upcoming.discard())
+    return step
+
   async def run_step(
       self,
       step: int,
@@ -279,11 +375,18 @@ class StagePipeline:
     `after_final_dispatch` is called as soon as the optimizer-applying call is sent, so the caller
     can start the next step's `prestage` while the update runs.
     """
-    window = (await prestaged.adopt(step, source) if prestaged is not None
-              else _Window(self, step, source, stage_closing=True))
+    try:
+      await self._retry_resets()
+      window = (await prestaged.adopt(step, source) if prestaged is not None
+                else _Window(self, step, source, stage_closing=True))
+    except BaseException:
+      if prestaged is not None:
+        await _settle(prestaged.discard())
+      raise
     report = window.report
     pending: asyncio.Task | None = None
     pending_entry: _Entry | None = None
+    closed = False
     try:
       while True:
         if pending is None and window.entries and window.entries[0].status is not _Status.STAGING:
@@ -297,23 +400,28 @@ class StagePipeline:
           break
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         if pending is not None and pending in done:
-          task, pending = pending, None
-          result = task.result()  # a failed train ends the step: never retried (exactly once)
+          result = pending.result()  # a failed train ends the step: never retried (exactly once)
+          pending = None
           report.trained += 1
           if pending_entry.mb.closes_step:
-            report.result = result
+            report.result, closed = result, True
         window.handle(done)
     except BaseException as e:
+      # The train call in flight (or the one that just failed) may have been dispatched by key
+      # and not reached the trainer's take(): reset its key too (a consumed key resets to nothing).
+      extra: tuple[str, ...] = ()
       if pending is not None:
         # A train call already sent is let finish (it is not retried either way); only our own
         # cancellation cuts it short.
         if isinstance(e, asyncio.CancelledError):
           pending.cancel()
-        await asyncio.gather(pending, return_exceptions=True)
-      await window.abort()
+        await _settle(asyncio.gather(pending, return_exceptions=True))
+        if pending.cancelled() or pending.exception() is not None:
+          extra = (pending_entry.key,) if pending_entry.status is _Status.STAGED else ()
+      await _settle(window.abort(extra))
       raise
-    await asyncio.gather(*window.orphan_resets)
-    if report.trained == 0 or not pending_entry.mb.closes_step:
+    await _settle(asyncio.gather(*window.orphan_resets))
+    if not closed:
       raise PipelineContractError(f"step {step} ended without its optimizer-applying micro-batch")
     log.debug("step %d staging: %s", step, report.metrics())
     return report

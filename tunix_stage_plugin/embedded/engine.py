@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
+from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.embedded import client as client_lib
+from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.embedded import data as data_lib
-
-log = logging.getLogger("tunix_stage_plugin.embedded")
-
-
-class StageFailedError(RuntimeError):
-  """The trainer tried to place the micro-batch and failed (as opposed to refusing it)."""
+from tunix_stage_plugin.embedded import wire
 
 
 class EmbeddedEngine:
@@ -21,15 +17,14 @@ class EmbeddedEngine:
   def __init__(self, client: client_lib.WorkerClient) -> None:
     self.client = client
 
-  async def stage(self, payload: data_lib.Batch, *, key: str) -> str | None:
-    """The key when staged; None when refused (device bound, staging off); raises when it failed."""
-    answer = await self.client.call("stage_batch", payload, key=key)
-    if answer["staged"]:
-      return key
-    if answer["failed"]:
-      raise StageFailedError(answer["reason"])
-    log.info("stage of %s refused: %s", payload.mb_id, answer["reason"])
-    return None
+  async def stage(self, payload: data_lib.Batch, *, key: str) -> outcome_lib.StageOutcome:
+    try:
+      answer = await self.client.call("stage_batch", payload, key=key)
+    except wire.RemoteCallError as e:
+      if e.error_type == store_lib.StageKeyError.__name__:  # a caller bug: fail loud, here too
+        raise store_lib.StageKeyError(str(e)) from e
+      raise
+    return outcome_lib.StageOutcome.from_dict(answer)
 
   async def train(self, payload: data_lib.Batch | None, *, stage_key: str | None,
                   apply_optimizer: bool) -> dict[str, Any]:
@@ -43,6 +38,9 @@ class EmbeddedEngine:
     result = await self.client.call("fwd_bwd", resident=mb_id)
     return await self._maybe_update(result, apply_optimizer)
 
+  def resident(self) -> "ResidentEngine":
+    return ResidentEngine(self)
+
   async def _maybe_update(self, result: dict[str, Any], apply_optimizer: bool) -> dict[str, Any]:
     if apply_optimizer:
       result = {**result, **await self.client.call("update")}
@@ -53,3 +51,20 @@ class EmbeddedEngine:
 
   async def weight_sync(self, seconds: float) -> None:
     await self.client.call("weight_sync", seconds)
+
+
+class ResidentEngine:
+  """Trains micro-batches already resident on the trainer (the benchmark's ceiling); never stages."""
+
+  def __init__(self, engine: EmbeddedEngine) -> None:
+    self._engine = engine
+
+  async def stage(self, payload: data_lib.Batch, *, key: str) -> outcome_lib.StageOutcome:
+    raise NotImplementedError("resident micro-batches are never staged")
+
+  async def train(self, payload: data_lib.Batch, *, stage_key: str | None,
+                  apply_optimizer: bool) -> dict[str, Any]:
+    return await self._engine.train_resident(payload.mb_id, apply_optimizer=apply_optimizer)
+
+  async def reset(self, keys: list[str]) -> None:
+    raise NotImplementedError("resident micro-batches are never staged")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
@@ -22,7 +22,6 @@ from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import engine as engine_lib
 
 KINDS = ("inline", "staged", "resident")
-TRAIN_TRACK = "orchestrator/train"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,62 +71,29 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
                   timeline: timeline_lib.Timeline | None = None,
                   on_step: Callable[[StepOutcome], None] | None = None) -> list[StepOutcome]:
   """Runs `plan`; `batch_for(step, index)` gives each micro-batch (called when it is pulled)."""
-  timeline = timeline or timeline_lib.Timeline(enabled=False)
+  train_engine: pipeline_lib.StageEngine = engine
   if plan.kind == "resident":
     await engine.client.call("place_resident", [(s, i) for s in range(plan.steps)
                                                 for i in range(plan.microbatches)])
-  pipeline = (pipeline_lib.StagePipeline(engine, plan.depth, timeline=timeline)
-              if plan.kind == "staged" else None)
-  sources: dict[int, AsyncIterator[pipeline_lib.MicroBatch]] = {}
-
-  def source(step: int) -> AsyncIterator[pipeline_lib.MicroBatch]:
-    if step not in sources:
-      sources[step] = _source(batch_for, step, plan.microbatches)
-    return sources[step]
-
+    train_engine = engine.resident()
+  pipeline = pipeline_lib.StagePipeline(train_engine, plan.depth, timeline=timeline,
+                                        staging=plan.kind == "staged")
   outcomes: list[StepOutcome] = []
-  prestage: pipeline_lib.Prestage | None = None
-  try:
-    for step in range(plan.steps):
-      start = time.perf_counter()
-      if pipeline is not None:
-        adopted, prestage = prestage, None
-        callback = None
-        if plan.prestage and step + 1 < plan.steps:
-          def callback(next_step: int = step + 1) -> None:
-            nonlocal prestage
-            prestage = pipeline.prestage(next_step, source(next_step))
-        report = await pipeline.run_step(step, source(step), prestaged=adopted,
-                                         after_final_dispatch=callback)
-        result = report.result
-      else:
-        report, result = await _run_unstaged_step(engine, plan, step, source(step), timeline)
-      if plan.sync_s > 0:
-        await engine.weight_sync(plan.sync_s)
-      outcome = StepOutcome(step, time.perf_counter() - start, float(result["loss"]), report)
-      outcomes.append(outcome)
-      if on_step is not None:
-        on_step(outcome)
-  finally:
-    if prestage is not None:  # only after an error: a prestage is made for a step that follows
-      await prestage.discard()
+  started: dict[int, float] = {}
+
+  def before_step(step: int) -> None:
+    started[step] = time.perf_counter()
+
+  async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
+    if plan.sync_s > 0:
+      await engine.weight_sync(plan.sync_s)
+    outcome = StepOutcome(step, time.perf_counter() - started.pop(step),
+                          float(report.result["loss"]), report)
+    outcomes.append(outcome)
+    if on_step is not None:
+      on_step(outcome)
+
+  await pipeline.run_steps(lambda step: _source(batch_for, step, plan.microbatches),
+                           steps=plan.steps, prestage=plan.prestage, before_step=before_step,
+                           after_step=after_step)
   return outcomes
-
-
-async def _run_unstaged_step(
-    engine: engine_lib.EmbeddedEngine, plan: JobPlan, step: int,
-    source: AsyncIterator[pipeline_lib.MicroBatch], timeline: timeline_lib.Timeline,
-) -> tuple[pipeline_lib.StepReport, Any]:
-  report = pipeline_lib.StepReport(step)
-  result = None
-  async for mb in source:
-    batch: data_lib.Batch = mb.payload
-    with timeline.span(TRAIN_TRACK, f"train {batch.mb_id}", staged=False):
-      if plan.kind == "resident":
-        result = await engine.train_resident(batch.mb_id, apply_optimizer=mb.closes_step)
-      else:
-        result = await engine.train(batch, stage_key=None, apply_optimizer=mb.closes_step)
-        report.inline += 1
-    report.trained += 1
-  report.result = result
-  return report, result

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.embedded import data as data_lib
@@ -181,24 +182,22 @@ class TrainerWorker:
   # --- staging lane -----------------------------------------------------------------------------
 
   def stage_batch(self, batch: data_lib.Batch, *, key: str) -> dict[str, Any]:
-    """Places `batch` under `key`; {'staged': False, 'reason', 'failed'} when it did not."""
+    """Places `batch` under `key`; answers a StageOutcome as a dict (staged, refused, ...)."""
     if not self.cfg.enabled:
-      return {"staged": False, "failed": False,
-              "reason": "staging is off on this trainer (TUNIX_STAGE_BATCH=off)"}
+      return outcome_lib.unsupported(
+          key, "staging is off on this trainer (TUNIX_STAGE_BATCH=off)").as_dict()
     self._require_trainer()
-    raised: list[BaseException] = []
 
     def prepare(b: data_lib.Batch) -> _Staged:
-      try:
-        if b.mb_id in self._fail_stage:
-          raise InjectedStageFailure(f"injected stage failure for micro-batch {b.mb_id}")
-        return _Staged(b.step, b.mb_id, self._place(b, "staging"))
-      except BaseException as e:
-        raised.append(e)
-        raise
+      if b.mb_id in self._fail_stage:
+        raise InjectedStageFailure(f"injected stage failure for micro-batch {b.mb_id}")
+      return _Staged(b.step, b.mb_id, self._place(b, "staging"))
 
-    result = self.store.stage(key, batch, prepare)
-    return {"staged": result.staged, "failed": bool(raised), "reason": result.reason}
+    return self.store.stage(key, batch, prepare, check=self._check_batch).as_dict()
+
+  def _check_batch(self, batch: Any) -> None:
+    if not isinstance(batch, data_lib.Batch):
+      raise TypeError(f"stage_batch takes a data.Batch; got {type(batch).__name__}")
 
   def reset_staged(self, keys: list[str] | None = None) -> list[str]:
     return self.store.reset(keys)

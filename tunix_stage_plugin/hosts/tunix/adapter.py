@@ -19,6 +19,7 @@ REMOTE_EXECUTION = "tunix.experimental.worker.remote_execution"
 TRAINER_WORKER = "tunix.experimental.worker.trainer_worker"
 ENGINE = "tunix.experimental.orchestrator.distributed_rl_engine"
 PROGRAM = "tunix.experimental.orchestrator.rl_program"
+PEFT_TRAINER = "tunix.experimental.train.peft_trainer_v2"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +28,7 @@ class Modules:
   trainer_worker: ModuleType
   engine: ModuleType
   program: ModuleType
+  peft_trainer: ModuleType
 
 
 class TunixAdapter:
@@ -51,7 +53,8 @@ class TunixAdapter:
   def load(self) -> None:
     # All four at once, even when one triggered the install: the hooks are one unit, so a
     # trainer process that never builds a program still gets the program probed and patched.
-    self._modules = Modules(*(importlib.import_module(m) for m in self.trigger_modules))
+    self._modules = Modules(*(importlib.import_module(m)
+                              for m in (*self.trigger_modules, PEFT_TRAINER)))
 
   def describe(self) -> str:
     module_file = self._modules.remote_execution.__file__ if self._modules else None
@@ -62,8 +65,7 @@ class TunixAdapter:
     return probes.run(self.modules)
 
   def runtime_probes(self) -> list[Probe]:
-    from tunix_stage_plugin.hosts.tunix import probes  # pylint: disable=import-outside-toplevel
-    return [probes.trainer_probe()]
+    return []  # the trainer's seam is probed with the rest (load() imports the trainer module)
 
   def apply(self, registry: registry_lib.PatchRegistry, config: config_lib.StageConfig) -> None:
     del config  # the hooks read the live configuration (install can update depths)
@@ -72,7 +74,7 @@ class TunixAdapter:
     m = self.modules
     server.apply(registry, m.remote_execution.RemoteExecutionServer,
                  m.remote_execution.GrpcRemoteExecutionServer, m.trainer_worker.TrainerWorker)
-    worker.apply(registry, m.trainer_worker.TrainerWorker)
+    worker.apply(registry, m.trainer_worker.TrainerWorker, m.peft_trainer.PeftTrainer)
     engine.apply(registry, m.engine.DistributedRLEngine)
     program.apply(registry, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
 

@@ -1,21 +1,22 @@
 """DistributedRLEngine: stage_train_batch / reset_staged_batches.
 
-Staging is an optimisation, so the engine answers None whenever a micro-batch was not staged (the
-trainer refused, its staging failed, or the worker has no stage_batch at all) and the caller trains
-that micro-batch inline. train_step itself is not touched: `train_step(None, stage_key=k, ...)`
-already reaches the worker's fwd_bwd through the host's **kwargs, with no payload on the wire.
+stage_train_batch answers a typed StageOutcome (core.outcome): the trainer's own answer, or
+UNSUPPORTED when the trainer has no stage_batch at all (no plugin there, or staging off), so the
+pipeline asks once instead of sending every payload twice. A malformed or reused key raises.
+train_step itself is not touched: `train_step(None, stage_key=k, ...)` already reaches the
+worker's fwd_bwd through the host's **kwargs, with no payload on the wire.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from tunix.experimental.common import datatypes
 
 from tunix_stage_plugin.activation import registry as registry_lib
-
-log = logging.getLogger("tunix_stage_plugin")
+from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.hosts.tunix import probes
 
 
 def _trainer(engine: Any, role: datatypes.Role) -> Any:
@@ -26,18 +27,22 @@ def _trainer(engine: Any, role: datatypes.Role) -> Any:
 
 
 async def stage_train_batch(self: Any, payload: Any, *, key: str,
-                            role: datatypes.Role = datatypes.Role.ACTOR) -> str | None:
-  """Sends stage_batch to the trainer; returns `key` when staged, None to train inline."""
+                            role: datatypes.Role = datatypes.Role.ACTOR
+                            ) -> outcome_lib.StageOutcome:
+  """Sends stage_batch to the trainer; the outcome says whether to train by key or inline."""
   worker = _trainer(self, role)
   try:
     response = await self._invoke_worker(worker, "stage_batch", payload=payload, key=key)  # pylint: disable=protected-access
-  except RuntimeError as e:  # the host's remote-error envelope, e.g. no stage_batch on the worker
-    log.info("stage_batch(%s) failed on the trainer; training inline: %s", key, e)
-    return None
-  if response.metadata["staged"]:
-    return key
-  log.info("stage_batch(%s) not staged; training inline: %s", key, response.metadata["reason"])
-  return None
+  except RuntimeError as e:  # the host's remote-error envelope
+    remote = probes.remote_error_type(e)
+    if remote == store_lib.StageKeyError.__name__:
+      raise store_lib.StageKeyError(str(e).split("\n", 1)[0]) from e
+    if remote == "AttributeError":  # the host's "Method 'stage_batch' not found" answer
+      return outcome_lib.unsupported(
+          key, "the trainer has no stage_batch (tunix-stage-plugin not installed there, or "
+          "TUNIX_STAGE_BATCH is not 'stage' in the trainer's environment)")
+    return outcome_lib.failed(key, f"stage_batch failed on the trainer: {str(e)[:500]}")
+  return outcome_lib.StageOutcome.from_dict(response.metadata["outcome"])
 
 
 async def reset_staged_batches(self: Any, keys: list[str] | None = None, *,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any, Callable
 
 from tunix_stage_plugin.activation import registry as registry_lib
@@ -85,6 +86,23 @@ def run(m: Any) -> list[Probe]:
             or _method(worker, "_response", params=(), coroutine=False, var_kwargs=True)
             or _free(worker, "stage_batch", "reset_staged"))
 
+  def trainer_seam() -> str | None:
+    peft = m.peft_trainer.PeftTrainer
+    # fwd_bwd must prepare through the seam (inline and staged are then the same computation).
+    calls_seam = "self._prepare_payload(" in inspect.getsource(peft.fwd_bwd)
+    return (_method(peft, "_prepare_payload", params=("payload",), coroutine=False, own=True)
+            or _method(peft, "fwd_bwd", params=("payload",), coroutine=False, own=True)
+            or (None if calls_seam else "PeftTrainer.fwd_bwd does not call self._prepare_payload"))
+
+  def error_envelope() -> str | None:
+    try:
+      m.remote_execution.ExecutionResponse(error_message="m", error_type="StageKeyError").unwrap()
+    except RuntimeError as e:
+      if remote_error_type(e) == "StageKeyError":
+        return None
+      return f"the remote error envelope changed: {str(e)[:80]!r}"
+    return "ExecutionResponse.unwrap() did not raise for an error response"
+
   def engine_api() -> str | None:
     return (_method(engine, "train_step", params=("payload", "role", "accumulate_gradients",
                                                   "apply_optimizer"),
@@ -105,22 +123,23 @@ def run(m: Any) -> list[Probe]:
             or (f"StandardRLProgram.__init__ lacks {missing_init}" if missing_init else None)
             or (f"RLStepResult lacks {sorted(step_fields - fields)}"
                 if step_fields - fields else None)
-            or _free(program, "_stage_ahead_while_pending", "_prestage_across_boundary"))
+            or _free(program))
 
   return [
       _check("server: RemoteExecutionServer.execute_request routing", server_routing),
       _check("worker: TrainerWorker.fwd_bwd(payload, **kwargs)", worker_api),
+      _check("trainer: PeftTrainer.fwd_bwd prepares through _prepare_payload(payload)",
+             trainer_seam),
+      _check("server: RemoteExecutionError [type] envelope", error_envelope),
       _check("engine: DistributedRLEngine.train_step(**kwargs) / _invoke_worker", engine_api),
       _check("program: StandardRLProgram.train_stage / RLStepResult", program_loop),
   ]
 
 
-def trainer_probe() -> Probe:
-  """The trainer-side preparation path stage_batch uses (doctor only: imports the trainer)."""
+_REMOTE_ERROR = re.compile(r"RemoteExecutionError \[(?P<type>[A-Za-z_][A-Za-z0-9_.]*)\]")
 
-  def test() -> str | None:
-    from tunix.experimental.train import peft_trainer_v2  # pylint: disable=import-outside-toplevel
-    return _method(peft_trainer_v2.PeftTrainer, "_prepare_payload", params=("payload",),
-                   coroutine=False)
 
-  return _check("trainer: PeftTrainer._prepare_payload(payload)", test)
+def remote_error_type(error: BaseException) -> str | None:
+  """The remote exception's type name in the host's error envelope (ExecutionResponse.unwrap)."""
+  match = _REMOTE_ERROR.match(str(error))
+  return match["type"] if match else None

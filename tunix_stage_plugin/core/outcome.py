@@ -1,0 +1,51 @@
+"""The typed result of one stage attempt, from the trainer's store to the orchestrator's pipeline.
+
+The pipeline acts on the status alone (README, "Core semantics"): it never reads a reason's text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+
+class StageStatus(enum.Enum):
+  STAGED = "staged"  # placed under its key; train it by key
+  REFUSED = "refused"  # nothing is held on the trainer (bound, reset, not stageable): train inline
+  FAILED = "failed"  # the trainer may hold something (an error mid-stage, a lost reply): reset, inline
+  UNSUPPORTED = "unsupported"  # this trainer can never stage: train inline and stop offering
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOutcome:
+  key: str
+  status: StageStatus
+  reason: str | None = None  # why not staged, for logs and reports
+
+  @property
+  def staged(self) -> bool:
+    return self.status is StageStatus.STAGED
+
+  def as_dict(self) -> dict[str, str | None]:
+    """The form that travels in a reply (plain types only)."""
+    return {"key": self.key, "status": self.status.value, "reason": self.reason}
+
+  @classmethod
+  def from_dict(cls, d: dict[str, str | None]) -> "StageOutcome":
+    return cls(d["key"], StageStatus(d["status"]), d["reason"])
+
+
+def staged(key: str) -> StageOutcome:
+  return StageOutcome(key, StageStatus.STAGED)
+
+
+def refused(key: str, reason: str) -> StageOutcome:
+  return StageOutcome(key, StageStatus.REFUSED, reason)
+
+
+def failed(key: str, reason: str) -> StageOutcome:
+  return StageOutcome(key, StageStatus.FAILED, reason)
+
+
+def unsupported(key: str, reason: str) -> StageOutcome:
+  return StageOutcome(key, StageStatus.UNSUPPORTED, reason)
