@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from tunix_stage_plugin.core.outcome import StageStatus
-from tunix_stage_plugin.core.store import StagedBatchStore, StageKeyError
+from tunix_stage_plugin.core.store import PlacementFailed, StagedBatchStore, StageKeyError
 
 
 def place(payload):
@@ -303,3 +303,96 @@ def test_a_reset_during_the_check_refuses_the_stage():
     release.set()
     result = future.result(10)
   assert result.status is StageStatus.REFUSED and len(store) == 0
+
+
+# --- two phases: receive now, place next (the `defer` path) ----------------------------------
+
+
+class Jobs:
+  """A staging lane run by hand: `defer` queues the placement, `run_next` runs it here."""
+
+  def __init__(self):
+    self.queue = []
+
+  def __call__(self, job):
+    self.queue.append(job)
+
+  def run_next(self):
+    self.queue.pop(0)()
+
+
+def test_a_split_stage_answers_once_received_and_places_later():
+  store, jobs = StagedBatchStore(1, max_host_batches=1), Jobs()
+  assert store.stage("a", 1, place, defer=jobs).staged and len(jobs.queue) == 1
+  assert store.stats.staged == 0 and store.stats.peak_host == 1  # received, not yet placed
+  jobs.run_next()
+  assert store.stats.staged == 1 and store.stats.peak == 1
+  assert store.take("a") == ("placed", 1)
+
+
+def test_the_host_bound_holds_received_batches_and_a_placement_waits_for_a_device_slot():
+  store, jobs = StagedBatchStore(1, max_host_batches=1, slot_wait_s=0), Jobs()
+  assert store.stage("a", 1, place, defer=jobs).staged
+  jobs.run_next()  # a: placed, holds the one device slot
+  assert store.stage("b", 2, place, defer=jobs).staged  # b: received, holds the host buffer
+  refused = store.stage("c", 3, place, defer=jobs)  # no host buffer left: refused at once
+  assert refused.status is StageStatus.REFUSED and "host bound reached: 1 of 1" in refused.reason
+  assert "TUNIX_STAGE_MAX_HOST_BATCHES" in refused.reason
+  with concurrent.futures.ThreadPoolExecutor(1) as lane:
+    store.slot_wait_s = 10
+    placing = lane.submit(jobs.run_next)  # b's placement waits for a's device slot
+    assert store.take("a") == ("placed", 1)
+    placing.result(10)
+  assert store.take("b") == ("placed", 2)
+  assert store.stats.peak == 1 and store.stats.peak_host == 1
+
+
+def test_a_failed_placement_hands_the_payload_back_for_an_inline_train():
+  store, jobs = StagedBatchStore(1), Jobs()
+
+  def broken(payload):
+    raise OSError("DMA error")
+
+  assert store.stage("a", {"x": 1}, broken, defer=jobs).staged
+  jobs.run_next()
+  with pytest.raises(PlacementFailed, match="prepare failed: OSError: DMA error") as e:
+    store.take("a")
+  assert e.value.payload == {"x": 1} and e.value.key == "a"
+  assert len(store) == 0 and store.stats.unplaced == 1 and store.stats.failed == 1
+  assert store.stage("b", 2, place, defer=jobs).staged  # nothing left holding a slot
+
+
+def test_a_placement_that_never_gets_a_device_slot_becomes_an_inline_train():
+  store, jobs = StagedBatchStore(1, slot_wait_s=0), Jobs()
+  store.stage("a", 1, place)
+  assert store.stage("b", 2, place, defer=jobs).staged
+  jobs.run_next()  # a still holds the device slot: b is not placed
+  with pytest.raises(PlacementFailed, match="device bound reached") as e:
+    store.take("b")
+  assert e.value.payload == 2
+
+
+@pytest.mark.parametrize("when", ["received", "placing"])
+def test_reset_of_a_split_stage_frees_its_slots(when):
+  store, jobs = StagedBatchStore(1, slot_wait_s=0), Jobs()
+  entered, release = threading.Event(), threading.Event()
+
+  def slow(payload):
+    entered.set()
+    assert release.wait(10)
+    return payload
+
+  assert store.stage("a", 1, slow, defer=jobs).staged
+  with concurrent.futures.ThreadPoolExecutor(1) as lane:
+    if when == "placing":
+      placing = lane.submit(jobs.run_next)
+      assert entered.wait(10)
+    assert store.reset(["a"]) == ["a"]
+    if when == "received":
+      jobs.run_next()  # the queued placement finds it reset and does nothing
+      assert not entered.is_set()
+    else:
+      assert not store.stage("b", 2, place).staged  # a's buffers still exist while placing
+      release.set()
+      placing.result(10)
+  assert len(store) == 0 and store.stage("c", 3, place).staged

@@ -1,6 +1,6 @@
-"""Trainer-side store of staged micro-batches: keyed, bounded in device memory, consumed once.
-
-Why a slot wait and tombstones, and what each outcome means: README, "Core semantics".
+"""Trainer-side store of staged micro-batches: keyed, bounded in device and host memory, consumed
+once. A stage is one call (receive and place) or two phases (receive now, place next on the
+staging lane). Why the slot waits, the tombstones and the phases: README, "Core semantics".
 Contract breaks (a malformed, reused or unknown key) raise; a stage that fails or is refused
 returns a typed `StageOutcome`, because a failed stage degrades to the inline path.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
 import math
 import re
 import threading
@@ -43,39 +44,70 @@ def check_key(key: Any) -> str:
   return key
 
 
-class _Entry:
-  __slots__ = ("done", "finished", "value", "error", "dropped")
+class PlacementFailed(Exception):
+  """A received batch could not be placed: train it inline from `payload` (no second transfer)."""
 
-  def __init__(self) -> None:
-    self.done = threading.Event()  # set after `finished`, for waiters outside the lock
-    self.finished = False  # prepare returned or raised; written under the store lock
+  def __init__(self, key: str, payload: Any, reason: str) -> None:
+    super().__init__(f"stage key {key!r} could not be placed: {reason}")
+    self.key = key
+    self.payload = payload
+    self.reason = reason
+
+
+class _State(enum.Enum):
+  RECEIVED = "received"  # the payload is here, waiting for a device slot (holds a host buffer)
+  PLACING = "placing"  # prepare runs (holds a device slot)
+  PLACED = "placed"  # ready for take (holds a device slot)
+  UNPLACED = "unplaced"  # placement failed: take hands the payload back (holds a host buffer)
+
+
+class _Entry:
+  __slots__ = ("state", "split", "done", "payload", "value", "reason", "dropped")
+
+  def __init__(self, state: _State, payload: Any, split: bool) -> None:
+    self.state = state
+    self.split = split  # received now, placed later (deferred)
+    self.done = threading.Event()  # set once PLACED or UNPLACED (or dropped), for take()
+    self.payload = payload  # kept until placed
     self.value: Any = None
-    self.error: str | None = None
-    self.dropped = False
+    self.reason: str | None = None  # why it is UNPLACED
+    self.dropped = False  # reset: gone from the store; a running prepare still holds its buffers
 
 
 @dataclasses.dataclass
 class StoreStats:
-  staged: int = 0
-  consumed: int = 0
+  staged: int = 0  # placed
+  consumed: int = 0  # taken after placement
   refused: int = 0
-  failed: int = 0
+  failed: int = 0  # prepare raised
+  unplaced: int = 0  # taken after a failed placement (trained inline from the held payload)
   dropped: int = 0
-  slot_waits: int = 0  # stages that had to wait for a slot
-  peak: int = 0  # most slots (placed or being placed) held at once
+  slot_waits: int = 0  # stages (or placements) that had to wait for a slot
+  peak: int = 0  # most device slots (placed or being placed) held at once
+  peak_host: int = 0  # most received-but-unplaced host buffers held at once
+
+
+Defer = Callable[[Callable[[], None]], None]
+
+
+def _check_bound(name: str, value: Any) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name} must be an int >= 1; got {value!r}")
 
 
 class StagedBatchStore:
-  """Holds at most `max_device_batches` placed micro-batches, each consumed exactly once."""
+  """At most `max_device_batches` placed (or placing) micro-batches and `max_host_batches`
+  received-but-unplaced ones, each consumed exactly once."""
 
-  def __init__(self, max_device_batches: int, *, slot_wait_s: float = 30.0) -> None:
-    if (not isinstance(max_device_batches, int) or isinstance(max_device_batches, bool)
-        or max_device_batches < 1):
-      raise ValueError(f"max_device_batches must be an int >= 1; got {max_device_batches!r}")
+  def __init__(self, max_device_batches: int, *, max_host_batches: int = 1,
+               slot_wait_s: float = 30.0) -> None:
+    _check_bound("max_device_batches", max_device_batches)
+    _check_bound("max_host_batches", max_host_batches)
     if (not isinstance(slot_wait_s, (int, float)) or isinstance(slot_wait_s, bool)
         or not math.isfinite(slot_wait_s) or slot_wait_s < 0):
       raise ValueError(f"slot_wait_s must be a finite number of seconds >= 0; got {slot_wait_s!r}")
     self.max_device_batches = max_device_batches
+    self.max_host_batches = max_host_batches
     self.slot_wait_s = slot_wait_s
     self._cond = threading.Condition()
     self._entries: dict[str, _Entry] = {}
@@ -83,7 +115,7 @@ class StagedBatchStore:
     self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
     self._used: collections.OrderedDict[str, None] = collections.OrderedDict()
     # Entries reset while their prepare still runs: their buffers exist until it returns, so
-    # they keep holding a slot until then.
+    # they keep holding a device slot until then.
     self._draining = 0
     self.stats = StoreStats()
 
@@ -96,7 +128,11 @@ class StagedBatchStore:
       return list(self._entries)
 
   def _held(self) -> int:
-    return len(self._entries) + self._draining
+    return self._draining + sum(e.state in (_State.PLACING, _State.PLACED)
+                                for e in self._entries.values())
+
+  def _held_host(self) -> int:
+    return sum(e.state in (_State.RECEIVED, _State.UNPLACED) for e in self._entries.values())
 
   def _refuse(self, key: str, reason: str) -> outcome_lib.StageOutcome:
     self.stats.refused += 1
@@ -108,12 +144,34 @@ class StagedBatchStore:
     while len(fifo) > REMEMBERED_KEYS:
       fifo.popitem(last=False)
 
+  def _wait_for(self, room: Callable[[], bool], cancelled: Callable[[], bool]) -> bool:
+    """Under the lock: waits at most slot_wait_s for `room()`; False on timeout or cancel."""
+    if room():
+      return not cancelled()
+    self.stats.slot_waits += 1
+    deadline = time.monotonic() + self.slot_wait_s
+    while not room() and not cancelled():
+      remaining = deadline - time.monotonic()
+      if remaining <= 0:
+        return False
+      self._cond.wait(remaining)
+    return not cancelled()
+
+  def _device_bound(self) -> str:
+    return (f"device bound reached: {self._held()} of {self.max_device_batches} staged batches "
+            f"held for {self.slot_wait_s} s (TUNIX_STAGE_MAX_DEVICE_BATCHES)")
+
   def stage(self, key: str, payload: Any, prepare: Callable[[Any], Any], *,
-            check: Callable[[Any], None] | None = None) -> outcome_lib.StageOutcome:
-    """Runs `prepare(payload)` into a reserved slot; refuses after `slot_wait_s` without one.
+            check: Callable[[Any], None] | None = None,
+            defer: Defer | None = None) -> outcome_lib.StageOutcome:
+    """Stages `payload` under `key`.
 
     `check(payload)`, when given, runs first and raises for a payload that can never be staged:
-    it is refused at once, before waiting for a slot.
+    it is refused at once, before waiting for any slot. Without `defer`, `prepare(payload)` runs
+    here into a reserved device slot (refused after `slot_wait_s` without one). With `defer`,
+    the payload is received into a host buffer (refused after `slot_wait_s` without one), the
+    answer is STAGED at once, and `defer(job)` schedules the placement (e.g. next on the staging
+    lane); `take` waits for it and raises PlacementFailed when it failed.
     """
     check_key(key)
     with self._cond:
@@ -131,59 +189,91 @@ class StagedBatchStore:
           with self._cond:
             return self._refuse(key, f"not stageable: {type(e).__name__}: {e}")
       with self._cond:
-        waited = self._held() >= self.max_device_batches and key not in self._cancelled
-        if waited:
-          self.stats.slot_waits += 1
-          deadline = time.monotonic() + self.slot_wait_s
-          while self._held() >= self.max_device_batches and key not in self._cancelled:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-              return self._refuse(
-                  key, f"device bound reached: {self._held()} of {self.max_device_batches} "
-                  f"staged batches held for {self.slot_wait_s} s (TUNIX_STAGE_MAX_DEVICE_BATCHES)")
-            self._cond.wait(remaining)
-        if self._cancelled.pop(key, 0) is None:
-          return self._refuse(key, "reset while waiting for a device slot" if waited
-                              else "reset before it was placed")
-        entry = self._entries[key] = _Entry()
-        self.stats.peak = max(self.stats.peak, self._held())
+        cancelled = lambda: key in self._cancelled
+        if defer is None:
+          room = lambda: self._held() < self.max_device_batches
+        else:
+          room = lambda: self._held_host() < self.max_host_batches
+        if not self._wait_for(room, cancelled):
+          if self._cancelled.pop(key, 0) is None:
+            return self._refuse(key, "reset while waiting for a "
+                                + ("device slot" if defer is None else "host buffer"))
+          if defer is None:
+            return self._refuse(key, self._device_bound())
+          return self._refuse(
+              key, f"host bound reached: {self._held_host()} of {self.max_host_batches} received "
+              f"batches held for {self.slot_wait_s} s (TUNIX_STAGE_MAX_HOST_BATCHES)")
+        entry = self._entries[key] = _Entry(
+            _State.PLACING if defer is None else _State.RECEIVED, payload, defer is not None)
+        self._note_peaks()
     finally:
       with self._cond:
         self._pending.discard(key)
-    try:
-      value = prepare(payload)
-    except BaseException as e:  # pylint: disable=broad-except  (any failure degrades to inline)
-      entry.error = f"{type(e).__name__}: {e}"
-      with self._cond:
-        self._finish(key, entry)
-        self.stats.failed += 1
-      if not isinstance(e, Exception):
-        raise  # KeyboardInterrupt, SystemExit: the slot is free, the interrupt goes on
-      return outcome_lib.failed(key, f"prepare failed: {entry.error}")
-    with self._cond:
-      dropped = entry.dropped
-      if dropped:  # reset while it was being placed: let the buffers go now
-        entry.error = "reset while staging"
-      else:
-        entry.value = value
-        self.stats.staged += 1
-      self._finish(key, entry, keep=not dropped)
-    if dropped:
-      return outcome_lib.refused(key, "reset while staging")
+    if defer is None:
+      return self._place(key, entry, prepare)
+    defer(lambda: self._place_received(key, entry, prepare))
     return outcome_lib.staged(key)
 
-  def _finish(self, key: str, entry: _Entry, keep: bool = False) -> None:
-    """Under the lock: marks `entry` placed (keep) or gone, and frees its slot if it is gone."""
-    entry.finished = True
-    if entry.dropped:
-      self._draining -= 1
-    elif not keep:
-      del self._entries[key]
+  def _note_peaks(self) -> None:
+    self.stats.peak = max(self.stats.peak, self._held())
+    self.stats.peak_host = max(self.stats.peak_host, self._held_host())
+
+  def _place_received(self, key: str, entry: _Entry, prepare: Callable[[Any], Any]) -> None:
+    """The deferred phase: waits for a device slot, then places (on the caller's thread)."""
+    with self._cond:
+      room = lambda: self._held() < self.max_device_batches
+      if not self._wait_for(room, lambda: entry.dropped):
+        if not entry.dropped:
+          self._unplaced(entry, self._device_bound())
+        return
+      entry.state = _State.PLACING
+      self._note_peaks()
+      self._cond.notify_all()  # its host buffer is free for the next receive
+    self._place(key, entry, prepare)
+
+  def _unplaced(self, entry: _Entry, reason: str) -> None:
+    """Under the lock: the entry keeps its payload for an inline train."""
+    entry.state, entry.reason = _State.UNPLACED, reason
     entry.done.set()
     self._cond.notify_all()
 
+  def _place(self, key: str, entry: _Entry, prepare: Callable[[Any], Any]
+             ) -> outcome_lib.StageOutcome:
+    try:
+      value = prepare(entry.payload)
+    except BaseException as e:  # pylint: disable=broad-except  (any failure degrades to inline)
+      reason = f"prepare failed: {type(e).__name__}: {e}"
+      with self._cond:
+        self.stats.failed += 1
+        entry.reason = reason
+        if entry.dropped:
+          self._draining -= 1
+        elif entry.split:  # its stage was answered STAGED: the payload trains inline instead
+          self._unplaced(entry, reason)
+        else:
+          del self._entries[key]
+        entry.done.set()
+        self._cond.notify_all()
+      if not isinstance(e, Exception):
+        raise  # KeyboardInterrupt, SystemExit: the slot is free, the interrupt goes on
+      return outcome_lib.failed(key, reason)
+    with self._cond:
+      if entry.dropped:  # reset while it was being placed: let the buffers go now
+        self._draining -= 1
+        entry.done.set()
+        self._cond.notify_all()
+        return outcome_lib.refused(key, "reset while staging")
+      entry.state, entry.value, entry.payload = _State.PLACED, value, None
+      self.stats.staged += 1
+      entry.done.set()
+      self._cond.notify_all()
+    return outcome_lib.staged(key)
+
   def take(self, key: str, timeout: float | None = 60.0) -> Any:
-    """Removes and returns the staged batch; waits (bounded) if it is still being placed."""
+    """Removes and returns the placed batch; waits (bounded) while it is received or placing.
+
+    Raises PlacementFailed (carrying the payload) when a deferred placement failed.
+    """
     check_key(key)
     with self._cond:
       entry = self._entries.get(key)
@@ -192,11 +282,15 @@ class StagedBatchStore:
     if not entry.done.wait(timeout):
       raise TimeoutError(f"stage key {key!r} was still being placed after {timeout} s")
     with self._cond:
-      if self._entries.get(key) is not entry or entry.error is not None:
-        raise StageKeyError(f"stage key {key!r} is not staged: {entry.error or 'taken or reset'}")
+      if self._entries.get(key) is not entry:
+        raise StageKeyError(f"stage key {key!r} is not staged: {entry.reason or 'taken or reset'}")
       del self._entries[key]
-      self.stats.consumed += 1
       self._cond.notify_all()
+      if entry.state is _State.UNPLACED:
+        self.stats.unplaced += 1
+        payload, entry.payload = entry.payload, None
+        raise PlacementFailed(key, payload, entry.reason)
+      self.stats.consumed += 1
     value, entry.value = entry.value, None
     return value
 
@@ -224,9 +318,9 @@ class StagedBatchStore:
             self._remember(self._cancelled, k)
           continue
         entry.dropped = True
-        if not entry.finished:
+        if entry.state is _State.PLACING:
           self._draining += 1
-        entry.value = None
+        entry.value = entry.payload = None
         dropped.append(k)
       self.stats.dropped += len(dropped)
       self._cond.notify_all()
