@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core.outcome import StageOutcome, StageStatus
+from tunix_stage_plugin.core.outcome import StageOutcome, StageStatus, Trained
 from tunix_stage_plugin.core import store as store_lib
 
 OK, PREPARE_FAILS, LOST_REPLY = "ok", "prepare_fails", "lost_reply"
@@ -105,8 +105,10 @@ class ThreadedEngine:
       self.updates.append(len(self.trained))
     return len(self.trained)
 
-  async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool) -> int:
-    return await self.executor.run("fwd_bwd", self._train, payload, stage_key, apply_optimizer)
+  async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
+                  ) -> Trained:
+    return Trained(await self.executor.run("fwd_bwd", self._train, payload, stage_key,
+                                           apply_optimizer))
 
   async def reset(self, keys: list[str]) -> None:
     await self.executor.run("reset_staged", self.store.reset, keys)

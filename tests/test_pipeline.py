@@ -289,6 +289,7 @@ class _Unsupported:
   async def train(self, payload, *, stage_key, apply_optimizer):
     await self.offered.wait()  # the first train call runs until a stage was offered
     self.trained.append(payload)
+    return outcome_lib.Trained(None)
 
   async def reset(self, keys):
     raise AssertionError("nothing was staged: nothing to reset")

@@ -1,12 +1,13 @@
-"""The typed result of one stage attempt, from the trainer's store to the orchestrator's pipeline.
-
-The pipeline acts on the status alone (README, "Core semantics"): it never reads a reason's text.
+"""Typed results from the trainer to the orchestrator's pipeline: one per stage attempt
+(StageOutcome) and one per train call (Trained). The pipeline acts on the status alone (README,
+"Core semantics"): it never reads a reason's text.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 
 class StageStatus(enum.Enum):
@@ -49,3 +50,12 @@ def failed(key: str, reason: str) -> StageOutcome:
 
 def unsupported(key: str, reason: str) -> StageOutcome:
   return StageOutcome(key, StageStatus.UNSUPPORTED, reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+  """What an engine's train call returns: the host's result and, for a micro-batch sent by key
+  whose placement failed on the trainer, why it was trained inline from the held payload."""
+
+  result: Any
+  fallback: str | None = None

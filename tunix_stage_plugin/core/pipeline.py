@@ -38,7 +38,8 @@ class StageEngine(Protocol):
     """Stages `payload` under `key`. Raising counts as FAILED (the trainer may hold it), except
     for a StageKeyError: a malformed or reused key is the caller's bug and ends the step."""
 
-  async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool) -> Any:
+  async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
+                  ) -> outcome_lib.Trained:
     """Trains one micro-batch: the staged one when `stage_key` is set, else `payload`."""
 
   async def reset(self, keys: list[str]) -> None:
@@ -429,15 +430,25 @@ class StagePipeline:
   async def _train(self, window: _Window, entry: _Entry) -> Any:
     report = window.report
     staged = entry.status is _Status.STAGED
+    with self.timeline.span("orchestrator/train", f"train s{window.step} m{entry.index}",
+                            staged=staged):
+      trained = await self.engine.train(
+          None if staged else entry.mb.payload,
+          stage_key=entry.key if staged else None,
+          apply_optimizer=entry.mb.closes_step,
+      )
+    if not isinstance(trained, outcome_lib.Trained):
+      raise PipelineContractError(f"engine.train returned {type(trained).__name__}; accepted: "
+                                  "outcome.Trained")
+    if staged and trained.fallback is not None:  # placed nothing: the trainer trained it inline
+      staged = False
+      report.fallbacks += 1
+      report.fallback_reasons.append(f"unplaced: {trained.fallback}")
+      log.info("staged micro-batch %d of step %d could not be placed; the trainer trained it "
+               "inline: %s", entry.index, window.step, trained.fallback)
     if staged:
       report.staged += 1
       report.prestaged += entry.prestaged
     else:
       report.inline += 1
-    with self.timeline.span("orchestrator/train", f"train s{window.step} m{entry.index}",
-                            staged=staged):
-      return await self.engine.train(
-          None if staged else entry.mb.payload,
-          stage_key=entry.key if staged else None,
-          apply_optimizer=entry.mb.closes_step,
-      )
+    return trained.result

@@ -27,16 +27,17 @@ class EmbeddedEngine:
     return outcome_lib.StageOutcome.from_dict(answer)
 
   async def train(self, payload: data_lib.Batch | None, *, stage_key: str | None,
-                  apply_optimizer: bool) -> dict[str, Any]:
+                  apply_optimizer: bool) -> outcome_lib.Trained:
     if stage_key is not None:
       result = await self.client.call("fwd_bwd", stage_key=stage_key)
     else:
       result = await self.client.call("fwd_bwd", payload)
-    return await self._maybe_update(result, apply_optimizer)
+    return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer),
+                               fallback=result["placement_fallback"])
 
-  async def train_resident(self, mb_id: str, *, apply_optimizer: bool) -> dict[str, Any]:
+  async def train_resident(self, mb_id: str, *, apply_optimizer: bool) -> outcome_lib.Trained:
     result = await self.client.call("fwd_bwd", resident=mb_id)
-    return await self._maybe_update(result, apply_optimizer)
+    return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer))
 
   def resident(self) -> "ResidentEngine":
     return ResidentEngine(self)
@@ -63,7 +64,7 @@ class ResidentEngine:
     raise NotImplementedError("resident micro-batches are never staged")
 
   async def train(self, payload: data_lib.Batch, *, stage_key: str | None,
-                  apply_optimizer: bool) -> dict[str, Any]:
+                  apply_optimizer: bool) -> outcome_lib.Trained:
     return await self._engine.train_resident(payload.mb_id, apply_optimizer=apply_optimizer)
 
   async def reset(self, keys: list[str]) -> None:

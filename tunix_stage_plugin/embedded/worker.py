@@ -134,8 +134,13 @@ class TrainerWorker:
                                   ("resident", resident)) if v is not None]
     if len(given) != 1:
       raise TypeError(f"fwd_bwd takes exactly one of batch, stage_key, resident; got {given}")
+    fallback = None
     if stage_key is not None:
-      item, source = self.store.take(stage_key), "staged"
+      try:
+        item, source = self.store.take(stage_key), "staged"
+      except store_lib.PlacementFailed as e:  # received but not placed: train its payload here
+        item = _Staged(e.payload.step, e.payload.mb_id, self._place(e.payload, "inline"))
+        source, fallback = "unplaced", e.reason
     elif resident is not None:
       if resident not in self._resident:
         raise KeyError(f"micro-batch {resident!r} is not resident; "
@@ -150,7 +155,7 @@ class TrainerWorker:
                       kind="fwd_bwd", source=source)
     self._trained.append(item.mb_id)
     self._last_step = item.step
-    return {"loss": loss, "mb_id": item.mb_id, "source": source}
+    return {"loss": loss, "mb_id": item.mb_id, "source": source, "placement_fallback": fallback}
 
   def update(self) -> dict[str, Any]:
     trainer = self._require_trainer()

@@ -26,6 +26,7 @@ from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.activation import registry as registry_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.hosts.tunix import worker
 
 log = logging.getLogger("tunix_stage_plugin")
 ACTOR = datatypes.Role.ACTOR
@@ -48,8 +49,8 @@ class _StepFeed:
   num_microbatches: int = 0
 
 
-class _EngineStages:
-  """The pipeline's engine protocol over DistributedRLEngine; inline calls are the host's calls."""
+class StageEngine:
+  """core.pipeline.StageEngine over a DistributedRLEngine; inline calls are the host's calls."""
 
   def __init__(self, engine: Any) -> None:
     self._engine = engine
@@ -57,12 +58,16 @@ class _EngineStages:
   async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
     return await self._engine.stage_train_batch(payload, key=key, role=ACTOR)
 
-  async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool) -> Any:
+  async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
+                  ) -> outcome_lib.Trained:
     if stage_key is None:  # byte-for-byte the host's own train_step call
-      return await self._engine.train_step(payload, role=ACTOR, accumulate_gradients=True,
-                                           apply_optimizer=apply_optimizer)
-    return await self._engine.train_step(None, role=ACTOR, accumulate_gradients=True,
-                                         apply_optimizer=apply_optimizer, stage_key=stage_key)
+      return outcome_lib.Trained(await self._engine.train_step(
+          payload, role=ACTOR, accumulate_gradients=True, apply_optimizer=apply_optimizer))
+    result = await self._engine.train_step(None, role=ACTOR, accumulate_gradients=True,
+                                           apply_optimizer=apply_optimizer, stage_key=stage_key)
+    # train_step answers fwd_bwd's response, or {"fwd_bwd": response, ...} after an update.
+    response = result["fwd_bwd"] if apply_optimizer else result
+    return outcome_lib.Trained(result, fallback=response.metadata.get(worker.PLACEMENT_FALLBACK))
 
   async def reset(self, keys: list[str]) -> None:
     await self._engine.reset_staged_batches(keys, role=ACTOR)
@@ -117,7 +122,7 @@ def _may_prestage(program: Any) -> bool:
 
 async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None) -> None:
   pipeline = pipeline_lib.StagePipeline(
-      _EngineStages(engine), manager.current_config("tunix").max_staged_batches)
+      StageEngine(engine), manager.current_config("tunix").max_staged_batches)
   feeds: dict[int, _StepFeed] = {}  # a prestaged step keeps its own feed
 
   def source_for(step: int) -> AsyncIterator[pipeline_lib.MicroBatch]:

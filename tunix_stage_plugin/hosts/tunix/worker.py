@@ -25,6 +25,9 @@ from tunix_stage_plugin.hosts.tunix import transforms
 
 STAGE_KEY = "stage_key"  # the fwd_bwd keyword that names a staged batch
 SEAM = "_prepare_payload"  # PeftTrainer's preparation step, run once per micro-batch
+# In a staged fwd_bwd's response metadata: why the staged batch was trained inline (None: it was
+# trained from its placement).
+PLACEMENT_FALLBACK = "placement_fallback"
 
 
 class _Consuming(threading.local):
@@ -143,7 +146,12 @@ def apply(registry: registry_lib.PatchRegistry, worker_cls: type, peft_cls: type
     if payload is not None or len(args) > 1:
       raise ValueError(f"fwd_bwd got a payload and stage_key={key!r}; send one or the other")
     # take() removes the batch: a key is consumed exactly once; an unknown key raises.
-    placed = staging_of(self).store.take(key)
+    try:
+      placed = staging_of(self).store.take(key)
+    except store_lib.PlacementFailed as e:  # received, never placed: the host's own inline call
+      response = original_fwd_bwd(self, e.payload, **kwargs)
+      response.metadata[PLACEMENT_FALLBACK] = e.reason
+      return response
     _consuming.active, _consuming.payload, _consuming.passed = True, placed, False
     try:
       response = original_fwd_bwd(self, placed, **kwargs)
@@ -153,6 +161,7 @@ def apply(registry: registry_lib.PatchRegistry, worker_cls: type, peft_cls: type
     if not passed:
       raise RuntimeError(f"fwd_bwd(stage_key={key!r}) did not reach {SEAM}; the staged batch "
                          "was prepared for a trainer that prepares there")
+    response.metadata[PLACEMENT_FALLBACK] = None
     return response
 
   registry.set(peft_cls, SEAM, prepare_payload)
