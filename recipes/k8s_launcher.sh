@@ -37,8 +37,8 @@ options:
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)
-  TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, >= 1 (default 2)
-  TUNIX_STAGE_MAX_DEVICE_BATCHES  trainer's device-memory bound, >= 1 (default 1)
+  TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, 1..1024 (default 2)
+  TUNIX_STAGE_MAX_DEVICE_BATCHES  trainer's device-memory bound, 1..1024 (default 1)
 
 Every other knob (JOB_NAME, ports, model, TPU shape, ...) is listed in mlperf_base.sh.
 KUBECTL_FLAGS (e.g. "--context=my-cluster --namespace=rl") goes before every kubectl command.

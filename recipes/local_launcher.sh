@@ -52,9 +52,13 @@ options:
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)            orchestrator, trainer
-  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, >= 1 (default 2)  orchestrator
-  TUNIX_STAGE_MAX_DEVICE_BATCHES  device-memory bound, >= 1 (default 1) trainer
-The python that runs everything is \$PYTHON (default python3).
+  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, 1..1024 (default 2) orchestrator
+  TUNIX_STAGE_MAX_DEVICE_BATCHES  device-memory bound, 1..1024 (default 1) trainer
+The python that runs everything is \$PYTHON (default: the first of this checkout's
+.venv/bin/python, the python next to 'tunix-stage' on PATH, python3, that has the plugin).
+Numbers are decimal ASCII digits ("08" is 8); no value may hold a control character.
+SIGINT/SIGTERM: prints "interrupted", stops every process it started (SIGTERM to each process
+group, SIGKILL after STOP_GRACE seconds, default 10) and exits 130/143.
 example:
   TUNIX_STAGE_BATCH=stage ${PROG} --host embedded --steps 2 --tiny
 EOF
