@@ -24,3 +24,28 @@ option_value() {
   fi
   printf '%s' "${next}"
 }
+
+# Refuses a value holding a newline, tab, CR or any other control character: such a value would
+# add or split an argument of a launched command (or break a manifest). Exit 2 (a usage error).
+# Usage: check_no_control NAME VALUE
+check_no_control() {
+  if [[ "$2" == *[[:cntrl:]]* ]]; then
+    usage_error "$1=$(printf '%q' "$2") is invalid; accepted: a value without newlines, tabs or" \
+      "other control characters"
+  fi
+}
+
+# Validates a whole number option and stores it normalised (leading zeros dropped, so that bash
+# arithmetic never reads "08" as octal). Accepted: ASCII digits only, MIN..MAX. Exit 2 otherwise.
+# Usage: uint_option NAME VARIABLE MIN MAX   (the value is read from, and written to, VARIABLE)
+uint_option() {
+  local name="$1" var="$2" min="$3" max="$4" value digits
+  value="${!var}"
+  digits="${value#"${value%%[!0]*}"}" # without leading zeros ("" for 0)
+  if ! [[ "${value}" =~ ^[0123456789]+$ ]] || ((${#digits} > 9)) ||
+    ((10#${digits:-0} < min || 10#${digits:-0} > max)); then
+    usage_error "${name} must be an integer >= ${min} and <= ${max}, not" \
+      "$(printf '%q' "${value}")"
+  fi
+  printf -v "${var}" '%d' "$((10#${digits:-0}))"
+}

@@ -37,8 +37,8 @@ options:
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)
-  TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, >= 1 (default 2)
-  TUNIX_STAGE_MAX_DEVICE_BATCHES  trainer's device-memory bound, >= 1 (default 1)
+  TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, 1..1024 (default 2)
+  TUNIX_STAGE_MAX_DEVICE_BATCHES  trainer's device-memory bound, 1..1024 (default 1)
 
 Every other knob (JOB_NAME, ports, model, TPU shape, ...) is listed in mlperf_base.sh.
 KUBECTL_FLAGS (e.g. "--context=my-cluster --namespace=rl") goes before every kubectl command.
@@ -117,18 +117,8 @@ for knob in ORCHESTRATOR_PORT TRAINER_PORT ROLLOUT_PORT; do
     die "${knob}='${!knob}' is invalid; accepted: a port, 1..65535"
   fi
 done
-# Everything rendered into a manifest: a newline or other control character would break the YAML
-# (or, in *_EXTRA_ARGS, silently drop what follows it).
-for knob in TUNIX_IMAGE CPU_MACHINE CONTAINER_PYTHON RUNTIME_MAIN RUNTIME_EXECUTOR \
-  ORCHESTRATOR_MAIN TRAINER_MAIN ROLLOUT_MAIN MODEL_ID TOKENIZER_PATH BATCH_SIZE NUM_GENERATIONS \
-  MAX_STEPS MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH TRAIN_MICRO_BATCH_SIZE LEARNING_RATE \
-  ORCHESTRATOR_EXTRA_ARGS TRAINER_EXTRA_ARGS ROLLOUT_EXTRA_ARGS TRAINER_TPU_ACCELERATOR \
-  TRAINER_TPU_TOPOLOGY ROLLOUT_TPU_ACCELERATOR ROLLOUT_TPU_TOPOLOGY KUBECTL_FLAGS; do
-  if [[ "${!knob}" == *[[:cntrl:]]* ]]; then
-    die "${knob}=$(printf '%q' "${!knob}") is invalid; accepted: a value without newlines or" \
-      "other control characters"
-  fi
-done
+# Every knob rendered into a manifest was checked for control characters by mlperf_base.sh.
+check_no_control KUBECTL_FLAGS "${KUBECTL_FLAGS}"
 if [[ "${COMMAND}" == start && -z "${TUNIX_IMAGE}" ]]; then
   die "no image: pass --image IMAGE or set TUNIX_IMAGE (an image with tunix and" \
     "tunix-stage-plugin installed)"

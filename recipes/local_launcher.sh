@@ -52,9 +52,13 @@ options:
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)            orchestrator, trainer
-  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, >= 1 (default 2)  orchestrator
-  TUNIX_STAGE_MAX_DEVICE_BATCHES  device-memory bound, >= 1 (default 1) trainer
-The python that runs everything is \$PYTHON (default python3).
+  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, 1..1024 (default 2) orchestrator
+  TUNIX_STAGE_MAX_DEVICE_BATCHES  device-memory bound, 1..1024 (default 1) trainer
+The python that runs everything is \$PYTHON (default: the first of this checkout's
+.venv/bin/python, the python next to 'tunix-stage' on PATH, python3, that has the plugin).
+Numbers are decimal ASCII digits ("08" is 8); no value may hold a control character.
+SIGINT/SIGTERM: prints "interrupted", stops every process it started (SIGTERM to each process
+group, SIGKILL after STOP_GRACE seconds, default 10) and exits 130/143.
 example:
   TUNIX_STAGE_BATCH=stage ${PROG} --host embedded --steps 2 --tiny
 EOF
@@ -62,13 +66,6 @@ EOF
 
 say() {
   echo "${PROG}: $*"
-}
-
-check_uint() {
-  local name="$1" value="$2" min="$3"
-  if ! [[ "${value}" =~ ^[0-9]+$ ]] || ((10#${value} < min)); then
-    usage_error "${name} must be an integer >= ${min}, not '${value}'"
-  fi
 }
 
 HOST="auto"
@@ -105,21 +102,23 @@ while (($# > 0)); do
   esac
 done
 
+# Every input is checked here, before anything starts: one error, exit 2.
 case "${HOST}" in
   auto | embedded | tunix) ;;
-  *) usage_error "--host must be auto, embedded or tunix, not '${HOST}'" ;;
+  *) usage_error "--host must be auto, embedded or tunix, not $(printf '%q' "${HOST}")" ;;
 esac
-if [[ -n "${PORT}" ]]; then
-  check_uint --port "${PORT}" 1
-  ((10#${PORT} <= 65535)) || usage_error "--port must be at most 65535, not '${PORT}'"
-fi
-[[ -z "${STEPS}" ]] || check_uint --steps "${STEPS}" 1
-[[ -z "${MICROBATCHES}" ]] || check_uint --microbatches "${MICROBATCHES}" 1
-check_uint --timeout "${TIMEOUT}" 0
-check_uint --startup-timeout "${STARTUP_TIMEOUT}" 1
-check_uint STOP_GRACE "${STOP_GRACE}" 0
+[[ -z "${PORT}" ]] || uint_option --port PORT 1 65535
+[[ -z "${STEPS}" ]] || uint_option --steps STEPS 1 999999999
+[[ -z "${MICROBATCHES}" ]] || uint_option --microbatches MICROBATCHES 1 999999999
+uint_option --timeout TIMEOUT 0 999999999
+uint_option --startup-timeout STARTUP_TIMEOUT 1 999999999
+uint_option STOP_GRACE STOP_GRACE 0 3600
+check_no_control --log-dir "${LOG_DIR}"
+for arg in ${EXTRA_ORCH_ARGS[@]+"${EXTRA_ORCH_ARGS[@]}"}; do
+  check_no_control "orchestrator argument" "${arg}"
+done
 # --timeout counts from here: starting the processes is part of the job.
-JOB_DEADLINE=$((SECONDS + 10#${TIMEOUT}))
+JOB_DEADLINE=$((SECONDS + TIMEOUT))
 
 # Defaults, and the staging values validated by the plugin (stops with its message when bad).
 # shellcheck source=mlperf_base.sh
@@ -198,6 +197,15 @@ role_env_prefix() {
   done
 }
 
+# Whether setsid runs each process in its own process group (and session): then stopping a
+# process stops its children too, and a Ctrl-C at the terminal reaches only the launcher, which
+# stops everything once, in order.
+if command -v setsid >/dev/null 2>&1; then
+  SETSID=(setsid)
+else
+  SETSID=()
+fi
+
 # Starts a role's process in the background with its log, and records it.
 #   $1 name (and log file name), $2 role (whose staging env it gets), then the command.
 start_process() {
@@ -209,7 +217,9 @@ start_process() {
   done
   local log="${LOG_DIR}/${name}.log"
   defer_signals # a signal here would otherwise exit before the new PID is recorded
-  "${prefix[@]}" "$@" >"${log}" 2>&1 &
+  # setsid execs the command in place (a background child is never a group leader), so $! is the
+  # command's PID and its process group ID.
+  ${SETSID[@]+"${SETSID[@]}"} "${prefix[@]}" "$@" >"${log}" 2>&1 &
   local pid=$!
   NAMES+=("${name}")
   PIDS+=("${pid}")
@@ -218,28 +228,83 @@ start_process() {
   say "started ${name} pid=${pid} log=${log} env:${staged:- (no staging variables)}"
 }
 
-# Stops one recorded process: SIGTERM, then SIGKILL after STOP_GRACE seconds; reaps it.
-stop_process() {
-  local name="$1" pid="$2" waited=0 rc=0
-  if [[ -n "${REAPED[${pid}]+set}" ]]; then
+# True while the process, or (with setsid) any process of its group, runs. A reaped process's
+# PID is not looked at (it may be reused), only its group: Linux never reuses the PID of a live
+# group's ID.
+group_running() {
+  local pid="$1" stat rest
+  if [[ -z "${REAPED[${pid}]+set}" ]] && proc_running "${pid}"; then
     return 0
   fi
-  if proc_running "${pid}"; then
-    kill -TERM "${pid}" 2>/dev/null || true
-    while proc_running "${pid}" && ((waited < STOP_GRACE * 10)); do
-      sleep 0.1
-      waited=$((waited + 1))
-    done
-    if proc_running "${pid}"; then
-      say "${name} pid=${pid} ignored SIGTERM for ${STOP_GRACE}s; sending SIGKILL"
-      kill -KILL "${pid}" 2>/dev/null || true
+  ((${#SETSID[@]})) || return 1
+  for stat in /proc/[0-9]*/stat; do
+    { read -r rest <"${stat}"; } 2>/dev/null || continue
+    rest="${rest##*) }" # state ppid pgrp ...
+    read -r -a rest <<<"${rest}"
+    if [[ "${rest[2]}" == "${pid}" && "${rest[0]}" != [ZX] ]]; then
+      return 0
     fi
-    wait "${pid}" 2>/dev/null || rc=$?
-    say "stopped ${name} pid=${pid} (exit ${rc})"
+  done
+  return 1
+}
+
+# Sends a signal to a started process, and to its group when it has one.
+signal_process() {
+  local sig="$1" pid="$2"
+  if ((${#SETSID[@]})); then
+    kill "-${sig}" -- "-${pid}" 2>/dev/null || kill "-${sig}" "${pid}" 2>/dev/null || true
   else
-    wait "${pid}" 2>/dev/null || rc=$?
-    say "${name} pid=${pid} had exited (exit ${rc})"
+    kill "-${sig}" "${pid}" 2>/dev/null || true
   fi
+}
+
+# Stops every started process at once: SIGTERM to all, one shared wait of STOP_GRACE seconds,
+# then SIGKILL (said, per process) to whatever still runs; reaps each and reports its status.
+stop_all() {
+  local i pid ticks=0 live=() rc
+  declare -A signalled=()
+  for i in "${!PIDS[@]}"; do
+    pid="${PIDS[i]}"
+    if group_running "${pid}"; then
+      signal_process TERM "${pid}"
+      live+=("${i}")
+      signalled["${pid}"]=1
+    fi
+  done
+  while ((${#live[@]})) && ((ticks < STOP_GRACE * 10)); do
+    local still=()
+    for i in "${live[@]}"; do
+      group_running "${PIDS[i]}" && still+=("${i}")
+    done
+    live=(${still[@]+"${still[@]}"})
+    ((${#live[@]})) || break
+    sleep 0.1
+    ticks=$((ticks + 1))
+  done
+  for i in ${live[@]+"${live[@]}"}; do
+    if group_running "${PIDS[i]}"; then
+      say "${NAMES[i]} pid=${PIDS[i]} ignored SIGTERM for ${STOP_GRACE}s; sending SIGKILL"
+      signal_process KILL "${PIDS[i]}"
+      # SIGKILL cannot be ignored; wait (bounded) until the kernel has taken the group down.
+      ticks=0
+      while group_running "${PIDS[i]}" && ((ticks < 50)); do
+        sleep 0.1
+        ticks=$((ticks + 1))
+      done
+    fi
+  done
+  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
+    pid="${PIDS[i]}"
+    [[ -z "${REAPED[${pid}]+set}" ]] || continue
+    rc=0
+    wait "${pid}" 2>/dev/null || rc=$?
+    REAPED["${pid}"]="${rc}"
+    if [[ -n "${signalled[${pid}]+set}" ]]; then
+      say "stopped ${NAMES[i]} pid=${pid} (exit ${rc})"
+    else
+      say "${NAMES[i]} pid=${pid} had exited (exit ${rc})"
+    fi
+  done
 }
 
 print_log_tails() {
@@ -253,11 +318,8 @@ print_log_tails() {
 on_exit() {
   local rc=$?
   set +e
-  trap '' INT TERM HUP
-  local i
-  for ((i = ${#PIDS[@]} - 1; i >= 0; i--)); do
-    stop_process "${NAMES[i]}" "${PIDS[i]}"
-  done
+  trap '' INT TERM HUP # one clean stop: a second Ctrl-C does not cut it short
+  stop_all
   if ((rc != 0)); then
     print_log_tails
     echo "${PROG}: job failed (exit ${rc}); logs in ${LOG_DIR}" >&2
@@ -266,21 +328,26 @@ on_exit() {
   fi
   exit "${rc}"
 }
-# A signal exits with 128 + its number, through on_exit.
+# A signal says "interrupted" and exits with 128 + its number, through on_exit.
+on_signal() {
+  echo "${PROG}: interrupted by SIG$1; stopping every process it started" >&2
+  exit "$2"
+}
 deliver_signals() {
-  trap 'exit 129' HUP
-  trap 'exit 130' INT
-  trap 'exit 143' TERM
+  trap 'on_signal HUP 129' HUP
+  trap 'on_signal INT 130' INT
+  trap 'on_signal TERM 143' TERM
   if ((DEFERRED_EXIT)); then
-    exit "${DEFERRED_EXIT}"
+    on_signal "${DEFERRED_SIGNAL}" "${DEFERRED_EXIT}"
   fi
 }
 defer_signals() {
-  trap 'DEFERRED_EXIT=129' HUP
-  trap 'DEFERRED_EXIT=130' INT
-  trap 'DEFERRED_EXIT=143' TERM
+  trap 'DEFERRED_SIGNAL=HUP DEFERRED_EXIT=129' HUP
+  trap 'DEFERRED_SIGNAL=INT DEFERRED_EXIT=130' INT
+  trap 'DEFERRED_SIGNAL=TERM DEFERRED_EXIT=143' TERM
 }
 DEFERRED_EXIT=0
+DEFERRED_SIGNAL=""
 trap on_exit EXIT
 deliver_signals
 

@@ -24,8 +24,11 @@ export TUNIX_STAGE_MAX_DEVICE_BATCHES="${TUNIX_STAGE_MAX_DEVICE_BATCHES:-1}"
 export TUNIX_MAX_STAGED_BATCHES="${TUNIX_MAX_STAGED_BATCHES:-2}"
 
 # --- the job's usual knobs --------------------------------------------------------------------
-# The interpreter the recipes run (validation, local processes). Containers use CONTAINER_PYTHON.
-export PYTHON="${PYTHON:-python3}"
+# The interpreter the recipes run (validation, local processes); default: the first of this
+# checkout's .venv/bin/python, the python next to `tunix-stage` on PATH, python3, that has
+# tunix-stage-plugin and its dependencies (mlperf_default_python). Containers use
+# CONTAINER_PYTHON.
+export PYTHON="${PYTHON:-}"
 export CONTAINER_PYTHON="${CONTAINER_PYTHON:-python}"
 # Names every JobSet: a lowercase DNS label (k8s_launcher.sh checks it).
 export JOB_NAME="${JOB_NAME:-tunix-mlperf}"
@@ -70,11 +73,68 @@ export ROLLOUT_TPU_HOSTS="${ROLLOUT_TPU_HOSTS:-1}"
 export ROLLOUT_TPU_CHIPS_PER_HOST="${ROLLOUT_TPU_CHIPS_PER_HOST:-4}"
 export ROLLOUT_REPLICAS="${ROLLOUT_REPLICAS:-1}"
 
-# --- staging: validation and what each role receives -----------------------------------------
+# Every knob above, and the staging variables: none may hold a control character.
+MLPERF_KNOBS=(TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES TUNIX_MAX_STAGED_BATCHES PYTHON
+  CONTAINER_PYTHON JOB_NAME ORCHESTRATOR_ID TRAINER_ID ROLLOUT_ID ORCHESTRATOR_PORT ROLLOUT_PORT
+  TRAINER_PORT RUNTIME_MAIN RUNTIME_EXECUTOR ORCHESTRATOR_MAIN TRAINER_MAIN ROLLOUT_MAIN MODEL_ID
+  TOKENIZER_PATH BATCH_SIZE NUM_GENERATIONS MAX_STEPS MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH
+  TRAIN_MICRO_BATCH_SIZE LEARNING_RATE ORCHESTRATOR_EXTRA_ARGS TRAINER_EXTRA_ARGS
+  ROLLOUT_EXTRA_ARGS TUNIX_IMAGE CPU_MACHINE TRAINER_TPU_ACCELERATOR TRAINER_TPU_TOPOLOGY
+  TRAINER_TPU_HOSTS TRAINER_TPU_CHIPS_PER_HOST ROLLOUT_TPU_ACCELERATOR ROLLOUT_TPU_TOPOLOGY
+  ROLLOUT_TPU_HOSTS ROLLOUT_TPU_CHIPS_PER_HOST ROLLOUT_REPLICAS)
+
+# --- validation and what each role receives ---------------------------------------------------
 
 # Prints an error prefixed with the recipe's name to stderr.
 mlperf_error() {
   echo "mlperf_base.sh: error: $*" >&2
+}
+
+# Refuses a knob holding a newline, tab, CR or other control character: one would add or split an
+# argument of a launched command, or break a rendered manifest. Returns 2 after one line.
+mlperf_check_knobs() {
+  local knob
+  for knob in "${MLPERF_KNOBS[@]}"; do
+    if [[ "${!knob}" == *[[:cntrl:]]* ]]; then
+      mlperf_error "${knob}=$(printf '%q' "${!knob}") is invalid; accepted: a value without" \
+        "newlines, tabs or other control characters"
+      return 2
+    fi
+  done
+}
+
+# Whether $1 is an interpreter with tunix-stage-plugin and its runtime dependencies. Run from /,
+# so that a checkout in the current directory does not count as installed.
+mlperf_python_has_plugin() {
+  (cd / && "$1" -c 'import importlib.util, sys
+sys.exit(any(importlib.util.find_spec(m) is None
+             for m in ("tunix_stage_plugin", "grpc", "jax", "numpy", "cloudpickle")))') \
+    >/dev/null 2>&1
+}
+
+# Sets PYTHON, when unset or empty, to the first interpreter that has the plugin: this checkout's
+# .venv/bin/python, the python next to `tunix-stage` on PATH, python3. Returns 2 after one line
+# when none has it.
+mlperf_default_python() {
+  [[ -z "${PYTHON}" ]] || return 0
+  local recipes_dir candidates=() candidate script
+  recipes_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+  candidates+=("${recipes_dir%/*}/.venv/bin/python")
+  if script="$(command -v tunix-stage 2>/dev/null)"; then
+    candidates+=("${script%/*}/python")
+  fi
+  candidates+=(python3)
+  for candidate in "${candidates[@]}"; do
+    if command -v "${candidate}" >/dev/null 2>&1 && mlperf_python_has_plugin "${candidate}"; then
+      PYTHON="$(command -v "${candidate}")"
+      export PYTHON
+      return 0
+    fi
+  done
+  mlperf_error "no python with tunix-stage-plugin and its dependencies (tried:" \
+    "${candidates[*]}); install it (pip install -e . in a venv) or set PYTHON to an" \
+    "interpreter that has it"
+  return 2
 }
 
 # Validates the staging variables with the plugin's own rules and normalises them.
@@ -85,17 +145,20 @@ mlperf_check_staging() {
       "has tunix-stage-plugin installed"
     return 2
   fi
-  if ! "${PYTHON}" -c 'import importlib.util, sys; sys.exit(importlib.util.find_spec("tunix_stage_plugin") is None)' 2>/dev/null; then
-    mlperf_error "tunix-stage-plugin is not installed for ${PYTHON}; it is needed to validate" \
-      "TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES and TUNIX_STAGE_MAX_DEVICE_BATCHES." \
-      "Install it (pip install tunix-stage-plugin) or set PYTHON to an interpreter that has it."
+  if ! mlperf_python_has_plugin "${PYTHON}"; then
+    mlperf_error "tunix-stage-plugin is not installed for ${PYTHON} (or its dependencies are" \
+      "missing); it runs the job's processes and validates TUNIX_STAGE_BATCH," \
+      "TUNIX_MAX_STAGED_BATCHES and TUNIX_STAGE_MAX_DEVICE_BATCHES. Install it (pip install" \
+      "tunix-stage-plugin) or set PYTHON to an interpreter that has it."
     return 2
   fi
-  local out rc=0
+  local out rc=0 line
   # `tunix-stage config --check`, run with $PYTHON so that it is the plugin that $PYTHON imports.
   out="$("${PYTHON}" -m tunix_stage_plugin.cli.main config --check 2>&1)" || rc=$?
   if ((rc == 2)); then
-    mlperf_error "invalid staging setting: ${out#tunix-stage config: error: }"
+    while IFS= read -r line; do # one line per invalid variable
+      mlperf_error "invalid staging setting: ${line#tunix-stage config: error: }"
+    done <<<"${out}"
     return 2
   elif ((rc != 0)); then
     mlperf_error "'tunix-stage config --check' failed with exit code ${rc}:"
@@ -222,7 +285,7 @@ if [[ "${BASH_SOURCE[0]}" == "${0}" ]]; then
   MLPERF_BASE_RUN_DIRECTLY=1
 fi
 
-if ! mlperf_check_staging; then
+if ! mlperf_check_knobs || ! mlperf_default_python || ! mlperf_check_staging; then
   if ((MLPERF_BASE_RUN_DIRECTLY)); then
     exit 2
   fi

@@ -179,12 +179,41 @@ def test_failure_while_patching_reverts_everything(adapter, capsys):
   assert "applying hooks failed, all reverted: RuntimeError: boom" in capsys.readouterr().err
 
 
-def test_invalid_env_value_installs_nothing(adapter, capsys, monkeypatch):
+def test_invalid_env_value_raises_and_installs_nothing(adapter, capsys, monkeypatch):
   monkeypatch.setenv("TUNIX_STAGE_BATCH", "stage")
   monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "0")
-  assert not manager.install(host="fake").installed
-  assert ("invalid staging configuration: TUNIX_MAX_STAGED_BATCHES='0' is invalid"
-          in capsys.readouterr().err)
+  before = snapshot()
+  with pytest.raises(config_lib.ConfigError, match="TUNIX_MAX_STAGED_BATCHES='0' is invalid"):
+    manager.install(host="fake")
+  assert snapshot() == before and adapter.applied == 0 and not manager.is_installed("fake")
+  assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("env", [
+    {"TUNIX_STAGE_BATCH": "on"},  # a typo of "stage": refused, not taken as off
+    {"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "0"},
+])
+def test_activate_from_env_stops_the_process_on_an_invalid_setting(adapter, capsys, monkeypatch,
+                                                                   env):
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  before = snapshot()
+  with pytest.raises(SystemExit) as e:
+    manager.activate_from_env("fake")
+  assert e.value.code == 2 and snapshot() == before and adapter.applied == 0
+  (name, value), = [(k, v) for k, v in env.items() if v != "stage"]
+  accepted = "off | stage" if name == "TUNIX_STAGE_BATCH" else "an integer >= 1 and <= 1024"
+  assert capsys.readouterr().err.splitlines() == [
+      f"tunix-stage: error: invalid staging configuration: {name}={value!r} is invalid; "
+      f"accepted: {accepted}"]
+
+
+def test_activate_from_env_is_silent_when_off_and_installs_when_on(adapter, capsys, monkeypatch):
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "off")
+  assert manager.activate_from_env("fake") is None and adapter.applied == 0
+  assert capsys.readouterr().err == ""
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "stage")
+  assert manager.activate_from_env("fake").installed and adapter.applied == 1
 
 
 def test_unknown_host_names_the_registered_ones(capsys):
@@ -245,6 +274,16 @@ def test_native_entry_point_is_silent_when_off(monkeypatch, capsys):
   monkeypatch.setenv("TUNIX_STAGE_BATCH", "stage")
   native.activate()
   assert len(calls) == 1 and calls[0][1] == {"host": "tunix"} and calls[0][0][0].enabled
+
+
+def test_native_entry_point_stops_on_an_invalid_setting(monkeypatch, capsys):
+  monkeypatch.setattr(manager, "install", lambda *a, **k: pytest.fail("must not install"))
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "on")
+  with pytest.raises(SystemExit) as e:
+    native.activate()
+  assert e.value.code == 2
+  assert capsys.readouterr().err == ("tunix-stage: error: invalid staging configuration: "
+                                     "TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage\n")
 
 
 def test_registry_refuses_a_double_patch_and_undoes_in_reverse():

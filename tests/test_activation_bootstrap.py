@@ -6,6 +6,7 @@ cannot be installed in CI.
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import pathlib
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from tunix_stage_plugin.activation import bootstrap
 from tunix_stage_plugin.activation import entry_points
+from tunix_stage_plugin.activation import host_triggers
 from tunix_stage_plugin.activation import importhook
 from tunix_stage_plugin.activation import manager
 
@@ -24,11 +26,14 @@ PTH_SOURCE = REPO / "tunix_stage_plugin" / "activation" / bootstrap.PTH_NAME
 BOOTSTRAP_MODULE = "tunix_stage_plugin.activation.bootstrap"
 
 
-def run_python(code, env_updates, *args):
-  env = {k: v for k, v in os.environ.items() if k != "TUNIX_STAGE_BATCH"}
+STAGE_ENV = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES")
+
+
+def run_python(code, env_updates, *args, check=True, argv=None):
+  env = {k: v for k, v in os.environ.items() if k not in STAGE_ENV}
   env.update(env_updates)
-  return subprocess.run([sys.executable, *args, "-c", code], env=env, capture_output=True,
-                        text=True, timeout=60, check=True)
+  return subprocess.run([sys.executable, *args, *(argv or ["-c", code])], env=env,
+                        capture_output=True, text=True, timeout=60, check=check)
 
 
 def test_shipped_pth_is_the_gated_line():
@@ -36,8 +41,10 @@ def test_shipped_pth_is_the_gated_line():
 
 
 @pytest.mark.parametrize("value, imported", [
-    (None, False), ("off", False), ("", False), ("stage", True), (" stage ", True)])
-def test_pth_line_imports_nothing_unless_stage(value, imported):
+    (None, False), ("off", False), (" off ", False), ("", False), ("stage", True),
+    (" stage ", True), ("on", True), ("OFF", True)])
+def test_pth_line_imports_nothing_unless_set_and_not_off(value, imported):
+  # Any value but empty/off starts the bootstrap, so a typo ("on") is caught, not ignored.
   # -S: no site processing, so only the line under test runs (not an installed copy of it).
   code = (f"exec(open({str(PTH_SOURCE)!r}).read()); import sys; "
           f"print({BOOTSTRAP_MODULE!r} in sys.modules, 'tunix_stage_plugin' in sys.modules)")
@@ -132,45 +139,160 @@ def test_unwatched_imports_pass_through(finder):
   assert finder.find_spec("json", None) is None
 
 
-def test_bootstrap_start_installs_each_host_when_it_is_imported(fake_host, monkeypatch):
+def test_bootstrap_start_activates_each_host_when_it_is_imported(fake_host, monkeypatch,
+                                                                 capsys):
   calls = []
-
-  class Adapter:
-    trigger_modules = (f"{fake_host}.watched",)
-
-  monkeypatch.setenv("TUNIX_STAGE_BATCH", "stage")
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "on")  # invalid, and still nothing at start
   monkeypatch.setattr(bootstrap, "_started", False)
-  monkeypatch.setattr(entry_points, "load_adapters", lambda: {"fakehost": Adapter()})
-  monkeypatch.setattr(manager, "install", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(host_triggers, "HOST_TRIGGERS", {"fakehost": (f"{fake_host}.watched",)})
+  monkeypatch.setattr(entry_points, "load_adapters", lambda: pytest.fail("no metadata at start"))
+  monkeypatch.setattr(manager, "activate_from_env", calls.append)
   bootstrap.start()
   bootstrap.start()  # idempotent: one set of watches
-  assert calls == []
+  assert calls == [] and capsys.readouterr().err == ""
   __import__(fake_host)
-  assert calls == [{"host": "fakehost"}]
-
-
-def test_bootstrap_reports_a_bad_setting_once_and_watches_nothing(monkeypatch, capsys):
-  monkeypatch.setenv("TUNIX_STAGE_BATCH", "stage")
-  monkeypatch.setenv("TUNIX_STAGE_MAX_DEVICE_BATCHES", "two")
-  monkeypatch.setattr(bootstrap, "_started", False)
-  monkeypatch.setattr(entry_points, "load_adapters", lambda: pytest.fail("must not load hosts"))
-  bootstrap.start()
-  assert capsys.readouterr().err.strip() == (
-      "tunix-stage: invalid staging configuration, nothing installed: "
-      "TUNIX_STAGE_MAX_DEVICE_BATCHES='two' is invalid; accepted: an integer >= 1")
+  assert calls == ["fakehost"]
 
 
 def test_bootstrap_never_raises(monkeypatch, capsys):
   monkeypatch.setenv("TUNIX_STAGE_BATCH", "stage")
   monkeypatch.setattr(bootstrap, "_started", False)
 
-  def broken():
-    raise OSError("metadata unreadable")
+  def broken(modules, callback):
+    raise OSError("meta path unwritable")
 
-  monkeypatch.setattr(entry_points, "load_adapters", broken)
+  monkeypatch.setattr(importhook, "when_imported", broken)
   bootstrap.start()
   assert capsys.readouterr().err.strip() == (
-      "tunix-stage: bootstrap failed, nothing installed: OSError: metadata unreadable")
+      "tunix-stage: bootstrap failed, nothing installed: OSError: meta path unwritable")
+
+
+def test_host_triggers_match_the_registered_adapters():
+  # The bootstrap watches the static table (no metadata at start-up); it must name the modules
+  # each registered adapter's install is triggered by.
+  adapters = entry_points.load_adapters()
+  assert {name: tuple(a.trigger_modules) for name, a in adapters.items()} == (
+      host_triggers.HOST_TRIGGERS)
+
+
+def test_bootstrap_start_loads_no_metadata_and_no_manager():
+  # With staging on, start-up imports the bootstrap, the trigger table and the import hook only.
+  code = "import sys; print(' '.join(sorted(sys.modules)))"
+  off = set(run_python(code, {}).stdout.split())
+  on = set(run_python(code, {"TUNIX_STAGE_BATCH": "stage"}).stdout.split())
+  assert on - off == {"tunix_stage_plugin", "tunix_stage_plugin.activation",
+                      "tunix_stage_plugin.activation.bootstrap",
+                      "tunix_stage_plugin.activation.host_triggers",
+                      "tunix_stage_plugin.activation.importhook"}
+
+
+@pytest.fixture
+def fake_tunix(tmp_path):
+  """A stand-in `tunix` package on disk with the watched modules and a runtime main module."""
+  root = tmp_path / "fake_tunix"
+  for module in host_triggers.HOST_TRIGGERS["tunix"] + (
+      "tunix.experimental.distributed.runtime.main",):
+    path = root.joinpath(*module.split("."))
+    for parent in [path.parent, *path.parent.parents]:
+      if parent == root:
+        break
+      parent.mkdir(parents=True, exist_ok=True)
+      (parent / "__init__.py").touch()
+    path.with_suffix(".py").write_text("")
+  main = root / "tunix" / "experimental" / "distributed" / "runtime" / "main.py"
+  main.write_text(textwrap.dedent(f"""
+      import sys
+      import {host_triggers.HOST_TRIGGERS["tunix"][0]}
+      print("main ran as", __name__, sys.argv[1:])
+  """))
+  return root
+
+
+@pytest.mark.parametrize("env, problem", [
+    ({"TUNIX_STAGE_BATCH": "on"}, "TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage"),
+    ({"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "0"},
+     "TUNIX_MAX_STAGED_BATCHES='0' is invalid; accepted: an integer >= 1 and <= 1024"),
+])
+def test_bad_setting_stops_a_host_process_with_one_line_and_exit_2(fake_tunix, env, problem):
+  env = {**env, "PYTHONPATH": str(fake_tunix)}
+  # A process that never imports the host is not the plugin's business: silent, exit 0.
+  quiet = run_python("print('work')", env)
+  assert (quiet.stdout, quiet.stderr) == ("work\n", "")
+  # `python -m` of the host's runtime: stops when the host is imported, before main's own work.
+  proc = run_python("", env, argv=["-m", "tunix.experimental.distributed.runtime.main", "--x"],
+                    check=False)
+  assert proc.returncode == 2
+  assert proc.stderr == f"tunix-stage: error: invalid staging configuration: {problem}\n"
+  assert proc.stdout == ""
+
+
+def test_python_dash_m_of_a_watched_host_runs_and_activates(fake_tunix):
+  # The watched package's loaders are wrapped; runpy needs get_code & co from the wrapper.
+  proc = run_python("", {"TUNIX_STAGE_BATCH": "stage", "PYTHONPATH": str(fake_tunix)},
+                    argv=["-m", "tunix.experimental.distributed.runtime.main", "--x"],
+                    check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout == "main ran as __main__ ['--x']\n"
+  # The hook fired: install ran against the stand-in (whose classes are missing) and said, in
+  # one line, that it installed nothing (the exact reason is the tunix adapter's).
+  assert proc.stderr.startswith("tunix-stage: ") and len(proc.stderr.splitlines()) == 1
+  assert "staging on" not in proc.stderr
+
+
+@pytest.fixture
+def fake_pkg(tmp_path):
+  """A package with a module run by `python -m`, which imports a watched sibling."""
+  name = f"dashm_{tmp_path.name[-8:].replace('-', '_')}"
+  pkg = tmp_path / name
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "watched.py").write_text("VALUE = 41\n")
+  (pkg / "data.txt").write_text("resource\n")
+  (pkg / "sub.py").write_text(textwrap.dedent(f"""
+      import importlib.resources
+      from {name} import watched
+      print("sub ran", __name__, watched.VALUE + 1,
+            importlib.resources.files({name!r}).joinpath("data.txt").read_text().strip())
+  """))
+  return name
+
+
+def test_run_module_of_a_watched_package_runs_and_fires(fake_pkg, tmp_path):
+  code = textwrap.dedent(f"""
+      import runpy
+      from tunix_stage_plugin.activation import importhook
+      importhook.when_imported([{fake_pkg + ".watched"!r}], lambda: print("fired"))
+      runpy.run_module({fake_pkg + ".sub"!r}, run_name="__main__", alter_sys=True)
+  """)
+  proc = run_python(code, {"PYTHONPATH": str(tmp_path)})
+  assert proc.stdout.splitlines() == ["fired", "sub ran __main__ 42 resource"]
+  assert proc.stderr == ""
+
+
+def test_wrapped_loader_answers_as_the_real_loader(fake_pkg, tmp_path, monkeypatch):
+  monkeypatch.syspath_prepend(str(tmp_path))
+  f = importhook.PostImportFinder()
+  f.add([f"{fake_pkg}.watched"], lambda: None)
+  try:
+    for module in (fake_pkg, f"{fake_pkg}.sub"):
+      path = None if module == fake_pkg else [str(tmp_path / fake_pkg)]
+      wrapped = f.find_spec(module, path).loader
+      real = importlib.machinery.PathFinder.find_spec(module, path).loader
+      assert type(wrapped).__name__ == "_NotifyingLoader" and type(real).__name__ != (
+          "_NotifyingLoader")
+      assert wrapped.get_code(module).co_filename == real.get_code(module).co_filename
+      assert wrapped.get_source(module) == real.get_source(module)
+      assert wrapped.is_package(module) == real.is_package(module) == (module == fake_pkg)
+      assert wrapped.get_filename(module) == real.get_filename(module)
+      reader = wrapped.get_resource_reader(module)
+      assert type(reader) is type(real.get_resource_reader(module))
+      assert wrapped.name == real.name and wrapped.path == real.path
+      with pytest.raises(AttributeError):
+        wrapped.no_such_loader_method  # pylint: disable=pointless-statement
+  finally:
+    sys.meta_path.remove(f)
+    for mod in [m for m in sys.modules if m.split(".")[0] == fake_pkg]:
+      del sys.modules[mod]
 
 
 def test_real_tunix_adapter_is_registered_and_cheap_to_load():

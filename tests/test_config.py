@@ -49,12 +49,41 @@ def test_empty_env_value_counts_as_unset():
     ("TUNIX_MAX_STAGED_BATCHES", "2.5", "integer >= 1"),
     ("TUNIX_MAX_STAGED_BATCHES", "+2", "integer >= 1"),
     ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "two", "integer >= 1"),
+    ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1025", "integer >= 1 and <= 1024"),
+    ("TUNIX_MAX_STAGED_BATCHES", "99999999999999999999", "integer >= 1 and <= 1024"),
 ])
 def test_invalid_env_value_names_variable_value_and_accepted(name, value, accepted):
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.resolve(env={name: value})
   message = str(e.value)
   assert name in message and repr(value) in message and accepted in message
+
+
+def test_upper_bound_is_accepted():
+  assert config_lib.resolve(env={"TUNIX_MAX_STAGED_BATCHES": "1024"}).max_staged_batches == 1024
+
+
+@pytest.mark.parametrize("name", ["TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_BATCH"])
+def test_a_huge_value_is_refused_with_a_short_echo(name):
+  value = "9" * 4300  # past Python's own int-digit limit: its message must not leak
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.resolve(env={name: value})
+  accepted = "off | stage" if name == "TUNIX_STAGE_BATCH" else "an integer >= 1 and <= 1024"
+  assert str(e.value) == (f"{name}='{'9' * 32}'... (4300 characters) is invalid: longer than 64 "
+                          f"characters; accepted: {accepted}")
+
+
+def test_every_bad_setting_is_reported_at_once():
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.resolve({"max_device_batches": "0"}, env={
+        "TUNIX_STAGE_BATCH": "on", "TUNIX_MAX_STAGED_BATCHES": "x" * 40,
+        "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2"})
+  assert e.value.problems == [
+      "TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage",
+      f"TUNIX_MAX_STAGED_BATCHES='{'x' * 32}'... (40 characters) is invalid; accepted: an "
+      "integer >= 1 and <= 1024",
+      "--stage_max_device_batches='0' is invalid; accepted: an integer >= 1 and <= 1024"]
+  assert str(e.value) == "; ".join(e.value.problems)
 
 
 def test_invalid_explicit_value_names_the_flag():
@@ -97,6 +126,23 @@ def test_absl_flags_beat_env_and_define_is_idempotent(monkeypatch):
   assert cfg.sources == {"mode": "flag", "max_staged_batches": "env", "max_device_batches": "flag"}
 
 
+@pytest.mark.parametrize("value", ["0", "1025"])
+def test_absl_bounds_refuse_at_parse_time(value):
+  fv = absl_flags.FlagValues()
+  flags_lib.define_absl_flags(flag_values=fv)
+  with pytest.raises(absl_flags.IllegalFlagValueError, match="max_staged_batches"):
+    fv(["prog", f"--max_staged_batches={value}"])
+
+
+def test_absl_values_go_through_the_same_parser(monkeypatch):
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "on")
+  fv = absl_flags.FlagValues()
+  flags_lib.define_absl_flags(flag_values=fv)
+  fv(["prog", "--max_staged_batches=3"])
+  with pytest.raises(config_lib.ConfigError, match="TUNIX_STAGE_BATCH='on' is invalid"):
+    flags_lib.config_from_absl(flag_values=fv)
+
+
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
   clean = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
   return subprocess.run([sys.executable, "-m", "tunix_stage_plugin.cli.main", *args],
@@ -108,6 +154,16 @@ def test_cli_config_exits_2_naming_the_variable():
   assert out.returncode == 2
   assert "TUNIX_MAX_STAGED_BATCHES='0' is invalid; accepted: an integer >= 1" in out.stderr
   assert out.stdout == ""
+
+
+def test_cli_config_prints_one_line_per_bad_variable():
+  out = _cli("config", "--check", env={"TUNIX_STAGE_BATCH": "on",
+                                       "TUNIX_STAGE_MAX_DEVICE_BATCHES": "0"})
+  assert out.returncode == 2 and out.stdout == ""
+  assert out.stderr.splitlines() == [
+      "tunix-stage config: error: TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage",
+      "tunix-stage config: error: TUNIX_STAGE_MAX_DEVICE_BATCHES='0' is invalid; accepted: an "
+      "integer >= 1 and <= 1024"]
 
 
 def test_cli_config_json_reports_sources():

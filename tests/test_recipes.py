@@ -172,8 +172,18 @@ USAGE_ERRORS = [
     (LOCAL, ("--dry-run",), "unknown option '--dry-run'"),
     (LOCAL, ("--steps",), "--steps needs a value"),
     (LOCAL, ("--steps", "0"), "--steps must be an integer >= 1"),
-    (LOCAL, ("--port", "70000"), "--port must be at most 65535"),
+    (LOCAL, ("--port", "70000"), "--port must be an integer >= 1 and <= 65535, not 70000"),
     (LOCAL, ("--host", "k8s"), "--host must be auto, embedded or tunix"),
+    (LOCAL, ("--host", "tunix\n--evil"), "--host must be auto, embedded or tunix, not "
+     "$'tunix\\n--evil'"),
+    (LOCAL, ("--steps", "1\n2"), "--steps must be an integer >= 1 and <= 999999999, not "
+     "$'1\\n2'"),
+    (LOCAL, ("--steps", "٣"), "--steps must be an integer"),  # not an ASCII digit
+    (LOCAL, ("--steps", "9" * 30), "--steps must be an integer >= 1 and <= 999999999"),
+    (LOCAL, ("--timeout", "-1"), "--timeout must be an integer >= 0"),
+    (LOCAL, ("--log-dir", "/tmp/a\tb"), "--log-dir=$'/tmp/a\\tb' is invalid; accepted: a value "
+     "without newlines, tabs or other control characters"),
+    (LOCAL, ("--", "--payload_mib", "1\r"), "is invalid; accepted: a value without newlines"),
 ]
 
 
@@ -249,6 +259,84 @@ def test_base_says_so_when_the_plugin_is_not_installed(tmp_path: Path):
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert f"tunix-stage-plugin is not installed for {bare}" in proc.stderr
+
+
+@pytest.mark.parametrize("var, value", [
+    ("MODEL_ID", "org/model\n--evil_flag=1"), ("TRAINER_MAIN", "a\tb"), ("MAX_STEPS", "10\r"),
+    ("ROLLOUT_EXTRA_ARGS", "--a\x1b[2J"), ("TUNIX_STAGE_BATCH", "stage\n"), ("PYTHON", "py\n")])
+def test_base_refuses_control_characters_in_every_knob(tmp_path: Path, var: str, value: str):
+  for script, args in ((BASE, ()), (LOCAL, ("--host", "tunix")),
+                       (K8S, ("--command", "start", "--image", IMAGE, "--dry-run"))):
+    proc = run(script, *args, env=base_env(tmp_path, **{var: value}))
+    assert proc.returncode == 2, (script, proc)
+    assert proc.stdout == ""
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"mlperf_base.sh: error: {var}=$'") and line.endswith(
+        "is invalid; accepted: a value without newlines, tabs or other control characters")
+
+
+def test_base_reports_every_bad_staging_value(tmp_path: Path):
+  proc = run(BASE, env=base_env(tmp_path, TUNIX_STAGE_BATCH="on", TUNIX_MAX_STAGED_BATCHES="0"))
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.splitlines() == [
+      "mlperf_base.sh: error: invalid staging setting: TUNIX_STAGE_BATCH='on' is invalid; "
+      "accepted: off | stage",
+      "mlperf_base.sh: error: invalid staging setting: TUNIX_MAX_STAGED_BATCHES='0' is invalid; "
+      "accepted: an integer >= 1 and <= 1024"]
+
+
+def _fake_checkout(tmp_path: Path, with_venv: bool) -> Path:
+  """A copy of recipes/ in a fresh directory, with a .venv/bin/python when asked."""
+  checkout = tmp_path / "checkout"
+  shutil.copytree(RECIPES, checkout / "recipes")
+  if with_venv:
+    (checkout / ".venv" / "bin").mkdir(parents=True)
+    python = checkout / ".venv" / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')  # this venv's python
+    python.chmod(0o755)
+  return checkout
+
+
+def test_base_default_python_is_the_checkouts_venv(tmp_path: Path):
+  # No PYTHON, and a PATH whose python3 lacks the plugin: the checkout's .venv is chosen.
+  checkout = _fake_checkout(tmp_path, with_venv=True)
+  env = base_env(tmp_path, PATH="/usr/bin:/bin")
+  del env["PYTHON"]
+  show = 'source "$1"; echo "PYTHON=${PYTHON}"'
+  proc = subprocess.run(["bash", "-c", show, "show", str(checkout / "recipes" / "mlperf_base.sh")],
+                        env=env, text=True, capture_output=True, cwd=tmp_path, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == f"PYTHON={checkout}/.venv/bin/python"
+
+
+def test_base_default_python_is_next_to_tunix_stage_on_path(tmp_path: Path):
+  checkout = _fake_checkout(tmp_path, with_venv=False)
+  env = base_env(tmp_path)  # PATH starts with this venv's bin, which holds tunix-stage
+  del env["PYTHON"]
+  show = 'source "$1"; echo "PYTHON=${PYTHON}"'
+  proc = subprocess.run(["bash", "-c", show, "show", str(checkout / "recipes" / "mlperf_base.sh")],
+                        env=env, text=True, capture_output=True, cwd=tmp_path, check=False)
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.strip() == f"PYTHON={VENV_BIN}/python"
+
+
+def test_base_without_a_python_that_has_the_plugin_says_so_in_one_line(tmp_path: Path):
+  # A checkout without .venv, no tunix-stage on PATH, and a python3 without the plugin (even
+  # when run from a directory holding the package's sources).
+  checkout = _fake_checkout(tmp_path, with_venv=False)
+  (checkout / "tunix_stage_plugin").symlink_to(REPO / "tunix_stage_plugin")
+  bare_bin = tmp_path / "bare-bin"
+  bare_bin.mkdir()
+  (bare_bin / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+  (bare_bin / "python3").chmod(0o755)
+  env = base_env(tmp_path, PATH=f"{bare_bin}:/usr/bin:/bin")
+  del env["PYTHON"]
+  proc = run(checkout / "recipes" / "local_launcher.sh", "--host", "embedded", env=env,
+             cwd=checkout)
+  assert proc.returncode == 2 and proc.stdout == ""
+  (line,) = proc.stderr.splitlines()
+  assert line.startswith("mlperf_base.sh: error: no python with tunix-stage-plugin and its "
+                         f"dependencies (tried: {checkout}/.venv/bin/python python3)")
 
 
 def test_base_says_so_when_the_python_does_not_exist(tmp_path: Path):

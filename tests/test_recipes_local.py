@@ -132,8 +132,11 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
   logs = tmp_path / "logs"
   # One run goes through --host auto, which picks the embedded host where tunix is missing.
   auto = mode == "off" and not _importable(TUNIX_RUNTIME)
-  proc = launch(*(() if auto else ("--host", "embedded")), "--steps", "2", "--microbatches", "3",
-                "--tiny", "--log-dir", str(logs), "--timeout", "50", TUNIX_STAGE_BATCH=mode)
+  # Leading zeros are decimal, never octal in the launcher's arithmetic ("090" is not octal).
+  numbers = (("--steps", "02", "--microbatches", "03", "--timeout", "090") if mode == "stage"
+             else ("--steps", "2", "--microbatches", "3", "--timeout", "50"))
+  proc = launch(*(() if auto else ("--host", "embedded")), *numbers, "--tiny", "--log-dir",
+                str(logs), TUNIX_STAGE_BATCH=mode)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   out = proc.stdout
   assert out.startswith(f"local_launcher.sh: host=embedded python={sys.executable} logs={logs}\n")
@@ -214,3 +217,63 @@ def test_local_trainer_that_cannot_start_fails_with_its_log(launch):
   assert str(port) in proc.stderr.split("----- trainer (", 1)[1]  # the bind error, from its log
   assert "started orchestrator" not in proc.stdout
   assert_nothing_left(launch, proc.stdout)
+
+
+def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, **env: str):
+  """Starts a slow job, sends `sig` to the launcher once it started `after`; returns (rc, out)."""
+  proc = subprocess.Popen(
+      ["bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout", "50", *SLOW_JOB],
+      env={**launch.env, "TUNIX_STAGE_BATCH": "stage", **env}, cwd=tmp_path, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  seen = []
+  try:
+    for line in proc.stdout:
+      seen.append(line)
+      if line.startswith(f"local_launcher.sh: started {after} pid="):
+        break
+    else:
+      pytest.fail(f"the launcher ended before starting the {after}:\n" + "".join(seen))
+    proc.send_signal(sig)
+    rest, _ = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.communicate()
+  return proc.returncode, "".join(seen) + rest
+
+
+def test_local_launcher_ctrl_c_is_one_clean_stop(launch, tmp_path: Path):
+  rc, out = _start_and_signal(launch, tmp_path, signal.SIGINT, "orchestrator")
+  assert rc == 130, out
+  assert out.count("local_launcher.sh: interrupted by SIGINT; stopping every process it started"
+                   ) == 1
+  for name in ("trainer", "orchestrator"):
+    assert re.search(rf"stopped {name} pid=\d+", out), out
+  assert "SIGKILL" not in out
+  assert "job failed (exit 130)" in out
+  assert_nothing_left(launch, out)
+
+
+# A python for the launcher whose trainer leaves a child that ignores SIGTERM in its process group
+# (as a trainer stuck in a C call would): the launcher must escalate to SIGKILL and say so.
+STUBBORN_PYTHON = """#!/bin/bash
+case " $* " in
+  *" -m tunix_stage_plugin.embedded.trainer_main "*)
+    (trap '' TERM; exec "{python}" -c 'import signal; signal.pause()') &
+    ;;
+esac
+exec "{python}" "$@"
+"""
+
+
+def test_local_launcher_kills_what_ignores_sigterm_and_says_so(launch, tmp_path: Path):
+  python = tmp_path / "stubborn-python"
+  python.write_text(STUBBORN_PYTHON.format(python=sys.executable))
+  python.chmod(0o755)
+  rc, out = _start_and_signal(launch, tmp_path, signal.SIGTERM, "orchestrator",
+                              PYTHON=str(python), STOP_GRACE="1")
+  assert rc == 143, out
+  assert "local_launcher.sh: interrupted by SIGTERM" in out
+  assert re.search(r"trainer pid=\d+ ignored SIGTERM for 1s; sending SIGKILL", out), out
+  assert "orchestrator pid=" in out and not re.search(r"orchestrator pid=\d+ ignored", out)
+  assert_nothing_left(launch, out)  # the stubborn grandchild too

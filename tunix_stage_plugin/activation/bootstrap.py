@@ -1,9 +1,14 @@
 """The env-gated bootstrap that `tunix_stage_plugin.pth` runs at interpreter start.
 
-The .pth line itself checks TUNIX_STAGE_BATCH before importing anything, so with staging off
-(the default) interpreter start-up costs one dict lookup. With TUNIX_STAGE_BATCH=stage, `start`
-registers each host adapter's install to run when that host's modules are first imported.
-Nothing here may raise: a .pth line that raises prints a traceback into every Python process.
+The .pth line itself checks TUNIX_STAGE_BATCH before importing anything, so with staging unset
+or "off" (the default) interpreter start-up costs one dict lookup. With any other value, `start`
+registers each known host's install to run when that host's modules are first imported, and does
+nothing else: no validation, no entry points, no metadata (README "Activation: start-up cost").
+The configuration is resolved when the host is imported; an invalid value then stops that process
+with one line and exit code 2 (manager.activate_from_env), so a process that never imports the
+host prints nothing, and a typo such as TUNIX_STAGE_BATCH=on is never a silent no-op.
+Nothing here may raise at start-up: a .pth line that raises prints a traceback into every Python
+process.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import sys
 
 ENV = "TUNIX_STAGE_BATCH"
 # The exact line shipped in tunix_stage_plugin.pth (tests compare the file against it).
-PTH_LINE = (f"import os; os.environ.get({ENV!r}, '').strip() == 'stage' and "
+PTH_LINE = (f"import os; os.environ.get({ENV!r}, '').strip() not in ('', 'off') and "
             "__import__('tunix_stage_plugin.activation.bootstrap', fromlist=['start']).start()")
 
 _started = False
@@ -33,23 +38,21 @@ def start() -> None:
 
 
 def _start() -> None:
-  # Imported here, not at the top, so the module stays importable in a broken environment and the
-  # off path (which never gets here) imports nothing.
-  from tunix_stage_plugin.activation import entry_points
+  # Imported here, not at the top, so the module stays importable in a broken environment.
+  from tunix_stage_plugin.activation import host_triggers
   from tunix_stage_plugin.activation import importhook
-  from tunix_stage_plugin.activation import manager
-  from tunix_stage_plugin.core import config as config_lib
 
-  if os.environ.get(ENV, "").strip() != config_lib.MODE_STAGE:
+  if os.environ.get(ENV, "").strip() in ("", "off"):
     return
-  try:
-    config_lib.resolve()  # a bad depth is reported now, once, not at the first host import
-  except config_lib.ConfigError as e:
-    print(f"tunix-stage: invalid staging configuration, nothing installed: {e}", file=sys.stderr)
-    return
-  for name, adapter in entry_points.load_adapters().items():
-    importhook.when_imported(adapter.trigger_modules,
-                             lambda name=name: manager.install(host=name))
+  for host, modules in host_triggers.HOST_TRIGGERS.items():
+    importhook.when_imported(modules, lambda host=host: _activate(host))
+
+
+def _activate(host: str) -> None:
+  """Runs once the host is imported: resolve, then install; exit 2 on an invalid setting."""
+  from tunix_stage_plugin.activation import manager  # pylint: disable=import-outside-toplevel
+
+  manager.activate_from_env(host)
 
 
 PTH_NAME = "tunix_stage_plugin.pth"

@@ -10,14 +10,20 @@ the callback when `remote_execution` is done would meet a half-built `rl_engine_
 watch is therefore *triggered* by a watched module and *fired* once no other module of the same
 top-level package is still initializing, i.e. when the outermost host import finishes. The finder
 only wraps loaders of that package's modules, and leaves `sys.meta_path` once every watch fired.
+
+This module runs at interpreter start-up whenever staging is on, so it imports nothing beyond
+builtins (importlib.abc alone costs ~10 ms), and the finder answers any import outside the
+watched top-level packages with one set lookup (README "Activation: start-up cost").
 """
 
 from __future__ import annotations
 
-import importlib.abc
+import _thread
 import sys
-import threading
-from typing import Any, Callable, Iterable
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs start-up time
+if TYPE_CHECKING:
+  from typing import Any, Callable, Iterable
 
 
 class _Watch:
@@ -32,15 +38,33 @@ class _Watch:
     return name.split(".", 1)[0] in self.roots
 
 
-class _NotifyingLoader(importlib.abc.Loader):
-  """Wraps the real loader for one import: execute the module, hand it back, then notify."""
+class _NotifyingLoader:
+  """Wraps the real loader for one import: execute the module, hand it back, then notify.
 
-  def __init__(self, loader: Any, finder: "PostImportFinder") -> None:
+  Everything but exec_module is the real loader's: attributes are delegated, so `python -m` of a
+  watched module (runpy calls get_code / is_package / get_filename), importlib.resources
+  (get_resource_reader) and pkgutil (get_data) see exactly what the real loader answers.
+  """
+
+  def __init__(self, loader: Any, finder: PostImportFinder) -> None:
     self._loader = loader
     self._finder = finder
 
+  def __getattr__(self, name: str) -> Any:
+    # Only called for attributes this wrapper lacks; __dict__ lookup avoids recursing when
+    # _loader itself is missing (e.g. during copy or unpickling).
+    try:
+      loader = self.__dict__["_loader"]
+    except KeyError:
+      raise AttributeError(name) from None
+    return getattr(loader, name)
+
+  def __repr__(self) -> str:
+    return f"<tunix-stage post-import wrapper of {self._loader!r}>"
+
   def create_module(self, spec: Any) -> Any:
-    return self._loader.create_module(spec)
+    create = getattr(self._loader, "create_module", None)
+    return None if create is None else create(spec)  # None: the default module creation
 
   def exec_module(self, module: Any) -> None:
     # The import system reads spec.loader again to call exec_module, so the real loader can only
@@ -61,19 +85,21 @@ def _initializing(root: str, but: str) -> bool:
   return False
 
 
-class PostImportFinder(importlib.abc.MetaPathFinder):
+class PostImportFinder:
   """Meta-path finder that wraps the loaders of watched packages; passes on everything else."""
 
   def __init__(self) -> None:
-    self._lock = threading.RLock()
+    self._lock = _thread.RLock()
     self._watches: list[_Watch] = []
+    # The top-level packages of the live watches: find_spec's only work for any other import.
+    self._roots: frozenset[str] = frozenset()
 
   def _live(self) -> list[_Watch]:
     with self._lock:
       return [w for w in self._watches if not w.fired]
 
   def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-    if not any(w.covers(fullname) for w in self._live()):
+    if fullname.partition(".")[0] not in self._roots:
       return None
     for finder in list(sys.meta_path):
       if finder is self or not hasattr(finder, "find_spec"):
@@ -86,10 +112,14 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
         return spec
     return None
 
+  def invalidate_caches(self) -> None:
+    pass  # nothing cached here; importlib.invalidate_caches calls it on every meta-path finder
+
   def add(self, modules: Iterable[str], callback: Callable[[], None]) -> None:
     watch = _Watch(frozenset(modules), callback)
     with self._lock:
       self._watches.append(watch)
+      self._roots = self._roots | watch.roots
       if self not in sys.meta_path:
         sys.meta_path.insert(0, self)
     if watch.modules & set(sys.modules):  # already imported: no import will come to watch
@@ -111,11 +141,14 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
         return
       watch.fired = True
       self._watches = [w for w in self._watches if not w.fired]
+      self._roots = frozenset(r for w in self._watches for r in w.roots)
       if not self._watches and self in sys.meta_path:
         sys.meta_path.remove(self)
     try:
       watch.callback()
     except Exception as e:  # pylint: disable=broad-except  (never break the host's own import)
+      # A callback that must stop the process (an invalid staging setting) raises SystemExit,
+      # which is not an Exception and so passes through here on purpose.
       print(f"tunix-stage: post-import hook failed: {type(e).__name__}: {e}", file=sys.stderr)
 
 

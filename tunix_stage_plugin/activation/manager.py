@@ -5,6 +5,9 @@ host adapter, import the host, run every capability probe, and only when all pas
 through a registry that records what each class had. Any refusal installs nothing and prints one
 line saying why; success prints one activation line (host version/commit, hooks, depths). Both go
 to stderr, because a pod's stdout is often the training log that users grep.
+
+An invalid setting is never a refusal: `install` raises ConfigError, and the automatic paths (the
+.pth bootstrap, the tunix.plugins entry point) stop the process through `activate_from_env`.
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
       install again with a new enabled config updates the depths without re-patching.
     host: the entry-point name of the host adapter.
     quiet: print nothing (the returned Activation still carries the line).
+
+  Raises:
+    config_lib.ConfigError: `config` is None and a staging variable in the environment is
+      invalid (every invalid one is named); nothing is installed.
   """
   with _lock:
-    try:
-      config = config_lib.resolve() if config is None else config
-    except config_lib.ConfigError as e:
-      return _refuse(host, f"invalid staging configuration: {e}", quiet)
+    config = config_lib.resolve() if config is None else config
     if not config.enabled:
       if host in _active:
         return _refuse(host, f"staging is off ({_mode_origin(config)}) but hooks are installed; "
@@ -96,6 +100,28 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
     _active[host] = _Active(adapter, registry, config, line)
     _say(line, quiet)
     return Activation(host, True, line, registry.names(), config)
+
+
+def activate_from_env(host: str = DEFAULT_HOST) -> Activation | None:
+  """The automatic activation (bootstrap, native entry point): the environment decides.
+
+  Silent when staging is off; installs when it is on. An invalid setting prints one line per bad
+  variable, "tunix-stage: error: invalid staging configuration: NAME='value' is invalid;
+  accepted: ...", and raises SystemExit(2), so the process stops before any work starts.
+  SystemExit rather than ConfigError: it ends the process with the same status as `tunix-stage
+  config --check` and without a traceback, and the host's `except Exception` around an optional
+  import cannot swallow it into a silent no-op.
+  """
+  try:
+    config = config_lib.resolve()
+  except config_lib.ConfigError as e:
+    for problem in e.problems:
+      print(f"tunix-stage: error: invalid staging configuration: {problem}", file=sys.stderr,
+            flush=True)
+    raise SystemExit(2) from None
+  if not config.enabled:
+    return None
+  return install(config, host=host)
 
 
 def _mode_origin(config: config_lib.StageConfig) -> str:

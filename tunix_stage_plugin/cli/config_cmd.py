@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
       help="print the effective staging configuration",
       description="Print the effective staging configuration: each value, and whether it came "
       "from a flag, the environment or the default (flags beat env, env beats defaults). "
-      "Exits 2 naming the variable when a value is invalid.",
+      "Exits 2 when a value is invalid, with one line per invalid variable.",
       epilog="environment:\n" + "\n".join(f"  {s.env:32s} {s.help}" for s in config_lib.SETTINGS),
       formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -27,12 +27,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser.set_defaults(run=run)
 
 
+def print_config_error(command: str, error: config_lib.ConfigError) -> int:
+  """Prints one "tunix-stage COMMAND: error: ..." line per bad setting; returns exit code 2."""
+  for problem in error.problems:
+    print(f"tunix-stage {command}: error: {problem}", file=sys.stderr)
+  return 2
+
+
 def run(args: argparse.Namespace) -> int:
   try:
     cfg = flags_lib.config_from_argparse(args)
   except config_lib.ConfigError as e:
-    print(f"tunix-stage config: error: {e}", file=sys.stderr)
-    return 2
+    return print_config_error("config", e)
   if args.check:
     return 0
   if args.json:

@@ -19,6 +19,7 @@ from tunix_stage_plugin import __version__
 from tunix_stage_plugin.activation import bootstrap
 from tunix_stage_plugin.activation import entry_points
 from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.cli import config_cmd
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 
@@ -76,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
   try:
     report, problems = diagnose(args)
   except config_lib.ConfigError as e:
-    print(f"tunix-stage doctor: error: {e}", file=sys.stderr)
-    return 2
+    return config_cmd.print_config_error("doctor", e)
   enabled = report["config"]["enabled"]
   status = 1 if enabled and problems else 0
   if args.json:

@@ -15,6 +15,7 @@ import shlex
 import sys
 
 from tunix_stage_plugin.activation import bootstrap
+from tunix_stage_plugin.cli import config_cmd
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 
@@ -60,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
   try:
     changes = child_environment(args, dict(os.environ))
   except config_lib.ConfigError as e:
-    print(f"tunix-stage run: error: {e}", file=sys.stderr)
-    return 2
+    return config_cmd.print_config_error("run", e)
   if not bootstrap.installed_pth_files():
     print(f"tunix-stage run: warning: {bootstrap.PTH_NAME} is not in this interpreter's "
           "site-packages, so Python children will not activate; reinstall the package "

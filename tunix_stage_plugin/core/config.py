@@ -1,8 +1,9 @@
 """Staging configuration: one table of settings, resolved as explicit > env > default.
 
 Every consumer (the CLI, the driver flags, the launch recipes through `tunix-stage config
---check`) goes through `resolve`, so a value is validated by exactly one set of rules and a bad one
-gives exactly one error naming the variable, the value and what is accepted.
+--check`) goes through `resolve`, so a value is validated by exactly one set of rules. A bad value
+gives one problem line naming the variable, the value (cut to MAX_ECHO characters) and what is
+accepted; `resolve` reports every bad setting at once in one ConfigError.
 """
 
 from __future__ import annotations
@@ -19,23 +20,46 @@ SOURCE_DEFAULT = "default"
 SOURCE_ENV = "env"
 
 
+# The largest depth or bound accepted: far above any useful value (each staged batch holds device
+# memory), and low enough that a typo such as an extra digit is caught.
+MAX_COUNT = 1024
+# Longer raw values are refused before parsing (Python's int() has its own, far larger, limit).
+MAX_VALUE_CHARS = 64
+# How much of a bad value an error message repeats.
+MAX_ECHO = 32
+
+
 class ConfigError(ValueError):
-  """A staging setting has a value outside what it accepts."""
+  """One or more staging settings have values outside what they accept.
+
+  `problems` holds one line per bad setting; str() joins them with "; ".
+  """
+
+  def __init__(self, *problems: str) -> None:
+    super().__init__("; ".join(problems))
+    self.problems = list(problems)
 
 
 def _parse_mode(text: str) -> str:
   value = text.strip()
   if value not in MODES:
-    raise ValueError(f"accepted: {' | '.join(MODES)}")
+    raise ValueError(value)
   return value
 
 
-def _parse_positive_int(text: str) -> int:
+def _parse_count(text: str) -> int:
   value = text.strip()
   # int() alone would take "+2", " 2", "2_0" and "٢"; a count in an env var is plain ASCII digits.
-  if not (value.isascii() and value.isdigit()) or int(value) < 1:
-    raise ValueError("accepted: an integer >= 1")
+  if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_COUNT:
+    raise ValueError(value)
   return int(value)
+
+
+def echo(text: str) -> str:
+  """`text` as an error message repeats it: repr, cut to MAX_ECHO characters."""
+  if len(text) <= MAX_ECHO:
+    return repr(text)
+  return f"{text[:MAX_ECHO]!r}... ({len(text)} characters)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +70,8 @@ class Setting:
   env: str
   flag: str
   default: Any
-  parse: Callable[[str], Any]
+  parse: Callable[[str], Any]  # raises ValueError for a value outside `accepted`
+  accepted: str  # what `parse` accepts, as error messages and help say it
   help: str
 
 
@@ -57,6 +82,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="stage_train_batches",
         default=MODE_OFF,
         parse=_parse_mode,
+        accepted=" | ".join(MODES),
         help="off: the host runs exactly as without the plugin; stage: micro-batches are staged "
         "on the trainer's device ahead of their train call.",
     ),
@@ -65,7 +91,8 @@ SETTINGS: tuple[Setting, ...] = (
         env="TUNIX_MAX_STAGED_BATCHES",
         flag="max_staged_batches",
         default=2,
-        parse=_parse_positive_int,
+        parse=_parse_count,
+        accepted=f"an integer >= 1 and <= {MAX_COUNT}",
         help="orchestrator: how many micro-batches to keep staged ahead of the pending train call.",
     ),
     Setting(
@@ -73,7 +100,8 @@ SETTINGS: tuple[Setting, ...] = (
         env="TUNIX_STAGE_MAX_DEVICE_BATCHES",
         flag="stage_max_device_batches",
         default=1,
-        parse=_parse_positive_int,
+        parse=_parse_count,
+        accepted=f"an integer >= 1 and <= {MAX_COUNT}",
         help="trainer: how many staged batches may sit in device memory at once; a stage over "
         "the bound is refused and that micro-batch trains inline.",
     ),
@@ -108,10 +136,13 @@ def parse_value(setting: Setting, raw: Any, origin: str) -> Any:
   if isinstance(raw, bool):  # bool is an int: True must not mean a depth of 1.
     raw = {True: MODE_STAGE, False: MODE_OFF}[raw] if setting.field == "mode" else str(raw)
   text = str(raw)
+  if len(text) > MAX_VALUE_CHARS:
+    raise ConfigError(f"{origin}={echo(text)} is invalid: longer than {MAX_VALUE_CHARS} "
+                      f"characters; accepted: {setting.accepted}")
   try:
     return setting.parse(text)
-  except ValueError as e:
-    raise ConfigError(f"{origin}={text!r} is invalid; {e}") from None
+  except ValueError:
+    raise ConfigError(f"{origin}={echo(text)} is invalid; accepted: {setting.accepted}") from None
 
 
 def resolve(
@@ -136,14 +167,20 @@ def resolve(
     raise ConfigError(f"unknown staging setting(s) {unknown}; accepted: {sorted(SETTINGS_BY_FIELD)}")
   values: dict[str, Any] = {}
   sources: dict[str, str] = {}
+  problems: list[str] = []
   for s in SETTINGS:
-    if explicit.get(s.field) is not None:
-      values[s.field] = parse_value(s, explicit[s.field], f"--{s.flag}")
-      sources[s.field] = explicit_source
-    elif env.get(s.env, "").strip():
-      values[s.field] = parse_value(s, env[s.env], s.env)
-      sources[s.field] = SOURCE_ENV
-    else:
-      values[s.field] = s.default
-      sources[s.field] = SOURCE_DEFAULT
+    try:
+      if explicit.get(s.field) is not None:
+        values[s.field] = parse_value(s, explicit[s.field], f"--{s.flag}")
+        sources[s.field] = explicit_source
+      elif env.get(s.env, "").strip():
+        values[s.field] = parse_value(s, env[s.env], s.env)
+        sources[s.field] = SOURCE_ENV
+      else:
+        values[s.field] = s.default
+        sources[s.field] = SOURCE_DEFAULT
+    except ConfigError as e:
+      problems += e.problems  # go on: every bad setting is reported at once
+  if problems:
+    raise ConfigError(*problems)
   return StageConfig(**values, sources=sources)

@@ -18,7 +18,8 @@ ALL_FIELDS = tuple(s.field for s in config_lib.SETTINGS)
 
 
 def _flag_help(setting: config_lib.Setting) -> str:
-  return f"{setting.help} Overrides ${setting.env}; default {setting.default}."
+  return (f"{setting.help} Accepted: {setting.accepted}. Overrides ${setting.env}; "
+          f"default {setting.default}.")
 
 
 def add_argparse_flags(parser: argparse.ArgumentParser,
@@ -55,11 +56,15 @@ def define_absl_flags(fields: Iterable[str] = ALL_FIELDS, flag_values: Any = Non
     if field == "mode":
       flags.DEFINE_enum(s.flag, None, list(config_lib.MODES), _flag_help(s), flag_values=fv)
     else:
-      flags.DEFINE_integer(s.flag, None, _flag_help(s), flag_values=fv)
+      # The bounds refuse 0 (and a runaway value) when the command line is parsed; the value
+      # then goes through the same parser as every other source (config_from_absl).
+      flags.DEFINE_integer(s.flag, None, _flag_help(s), lower_bound=1,
+                           upper_bound=config_lib.MAX_COUNT, flag_values=fv)
 
 
 def config_from_absl(fields: Iterable[str] = ALL_FIELDS,
                      flag_values: Any = None) -> config_lib.StageConfig:
+  """Resolves the configuration from parsed absl flags plus the environment (config.resolve)."""
   from absl import flags
 
   fv = flag_values if flag_values is not None else flags.FLAGS
