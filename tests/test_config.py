@@ -26,9 +26,10 @@ def test_defaults_when_env_is_empty():
 
 def test_env_beats_default_and_explicit_beats_env():
   env = {"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "3",
-         "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2"}
+         "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2", "TUNIX_STAGE_MAX_HOST_BATCHES": "4"}
   cfg = config_lib.resolve(env=env)
-  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("stage", 3, 2)
+  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches, cfg.max_host_batches) == (
+      "stage", 3, 2, 4)
   assert cfg.enabled and set(cfg.sources.values()) == {"env"}
   cfg = config_lib.resolve({"max_staged_batches": 1, "mode": None}, env=env,
                            explicit_source="flag")
@@ -123,7 +124,16 @@ def test_absl_flags_beat_env_and_define_is_idempotent(monkeypatch):
   fv(["prog", "--stage_train_batches=stage", "--stage_max_device_batches=3"])
   cfg = flags_lib.config_from_absl(flag_values=fv)
   assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("stage", 4, 3)
-  assert cfg.sources == {"mode": "flag", "max_staged_batches": "env", "max_device_batches": "flag"}
+  assert cfg.sources == {"mode": "flag", "max_staged_batches": "env", "max_device_batches": "flag",
+                         "max_host_batches": "default"}
+
+
+def test_roles_name_the_settings_each_process_reads():
+  assert config_lib.fields_for("orchestrator") == ("mode", "max_staged_batches")
+  assert config_lib.fields_for("trainer") == ("mode", "max_device_batches", "max_host_batches")
+  assert flags_lib.TRAINER_FIELDS == config_lib.fields_for("trainer")
+  with pytest.raises(ValueError, match="unknown role 'rollout'; accepted: orchestrator | trainer"):
+    config_lib.fields_for("rollout")
 
 
 @pytest.mark.parametrize("value", ["0", "1025"])

@@ -96,7 +96,8 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
       return _refuse(host, f"applying hooks failed, all reverted: {type(e).__name__}: {e}", quiet)
     line = (f"tunix-stage: staging on for {adapter.describe()}: {len(registry.names())} hooks "
             f"({', '.join(adapter.hook_groups)}); max_staged_batches={config.max_staged_batches}, "
-            f"max_device_batches={config.max_device_batches} [{_mode_origin(config)}]")
+            f"max_device_batches={config.max_device_batches}, "
+            f"max_host_batches={config.max_host_batches} [{_mode_origin(config)}]")
     _active[host] = _Active(adapter, registry, config, line)
     _say(line, quiet)
     return Activation(host, True, line, registry.names(), config)

@@ -19,6 +19,10 @@ MODES = (MODE_OFF, MODE_STAGE)
 SOURCE_DEFAULT = "default"
 SOURCE_ENV = "env"
 
+ORCHESTRATOR = "orchestrator"
+TRAINER = "trainer"
+ROLES = (ORCHESTRATOR, TRAINER)
+
 
 # The largest depth or bound accepted: far above any useful value (each staged batch holds device
 # memory), and low enough that a typo such as an extra digit is caught.
@@ -72,6 +76,7 @@ class Setting:
   default: Any
   parse: Callable[[str], Any]  # raises ValueError for a value outside `accepted`
   accepted: str  # what `parse` accepts, as error messages and help say it
+  roles: tuple[str, ...]  # the processes that read it (its variable goes to their containers)
   help: str
 
 
@@ -83,6 +88,7 @@ SETTINGS: tuple[Setting, ...] = (
         default=MODE_OFF,
         parse=_parse_mode,
         accepted=" | ".join(MODES),
+        roles=ROLES,
         help="off: the host runs exactly as without the plugin; stage: micro-batches are staged "
         "on the trainer's device ahead of their train call.",
     ),
@@ -93,6 +99,7 @@ SETTINGS: tuple[Setting, ...] = (
         default=2,
         parse=_parse_count,
         accepted=f"an integer >= 1 and <= {MAX_COUNT}",
+        roles=(ORCHESTRATOR,),
         help="orchestrator: how many micro-batches to keep staged ahead of the pending train call.",
     ),
     Setting(
@@ -102,11 +109,31 @@ SETTINGS: tuple[Setting, ...] = (
         default=1,
         parse=_parse_count,
         accepted=f"an integer >= 1 and <= {MAX_COUNT}",
-        help="trainer: how many staged batches may sit in device memory at once; a stage over "
-        "the bound is refused and that micro-batch trains inline.",
+        roles=(TRAINER,),
+        help="trainer: how many staged batches may sit in device memory (placed or being "
+        "placed) at once; a placement over the bound waits for a slot.",
+    ),
+    Setting(
+        field="max_host_batches",
+        env="TUNIX_STAGE_MAX_HOST_BATCHES",
+        flag="stage_max_host_batches",
+        default=1,
+        parse=_parse_count,
+        accepted=f"an integer >= 1 and <= {MAX_COUNT}",
+        roles=(TRAINER,),
+        help="trainer: how many received micro-batches may wait in host memory for a device slot "
+        "(a stage is answered once received; its placement follows on the staging lane); a "
+        "stage over the bound is refused and that micro-batch trains inline.",
     ),
 )
 SETTINGS_BY_FIELD = {s.field: s for s in SETTINGS}
+
+
+def fields_for(role: str) -> tuple[str, ...]:
+  """The settings a process of `role` reads, in table order."""
+  if role not in ROLES:
+    raise ValueError(f"unknown role {role!r}; accepted: {' | '.join(ROLES)}")
+  return tuple(s.field for s in SETTINGS if role in s.roles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +143,7 @@ class StageConfig:
   mode: str = MODE_OFF
   max_staged_batches: int = 2
   max_device_batches: int = 1
+  max_host_batches: int = 1
   sources: Mapping[str, str] = dataclasses.field(
       default_factory=lambda: {s.field: SOURCE_DEFAULT for s in SETTINGS}, compare=False
   )

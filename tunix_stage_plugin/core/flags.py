@@ -12,8 +12,8 @@ from typing import Any, Iterable
 
 from tunix_stage_plugin.core import config as config_lib
 
-ORCHESTRATOR_FIELDS = ("mode", "max_staged_batches")
-TRAINER_FIELDS = ("mode", "max_device_batches")
+ORCHESTRATOR_FIELDS = config_lib.fields_for(config_lib.ORCHESTRATOR)
+TRAINER_FIELDS = config_lib.fields_for(config_lib.TRAINER)
 ALL_FIELDS = tuple(s.field for s in config_lib.SETTINGS)
 
 

@@ -59,12 +59,16 @@ def _free(cls: type, *attrs: str) -> str | None:
 
 
 def run(m: Any) -> list[Probe]:
-  base_server = m.remote_execution.RemoteExecutionServer
-  server = m.remote_execution.GrpcRemoteExecutionServer
-  worker = m.trainer_worker.TrainerWorker
-  engine = m.engine.DistributedRLEngine
-  program = m.program.StandardRLProgram
-  result = m.program.RLStepResult
+  try:
+    base_server = m.remote_execution.RemoteExecutionServer
+    server = m.remote_execution.GrpcRemoteExecutionServer
+    worker = m.trainer_worker.TrainerWorker
+    engine = m.engine.DistributedRLEngine
+    program = m.program.StandardRLProgram
+    result = m.program.RLStepResult
+    peft = m.peft_trainer.PeftTrainer
+  except AttributeError as e:  # a tunix whose modules lack the classes the hooks patch
+    return [Probe("tunix classes the hooks patch", False, f"AttributeError: {e}")]
   step_fields = {"step", "policy_version", "num_rollouts", "num_microbatches", "reward_mean",
                  "reward_std", "train_result"}
 
@@ -87,7 +91,6 @@ def run(m: Any) -> list[Probe]:
             or _free(worker, "stage_batch", "reset_staged"))
 
   def trainer_seam() -> str | None:
-    peft = m.peft_trainer.PeftTrainer
     # fwd_bwd must prepare through the seam (inline and staged are then the same computation).
     calls_seam = "self._prepare_payload(" in inspect.getsource(peft.fwd_bwd)
     return (_method(peft, "_prepare_payload", params=("payload",), coroutine=False, own=True)
