@@ -13,7 +13,7 @@ import tunix_stage_plugin
 from tunix_stage_plugin.activation import entry_points
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.activation import native
-from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.hosts import Probe
 
@@ -105,7 +105,7 @@ def test_install_patches_and_uninstall_restores_class_dicts_exactly(adapter, cap
   assert activation.installed
   assert FakeWorker().fwd_bwd(1) == "hooked fwd_bwd"
   assert FakeWorker().inherited() == "hooked inherited"
-  assert FakeWorker.__dict__[registry_lib.SENTINEL] is True
+  assert FakeWorker.__dict__[patching.SENTINEL] is True
   assert activation.hooks == [
       f"{__name__}.FakeWorker.fwd_bwd", f"{__name__}.FakeWorker.stage_batch",
       f"{__name__}.FakeWorker.inherited", f"{__name__}.FakeEngine.stage_train_batch"]
@@ -287,7 +287,7 @@ def test_native_entry_point_stops_on_an_invalid_setting(monkeypatch, capsys):
 
 
 def test_registry_refuses_a_double_patch_and_undoes_in_reverse():
-  registry = registry_lib.PatchRegistry()
+  registry = patching.PatchRegistry()
   before = snapshot()
   registry.set(FakeWorker, "fwd_bwd", staged_fwd_bwd)
   with pytest.raises(RuntimeError, match="already patched"):

@@ -25,7 +25,7 @@ from tunix.experimental.worker import remote_execution
 from tunix.experimental.worker import trainer_worker
 
 from tunix_stage_plugin.activation import manager
-from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 
@@ -53,7 +53,7 @@ def test_install_uninstall_reinstall_leaves_classes_exactly_as_they_were(clean):
   for _ in range(2):
     activation = manager.install(STAGE, quiet=True)
     assert activation.installed and len(activation.hooks) == 9
-    assert trainer_worker.TrainerWorker.__dict__[registry_lib.SENTINEL] is True
+    assert trainer_worker.TrainerWorker.__dict__[patching.SENTINEL] is True
     assert manager.install(STAGE, quiet=True).installed  # idempotent
     assert snapshot() != before
     manager.uninstall("tunix", quiet=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import types
 from unittest import mock
 
@@ -36,6 +37,7 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts import tunix as tunix_host
+from tunix_stage_plugin.hosts.tunix import installation
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -158,7 +160,7 @@ def test_staged_program_trains_every_microbatch_once_in_order(staging):
   # Steps after the first start with micro-batches staged during the previous boundary.
   assert all(r.stage_metrics["stage/prestaged"] >= 1 for r in reports[1:])
   assert worker.state == datatypes.WorkerState.READY
-  assert len(tunix_host.worker.staging_of(worker).store) == 0  # nothing left on the device
+  assert len(installation.current().staging_of(worker).store) == 0  # nothing left on the device
 
 
 def test_no_cross_step_prestage_at_max_staleness_0_logged_once(staging, caplog, monkeypatch):
@@ -192,7 +194,7 @@ def test_failing_stage_falls_back_inline_and_is_counted(staging):
 def test_device_bound_holds_and_order_is_kept(staging):
   trainer, worker, reports = run_program(steps=2)
   assert [c[:2] for c in trainer.calls] == expected_calls(2)
-  stats = tunix_host.worker.staging_of(worker).store.stats
+  stats = installation.current().staging_of(worker).store.stats
   assert stats.peak == 1 and stats.staged >= 1  # never more than one batch on the device
   assert all(r.stage_metrics["stage/staged"] + r.stage_metrics["stage/inline"] == MB_PER_STEP
              for r in reports)
@@ -275,8 +277,8 @@ def test_worker_stages_on_the_mesh_and_consumes_a_key_once(staging):
 def test_worker_stage_never_touches_state_and_degrades(staging):
   worker = trainer_worker.TrainerWorker(lambda: types.SimpleNamespace())  # cannot stage
   outcome = worker.stage_batch({"mb": np.zeros((1, 2))}, key="k-1").metadata["outcome"]
-  assert outcome["status"] == "unsupported" and "SimpleNamespace, not a tunix PeftTrainer" in \
-      outcome["reason"]
+  assert outcome["status"] == "unsupported" and \
+      "a SimpleNamespace; staging supports tunix PeftTrainer" in outcome["reason"]
   assert worker.state == datatypes.WorkerState.PENDING  # no readiness check, no state write
   ready = trainer_worker.TrainerWorker(RecordingTrainer)
   ready.initialize()
@@ -326,7 +328,7 @@ def test_a_trainer_that_cannot_stage_is_asked_once(staging, caplog):
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
   assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [1, 0, 0]
   assert all(r.stage_metrics["stage/staged"] == 0 for r in reports)
-  assert tunix_host.worker.staging_of(worker).unsupported.startswith(
+  assert installation.current().staging_of(worker).unsupported.startswith(
       "OverridingTrainer overrides _prepare_payload")
   lines = [r.message for r in caplog.records if "cannot stage" in r.message]
   assert len(lines) == 1, lines
@@ -338,3 +340,31 @@ def test_fwd_bwd_without_a_key_is_the_hosts_call(staging):
   response = worker.fwd_bwd({"x": 1}, skip_jit=True, extra=2)
   trainer.fwd_bwd.assert_called_once_with({"x": 1}, extra=2)
   assert response.metadata["queued"] is True
+
+
+def test_uninstall_closes_executors_and_drops_staged_batches(staging):
+  trainer = RecordingTrainer()
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  worker.initialize()
+  handle = remote_execution.InProcessActorHandle(
+      remote_execution.InProcessRemoteExecutionServer(worker))
+  response = asyncio.run(handle.asubmit("stage_batch", payload={"mb": np.ones((1, 2), np.int32)},
+                                        key="u-1"))
+  assert response.metadata["staged"]
+  state = installation.current().staging_of(worker)
+  assert state.store.keys() == ["u-1"]
+  lanes = [t for t in threading.enumerate() if t.name.startswith("trainer-")]
+  assert lanes, "the stage ran on an executor lane"
+  manager.uninstall("tunix", quiet=True)
+  assert len(state.store) == 0  # the staged batch was dropped with the hooks
+  assert not any(t.is_alive() for t in lanes)  # and the executor's threads joined
+  assert "stage_batch" not in vars(trainer_worker.TrainerWorker)
+
+
+def test_a_reinstall_applies_new_depths_to_live_workers(staging):
+  worker = trainer_worker.TrainerWorker(RecordingTrainer)
+  store = installation.current().staging_of(worker).store
+  assert (store.max_device_batches, store.max_host_batches) == (4, 1)
+  manager.install(config_lib.resolve({"mode": "stage", "max_device_batches": 1,
+                                      "max_host_batches": 2}, env={}), quiet=True)
+  assert (store.max_device_batches, store.max_host_batches) == (1, 2)

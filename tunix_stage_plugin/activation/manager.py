@@ -18,7 +18,7 @@ import threading
 from typing import Any
 
 from tunix_stage_plugin.activation import entry_points
-from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
 
 DEFAULT_HOST = "tunix"
@@ -38,8 +38,8 @@ class Activation:
 @dataclasses.dataclass
 class _Active:
   adapter: Any
-  registry: registry_lib.PatchRegistry
-  config: config_lib.StageConfig
+  registry: patching.PatchRegistry
+  live: config_lib.LiveConfig  # what the hooks read; handed down to them at apply
   line: str
 
 
@@ -75,7 +75,7 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
       return _refuse(host, f"staging is off ({_mode_origin(config)}); nothing installed", quiet)
     current = _active.get(host)
     if current is not None:
-      current.config = config  # idempotent: same hooks, the new depths
+      current.live.update(config)  # idempotent: same hooks, the new depths (live objects too)
       return Activation(host, True, current.line, current.registry.names(), config)
     try:
       adapter = entry_points.load_adapter(host)
@@ -88,17 +88,18 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
     if failed:
       reasons = "; ".join(f"{p.name}: {p.detail}" for p in failed)
       return _refuse(host, f"{adapter.describe()} does not match ({reasons})", quiet)
-    registry = registry_lib.PatchRegistry()
+    registry = patching.PatchRegistry()
+    live = config_lib.LiveConfig(config)
     try:
-      adapter.apply(registry, config)
+      adapter.apply(registry, live)
     except Exception as e:  # pylint: disable=broad-except  (leave the host as it was, then say why)
-      registry_lib.report_problems(registry.undo())
+      patching.report_problems(registry.undo())
       return _refuse(host, f"applying hooks failed, all reverted: {type(e).__name__}: {e}", quiet)
     line = (f"tunix-stage: staging on for {adapter.describe()}: {len(registry.names())} hooks "
             f"({', '.join(adapter.hook_groups)}); max_staged_batches={config.max_staged_batches}, "
             f"max_device_batches={config.max_device_batches}, "
             f"max_host_batches={config.max_host_batches} [{_mode_origin(config)}]")
-    _active[host] = _Active(adapter, registry, config, line)
+    _active[host] = _Active(adapter, registry, live, line)
     _say(line, quiet)
     return Activation(host, True, line, registry.names(), config)
 
@@ -158,7 +159,7 @@ def uninstall(host: str | None = None, *, quiet: bool = False) -> list[str]:
   with _lock:
     hosts = list(_active) if host is None else [h for h in (host,) if h in _active]
     for h in hosts:
-      registry_lib.report_problems(_active.pop(h).registry.undo())
+      patching.report_problems(_active.pop(h).registry.undo())
       _say(f"tunix-stage: staging hooks removed from {h}", quiet)
     return hosts
 
@@ -168,7 +169,7 @@ def current_config(host: str = DEFAULT_HOST) -> config_lib.StageConfig:
   active = _active.get(host)
   if active is None:
     raise RuntimeError(f"tunix-stage hooks for {host!r} are not installed")
-  return active.config
+  return active.live.config
 
 
 def installed_hooks(host: str = DEFAULT_HOST) -> list[str]:

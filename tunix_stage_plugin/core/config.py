@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any, Callable, Mapping
 
 MODE_OFF = "off"
@@ -212,3 +213,28 @@ def resolve(
   if problems:
     raise ConfigError(*problems)
   return StageConfig(**values, sources=sources)
+
+
+class LiveConfig:
+  """The configuration an installation's hooks read at run time. Activation hands it down to the
+  hooks; a re-install with new depths `update`s it, and listeners apply them to live objects."""
+
+  def __init__(self, config: StageConfig) -> None:
+    self._lock = threading.Lock()
+    self._config = config
+    self._listeners: list[Callable[[StageConfig], None]] = []
+
+  @property
+  def config(self) -> StageConfig:
+    return self._config
+
+  def on_update(self, listener: Callable[[StageConfig], None]) -> None:
+    with self._lock:
+      self._listeners.append(listener)
+
+  def update(self, config: StageConfig) -> None:
+    with self._lock:
+      self._config = config
+      listeners = list(self._listeners)
+    for listener in listeners:
+      listener(config)

@@ -123,6 +123,14 @@ class StagedBatchStore:
     with self._cond:
       return len(self._entries)
 
+  def set_bounds(self, max_device_batches: int, max_host_batches: int) -> None:
+    """New bounds for stages to come (a reconfiguration); what is held stays held."""
+    _check_bound("max_device_batches", max_device_batches)
+    _check_bound("max_host_batches", max_host_batches)
+    with self._cond:
+      self.max_device_batches, self.max_host_batches = max_device_batches, max_host_batches
+      self._cond.notify_all()
+
   def keys(self) -> list[str]:
     with self._cond:
       return list(self._entries)

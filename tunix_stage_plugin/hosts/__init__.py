@@ -8,21 +8,13 @@ probes pass, apply the hooks through an exact-reversal registry.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, Protocol
 
+from tunix_stage_plugin.hosts.probing import Probe
+
 if TYPE_CHECKING:  # the activation layer imports this package, not the other way round
-  from tunix_stage_plugin.activation import registry as registry_lib
+  from tunix_stage_plugin.core import patching
   from tunix_stage_plugin.core import config as config_lib
-
-
-@dataclasses.dataclass(frozen=True)
-class Probe:
-  """One capability the hooks rely on, checked before anything is patched."""
-
-  name: str
-  ok: bool
-  detail: str = ""
 
 
 class HostAdapter(Protocol):
@@ -45,6 +37,6 @@ class HostAdapter(Protocol):
     """Checks for `tunix-stage doctor` only: parts used at run time that cost more to import
     (e.g. the trainer's preparation path, which the orchestrator process never loads)."""
 
-  def apply(self, registry: "registry_lib.PatchRegistry",
-            config: "config_lib.StageConfig") -> None:
-    """Sets the hooks through `registry` (so uninstall can reverse them exactly)."""
+  def apply(self, registry: "patching.PatchRegistry", live: "config_lib.LiveConfig") -> None:
+    """Sets the hooks through `registry` (so uninstall can reverse them exactly); the hooks read
+    their settings from `live`, which a re-install updates."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from tunix_stage_plugin.hosts import version
 
 if TYPE_CHECKING:
-  from tunix_stage_plugin.activation import registry as registry_lib
+  from tunix_stage_plugin.core import patching
   from tunix_stage_plugin.core import config as config_lib
   from tunix_stage_plugin.hosts import Probe
 
@@ -67,16 +67,17 @@ class TunixAdapter:
   def runtime_probes(self) -> list[Probe]:
     return []  # the trainer's seam is probed with the rest (load() imports the trainer module)
 
-  def apply(self, registry: registry_lib.PatchRegistry, config: config_lib.StageConfig) -> None:
-    del config  # the hooks read the live configuration (install can update depths)
+  def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
     # pylint: disable=import-outside-toplevel
-    from tunix_stage_plugin.hosts.tunix import engine, program, server, worker
+    from tunix_stage_plugin.hosts.tunix import engine, installation, program, server, worker
     m = self.modules
-    server.apply(registry, m.remote_execution.RemoteExecutionServer,
+    inst = installation.start(live)
+    registry.on_undo(lambda: installation.stop(inst))  # executors closed, staged batches dropped
+    server.apply(registry, inst, m.remote_execution.RemoteExecutionServer,
                  m.remote_execution.GrpcRemoteExecutionServer, m.trainer_worker.TrainerWorker)
-    worker.apply(registry, m.trainer_worker.TrainerWorker, m.peft_trainer.PeftTrainer)
+    worker.apply(registry, inst, m.trainer_worker.TrainerWorker, m.peft_trainer.PeftTrainer)
     engine.apply(registry, m.engine.DistributedRLEngine)
-    program.apply(registry, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
+    program.apply(registry, inst, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
 
 
 ADAPTER = TunixAdapter()

@@ -13,7 +13,7 @@ from typing import Any
 
 from tunix.experimental.common import datatypes
 
-from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts.tunix import probes
@@ -52,6 +52,6 @@ async def reset_staged_batches(self: Any, keys: list[str] | None = None, *,
   return response.metadata["dropped"]
 
 
-def apply(registry: registry_lib.PatchRegistry, engine_cls: type) -> None:
+def apply(registry: patching.PatchRegistry, engine_cls: type) -> None:
   registry.set(engine_cls, "stage_train_batch", stage_train_batch)
   registry.set(engine_cls, "reset_staged_batches", reset_staged_batches)

@@ -10,52 +10,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from typing import Any, Callable
+from typing import Any
 
-from tunix_stage_plugin.activation import registry as registry_lib
-from tunix_stage_plugin.hosts import Probe
-
-
-def _params(fn: Any) -> dict[str, inspect.Parameter]:
-  return dict(inspect.signature(fn).parameters)
-
-
-def _has_var_kwargs(fn: Any) -> bool:
-  return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in _params(fn).values())
-
-
-def _check(name: str, test: Callable[[], str | None]) -> Probe:
-  """`test` returns None when the capability is there, else what is wrong."""
-  try:
-    problem = test()
-  except Exception as e:  # pylint: disable=broad-except  (a probe that cannot run has failed)
-    problem = f"{type(e).__name__}: {e}"
-  return Probe(name, problem is None, problem or "ok")
-
-
-def _method(cls: type, attr: str, *, params: tuple[str, ...], coroutine: bool,
-            var_kwargs: bool = False, own: bool = False) -> str | None:
-  # getattr_static: no descriptor runs, so probing leaves the class untouched (a plain getattr
-  # of e.g. __annotations__ would create and store one on Python 3.12).
-  fn = cls.__dict__.get(attr) if own else inspect.getattr_static(cls, attr, None)
-  if fn is None:
-    return f"{cls.__qualname__}.{attr} is missing"
-  if inspect.iscoroutinefunction(fn) != coroutine:
-    return f"{cls.__qualname__}.{attr} is {'not ' if coroutine else ''}a coroutine function"
-  missing = [p for p in params if p not in _params(fn)]
-  if missing:
-    return f"{cls.__qualname__}.{attr}{inspect.signature(fn)} lacks {missing}"
-  if var_kwargs and not _has_var_kwargs(fn):
-    return f"{cls.__qualname__}.{attr}{inspect.signature(fn)} takes no **kwargs"
-  return None
-
-
-def _free(cls: type, *attrs: str) -> str | None:
-  taken = [a for a in attrs + (registry_lib.SENTINEL,) if hasattr(cls, a)]
-  if taken:
-    return (f"{cls.__qualname__} already has {taken} (the host's own, or another copy of the "
-            "plugin installed)")
-  return None
+from tunix_stage_plugin.hosts.probing import Probe, check as _check, free as _free
+from tunix_stage_plugin.hosts.probing import method as _method, parameters as _params
 
 
 def run(m: Any) -> list[Probe]:

@@ -22,10 +22,10 @@ from tunix.experimental.orchestrator import batch_assembly
 from tunix.experimental.orchestrator import rl_program
 from tunix.rl import common as rl_common
 
-from tunix_stage_plugin.activation import manager
-from tunix_stage_plugin.activation import registry as registry_lib
+from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import worker
 
 log = logging.getLogger("tunix_stage_plugin")
@@ -120,9 +120,9 @@ def _may_prestage(program: Any) -> bool:
   return True
 
 
-async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None) -> None:
-  pipeline = pipeline_lib.StagePipeline(
-      StageEngine(engine), manager.current_config("tunix").max_staged_batches)
+async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,
+                              depth: int) -> None:
+  pipeline = pipeline_lib.StagePipeline(StageEngine(engine), depth)
   feeds: dict[int, _StepFeed] = {}  # a prestaged step keeps its own feed
 
   def source_for(step: int) -> AsyncIterator[pipeline_lib.MicroBatch]:
@@ -162,7 +162,8 @@ async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None) 
                            before_step=before_step, after_step=after_step)
 
 
-def apply(registry: registry_lib.PatchRegistry, program_cls: type, engine_cls: type) -> None:
+def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+          program_cls: type, engine_cls: type) -> None:
   original_train_stage = program_cls.__dict__["train_stage"]
 
   @functools.wraps(original_train_stage)
@@ -171,6 +172,7 @@ def apply(registry: registry_lib.PatchRegistry, program_cls: type, engine_cls: t
     # stage_train_batch with a mock; the host's loop is the right one for it.
     if not issubclass(type(engine), engine_cls):
       return await original_train_stage(self, engine, num_steps)
-    return await _staged_train_stage(self, engine, num_steps)
+    return await _staged_train_stage(self, engine, num_steps,
+                                     inst.live.config.max_staged_batches)
 
   registry.set(program_cls, "train_stage", train_stage)

@@ -19,29 +19,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-import threading
-import weakref
 from typing import Any
 
-from tunix_stage_plugin.activation import registry as registry_lib
-from tunix_stage_plugin.core import executor as executor_lib
-
-_lock = threading.Lock()
-_executors: "weakref.WeakKeyDictionary[Any, executor_lib.MethodExecutor]" = (
-    weakref.WeakKeyDictionary())
+from tunix_stage_plugin.core import patching
+from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 
 
-def executor_for(server: Any) -> executor_lib.MethodExecutor:
-  """The server's executor, started on its first routed request (threads start lazily)."""
-  with _lock:
-    executor = _executors.get(server)
-    if executor is None:
-      executor = _executors[server] = executor_lib.MethodExecutor(name="trainer")
-    return executor
-
-
-def apply(registry: registry_lib.PatchRegistry, server_cls: type, grpc_server_cls: type,
-          trainer_worker_cls: type) -> None:
+def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+          server_cls: type, grpc_server_cls: type, trainer_worker_cls: type) -> None:
   original_execute = server_cls.__dict__["execute_request"]
   original_stop = grpc_server_cls.__dict__["stop_serving"]
 
@@ -55,13 +40,12 @@ def apply(registry: registry_lib.PatchRegistry, server_cls: type, grpc_server_cl
     if inspect.iscoroutinefunction(getattr(instance, name, None)):
       return await original_execute(self, request)  # async methods leave the loop when they await
     # execute_sync_request is the host's own resolve-call-and-wrap-errors step.
-    return await executor_for(self).run(name, self.execute_sync_request, request)
+    return await inst.executor_for(self).run(name, self.execute_sync_request, request)
 
   @functools.wraps(original_stop)
   async def stop_serving(self: Any, *args: Any, **kwargs: Any) -> Any:
     result = await original_stop(self, *args, **kwargs)
-    with _lock:
-      executor = _executors.pop(self, None)
+    executor = inst.pop_executor(self)
     if executor is not None:
       # Joins the lanes (a running fwd_bwd finishes first) without holding the loop.
       await asyncio.to_thread(executor.close)

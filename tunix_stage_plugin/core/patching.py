@@ -1,17 +1,16 @@
-"""Exact-reversal patch registry: what we set on a host class, and what was there before.
+"""Exact-reversal patch registry: what an installation set on host classes, and what was there.
 
-Every hook is an attribute set on a host class. The registry records, per (owner, attr), the
-value found in the owner's own `__dict__` (or that there was none), so `undo` puts `__dict__` back
-exactly: an inherited attribute we shadowed is deleted again, an own attribute is restored to the
-very same object. A sentinel attribute on each touched class lets a second copy of the plugin
-(another import path, a reload) see that the class is taken.
+`undo` puts each owner's `__dict__` back exactly (an inherited attribute we shadowed is deleted
+again, an own one restored to the very same object) and runs the installation's cleanups (close
+executors, drop staged batches) first. A sentinel attribute on each touched class lets a second
+copy of the plugin see that the class is taken.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any
+from typing import Any, Callable
 
 SENTINEL = "__tunix_stage_patched__"
 
@@ -43,6 +42,7 @@ class PatchRegistry:
 
   def __init__(self) -> None:
     self._patches: list[Patch] = []
+    self._cleanups: list[Callable[[], None]] = []
 
   def __len__(self) -> int:
     return len(self._patches)
@@ -62,9 +62,20 @@ class PatchRegistry:
     setattr(owner, attr, value)
     self._patches.append(Patch(owner, attr, original, value))
 
+  def on_undo(self, cleanup: Callable[[], None]) -> None:
+    """Runs `cleanup` first thing in `undo` (last registered, first run)."""
+    self._cleanups.append(cleanup)
+
   def undo(self) -> list[str]:
-    """Restores every patched class; returns one line per attribute it had to leave alone."""
+    """Runs the cleanups, then restores every patched class; returns one line per problem."""
     problems = []
+    while self._cleanups:
+      cleanup = self._cleanups.pop()
+      try:
+        cleanup()
+      except Exception as e:  # pylint: disable=broad-except  (the classes must still be restored)
+        problems.append(f"cleanup {getattr(cleanup, '__qualname__', cleanup)!s} failed: "
+                        f"{type(e).__name__}: {e}")
     while self._patches:
       p = self._patches.pop()
       current = p.owner.__dict__.get(p.attr, ABSENT)

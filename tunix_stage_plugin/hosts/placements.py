@@ -1,0 +1,117 @@
+"""How each kind of trainer is staged behind tunix's TrainerWorker: one Placement per kind.
+
+A Placement prepares and places a payload on the staging thread through the trainer's own
+preparation step, and at consume time that same step (its "seam") hands the staged batch through
+instead of preparing again, so a staged micro-batch is prepared exactly once, as inline. tunix's
+PeftTrainer has one (hosts/tunix/worker.py), MaxText's engine another (hosts/maxtext/). Adapters
+register theirs here; the worker hook asks each in order. README, "Using it with MaxText".
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Callable, Protocol
+
+
+class Placement(Protocol):
+  name: str
+
+  def find(self, trainer: Any) -> tuple[Any, str | None]:
+    """(target, None): stage through `target`; (None, reason): this kind, but it can never
+    stage; (None, None): not this kind of trainer."""
+
+  def place(self, target: Any, payload: Any) -> Any:
+    """On the staging thread: prepare and place `payload`; blocks until the copy is done."""
+
+
+_lock = threading.Lock()
+_placements: list[Placement] = []
+
+
+def register(placement: Placement) -> Callable[[], None]:
+  """Adds `placement` (first registered, first asked); returns the call that removes it."""
+  with _lock:
+    _placements.append(placement)
+  return lambda: unregister(placement)
+
+
+def unregister(placement: Placement) -> None:
+  with _lock:
+    if placement in _placements:
+      _placements.remove(placement)
+
+
+def registered() -> tuple[Placement, ...]:
+  with _lock:
+    return tuple(_placements)
+
+
+def choose(trainer: Any) -> tuple[Placement | None, Any, str | None]:
+  """(placement, target, None) for the first placement that takes `trainer`, else
+  (None, None, why it cannot stage)."""
+  for placement in registered():
+    target, reason = placement.find(trainer)
+    if target is not None:
+      return placement, target, None
+    if reason is not None:
+      return None, None, reason
+  kinds = ", ".join(p.name for p in registered()) or "none installed"
+  return None, None, (f"the hosted trainer is a {type(trainer).__qualname__}; staging supports "
+                      f"{kinds} (or a proxy forwarding to one)")
+
+
+class _Consuming(threading.local):
+  """The staged batch a fwd_bwd on this thread is consuming, and what its seam did with it."""
+
+  active = False
+  staged: Any = None
+  passed = False
+  fallback: str | None = None
+
+
+_consuming = _Consuming()
+
+
+class Consume:
+  """`with Consume(staged) as c:` around the host's fwd_bwd(staged): the seam on this thread
+  hands `staged` through once; afterwards `c.passed` says whether it did and `c.fallback` why
+  the seam trained it from its payload instead (None: it used the staged placement)."""
+
+  def __init__(self, staged: Any) -> None:
+    self.staged = staged
+    self.passed = False
+    self.fallback: str | None = None
+
+  def __enter__(self) -> "Consume":
+    _consuming.active, _consuming.staged = True, self.staged
+    _consuming.passed, _consuming.fallback = False, None
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.passed, self.fallback = _consuming.passed, _consuming.fallback
+    _consuming.active, _consuming.staged, _consuming.fallback = False, None, None
+
+
+def seam(original: Callable[[Any, Any], Any], resolve: Callable[[Any, Any], Any],
+         name: str) -> Callable[[Any, Any], Any]:
+  """Wraps a trainer's preparation method: the host's own unless a Consume on this thread is
+  handing a staged batch through, then `resolve(trainer, staged)` (once)."""
+
+  @functools.wraps(original)
+  def wrapper(self: Any, payload: Any) -> Any:
+    if not _consuming.active:
+      return original(self, payload)
+    _consuming.active = False
+    if payload is not _consuming.staged:
+      raise RuntimeError(f"the staged batch was replaced on its way from fwd_bwd to {name}; "
+                         "staging cannot keep its one-preparation promise with this trainer")
+    _consuming.passed = True
+    return resolve(self, payload)
+
+  return wrapper
+
+
+def note_fallback(reason: str) -> None:
+  """Called by a `resolve` that trains the staged micro-batch from its payload instead."""
+  _consuming.fallback = reason

@@ -1,0 +1,99 @@
+"""The per-object state of one tunix installation: each worker's staged batches and each server's
+method executor, kept outside the host objects. The installation owns it: a re-install with new
+depths applies them to live workers, and uninstall closes every executor and drops every staged
+batch (README, "Using it with tunix").
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core import store as store_lib
+
+# How long uninstall waits for a lane's running call before leaving its daemon thread behind.
+CLOSE_TIMEOUT_S = 10.0
+
+
+class WorkerStaging:
+  """One TrainerWorker's staging state."""
+
+  def __init__(self, config: config_lib.StageConfig) -> None:
+    self.store = store_lib.StagedBatchStore(config.max_device_batches,
+                                            max_host_batches=config.max_host_batches)
+    self.mesh: Any = None  # the trainer's mesh, found at the first stage
+    self.placement: Any = None  # how this worker's trainer stages (hosts.tunix.worker.Placement)
+    self.target: Any = None  # the object whose preparation seam stages
+    self.unsupported: str | None = None  # why this worker's trainer can never stage
+
+
+class Installation:
+
+  def __init__(self, live: config_lib.LiveConfig) -> None:
+    self.live = live
+    self._lock = threading.Lock()
+    self._workers: "weakref.WeakKeyDictionary[Any, WorkerStaging]" = weakref.WeakKeyDictionary()
+    self._executors: "weakref.WeakKeyDictionary[Any, executor_lib.MethodExecutor]" = (
+        weakref.WeakKeyDictionary())
+    live.on_update(self._reconfigure)
+
+  def staging_of(self, worker: Any) -> WorkerStaging:
+    with self._lock:
+      state = self._workers.get(worker)
+      if state is None:
+        state = self._workers[worker] = WorkerStaging(self.live.config)
+      return state
+
+  def executor_for(self, server: Any) -> executor_lib.MethodExecutor:
+    """The server's executor, started on its first routed request (threads start lazily)."""
+    with self._lock:
+      executor = self._executors.get(server)
+      if executor is None:
+        executor = self._executors[server] = executor_lib.MethodExecutor(name="trainer")
+      return executor
+
+  def pop_executor(self, server: Any) -> executor_lib.MethodExecutor | None:
+    with self._lock:
+      return self._executors.pop(server, None)
+
+  def _reconfigure(self, config: config_lib.StageConfig) -> None:
+    with self._lock:
+      states = list(self._workers.values())
+    for state in states:
+      state.store.set_bounds(config.max_device_batches, config.max_host_batches)
+
+  def close(self) -> None:
+    """Drops every staged batch and closes every executor (bounded); the hooks are going away."""
+    with self._lock:
+      states, self._workers = list(self._workers.values()), weakref.WeakKeyDictionary()
+      executors, self._executors = list(self._executors.values()), weakref.WeakKeyDictionary()
+    for state in states:
+      state.store.reset()
+    for executor in executors:
+      executor.close(timeout=CLOSE_TIMEOUT_S)
+
+
+_current: Installation | None = None
+
+
+def current() -> Installation:
+  """The active installation (tests and doctor read its state)."""
+  if _current is None:
+    raise RuntimeError("the tunix staging hooks are not installed")
+  return _current
+
+
+def start(live: config_lib.LiveConfig) -> Installation:
+  global _current
+  _current = Installation(live)
+  return _current
+
+
+def stop(installation: Installation) -> None:
+  global _current
+  installation.close()
+  if _current is installation:
+    _current = None
