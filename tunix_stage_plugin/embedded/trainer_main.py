@@ -151,19 +151,22 @@ async def serve(port: int, cfg: config_lib.StageConfig, fail_stage: frozenset[st
   stopping = asyncio.Event()
   loop = asyncio.get_running_loop()
 
-  def stop(reason: str) -> None:
-    if stopping.is_set():
-      return
-    log.warning("stopping: %s; calls already running get %g s to finish", reason,
-                shutdown_grace_s)
-    stopping.set()
-    # From here a second signal must act even while this thread waits for the lanes.
-    for sig in STOP_SIGNALS:
-      loop.remove_signal_handler(sig)
-      signal.signal(sig, _exit_now)
+  def stop(reason: str, level: int = logging.WARNING) -> None:
+    if not stopping.is_set():
+      log.log(level, "stopping: %s; calls already running get %g s to finish", reason,
+              shutdown_grace_s)
+      stopping.set()
+
+  def on_signal(sig: signal.Signals) -> None:
+    stop(f"{sig.name} received", logging.INFO)  # the usual way to stop: not a warning
+    # The next signal exits at once, even while this thread waits for the lanes. Only signals
+    # count: a parent's death is noticed twice (stdin closes, PR_SET_PDEATHSIG) and is one stop.
+    for s in STOP_SIGNALS:
+      loop.remove_signal_handler(s)
+      signal.signal(s, _exit_now)
 
   for sig in STOP_SIGNALS:
-    loop.add_signal_handler(sig, stop, f"{sig.name} received")
+    loop.add_signal_handler(sig, on_signal, sig)
   if watch_stdin:
     _watch_stdin(loop, stop)
   try:
