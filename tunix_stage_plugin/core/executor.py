@@ -54,7 +54,6 @@ class _LaneThread(concurrent.futures.Executor):
     self._lock = threading.Lock()
     self._shut = False
     self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-    self._thread.start()
 
   def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
              ) -> concurrent.futures.Future:
@@ -63,6 +62,10 @@ class _LaneThread(concurrent.futures.Executor):
         raise ExecutorClosedError(f"lane {self._thread.name} is shut down")
       future: concurrent.futures.Future = concurrent.futures.Future()
       self._queue.put((future, fn, args, kwargs))
+      if self._thread.ident is None:
+        # Started with its first call queued, as ThreadPoolExecutor does: the new thread takes
+        # that call at once (the pipeline's tests see the same interleaving as before).
+        self._thread.start()
       return future
 
   def _work(self) -> None:
@@ -87,7 +90,7 @@ class _LaneThread(concurrent.futures.Executor):
       if not self._shut:
         self._shut = True
         self._queue.put(None)
-    if wait:
+    if wait and self._thread.ident is not None:
       self.join(None)
 
   def is_current(self) -> bool:
@@ -95,7 +98,7 @@ class _LaneThread(concurrent.futures.Executor):
 
   def join(self, timeout: float | None) -> bool:
     """True once the thread has finished; the calling lane's own thread counts as finished."""
-    if self.is_current():
+    if self.is_current() or self._thread.ident is None:
       return True
     self._thread.join(timeout)
     return not self._thread.is_alive()
