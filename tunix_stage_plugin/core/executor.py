@@ -53,6 +53,7 @@ class _LaneThread(concurrent.futures.Executor):
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self._lock = threading.Lock()
     self._shut = False
+    self._pending = 0  # calls queued or running
     self._thread = threading.Thread(target=self._work, name=name, daemon=True)
 
   def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
@@ -62,6 +63,7 @@ class _LaneThread(concurrent.futures.Executor):
         raise ExecutorClosedError(f"lane {self._thread.name} is shut down")
       future: concurrent.futures.Future = concurrent.futures.Future()
       self._queue.put((future, fn, args, kwargs))
+      self._pending += 1
       if self._thread.ident is None:
         # Started with its first call queued, as ThreadPoolExecutor does: the new thread takes
         # that call at once (the pipeline's tests see the same interleaving as before).
@@ -83,6 +85,8 @@ class _LaneThread(concurrent.futures.Executor):
         else:
           future.set_result(result)
       del future, fn, args, kwargs  # drop the call's arguments before waiting for the next one
+      with self._lock:
+        self._pending -= 1
 
   def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
     """Stops after the queued calls; `wait` joins the thread (never from the thread itself)."""
@@ -101,6 +105,11 @@ class _LaneThread(concurrent.futures.Executor):
     if self.is_current() or self._thread.ident is None:
       return True
     self._thread.join(timeout)
+    if self._thread.is_alive():
+      with self._lock:
+        idle = self._pending == 0
+      if idle:  # only the stop marker is left: the thread is leaving, not busy
+        self._thread.join()
     return not self._thread.is_alive()
 
 

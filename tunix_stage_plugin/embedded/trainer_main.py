@@ -142,8 +142,8 @@ def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: Callable[[str], None]) -
 async def serve(port: int, cfg: config_lib.StageConfig, fail_stage: frozenset[str], *,
                 shutdown_grace_s: float = 2.0,
                 max_call_bytes: int = server_lib.DEFAULT_MAX_CALL_BYTES,
-                watch_stdin: bool = False) -> list[str]:
-  """Serves until a stop signal; returns the lanes whose calls were abandoned ([]: clean stop)."""
+                watch_stdin: bool = False) -> None:
+  """Serves until a stop signal; exits the process (EXIT_ABANDONED) if calls outlast the grace."""
   worker = worker_lib.TrainerWorker(cfg, fail_stage=fail_stage)
   executor = worker_lib.make_executor(cfg)
   server = server_lib.WorkerServer(worker, executor, timeline=worker.recorder,
@@ -176,9 +176,25 @@ async def serve(port: int, cfg: config_lib.StageConfig, fail_stage: frozenset[st
     await stopping.wait()
   finally:
     deadline = loop.time() + shutdown_grace_s
-    await server.stop(grace=shutdown_grace_s)  # refuses new calls; cancels running ones at grace
+    # Refuses new calls at once and waits for the running ones. Calls still on a lane at the
+    # grace are not cancelled through grpc (it prints each as a crash): the process exits under
+    # them. grpc's own grace, a second longer, only ends a call that was not on a lane.
+    stopped = asyncio.ensure_future(server.stop(grace=shutdown_grace_s + 1.0))
+    await asyncio.wait({stopped}, timeout=shutdown_grace_s)
     busy = executor.close(timeout=max(0.0, deadline - loop.time()))
-  return [lane.value for lane in busy]
+    if busy:
+      _abandon([lane.value for lane in busy], shutdown_grace_s)
+    await stopped
+
+
+def _abandon(lanes: list[str], grace_s: float) -> None:
+  """Exits now, leaving the calls still running on `lanes` (they may sit in native code)."""
+  log.warning("abandoned the calls still running on the %s lane(s) after the %g s shutdown "
+              "grace; exiting %d", ", ".join(lanes), grace_s, EXIT_ABANDONED)
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(EXIT_ABANDONED)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,22 +216,12 @@ def main(argv: list[str] | None = None) -> int:
   if args.exit_with_parent in ("signal", "both"):
     _ask_for_parent_death_signal()
   try:
-    abandoned = asyncio.run(serve(args.port, cfg, fail_stage,
-                                  shutdown_grace_s=args.shutdown_grace_s,
-                                  max_call_bytes=args.max_call_mib << 20,
-                                  watch_stdin=args.exit_with_parent in ("pipe", "both")))
+    asyncio.run(serve(args.port, cfg, fail_stage, shutdown_grace_s=args.shutdown_grace_s,
+                      max_call_bytes=args.max_call_mib << 20,
+                      watch_stdin=args.exit_with_parent in ("pipe", "both")))
   except OSError as e:
     print(f"trainer_main: error: {e}", file=sys.stderr)
     return 1
-  if abandoned:
-    log.warning("abandoned the calls still running on the %s lane(s) after the %g s shutdown "
-                "grace; exiting %d", ", ".join(abandoned), args.shutdown_grace_s,
-                EXIT_ABANDONED)
-    # The abandoned lane threads may sit in native code: skip the interpreter's teardown.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(EXIT_ABANDONED)
   return 0
 
 
