@@ -96,8 +96,18 @@ def test_a_trainer_that_exits_before_ready_is_reported_with_its_exit_code():
      "trainer at 127.0.0.1:1 did not answer"),
     (ORCH + ["--trainer", "127.0.0.1:1"], {"TUNIX_MAX_STAGED_BATCHES": "two"}, 2,
      "TUNIX_MAX_STAGED_BATCHES='two' is invalid"),
+    (ORCH + ["--trainer", "127.0.0.1:1", "--liveness_s", "0.5"], {}, 2,
+     "liveness bound (--liveness_s): accepted a number of seconds >= 1; got 0.5"),
+    (TRAINER + ["--port", "0", "--shutdown_grace_s", "-1"], {}, 2,
+     "'-1': accepted a number of seconds >= 0"),
+    (TRAINER + ["--port", "0", "--max_call_mib", "0"], {}, 2,
+     "'0': accepted an integer number of MiB >= 1"),
+    # stdin is /dev/null here: nothing to watch for the parent's death.
+    (TRAINER + ["--port", "0", "--exit_with_parent", "pipe"], {}, 2,
+     "--exit_with_parent pipe/both: stdin must be a pipe from the parent process"),
 ])
 def test_bad_settings_and_an_absent_trainer_fail_with_a_clear_message(cmd, env, code, message):
-  result = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=120)
+  result = subprocess.run(cmd, env=_env(**env), stdin=subprocess.DEVNULL, capture_output=True,
+                          text=True, timeout=120)
   assert result.returncode == code, result.stderr
   assert message in result.stderr

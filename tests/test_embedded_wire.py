@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import pickle
 import threading
 
 import numpy as np
@@ -243,3 +244,38 @@ def test_server_listens_on_127_0_0_1_only():
       executor.close()
 
   asyncio.run(go())
+
+
+def test_a_calls_deadline_is_its_expected_time_plus_the_liveness_bound():
+  async def go():
+    async with client_lib.WorkerClient("127.0.0.1:9", wire_bytes_per_s=10e6,
+                                       liveness_s=30) as client:
+      small = wire.encode_call("fwd_bwd", (), {"stage_key": "k"})
+      assert client.expected_s(small) == client_lib.CALL_BASE_S
+      big = wire.encode_call("fwd_bwd", (np.zeros(20_000_000, np.uint8),), {})
+      assert client.expected_s(big) == pytest.approx(client_lib.CALL_BASE_S + 2.0, abs=0.01)
+      # Bytes already queued on the link come first: 50 MB sent, none of it across yet.
+      async def no_time_passes(_):
+        pass
+
+      client.pacer = pacing.LinkPacer(10e6, clock=lambda: 100.0, sleep=no_time_passes)
+      await client.pacer.transmit(50_000_000)
+      assert client.expected_s(big) == pytest.approx(client_lib.CALL_BASE_S + 7.0, abs=0.01)
+      sync = wire.encode_call("weight_sync", (45.0,), {})
+      assert client.expected_s(sync, (45.0,)) == client_lib.CALL_BASE_S + 45.0
+      assert ("grpc.keepalive_time_ms", 7500) in client_lib.keepalive_options(30)
+      assert ("grpc.keepalive_time_ms", 1000) in client_lib.keepalive_options(1)
+    with pytest.raises(ValueError, match="accepted a number of seconds >= 1; got 0"):
+      client_lib.WorkerClient("127.0.0.1:9", liveness_s=0)
+
+  asyncio.run(go())
+
+
+def test_a_header_with_bad_sizes_is_refused():
+  header = pickle.dumps({"method": "m", "body": b"", "sizes": [4, -1]})
+  with pytest.raises(wire.WireError, match="list of integers >= 0"):
+    wire.decode_header(header)
+  ok = wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4, 8]}))
+  assert wire.announced_bytes(ok, 12) == 12
+  with pytest.raises(wire.WireError, match="m announces 12 bytes, above this trainer's 11-byte"):
+    wire.announced_bytes(ok, 11)

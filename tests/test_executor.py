@@ -97,3 +97,34 @@ def test_close_waits_for_queued_work():
   futures = [ex.submit("fwd_bwd", done.append, i) for i in range(20)]
   ex.close()
   assert done == list(range(20)) and all(f.done() for f in futures)
+
+
+def test_close_with_a_timeout_returns_the_busy_lane_and_abandons_it():
+  ex = MethodExecutor(name="abandon")
+  release, running = threading.Event(), threading.Event()
+  held = ex.submit("fwd_bwd", lambda: (running.set(), release.wait(60))[1])
+  assert ex.submit("stage_batch", lambda: "staged").result(10) == "staged"
+  assert running.wait(10)
+  assert ex.close(timeout=0.2) == [Lane.COMPUTE]  # the idle staging lane stopped
+  staging = [t for t in threading.enumerate() if t.name.startswith("abandon-staging")]
+  assert not staging
+  compute = [t for t in threading.enumerate() if t.name.startswith("abandon-compute")]
+  assert compute and all(t.daemon for t in compute)  # cannot hold up the interpreter's exit
+  release.set()
+  assert held.result(10) is True
+  for t in compute:
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_close_from_one_of_its_own_lanes_does_not_join_itself():
+  ex = MethodExecutor(name="selfclose")
+  ex.submit("stage_batch", lambda: None).result(10)
+  # Today's pool raised "cannot join current thread" here; the lane must close the rest instead.
+  assert ex.submit("fwd_bwd", ex.close).result(10) == []
+  with pytest.raises(ExecutorClosedError):
+    ex.submit("fwd_bwd", lambda: None)
+  for t in [t for t in threading.enumerate() if t.name.startswith("selfclose-")]:
+    t.join(10)
+    assert not t.is_alive(), t.name
+  assert ex.close() == []

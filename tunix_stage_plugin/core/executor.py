@@ -11,6 +11,9 @@ served object three lanes:
 - inline: heartbeat / info / reset_staged are answered on the caller's thread at once.
   reset_staged only drops references, and it must not queue behind a stage that is waiting
   (bounded) for a device slot: the reset is often what frees that slot.
+
+Lane threads are daemon threads, so a process that gives up on a lane still stuck in a long call
+(`close(timeout=...)` returns the busy lanes) can exit: see README "Stopping the trainer".
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import asyncio
 import concurrent.futures
 import enum
 import functools
+import queue
 import threading
+import time
 from typing import Any, Callable, Iterable
 
 
@@ -35,6 +40,77 @@ LIGHT_METHODS = frozenset({"heartbeat", "info", "reset_staged"})
 
 class ExecutorClosedError(RuntimeError):
   pass
+
+
+class _LaneThread(concurrent.futures.Executor):
+  """One daemon thread running its calls in arrival order (a 1-thread pool that can be abandoned).
+
+  concurrent.futures.ThreadPoolExecutor joins its threads at interpreter exit, so one call stuck
+  in a 60 s weight sync would hold a stopping process for its whole length.
+  """
+
+  def __init__(self, name: str) -> None:
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._lock = threading.Lock()
+    self._shut = False
+    self._pending = 0  # calls queued or running
+    self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+
+  def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+             ) -> concurrent.futures.Future:
+    with self._lock:
+      if self._shut:
+        raise ExecutorClosedError(f"lane {self._thread.name} is shut down")
+      future: concurrent.futures.Future = concurrent.futures.Future()
+      self._queue.put((future, fn, args, kwargs))
+      self._pending += 1
+      if self._thread.ident is None:
+        # Started with its first call queued, as ThreadPoolExecutor does: the new thread takes
+        # that call at once (the pipeline's tests see the same interleaving as before).
+        self._thread.start()
+      return future
+
+  def _work(self) -> None:
+    while True:
+      item = self._queue.get()
+      if item is None:
+        return
+      future, fn, args, kwargs = item
+      del item
+      if future.set_running_or_notify_cancel():
+        try:
+          result = fn(*args, **kwargs)
+        except BaseException as e:  # pylint: disable=broad-except  (delivered through the future)
+          future.set_exception(e)
+        else:
+          future.set_result(result)
+      del future, fn, args, kwargs  # drop the call's arguments before waiting for the next one
+      with self._lock:
+        self._pending -= 1
+
+  def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+    """Stops after the queued calls; `wait` joins the thread (never from the thread itself)."""
+    with self._lock:
+      if not self._shut:
+        self._shut = True
+        self._queue.put(None)
+    if wait and self._thread.ident is not None:
+      self.join(None)
+
+  def is_current(self) -> bool:
+    return threading.current_thread() is self._thread
+
+  def join(self, timeout: float | None) -> bool:
+    """True once the thread has finished; the calling lane's own thread counts as finished."""
+    if self.is_current() or self._thread.ident is None:
+      return True
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      with self._lock:
+        idle = self._pending == 0
+      if idle:  # only the stop marker is left: the thread is leaving, not busy
+        self._thread.join()
+    return not self._thread.is_alive()
 
 
 class MethodExecutor:
@@ -54,7 +130,7 @@ class MethodExecutor:
       raise ValueError(f"methods {sorted(overlap)} are both staging and light; pick one lane")
     self._name = name
     self._lock = threading.Lock()
-    self._pools: dict[Lane, concurrent.futures.ThreadPoolExecutor] = {}
+    self._pools: dict[Lane, _LaneThread] = {}
     self._closed = False
 
   def lane_of(self, method_name: str) -> Lane:
@@ -64,16 +140,14 @@ class MethodExecutor:
       return Lane.STAGING
     return Lane.COMPUTE
 
-  def _pool(self, lane: Lane) -> concurrent.futures.ThreadPoolExecutor:
+  def _pool(self, lane: Lane) -> _LaneThread:
     # Threads start lazily: a worker that never stages never starts a staging thread.
     with self._lock:
       if self._closed:
         raise ExecutorClosedError(f"{self._name} method executor is closed")
       pool = self._pools.get(lane)
       if pool is None:
-        pool = self._pools[lane] = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"{self._name}-{lane.value}"
-        )
+        pool = self._pools[lane] = _LaneThread(f"{self._name}-{lane.value}_0")
       return pool
 
   def submit(self, method_name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
@@ -99,13 +173,26 @@ class MethodExecutor:
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(self._pool(lane), functools.partial(fn, *args, **kwargs))
 
-  def close(self) -> None:
-    """Waits for queued work, joins every thread this executor started. Idempotent."""
+  def close(self, timeout: float | None = None) -> list[Lane]:
+    """Refuses new calls, waits for queued and running work, joins the lane threads. Idempotent.
+
+    `timeout` bounds the whole wait: the lanes whose work is still running then are returned
+    (their daemon threads are abandoned and finish, or die with the process). Called from one of
+    this executor's own lanes, that lane is not joined (it is the caller); it stops after the
+    call that is closing. Returns [] when every lane stopped.
+    """
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
     with self._lock:
       self._closed = True
-      pools, self._pools = list(self._pools.values()), {}
-    for pool in pools:
-      pool.shutdown(wait=True)
+      pools, self._pools = dict(self._pools), {}
+    for pool in pools.values():
+      pool.shutdown(wait=False)
+    busy = []
+    for lane, pool in pools.items():
+      remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+      if not pool.join(remaining):
+        busy.append(lane)
+    return busy
 
   def __enter__(self) -> "MethodExecutor":
     return self

@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--seed", type=int, default=0, help="parameters and data seed (default 0)")
   parser.add_argument("--connect_timeout_s", type=_number(float), default=60.0, metavar="S",
                       help="how long to wait for the trainer to answer (default 60)")
+  parser.add_argument("--liveness_s", type=_number(float), default=client_lib.DEFAULT_LIVENESS_S,
+                      metavar="S",
+                      help="report the trainer as stopped answering when a call goes this long "
+                      "past its expected time without a reply, or its connection's keepalive "
+                      f"pings go unanswered (>= 1; default {client_lib.DEFAULT_LIVENESS_S:g})")
   flags_lib.add_argparse_flags(parser, flags_lib.ORCHESTRATOR_FIELDS)
   return parser
 
@@ -82,7 +87,8 @@ async def run(args: argparse.Namespace, cfg: config_lib.StageConfig) -> int:
     sizes = sizes.with_payload_mib(args.payload_mib)
   plan = plan_from(cfg, args)
   wire_rate = None if args.wire_mbps is None else args.wire_mbps * 1e6
-  async with client_lib.WorkerClient(args.trainer, wire_bytes_per_s=wire_rate) as client:
+  async with client_lib.WorkerClient(args.trainer, wire_bytes_per_s=wire_rate,
+                                     liveness_s=args.liveness_s) as client:
     await client.wait_ready(args.connect_timeout_s)
     trainer_mode = (await client.call("info"))["mode"]
     await client.call("setup", sizes=sizes.as_dict(), seed=args.seed, h2d_mbps=args.h2d_mbps,
@@ -117,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
   try:
     cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
     client_lib.check_address(args.trainer)
+    client_lib.check_liveness(args.liveness_s)
   except (config_lib.ConfigError, ValueError) as e:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     return 2

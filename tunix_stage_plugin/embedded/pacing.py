@@ -32,6 +32,12 @@ class LinkPacer:
       raise ValueError(f"link bandwidth must be > 0 bytes/s or None (unpaced); got {bytes_per_s!r}")
     self.bytes_per_s = bytes_per_s
 
+  def backlog_s(self) -> float:
+    """Seconds until the link has sent the bytes queued on it so far (0 when idle or unpaced)."""
+    if self.bytes_per_s is None:
+      return 0.0
+    return max(0.0, self._free_at - self._clock())
+
   async def transmit(self, nbytes: int) -> None:
     """Returns when `nbytes` queued behind earlier chunks have crossed the link."""
     if self.bytes_per_s is None or nbytes <= 0:

@@ -1,4 +1,11 @@
-"""Starting and stopping a trainer process (trainer_main) from the benchmark and the tests."""
+"""Starting and stopping a trainer process (trainer_main) from the benchmark and the tests.
+
+The child never outlives this process (README "Stopping the trainer"): it runs in its own session
+(a terminal's Ctrl-C reaches only this process, which then stops it in order), it is started with
+`--exit_with_parent`, so it stops when this process dies however it died (stdin is a pipe from
+here, and Linux sends it SIGTERM when the starting thread exits), and `stop()` ends with SIGKILL
+when SIGTERM was not enough.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,12 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Mapping, Sequence
+from typing import IO, Mapping, Sequence
 
 READY_PREFIX = "READY "
+STOP_TIMEOUT_S = 15.0  # the trainer's 2 s shutdown grace, with room for a loaded machine
 
 
 class TrainerProcessError(RuntimeError):
@@ -18,13 +27,21 @@ class TrainerProcessError(RuntimeError):
 
 
 class TrainerProcess:
-  """A trainer_main child bound to 127.0.0.1; `with` stops it (SIGTERM, then a bounded wait)."""
+  """A trainer_main child bound to 127.0.0.1; `with` stops it (SIGTERM, bounded wait, SIGKILL).
+
+  PR_SET_PDEATHSIG fires when the *thread* that started the child exits, so off the main thread
+  the child only watches its stdin pipe (`--exit_with_parent pipe`).
+  """
 
   def __init__(self, *, max_device_batches: int | None = None, mode: str = "stage",
                extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-               ready_timeout_s: float = 120.0) -> None:
+               ready_timeout_s: float = 120.0, exit_with_parent: str | None = None,
+               stderr: IO | None = None) -> None:
+    if exit_with_parent is None:
+      on_main = threading.current_thread() is threading.main_thread()
+      exit_with_parent = "both" if on_main else "pipe"
     cmd = [sys.executable, "-m", "tunix_stage_plugin.embedded.trainer_main", "--port", "0",
-           "--stage_train_batches", mode, *extra_args]
+           "--stage_train_batches", mode, "--exit_with_parent", exit_with_parent, *extra_args]
     if max_device_batches is not None:
       cmd += ["--max_device_batches", str(max_device_batches)]
     child_env = dict(os.environ if env is None else env)
@@ -32,7 +49,9 @@ class TrainerProcess:
     for name in ("TUNIX_STAGE_BATCH", "TUNIX_STAGE_MAX_DEVICE_BATCHES"):
       child_env.pop(name, None)
     self.cmd = cmd
-    self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, env=child_env, text=True)
+    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=stderr, env=child_env, text=True,
+                                 start_new_session=True)
     try:
       self.address = self._wait_ready(ready_timeout_s)
     except BaseException:
@@ -62,29 +81,45 @@ class TrainerProcess:
   def pid(self) -> int:
     return self.proc.pid
 
-  def stop(self, timeout_s: float = 30.0) -> int:
-    """SIGTERM and wait; returns the exit code (0 for a clean shutdown). Idempotent."""
-    if self.proc.poll() is None:
-      self.proc.send_signal(signal.SIGTERM)
-      try:
-        self.proc.wait(timeout_s)
-      except subprocess.TimeoutExpired:
-        self.kill()
-        raise TrainerProcessError(f"trainer {self.pid} ignored SIGTERM for {timeout_s:.0f} s; "
-                                  "killed") from None
-    if self.proc.stdout is not None:
-      self.proc.stdout.close()
+  def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+    """SIGTERM, wait up to `timeout_s`, then SIGKILL; returns the exit code. Idempotent.
+
+    0: a clean stop; 3: the trainer abandoned calls still running after its shutdown grace.
+    Raises TrainerProcessError (the child is gone by then) when SIGKILL was needed. An
+    interrupt (Ctrl-C) during the wait kills the child before it propagates.
+    """
+    try:
+      if self.proc.poll() is None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+          self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+          self.kill()
+          raise TrainerProcessError(f"trainer {self.pid} did not exit within {timeout_s:g} s "
+                                    "of SIGTERM; killed") from None
+    except BaseException:
+      self.kill()
+      raise
+    self._close_pipes()
     return self.proc.returncode
 
   def kill(self) -> None:
     if self.proc.poll() is None:
       self.proc.kill()
       self.proc.wait()
-    if self.proc.stdout is not None:
-      self.proc.stdout.close()
+    self._close_pipes()
+
+  def _close_pipes(self) -> None:
+    for pipe in (self.proc.stdin, self.proc.stdout):
+      if pipe is not None:
+        pipe.close()
 
   def __enter__(self) -> "TrainerProcess":
     return self
 
-  def __exit__(self, *exc: object) -> None:
-    self.stop()
+  def __exit__(self, exc_type: object, *exc: object) -> None:
+    try:
+      self.stop()
+    except TrainerProcessError:
+      if exc_type is None:
+        raise  # otherwise the error already propagating is the one to report

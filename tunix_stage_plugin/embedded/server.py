@@ -5,6 +5,10 @@ or waits for the device. Each method runs on its core.executor lane (compute, st
 and for a streamed call the chunk assembly and unpickling run on that lane too (perf-limits.md §5:
 a ping waits 452 ms behind a 0.5 s handler on the loop).
 
+A streamed call is refused as its bytes arrive, never after buffering them: a header announcing
+more than `max_call_bytes` before any chunk is read, and a stream the moment it carries more than
+its header announced (README "Limits of one call").
+
 Binds 127.0.0.1 only: the calls are pickles, trusted because they come from this machine.
 """
 
@@ -23,6 +27,15 @@ from tunix_stage_plugin.embedded import wire
 log = logging.getLogger("tunix_stage_plugin.embedded")
 
 BIND_HOST = "127.0.0.1"
+DEFAULT_MAX_CALL_BYTES = 4096 << 20
+
+# The clients ping (WorkerClient's keepalive) to notice a trainer that stopped answering; accept
+# those pings at any rate down to one a second, with or without calls in flight.
+PING_POLICY = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 class ServedWorker(Protocol):
@@ -35,8 +48,12 @@ class WorkerServer:
   """Serves one worker's METHODS on 127.0.0.1, each on its executor lane."""
 
   def __init__(self, worker: ServedWorker, executor: executor_lib.MethodExecutor, *,
-               timeline: timeline_lib.Timeline | None = None) -> None:
+               timeline: timeline_lib.Timeline | None = None,
+               max_call_bytes: int = DEFAULT_MAX_CALL_BYTES) -> None:
+    if not max_call_bytes > 0:
+      raise ValueError(f"max_call_bytes must be > 0; got {max_call_bytes!r}")
     self._worker = worker
+    self.max_call_bytes = max_call_bytes
     self._executor = executor
     self._timeline = timeline or timeline_lib.Timeline(enabled=False)
     self._server: grpc.aio.Server | None = None
@@ -48,7 +65,8 @@ class WorkerServer:
       raise ValueError(f"port must be an int in 0..65535 (0: any free port); got {port!r}")
     # grpc sets SO_REUSEPORT by default: a second trainer would then "bind" a port in use and
     # share its connections. Refuse instead.
-    server = grpc.aio.server(options=[*wire.grpc_options(), ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[*wire.grpc_options(), *PING_POLICY, ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, {
         "Call": grpc.unary_unary_rpc_method_handler(self._call),
         "CallStream": grpc.stream_unary_rpc_method_handler(self._call_stream),
@@ -89,10 +107,17 @@ class WorkerServer:
       header = wire.decode_header(await anext(iterator))
       method = header["method"]
       fn = self._method(method)
-      # Keep the bytes objects grpc already made; copying them is the lane's job.
-      chunks = [chunk async for chunk in iterator]
-      self._timeline.add("trainer/receive", method, start, time.perf_counter(),
-                         bytes=sum(header["sizes"]))
+      announced = wire.announced_bytes(header, self.max_call_bytes)
+      # Keep the bytes objects grpc already made; copying them is the lane's job. The only
+      # per-chunk work here is the overrun check.
+      chunks, received = [], 0
+      async for chunk in iterator:
+        received += len(chunk)
+        if received > announced:
+          chunks.clear()
+          raise wire.overrun_error(method, announced, received)
+        chunks.append(chunk)
+      self._timeline.add("trainer/receive", method, start, time.perf_counter(), bytes=announced)
 
       def run() -> Any:
         args, kwargs = wire.decode_streamed(header, chunks)

@@ -1,8 +1,12 @@
 """Trainer process: `python -m tunix_stage_plugin.embedded.trainer_main --port PORT`.
 
-Serves the embedded trainer worker on 127.0.0.1:PORT until SIGTERM or SIGINT, then stops the
-server, joins its lane threads and exits 0. Prints `READY 127.0.0.1:PORT` (flushed) once serving;
-`--port 0` picks a free port and the line names it. Logs go to stderr.
+Serves the embedded trainer worker on 127.0.0.1:PORT. Prints `READY 127.0.0.1:PORT` (flushed) once
+serving; `--port 0` picks a free port and the line names it. Logs go to stderr.
+
+Stopping (README "Stopping the trainer"): on SIGTERM or SIGINT (or its parent's death, with
+--exit_with_parent) it stops taking calls, gives the calls already running --shutdown_grace_s
+(default 2 s) to finish and exits 0; calls still running then are abandoned, logged, and the exit
+code is 3. A second SIGTERM/SIGINT exits at once with 128 + the signal number.
 
 Staging: TUNIX_STAGE_BATCH (off | stage) and TUNIX_STAGE_MAX_DEVICE_BATCHES, or the flags below
 (flags beat env). With staging off it is a plain inline trainer that never starts a staging thread.
@@ -23,8 +27,11 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 # pylint: disable=wrong-import-position
 import argparse
 import asyncio
+import ctypes
 import logging
 import signal
+import stat
+from typing import Any, Callable
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
@@ -33,10 +40,31 @@ from tunix_stage_plugin.embedded import worker as worker_lib
 
 log = logging.getLogger("tunix_stage_plugin.embedded")
 
+EXIT_ABANDONED = 3  # stopped as asked, but calls still running after the grace were abandoned
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+PARENT_WATCHES = ("off", "pipe", "signal", "both")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
 
 def _port(text: str) -> int:
   if not (text.isascii() and text.isdigit()) or int(text) > 65535:
     raise argparse.ArgumentTypeError(f"{text!r}: accepted an integer in 0..65535 (0: any free port)")
+  return int(text)
+
+
+def _non_negative(text: str) -> float:
+  try:
+    value = float(text)
+  except ValueError:
+    value = -1.0
+  if not 0 <= value < float("inf"):
+    raise argparse.ArgumentTypeError(f"{text!r}: accepted a number of seconds >= 0")
+  return value
+
+
+def _mib(text: str) -> int:
+  if not (text.isascii() and text.isdigit()) or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"{text!r}: accepted an integer number of MiB >= 1")
   return int(text)
 
 
@@ -54,27 +82,119 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--fail_stage_ids", default="", metavar="IDS",
                       help="testing: comma-separated micro-batch ids (e.g. s1-m2) whose stage "
                       "fails in the worker, to exercise the inline fallback")
+  parser.add_argument("--shutdown_grace_s", type=_non_negative, default=2.0, metavar="S",
+                      help="on SIGTERM/SIGINT, how long calls already running may take to finish "
+                      "before the process exits anyway (exit code 3; default 2)")
+  parser.add_argument("--max_call_mib", type=_mib,
+                      default=server_lib.DEFAULT_MAX_CALL_BYTES >> 20, metavar="MIB",
+                      help="refuse a streamed call announcing or carrying more than this "
+                      f"(default {server_lib.DEFAULT_MAX_CALL_BYTES >> 20})")
+  parser.add_argument("--exit_with_parent", choices=PARENT_WATCHES, default="off",
+                      help="stop when the process that started this one dies: 'pipe' watches "
+                      "stdin (a pipe from the parent) for end-of-file, 'signal' asks Linux for a "
+                      "SIGTERM when the parent thread exits (prctl PR_SET_PDEATHSIG), 'both' "
+                      "(what TrainerProcess passes); default off")
   parser.add_argument("--log_level", default="WARNING",
                       choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="stderr log level")
   return parser
 
 
-async def serve(port: int, cfg: config_lib.StageConfig, fail_stage: frozenset[str]) -> None:
+def _exit_now(signum: int, _: Any) -> None:
+  """A second SIGTERM/SIGINT while stopping: exit at once, whatever is still running."""
+  os.write(2, f"trainer WARNING second {signal.Signals(signum).name} while stopping: exiting "
+              f"now ({128 + signum})\n".encode())
+  os._exit(128 + signum)
+
+
+def _ask_for_parent_death_signal() -> None:
+  """SIGTERM this process when its parent thread exits (Linux; a no-op elsewhere, logged)."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    failed = libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0
+  except (OSError, AttributeError):
+    failed = True
+  if failed:
+    log.warning("--exit_with_parent: prctl(PR_SET_PDEATHSIG) is not available here; "
+                "only the stdin pipe (pipe, both) notices the parent's death")
+
+
+def _check_stdin_is_a_pipe() -> None:
+  mode = os.fstat(0).st_mode
+  if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+    raise ValueError("--exit_with_parent pipe/both: stdin must be a pipe from the parent process "
+                     "(TrainerProcess makes one); it is not")
+
+
+def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: Callable[[str], None]) -> None:
+  """Stops the trainer when stdin reaches end-of-file: the parent holding its other end is gone."""
+  def readable() -> None:
+    try:
+      data = os.read(0, 1 << 16)
+    except OSError:
+      data = b""
+    if not data:  # the parent never writes; anything it does write is ignored
+      loop.remove_reader(0)
+      stop("its parent went away (stdin closed)")
+
+  loop.add_reader(0, readable)
+
+
+async def serve(port: int, cfg: config_lib.StageConfig, fail_stage: frozenset[str], *,
+                shutdown_grace_s: float = 2.0,
+                max_call_bytes: int = server_lib.DEFAULT_MAX_CALL_BYTES,
+                watch_stdin: bool = False) -> None:
+  """Serves until a stop signal; exits the process (EXIT_ABANDONED) if calls outlast the grace."""
   worker = worker_lib.TrainerWorker(cfg, fail_stage=fail_stage)
   executor = worker_lib.make_executor(cfg)
-  server = server_lib.WorkerServer(worker, executor, timeline=worker.recorder)
-  stop = asyncio.Event()
+  server = server_lib.WorkerServer(worker, executor, timeline=worker.recorder,
+                                   max_call_bytes=max_call_bytes)
+  stopping = asyncio.Event()
   loop = asyncio.get_running_loop()
-  for sig in (signal.SIGTERM, signal.SIGINT):
-    loop.add_signal_handler(sig, stop.set)
+
+  def stop(reason: str, level: int = logging.WARNING) -> None:
+    if not stopping.is_set():
+      log.log(level, "stopping: %s; calls already running get %g s to finish", reason,
+              shutdown_grace_s)
+      stopping.set()
+
+  def on_signal(sig: signal.Signals) -> None:
+    stop(f"{sig.name} received", logging.INFO)  # the usual way to stop: not a warning
+    # The next signal exits at once, even while this thread waits for the lanes. Only signals
+    # count: a parent's death is noticed twice (stdin closes, PR_SET_PDEATHSIG) and is one stop.
+    for s in STOP_SIGNALS:
+      loop.remove_signal_handler(s)
+      signal.signal(s, _exit_now)
+
+  for sig in STOP_SIGNALS:
+    loop.add_signal_handler(sig, on_signal, sig)
+  if watch_stdin:
+    _watch_stdin(loop, stop)
   try:
     bound = await server.start(port)
     print(f"READY {server_lib.BIND_HOST}:{bound}", flush=True)
     log.info("serving on %s:%d (%s)", server_lib.BIND_HOST, bound, cfg.as_dict())
-    await stop.wait()
+    await stopping.wait()
   finally:
-    await server.stop(grace=1.0)
-    executor.close()  # waits for the lane threads' current work, then joins them
+    deadline = loop.time() + shutdown_grace_s
+    # Refuses new calls at once and waits for the running ones. Calls still on a lane at the
+    # grace are not cancelled through grpc (it prints each as a crash): the process exits under
+    # them. grpc's own grace, a second longer, only ends a call that was not on a lane.
+    stopped = asyncio.ensure_future(server.stop(grace=shutdown_grace_s + 1.0))
+    await asyncio.wait({stopped}, timeout=shutdown_grace_s)
+    busy = executor.close(timeout=max(0.0, deadline - loop.time()))
+    if busy:
+      _abandon([lane.value for lane in busy], shutdown_grace_s)
+    await stopped
+
+
+def _abandon(lanes: list[str], grace_s: float) -> None:
+  """Exits now, leaving the calls still running on `lanes` (they may sit in native code)."""
+  log.warning("abandoned the calls still running on the %s lane(s) after the %g s shutdown "
+              "grace; exiting %d", ", ".join(lanes), grace_s, EXIT_ABANDONED)
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(EXIT_ABANDONED)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   fail_stage = frozenset(filter(None, (s.strip() for s in args.fail_stage_ids.split(","))))
   try:
-    asyncio.run(serve(args.port, cfg, fail_stage))
+    if args.exit_with_parent in ("pipe", "both"):
+      _check_stdin_is_a_pipe()
+  except ValueError as e:
+    print(f"trainer_main: error: {e}", file=sys.stderr)
+    return 2
+  if args.exit_with_parent in ("signal", "both"):
+    _ask_for_parent_death_signal()
+  try:
+    asyncio.run(serve(args.port, cfg, fail_stage, shutdown_grace_s=args.shutdown_grace_s,
+                      max_call_bytes=args.max_call_mib << 20,
+                      watch_stdin=args.exit_with_parent in ("pipe", "both")))
   except OSError as e:
     print(f"trainer_main: error: {e}", file=sys.stderr)
     return 1

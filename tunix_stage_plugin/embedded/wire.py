@@ -98,7 +98,26 @@ def decode_header(message: bytes) -> dict[str, Any]:
   if not isinstance(header, dict) or set(header) != {"method", "body", "sizes"}:
     raise WireError("the first message of a streamed call must be its header "
                     "{'method', 'body', 'sizes'}")
+  sizes = header["sizes"]
+  if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
+    raise WireError(f"a streamed call's header must announce its buffer sizes as a list of "
+                    f"integers >= 0; got {sizes!r:.80}")
   return header
+
+
+def announced_bytes(header: dict[str, Any], max_call_bytes: int) -> int:
+  """The bytes a streamed call's header announces; refuses more than `max_call_bytes`."""
+  total = sum(header["sizes"])
+  if total > max_call_bytes:
+    raise WireError(f"{header['method']} announces {total} bytes, above this trainer's "
+                    f"{max_call_bytes}-byte cap on one call (trainer_main --max_call_mib); "
+                    "refused before reading any chunk")
+  return total
+
+
+def overrun_error(method: str, announced: int, received: int) -> WireError:
+  return WireError(f"{method} stream carried more than the {announced} bytes its header "
+                   f"announced (refused at {received} bytes)")
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:

@@ -1,0 +1,278 @@
+"""The trainer process under signals, a dead parent, a frozen peer and oversized calls.
+
+Real trainer_main processes, real signals and real gRPC; every wait is a bounded poll on /proc, a
+pipe or an exit status. README "Stopping the trainer", "Liveness bound", "Limits of one call".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from embedded_support import call
+from tunix_stage_plugin.embedded import client as client_lib
+from tunix_stage_plugin.embedded import process as process_lib
+from tunix_stage_plugin.embedded import wire
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="needs Linux /proc and prctl")
+
+MIB = 1 << 20
+_PR_SET_CHILD_SUBREAPER = 36
+COMPUTE_THREAD = "trainer-compute_0"
+
+
+def _wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+  deadline = time.monotonic() + timeout_s
+  while True:
+    value = predicate()
+    if value:
+      return value
+    if time.monotonic() > deadline:
+      raise AssertionError(f"{what}: not within {timeout_s:g} s")
+    time.sleep(0.05)  # a polling interval, not a synchronisation
+
+
+def _running(pid: int) -> bool:
+  """True while /proc shows the pid and it is not a zombie."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+  except FileNotFoundError:
+    return False
+
+
+def _status_kib(pid: int, field: str) -> int:
+  with open(f"/proc/{pid}/status", encoding="ascii") as f:
+    for line in f:
+      if line.startswith(f"{field}:"):
+        return int(line.split()[1])
+  raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def _reap(pid: int) -> tuple[int, int] | None:
+  reaped = os.waitpid(pid, os.WNOHANG)
+  return reaped if reaped[0] == pid else None
+
+
+@contextlib.contextmanager
+def _subreaper() -> Iterator[None]:
+  """Orphans of this test's children come to this process, so it can reap and check them."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  assert libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+  try:
+    yield
+  finally:
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+PARENT = """
+import sys
+from tunix_stage_plugin.embedded import process
+trainer = process.TrainerProcess(exit_with_parent=sys.argv[1])
+print(trainer.pid, flush=True)
+sys.stdin.read()  # until this process is killed
+"""
+
+
+@pytest.mark.parametrize("watch", ["both", "pipe", "signal"])
+def test_the_trainer_exits_when_its_parent_is_sigkilled(watch):
+  with _subreaper():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, watch], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    trainer_pid = None
+    try:
+      trainer_pid = int(parent.stdout.readline())
+      assert _running(trainer_pid)
+      parent.kill()  # SIGKILL: no cleanup runs in the parent
+      parent.wait(20)
+      # The orphaned trainer is now this process's child: reap it and read its exit status.
+      reaped = _wait_for(lambda: _reap(trainer_pid), 20,
+                         f"trainer {trainer_pid} exiting after its parent ({watch}) was killed")
+      assert os.waitstatus_to_exitcode(reaped[1]) == 0  # it stopped in order, as on SIGTERM
+      trainer_pid = None
+    finally:
+      if parent.poll() is None:
+        parent.kill()
+        parent.wait()
+      parent.stdin.close()
+      parent.stdout.close()
+      if trainer_pid is not None and _running(trainer_pid):
+        os.kill(trainer_pid, signal.SIGKILL)
+        os.waitpid(trainer_pid, 0)
+
+
+@contextlib.contextmanager
+def _held_in_weight_sync(trainer: process_lib.TrainerProcess,
+                         seconds: float = 60.0) -> Iterator[list[BaseException]]:
+  """A 60 s weight_sync running on the trainer's compute lane, called from a background thread."""
+  errors: list[BaseException] = []
+
+  def run() -> None:
+    async def go() -> None:
+      async with client_lib.WorkerClient(trainer.address) as client:
+        await client.call("weight_sync", seconds)
+    try:
+      asyncio.run(go())
+    except Exception as e:  # pylint: disable=broad-except  (checked by the test)
+      errors.append(e)
+
+  thread = threading.Thread(target=run, name="weight-sync-caller")
+  thread.start()
+  try:
+    _wait_for(lambda: COMPUTE_THREAD in call(trainer.address, "info")["threads"], 20,
+              "the weight sync reaching the compute lane")
+    yield errors
+  finally:
+    if trainer.proc.poll() is None:
+      trainer.kill()
+    thread.join(30)
+    assert not thread.is_alive(), "the caller of a dead trainer never returned"
+
+
+def _log(path: str) -> str:
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return f.read()
+
+
+def test_sigterm_during_a_long_weight_sync_exits_after_the_grace_and_says_so():
+  with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+    trainer = process_lib.TrainerProcess(stderr=log)
+    with _held_in_weight_sync(trainer) as errors:
+      start = time.monotonic()
+      trainer.proc.send_signal(signal.SIGTERM)
+      _wait_for(lambda: trainer.proc.poll() is not None, 10, "exit after SIGTERM")
+      took = time.monotonic() - start
+    assert trainer.proc.returncode == 3, _log(log.name)
+    assert "abandoned the calls still running on the compute lane(s) after the 2 s shutdown " \
+           "grace; exiting 3" in _log(log.name)
+    assert took < 10
+    assert "Traceback" not in _log(log.name)  # the abandoned call is one line, not a crash
+    assert len(errors) == 1 and isinstance(errors[0], client_lib.TrainerGoneError), errors
+    assert str(errors[0]).startswith(f"trainer at {trainer.address} went away during weight_sync")
+    assert not _running(trainer.pid)
+
+
+def test_a_second_signal_while_stopping_exits_at_once():
+  with tempfile.NamedTemporaryFile("w+", suffix=".log") as log:
+    trainer = process_lib.TrainerProcess(
+        extra_args=["--shutdown_grace_s", "60", "--log_level", "INFO"], stderr=log)
+    with _held_in_weight_sync(trainer):
+      trainer.proc.send_signal(signal.SIGTERM)
+      _wait_for(lambda: "stopping: SIGTERM received" in _log(log.name), 10, "the first signal")
+      trainer.proc.send_signal(signal.SIGINT)
+      _wait_for(lambda: trainer.proc.poll() is not None, 10, "exit after a second signal")
+    assert trainer.proc.returncode == 128 + signal.SIGINT, _log(log.name)
+    assert "second SIGINT while stopping: exiting now (130)" in _log(log.name)
+
+
+def test_stop_kills_a_trainer_that_outlasts_the_wait():
+  trainer = process_lib.TrainerProcess(extra_args=["--shutdown_grace_s", "60"])
+  with _held_in_weight_sync(trainer):
+    with pytest.raises(process_lib.TrainerProcessError,
+                       match=f"trainer {trainer.pid} did not exit within 1 s of SIGTERM; killed"):
+      trainer.stop(timeout_s=1)
+    assert trainer.proc.returncode == -signal.SIGKILL
+  assert not _running(trainer.pid)
+  assert trainer.stop() == -signal.SIGKILL  # idempotent
+
+
+def test_a_stopped_trainer_is_reported_within_the_liveness_bound():
+  trainer = process_lib.TrainerProcess()
+  address = trainer.address
+  big = np.zeros(20 * MIB, np.uint8)  # a streamed call
+
+  async def scenario() -> list[Any]:
+    async with client_lib.WorkerClient(address, liveness_s=3) as client:
+      await client.call("heartbeat")
+      os.kill(trainer.pid, signal.SIGSTOP)
+      _wait_for(lambda: _stat_state(trainer.pid) == "T", 10, "the trainer stopping")
+      # An open connection: its keepalive pings go unanswered.
+      answers = await asyncio.wait_for(asyncio.gather(
+          client.call("heartbeat"), client.call("fwd_bwd", big), return_exceptions=True), 20)
+    # A new connection to the frozen trainer: the call's deadline.
+    async with client_lib.WorkerClient(address, liveness_s=3) as fresh:
+      answers += await asyncio.wait_for(asyncio.gather(fresh.call("update"),
+                                                       return_exceptions=True), 20)
+    return answers
+
+  try:
+    answers = asyncio.run(scenario())
+  finally:
+    os.kill(trainer.pid, signal.SIGCONT)
+    code = trainer.stop()
+  assert code == 0 and not _running(trainer.pid)
+  for method, answer in zip(["heartbeat", "fwd_bwd", "update"], answers):
+    assert isinstance(answer, client_lib.TrainerUnresponsiveError), (method, answer)
+    text = str(answer)
+    assert text.startswith(f"trainer at {address} stopped answering: {method} "), text
+    assert text.endswith("(liveness bound 3 s, --liveness_s)"), text
+    assert "\n" not in text
+  assert "got no reply within 5 s" in str(answers[2])  # 2 s expected + the 3 s bound
+
+
+def _stat_state(pid: int) -> str:
+  with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+    return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _header(method: str, sizes: list[int]) -> bytes:
+  body = pickle.dumps(((), {}), protocol=5)
+  return pickle.dumps({"method": method, "body": body, "sizes": sizes}, protocol=5)
+
+
+async def _raw_stream(address: str, messages: Any) -> Any:
+  async with grpc.aio.insecure_channel(address, options=wire.grpc_options()) as channel:
+    reply = await asyncio.wait_for(channel.stream_unary(wire.CALL_STREAM)(messages), 20)
+  return wire.decode_reply("heartbeat", reply)
+
+
+def test_an_oversized_stream_is_refused_as_it_arrives_not_after_buffering_it():
+  with process_lib.TrainerProcess(extra_args=["--max_call_mib", "8"]) as trainer:
+    chunk = bytes(wire.CHUNK_BYTES)
+
+    async def overrun() -> None:
+      yield _header("heartbeat", [1])
+      for _ in range(256 * MIB // wire.CHUNK_BYTES):
+        yield chunk
+
+    async def warm_up() -> None:
+      yield _header("heartbeat", [wire.CHUNK_BYTES])
+      yield chunk
+
+    # A well-formed stream first, so the peak below counts only what the overrun costs.
+    assert asyncio.run(_raw_stream(trainer.address, warm_up()))["pid"] == trainer.pid
+    peak_before = _status_kib(trainer.pid, "VmHWM")
+    with pytest.raises(wire.RemoteCallError, match="WireError: heartbeat stream carried more than "
+                       "the 1 bytes its header announced"):
+      asyncio.run(_raw_stream(trainer.address, overrun()))
+    grown_mib = (_status_kib(trainer.pid, "VmHWM") - peak_before) / 1024
+    # Buffered, the stream grew it by 275 MiB; refused per chunk, by 0-36 MiB (gRPC's own buffers).
+    assert grown_mib < 64, f"peak RSS grew {grown_mib:.0f} MiB for a refused 256 MiB stream"
+
+    never = asyncio.Event()
+
+    async def above_cap() -> None:
+      yield _header("heartbeat", [9 * MIB])
+      await never.wait()  # no chunk ever comes: the refusal must not wait for one
+
+    with pytest.raises(wire.RemoteCallError, match=r"heartbeat announces 9437184 bytes, above "
+                       r"this trainer's 8388608-byte cap on one call \(trainer_main "
+                       r"--max_call_mib\); refused before reading any chunk"):
+      asyncio.run(_raw_stream(trainer.address, above_cap()))
+    assert call(trainer.address, "heartbeat")["pid"] == trainer.pid  # still serving
+  assert trainer.proc.returncode == 0
