@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import os
 import pickle
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -125,7 +127,7 @@ def test_link_pacer_rejects_a_bad_rate_and_unpaced_never_sleeps():
     raise AssertionError("an unpaced link must not sleep")
 
   asyncio.run(pacing.LinkPacer(None, sleep=never).transmit(10 ** 9))
-  assert pacing.sleep_for_bandwidth(10 ** 9, None, 0.0) == 0.0
+  assert pacing.SharedLink(None).transfer(10 ** 9, 0.0) == 0.0
 
 
 @pytest.mark.parametrize("address", ["", "localhost", "127.0.0.1:0", "127.0.0.1:70000",
@@ -279,3 +281,15 @@ def test_a_header_with_bad_sizes_is_refused():
   assert wire.announced_bytes(ok, 12) == 12
   with pytest.raises(wire.WireError, match="m announces 12 bytes, above this trainer's 11-byte"):
     wire.announced_bytes(ok, 11)
+
+
+def test_one_shared_link_queues_overlapping_copies():
+  """Two threads copying at once on one emulated host-to-device link take as long as the two
+  copies one after the other (not two links at full speed). Sleeps here are the emulated link."""
+  link = pacing.SharedLink(100e6)  # 0.1 s per 10 MB
+  started = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    list(pool.map(lambda _: link.transfer(10 ** 7, time.perf_counter()), range(2)))
+  assert time.perf_counter() - started >= 0.2
+  with pytest.raises(ValueError, match="bandwidth must be > 0"):
+    pacing.SharedLink(0)

@@ -42,6 +42,22 @@ class ExecutorClosedError(RuntimeError):
   pass
 
 
+class _Current(threading.local):
+  lane: "_LaneThread | None" = None
+
+
+_current = _Current()
+
+
+def defer_on_current_lane() -> Callable[[Callable[[], None]], None] | None:
+  """For code running on a lane: a `defer(job)` that queues `job` next on that same lane (the
+  store's two-phase stage places there); None off a lane, or once the lane is shutting down."""
+  lane = _current.lane
+  if lane is None or lane.shut:
+    return None
+  return lane.submit
+
+
 class _LaneThread(concurrent.futures.Executor):
   """One daemon thread running its calls in arrival order (a 1-thread pool that can be abandoned).
 
@@ -70,7 +86,12 @@ class _LaneThread(concurrent.futures.Executor):
         self._thread.start()
       return future
 
+  @property
+  def shut(self) -> bool:
+    return self._shut
+
   def _work(self) -> None:
+    _current.lane = self
     while True:
       item = self._queue.get()
       if item is None:

@@ -219,7 +219,11 @@ class StagedBatchStore:
         self._pending.discard(key)
     if defer is None:
       return self._place(key, entry, prepare)
-    defer(lambda: self._place_received(key, entry, prepare))
+    job = lambda: self._place_received(key, entry, prepare)
+    try:
+      defer(job)
+    except Exception:  # pylint: disable=broad-except  (the lane is closing: place it here)
+      job()
     return outcome_lib.staged(key)
 
   def _note_peaks(self) -> None:

@@ -9,6 +9,7 @@ while a NIC or a DMA engine moves the bytes (perf-limits.md §9).
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Awaitable, Callable
 
@@ -54,11 +55,26 @@ class LinkPacer:
       await self._sleep(delay)
 
 
-def sleep_for_bandwidth(nbytes: int, bytes_per_s: float | None, started: float) -> float:
-  """Host-to-device: sleeps what is left of `nbytes / bytes_per_s` since `started`; returns it."""
-  if bytes_per_s is None:
-    return 0.0
-  remaining = nbytes / bytes_per_s - (time.perf_counter() - started)
-  if remaining > 0:
-    time.sleep(remaining)
-  return max(0.0, remaining)
+class SharedLink:
+  """One host-to-device link shared by threads: a copy starts when the link is free (the copies
+  of two threads queue, in arrival order, as on one PCIe link, instead of each running at full
+  speed); the real copy time counts toward the emulated one. `bytes_per_s=None`: unpaced."""
+
+  def __init__(self, bytes_per_s: float | None = None) -> None:
+    if bytes_per_s is not None and not bytes_per_s > 0:
+      raise ValueError(f"link bandwidth must be > 0 bytes/s or None (unpaced); got {bytes_per_s!r}")
+    self.bytes_per_s = bytes_per_s
+    self._lock = threading.Lock()
+    self._free_at = 0.0
+
+  def transfer(self, nbytes: int, started: float) -> float:
+    """Sleeps until `nbytes`, handed over at `started`, have crossed; returns the seconds slept."""
+    if self.bytes_per_s is None:
+      return 0.0
+    with self._lock:
+      begin = max(started, self._free_at)
+      self._free_at = end = begin + nbytes / self.bytes_per_s
+    remaining = end - time.perf_counter()
+    if remaining > 0:
+      time.sleep(remaining)
+    return max(0.0, remaining)

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import IO, Mapping, Sequence
 
+from tunix_stage_plugin.core import config as config_lib
+
 READY_PREFIX = "READY "
 STOP_TIMEOUT_S = 15.0  # the trainer's 2 s shutdown grace, with room for a loaded machine
 
@@ -33,7 +35,8 @@ class TrainerProcess:
   the child only watches its stdin pipe (`--exit_with_parent pipe`).
   """
 
-  def __init__(self, *, max_device_batches: int | None = None, mode: str = "stage",
+  def __init__(self, *, max_device_batches: int | None = None,
+               max_host_batches: int | None = None, mode: str = "stage",
                extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                ready_timeout_s: float = 120.0, exit_with_parent: str | None = None,
                stderr: IO | None = None) -> None:
@@ -43,11 +46,14 @@ class TrainerProcess:
     cmd = [sys.executable, "-m", "tunix_stage_plugin.embedded.trainer_main", "--port", "0",
            "--stage_train_batches", mode, "--exit_with_parent", exit_with_parent, *extra_args]
     if max_device_batches is not None:
-      cmd += ["--max_device_batches", str(max_device_batches)]
+      cmd += ["--stage_max_device_batches", str(max_device_batches)]
+    if max_host_batches is not None:
+      cmd += ["--stage_max_host_batches", str(max_host_batches)]
     child_env = dict(os.environ if env is None else env)
     # The trainer's staging settings come from the flags above, not from this process's env.
-    for name in ("TUNIX_STAGE_BATCH", "TUNIX_STAGE_MAX_DEVICE_BATCHES"):
-      child_env.pop(name, None)
+    for setting in config_lib.SETTINGS:
+      if config_lib.TRAINER in setting.roles:
+        child_env.pop(setting.env, None)
     self.cmd = cmd
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=stderr, env=child_env, text=True,

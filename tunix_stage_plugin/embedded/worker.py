@@ -58,10 +58,11 @@ class TrainerWorker:
     self.cfg = cfg
     self._configured_fail_stage = frozenset(fail_stage)
     self.recorder = timeline or timeline_lib.Timeline()
-    self.store = store_lib.StagedBatchStore(cfg.max_device_batches)
+    self.store = store_lib.StagedBatchStore(cfg.max_device_batches,
+                                            max_host_batches=cfg.max_host_batches)
     self._trainer: Any = None
     self._seed = 0
-    self._h2d_bytes_per_s: float | None = None
+    self._h2d = pacing.SharedLink(None)  # the emulated host-to-device link, one per trainer
     self._fail_stage = self._configured_fail_stage
     self._resident: dict[str, Any] = {}
     self._trained: list[str] = []
@@ -78,6 +79,7 @@ class TrainerWorker:
         "pid": os.getpid(),
         "mode": self.cfg.mode,
         "max_device_batches": self.store.max_device_batches,
+        "max_host_batches": self.store.max_host_batches,
         "devices": [] if trainer is None else [str(d) for d in trainer.mesh.devices.flat],
         "threads": sorted(t.name for t in threading.enumerate()),
         "staged_keys": self.store.keys(),
@@ -90,25 +92,26 @@ class TrainerWorker:
   # --- compute lane -----------------------------------------------------------------------------
 
   def setup(self, *, sizes: dict[str, int], seed: int = 0, h2d_mbps: float | None = None,
-            max_device_batches: int | None = None,
+            max_device_batches: int | None = None, max_host_batches: int | None = None,
             fail_stage: Iterable[str] | None = None, record_timeline: bool = True) -> dict:
     """Fresh parameters, optimizer state, store and records; the same seed gives the same run.
 
-    None keeps the trainer's configuration: its bound (TUNIX_STAGE_MAX_DEVICE_BATCHES) and the
+    None keeps the trainer's configuration: its bounds (TUNIX_STAGE_MAX_DEVICE_BATCHES,
+    TUNIX_STAGE_MAX_HOST_BATCHES) and the
     micro-batch ids whose stage it fails on purpose (trainer_main --fail_stage_ids).
     `record_timeline=False` records no spans (a long job would otherwise grow them forever).
     """
     # pylint: disable-next=import-outside-toplevel  (JAX loads with the first setup, not at import)
     from tunix_stage_plugin.embedded import trainer as trainer_lib
 
-    if h2d_mbps is not None and not h2d_mbps > 0:
-      raise ValueError(f"h2d_mbps must be > 0 or None (unpaced); got {h2d_mbps!r}")
+    h2d = pacing.SharedLink(None if h2d_mbps is None else h2d_mbps * 1e6)  # checks the rate
     self.store.reset()
     bound = self.cfg.max_device_batches if max_device_batches is None else max_device_batches
-    self.store = store_lib.StagedBatchStore(bound)
+    host_bound = self.cfg.max_host_batches if max_host_batches is None else max_host_batches
+    self.store = store_lib.StagedBatchStore(bound, max_host_batches=host_bound)
     self._trainer = trainer_lib.Trainer(data_lib.sizes_from_dict(sizes), seed)
     self._seed = seed
-    self._h2d_bytes_per_s = None if h2d_mbps is None else h2d_mbps * 1e6
+    self._h2d = h2d
     self._fail_stage = (self._configured_fail_stage if fail_stage is None
                         else frozenset(fail_stage))
     self._resident.clear()
@@ -116,7 +119,8 @@ class TrainerWorker:
     self._last_step = -1
     self.recorder.clear()
     self.recorder.enabled = record_timeline
-    return {"max_device_batches": bound, "payload_bytes": self._trainer.sizes.payload_bytes}
+    return {"max_device_batches": bound, "max_host_batches": host_bound,
+            "payload_bytes": self._trainer.sizes.payload_bytes}
 
   def place_resident(self, ids: list[tuple[int, int]]) -> int:
     """Builds these micro-batches here and places them: the benchmark's no-transfer ceiling."""
@@ -182,6 +186,7 @@ class TrainerWorker:
         "updates": trainer.updates,
         "store": dataclasses.asdict(self.store.stats),
         "max_device_batches": self.store.max_device_batches,
+        "max_host_batches": self.store.max_host_batches,
     }
 
   # --- staging lane -----------------------------------------------------------------------------
@@ -198,7 +203,10 @@ class TrainerWorker:
         raise InjectedStageFailure(f"injected stage failure for micro-batch {b.mb_id}")
       return _Staged(b.step, b.mb_id, self._place(b, "staging"))
 
-    return self.store.stage(key, batch, prepare, check=self._check_batch).as_dict()
+    # Two phases: answered once received (a host buffer held), placed next on this lane, so the
+    # next stage's payload crosses the wire while this one is placed.
+    return self.store.stage(key, batch, prepare, check=self._check_batch,
+                            defer=executor_lib.defer_on_current_lane()).as_dict()
 
   def _check_batch(self, batch: Any) -> None:
     if not isinstance(batch, data_lib.Batch):
@@ -218,7 +226,7 @@ class TrainerWorker:
     """Real placement plus the emulated host-to-device time, on the calling lane's thread."""
     start = time.perf_counter()
     placed = self._require_trainer().place(batch.arrays)
-    pacing.sleep_for_bandwidth(batch.nbytes, self._h2d_bytes_per_s, start)
+    self._h2d.transfer(batch.nbytes, start)
     self.recorder.add(H2D_TRACK, batch.mb_id, start, time.perf_counter(), step=batch.step,
                       lane=lane, bytes=batch.nbytes)
     return placed

@@ -15,6 +15,7 @@ import jax
 from flax import nnx
 from tunix.experimental.common import datatypes
 
+from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
@@ -95,8 +96,10 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     if state.unsupported is not None:
       result = outcome_lib.unsupported(store_lib.check_key(key), state.unsupported)
     else:
+      # Two phases on the server's staging lane: answered once received, placed next there.
       result = state.store.stage(key, payload, functools.partial(_place, state),
-                                 check=_check_payload)
+                                 check=_check_payload,
+                                 defer=executor_lib.defer_on_current_lane())
     return self._response(staged=result.staged, outcome=result.as_dict())  # pylint: disable=protected-access
 
   def reset_staged(self: Any, keys: list[str] | None = None) -> datatypes.Response:
