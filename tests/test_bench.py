@@ -6,6 +6,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -139,16 +140,104 @@ def test_help_explains_every_option():
     assert action.help and len(action.help) > 10, action.dest
 
 
+def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, capsys):
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  out = tmp_path / "out"
+  code = cli_main.main([
+      "bench", "--modes", "inline,fast", "--rounds", "0", "--steps", "99999999999999999999999",
+      "--retries", "-1", "--microbatches", "٣", "--payload-mib", "1e-30", "--wire-ratio", "-1",
+      "--h2d-ratio", "nan", "--sync-ratio", "-0.5", "--max-device-batches", "1_0",
+      "--seed", "-1", "--json", str(tmp_path), "--png", "/proc/no/such.png",
+      "--trace", str(a_file / "trace.json"), "--out", str(out)])
+  assert code == 2
+  err = capsys.readouterr().err.splitlines()
+  expected = [
+      "--rounds '0': accepted: an integer from 1 to 1000000",
+      "--steps '99999999999999999999999': accepted: an integer from 1 to 1000000",
+      "--retries '-1': accepted: an integer from 0 to 1000000",
+      "--modes 'inline,fast': accepted: a comma-separated subset of",
+      "--microbatches '٣': accepted: an integer from 1 to 1000000",
+      "--payload-mib '1e-30': accepted: a size in MiB from 1/1024 (1 KiB)",
+      "--wire-ratio '-1': accepted: a number > 0",
+      "--h2d-ratio 'nan': accepted: a number > 0",
+      "--sync-ratio '-0.5': accepted: a number >= 0",
+      "--max-device-batches '1_0': accepted: an integer from 1 to 1000000",
+      "--seed '-1': accepted: an integer from 0 to 4294967295",
+      f"--json '{tmp_path}': is a directory",
+      "--png '/proc/no/such.png': cannot create anything in /proc",
+      f"--trace '{a_file / 'trace.json'}': {a_file} is not a directory",
+  ]
+  assert len(err) == len(expected), err
+  for line, want in zip(err, expected):
+    assert line.startswith(f"tunix-stage bench: error: {want}"), (line, want)
+  assert not out.exists()  # --out is not needed (every file was named) and nothing was made
+
+
 @pytest.mark.parametrize("args, message", [
-    (["--modes", "inline,fast"], "accepted a comma-separated subset"),
-    (["--rounds", "0"], "accepted an integer >= 1"),
-    (["--wire-ratio", "-1"], "accepted a number > 0"),
+    (["--out", "/proc/x"], "--out '/proc/x': cannot create anything in /proc"),
+    (["--seed", str(2**32)], "accepted: an integer from 0 to 4294967295"),
+    (["--payload-mib", "65536"], "held at once (12 resident on the trainer, 10 built ahead or "
+     "staged) need 1408.0 GiB, more than the"),
+    (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
+     "--modes 'inline,inline': accepted: a comma-separated subset of inline,depth1,depth2,"
+     "depth2_prestage,resident, each at most once"),
 ])
-def test_bad_options_exit_2_naming_the_value(args, message, capsys):
-  with pytest.raises(SystemExit) as exc:
-    cli_main.main(["bench", *args])
-  assert exc.value.code == 2
-  assert message in capsys.readouterr().err
+def test_a_bad_option_exits_2_with_one_line(args, message, tmp_path, capsys):
+  args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+  assert cli_main.main(["bench", "--out", str(tmp_path / "out"), *args]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err, err
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_tiny_marks_the_timing_checks_not_applicable():
+  result = _result(depth2=_run("depth2", 11.0))  # a negative hidden fraction
+  result.options = dataclasses.replace(result.options, tiny=True)
+  summary = report.summarize(result)
+  checks = report.criteria(result, summary)
+  assert [c.verdict for c in checks] == ["n/a (tiny)", "n/a (tiny)", "PASS", "PASS", "PASS"]
+  assert [c.passed for c in checks if c.kind == report.TIMING] == [None, None]
+  assert checks[1].detail == f"{10 / 11:.3f}"  # the figure is still shown
+  table = report.format_table(result, summary)
+  assert "-0.17 (n/a)" in table and "1.00 (n/a)" in table
+  text = report.format_report(result, summary, checks)
+  assert "FAIL" not in text and "n/a (tiny): --tiny's model is too small" in text
+  as_json = report.to_json(result, summary, checks, {})
+  assert [c["verdict"] for c in as_json["criteria"]][:2] == ["n/a (tiny)"] * 2
+
+
+def test_a_partial_result_summarizes_the_runs_that_finished():
+  result = runner.BenchResult(runner.BenchOptions(rounds=2, steps=1, microbatches=2))
+  result.interrupted = "SIGTERM"
+  as_json = report.to_json(result, report.summarize(result), report.criteria(
+      result, report.summarize(result)), {"json": "x"})
+  assert as_json["interrupted"] is True and as_json["interrupted_by"] == "SIGTERM"
+  assert as_json["calibration"] is None and as_json["runs"] == [] and as_json["modes"] == {}
+  assert [c["passed"] for c in as_json["criteria"]] == [None] * 5
+  result.calibration = _result().calibration
+  result.runs = [_run("inline", 10.0), _run("depth1", 7.0)]
+  summary = report.summarize(result)
+  assert list(summary) == ["inline", "depth1"]
+  assert [c.passed for c in report.criteria(result, summary)] == [None, None, True, True, True]
+
+
+def test_batch_prefetch_builds_a_bounded_window_in_training_order():
+  sizes, steps, m = data_lib.TINY_SIZES, 50, 3
+  before = threading.active_count()
+  with runner.BatchPrefetch(sizes, 7, steps, m) as batch_for:
+    assert threading.active_count() == before + 1
+    for s in range(steps):
+      for i in range(m):
+        batch = batch_for(s, i)
+        want = data_lib.make_batch(sizes, 7, s, i)
+        assert batch.mb_id == want.mb_id
+        assert all((batch.arrays[k] == want.arrays[k]).all() for k in want.arrays)
+        assert batch_for.waiting <= runner.PREFETCH_STEPS * m
+  with runner.BatchPrefetch(sizes, 7, steps, m) as batch_for:
+    with pytest.raises(ValueError, match="more than 2 steps ahead"):
+      batch_for(runner.PREFETCH_STEPS, 0)
+  assert threading.active_count() == before
 
 
 def test_tiny_quick_run_writes_json_png_and_trace(tmp_path):
