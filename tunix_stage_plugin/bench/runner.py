@@ -77,6 +77,8 @@ class BenchOptions:
   retries: int = 3  # re-runs of mode runs with no quiet step, for the whole benchmark
 
   def __post_init__(self) -> None:
+    if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+      raise ValueError(f"seed must be an integer from 0 to {2**32 - 1}; got {self.seed!r}")
     if not isinstance(self.retries, int) or self.retries < 0:
       raise ValueError(f"retries must be an integer >= 0; got {self.retries!r}")
     for name in ("rounds", "steps", "microbatches", "max_device_batches"):

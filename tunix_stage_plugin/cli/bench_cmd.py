@@ -164,8 +164,12 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
 
 
 class _Interrupts:
-  """SIGINT and SIGTERM: the first raises KeyboardInterrupt in the main thread, later ones are
-  only noted (the trainer must still be stopped and the JSON written)."""
+  """SIGINT and SIGTERM become one KeyboardInterrupt in the main thread.
+
+  Later signals are only noted: the trainer must still be stopped and the JSON written. Once the
+  runs are over (`raising` False) a signal is noted too, and the command exits 130/143 after its
+  report.
+  """
 
   EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -200,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
   with _Interrupts() as caught:
     try:
       return _run(args, caught)
-    except KeyboardInterrupt:  # before the trainer started or after the report: nothing to save
+    except KeyboardInterrupt:  # before the benchmark began: nothing to save
       print(f"tunix-stage bench: interrupted by {caught.name or 'SIGINT'}", file=sys.stderr)
       return _Interrupts.EXIT_CODES[caught.signum or signal.SIGINT]
 
