@@ -57,16 +57,34 @@ class ModeSummary:
     }
 
 
+TINY_NA = "n/a (tiny)"  # --tiny's model is too small for its timings to mean anything
+
+
 @dataclasses.dataclass(frozen=True)
 class Criterion:
   name: str
   kind: str  # TIMING or CORRECTNESS
-  passed: bool | None  # None: not measurable with the modes that ran
+  passed: bool | None  # None: not measurable with the modes that ran, or not meaningful
   detail: str
+  not_applicable: str = ""  # why the figure in `detail` is not judged (e.g. TINY_NA)
 
   @property
   def verdict(self) -> str:
+    if self.not_applicable:
+      return self.not_applicable
     return {True: "PASS", False: "FAIL", None: "SKIP"}[self.passed]
+
+
+def _timing(name: str, figure: float | None, minimum: float, needed: tuple[str, ...],
+            summary: dict[str, ModeSummary], tiny: bool) -> Criterion:
+  if any(m not in summary for m in needed):
+    return Criterion(name, TIMING, None, f"needs {', '.join(needed)}")
+  shown = "-" if figure is None else f"{figure:.3f}"
+  if tiny:
+    return Criterion(name, TIMING, None, shown, not_applicable=TINY_NA)
+  if figure is None:
+    return Criterion(name, TIMING, None, "inline was not slower than resident: nothing to hide")
+  return Criterion(name, TIMING, figure >= minimum, shown)
 
 
 def expected_order(result: runner.BenchResult) -> list[str]:
@@ -78,6 +96,8 @@ def summarize(result: runner.BenchResult) -> dict[str, ModeSummary]:
   out = {}
   for mode in result.options.modes:
     runs = [r for r in result.runs if r.mode == mode]
+    if not runs:  # an interrupted benchmark
+      continue
     timings = [t for r in runs for t in r.timings]
     fwd_bwd = [d for r in runs for d in r.fwd_bwd_s]  # aligned with timings
     quiet = [q for r in runs for q in r.step_quiet]
@@ -105,24 +125,23 @@ def summarize(result: runner.BenchResult) -> dict[str, ModeSummary]:
 def criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> list[Criterion]:
   out = []
   pre = summary.get("depth2_prestage")
-  hidden = pre.hidden_fraction if pre else None
-  out.append(Criterion(
-      f"depth2_prestage hidden fraction >= {HIDDEN_MIN}", TIMING,
-      None if hidden is None else hidden >= HIDDEN_MIN,
-      "needs inline, depth2_prestage and resident" if hidden is None else f"{hidden:.3f}"))
+  tiny = result.options.tiny
+  out.append(_timing(f"depth2_prestage hidden fraction >= {HIDDEN_MIN}",
+                     pre.hidden_fraction if pre else None, HIDDEN_MIN,
+                     ("inline", "depth2_prestage", "resident"), summary, tiny))
   inline, depth2 = summary.get("inline"), summary.get("depth2")
   ratio = inline.median_step_s / depth2.median_step_s if inline and depth2 else None
-  out.append(Criterion(
-      f"inline / depth2 median step ratio >= {RATIO_MIN}", TIMING,
-      None if ratio is None else ratio >= RATIO_MIN,
-      "needs inline and depth2" if ratio is None else f"{ratio:.3f}"))
+  out.append(_timing(f"inline / depth2 median step ratio >= {RATIO_MIN}", ratio, RATIO_MIN,
+                     ("inline", "depth2"), summary, tiny))
   digests = {d for s in summary.values() for d in s.digests}
   out.append(Criterion(
-      "same param_digest in every mode and round", CORRECTNESS, len(digests) == 1,
+      "same param_digest in every mode and round", CORRECTNESS,
+      None if not digests else len(digests) == 1,
       f"{len(digests)} distinct: " + ", ".join(sorted(d[:12] for d in digests))))
   wrong = [m for m, s in summary.items() if not s.orders_match]
   out.append(Criterion(
-      "expected trained_order in every mode and round", CORRECTNESS, not wrong,
+      "expected trained_order in every mode and round", CORRECTNESS,
+      None if not summary else not wrong,
       f"{len(expected_order(result))} micro-batches, s0-m0 .. "
       f"{expected_order(result)[-1]}" + (f"; wrong in {wrong}" if wrong else "")))
   staged = {m: s for m, s in summary.items() if m not in ("inline", "resident")}
@@ -150,9 +169,12 @@ def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) ->
       peak = "0 (no staging)"
     else:
       peak = f"{s.peak_device_batches} of {s.max_device_batches}"
+    hidden = _fmt(s.hidden_fraction, ".2f")
+    if result.options.tiny and s.hidden_fraction is not None:
+      hidden += " (n/a)"
     rows.append((mode + (" *" if s.noisy else ""), _fmt(s.median_step_s, ".2f"),
                  _fmt(s.mid_step_idle_s, ".2f"),
-                 _fmt(s.boundary_idle_s, ".2f"), _fmt(s.hidden_fraction, ".2f"),
+                 _fmt(s.boundary_idle_s, ".2f"), hidden,
                  _fmt(s.fwd_bwd_s, ".3f"), str(s.fallbacks), peak))
   widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
   lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
@@ -178,6 +200,9 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
       "",
   ]
   lines += [f"{ch.verdict}  {ch.name}: {ch.detail}" for ch in checks]
+  if o.tiny:
+    lines.append(f"{TINY_NA}: --tiny's model is too small for its step times to mean anything, "
+                 "so the timing checks and hidden fractions (even negative ones) judge nothing")
   pre, res = summary.get("depth2_prestage"), summary.get("resident")
   if pre and res and pre.stage_call_s:
     emulated = c.wire_s + c.h2d_s
@@ -202,15 +227,18 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
 
 def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
             checks: list[Criterion], files: dict[str, str]) -> dict[str, Any]:
+  c = result.calibration
   return {
+      "interrupted": result.interrupted is not None,
+      "interrupted_by": result.interrupted,
       "options": {**dataclasses.asdict(result.options), "modes": list(result.options.modes),
                   "warmup_steps": runner.WARMUP_STEPS, "sizes": result.options.sizes().as_dict()},
-      "calibration": {**dataclasses.asdict(result.calibration), "wire_s": result.calibration.wire_s,
-                      "h2d_s": result.calibration.h2d_s},
+      "calibration": None if c is None else {**dataclasses.asdict(c), "wire_s": c.wire_s,
+                                             "h2d_s": c.h2d_s},
       "expected_trained_order": expected_order(result),
       "modes": {m: s.to_json() for m, s in summary.items()},
-      "criteria": [{"name": ch.name, "kind": ch.kind, "passed": ch.passed, "detail": ch.detail}
-                   for ch in checks],
+      "criteria": [{"name": ch.name, "kind": ch.kind, "passed": ch.passed,
+                    "verdict": ch.verdict, "detail": ch.detail} for ch in checks],
       "runs": [{"mode": r.mode, "round": r.round, "step_s": [t.seconds for t in r.timings],
                 "mid_step_idle_s": [t.mid_step_idle for t in r.timings],
                 "boundary_idle_s": [t.boundary_idle for t in r.timings],

@@ -16,14 +16,20 @@ step (it fills the pipeline; a long run's steady state has no empty start) and t
 steps. Rounds rotate the mode order, so slow drift on the machine spreads over every mode.
 Other processes' CPU is sampled per step (bench.cpu); a run in which no timed step was quiet is
 re-run, at most `retries` times per benchmark.
+
+Micro-batches are built as the run needs them, by a thread that keeps at most two steps' worth
+ahead (BatchPrefetch): memory does not grow with --steps, and building one (about 8 ms for 16 MiB)
+stays off the timed path, as when every batch was built up front.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import statistics
+import threading
 import time
 from typing import Callable
 
@@ -39,6 +45,7 @@ from tunix_stage_plugin.embedded import process as process_lib
 MODES = ("inline", "depth1", "depth2", "depth2_prestage", "resident")
 CALIBRATION_STEPS = 3  # the first compiles; the medians use the others
 WARMUP_STEPS = 1
+PREFETCH_STEPS = 2  # batches built ahead: the step being trained and the next (prestage)
 
 
 def plan_for(mode: str, steps: int, microbatches: int, sync_s: float) -> job_lib.JobPlan:
@@ -70,6 +77,8 @@ class BenchOptions:
   retries: int = 3  # re-runs of mode runs with no quiet step, for the whole benchmark
 
   def __post_init__(self) -> None:
+    if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+      raise ValueError(f"seed must be an integer from 0 to {2**32 - 1}; got {self.seed!r}")
     if not isinstance(self.retries, int) or self.retries < 0:
       raise ValueError(f"retries must be an integer >= 0; got {self.retries!r}")
     for name in ("rounds", "steps", "microbatches", "max_device_batches"):
@@ -138,61 +147,150 @@ class ModeRun:
 
 @dataclasses.dataclass
 class BenchResult:
+  """Filled in as the benchmark goes, so an interrupted one still has the runs that finished."""
+
   options: BenchOptions
-  calibration: Calibration
-  runs: list[ModeRun]
+  calibration: Calibration | None = None  # None: interrupted before calibrating
+  runs: list[ModeRun] = dataclasses.field(default_factory=list)
   wall_s: float = 0.0
   trainer_exit_code: int | None = None
+  interrupted: str | None = None  # the signal's name when a signal stopped the benchmark early
 
 
-def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _: None
-              ) -> BenchResult:
-  """Starts a trainer process, runs every round, stops the trainer (checking it exits 0)."""
+def payloads_held(options: BenchOptions) -> tuple[int, str]:
+  """About how many payloads the two processes hold at once, and why (for the memory check)."""
+  resident = options.total_steps if "resident" in options.modes else 0
+  on_trainer = max(CALIBRATION_STEPS, resident) * options.microbatches
+  ahead = PREFETCH_STEPS * options.microbatches + options.max_device_batches
+  return on_trainer + ahead, (
+      f"{on_trainer} resident on the trainer, {ahead} built ahead or staged")
+
+
+def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _: None, *,
+              result: BenchResult | None = None) -> BenchResult:
+  """Starts a trainer process, runs every round, stops the trainer (checking it exits 0).
+
+  `result` (a fresh one by default) is filled in place, so a caller interrupted by a signal
+  (KeyboardInterrupt) still holds the runs that finished; the trainer is stopped either way.
+  """
+  result = result if result is not None else BenchResult(options)
   start = time.monotonic()
 
   def say(text: str) -> None:
     progress(f"[{time.monotonic() - start:5.0f} s] {text}")
 
-  say("starting the trainer process (JAX, 2-device CPU mesh, gRPC on 127.0.0.1)")
-  with process_lib.TrainerProcess(max_device_batches=options.max_device_batches) as trainer:
-    result = asyncio.run(_run(options, trainer, say))
-  result.trainer_exit_code = trainer.proc.returncode
-  result.wall_s = time.monotonic() - start
+  trainer = None
+  try:
+    say("starting the trainer process (JAX, 2-device CPU mesh, gRPC on 127.0.0.1)")
+    trainer = process_lib.TrainerProcess(max_device_batches=options.max_device_batches)
+    with trainer:
+      asyncio.run(_run(options, trainer, say, result))
+  finally:
+    if trainer is not None:
+      trainer.stop()  # idempotent: a signal may have cut the `with`'s own stop short
+      result.trainer_exit_code = trainer.proc.returncode
+    result.wall_s = time.monotonic() - start
   return result
 
 
+class BatchPrefetch:
+  """Builds a run's micro-batches in training order on a thread, PREFETCH_STEPS steps ahead.
+
+  Call it as job.run_job's batch_for; each batch is handed out once and then dropped, so memory
+  holds a bounded window whatever the number of steps. `with` stops and joins the thread.
+  """
+
+  def __init__(self, sizes: data_lib.Sizes, seed: int, steps: int, microbatches: int) -> None:
+    self._args = (sizes, seed)
+    self._total = steps * microbatches
+    self._microbatches = microbatches
+    self._ahead = PREFETCH_STEPS * microbatches
+    self._built: dict[tuple[int, int], data_lib.Batch] = {}
+    self._taken = 0  # training-order position after the furthest batch handed out
+    self._closed = False
+    self._error: BaseException | None = None
+    self._cond = threading.Condition()
+    self._thread = threading.Thread(target=self._produce, name="bench-batches", daemon=True)
+    self._thread.start()
+
+  def _produce(self) -> None:
+    try:
+      for n in range(self._total):
+        step, index = divmod(n, self._microbatches)
+        with self._cond:
+          self._cond.wait_for(lambda n=n: self._closed or n < self._taken + self._ahead)
+          if self._closed:
+            return
+        batch = data_lib.make_batch(*self._args, step, index)  # numpy fills without the GIL
+        with self._cond:
+          self._built[step, index] = batch
+          self._cond.notify_all()
+    except BaseException as e:  # pylint: disable=broad-except  (handed to the consumer)
+      with self._cond:
+        self._error = e
+        self._cond.notify_all()
+
+  def __call__(self, step: int, index: int) -> data_lib.Batch:
+    position = step * self._microbatches + index
+    with self._cond:
+      if position >= self._taken + self._ahead:  # the thread would never build it: say so
+        raise ValueError(f"micro-batch {data_lib.mb_id(step, index)} asked for more than "
+                         f"{PREFETCH_STEPS} steps ahead of the last one taken")
+      self._cond.wait_for(lambda: (step, index) in self._built or self._error is not None)
+      if (step, index) not in self._built:
+        raise RuntimeError(f"building micro-batch {data_lib.mb_id(step, index)} failed: "
+                           f"{self._error!r}") from self._error
+      self._taken = max(self._taken, position + 1)
+      self._cond.notify_all()
+      return self._built.pop((step, index))
+
+  @property
+  def waiting(self) -> int:
+    """Batches built and not yet handed out (at most PREFETCH_STEPS steps' worth)."""
+    with self._cond:
+      return len(self._built)
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed = True
+      self._built.clear()
+      self._cond.notify_all()
+    self._thread.join()
+
+  def __enter__(self) -> "BatchPrefetch":
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    self.close()
+
+
 async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
-               say: Callable[[str], None]) -> BenchResult:
+               say: Callable[[str], None], result: BenchResult) -> None:
   async with client_lib.WorkerClient(trainer.address) as client:
     await client.wait_ready()
     engine = engine_lib.EmbeddedEngine(client)
     sizes = options.sizes()
-    say(f"building {options.total_steps * options.microbatches} micro-batches of "
-        f"{sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed})")
-    batches = {(s, i): data_lib.make_batch(sizes, options.seed, s, i)
-               for s in range(options.total_steps) for i in range(options.microbatches)}
-    calibration = await _calibrate(client, engine, options, sizes)
+    say(f"micro-batches of {sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed}), "
+        f"built {PREFETCH_STEPS} steps ahead of training on a thread")
+    calibration = result.calibration = await _calibrate(client, engine, options, sizes)
     c = calibration
     say(f"calibrated: compute {c.compute_s:.3f} s/micro-batch, update {c.update_s:.3f} s -> wire "
         f"{c.wire_bytes_per_s / 1e6:.1f} MB/s ({c.wire_s:.3f} s), H2D "
         f"{c.h2d_bytes_per_s / 1e6:.1f} MB/s ({c.h2d_s:.3f} s), weight sync {c.sync_s:.3f} s")
     client.pacer.set_rate(c.wire_bytes_per_s)
-    runs = []
     retries = options.retries
     for r in range(options.rounds):
       shift = r % len(options.modes)
       for mode in options.modes[shift:] + options.modes[:shift]:
         while True:
-          run = await _run_mode(client, engine, options, calibration, mode, r, batches,
-                                trainer.pid)
-          runs.append(run)
+          run = await _run_mode(client, engine, options, calibration, mode, r, trainer.pid)
+          result.runs.append(run)
           say(_progress_line(options, run))
           if any(run.step_quiet) or retries == 0:
             break
           retries -= 1
           say(f"re-running {mode}: other processes used more than {cpu.QUIET_CORES} cores in "
               f"every timed step ({retries} re-run(s) left)")
-    return BenchResult(options, calibration, runs)
 
 
 async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
@@ -218,17 +316,22 @@ async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.Embedde
 
 async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
                     options: BenchOptions, calibration: Calibration, mode: str, round_: int,
-                    batches: dict[tuple[int, int], data_lib.Batch], trainer_pid: int) -> ModeRun:
+                    trainer_pid: int) -> ModeRun:
   await client.call("setup", sizes=options.sizes().as_dict(), seed=options.seed,
                     h2d_mbps=calibration.h2d_bytes_per_s / 1e6)
   plan = plan_for(mode, options.total_steps, options.microbatches, calibration.sync_s)
   recorder = timeline_lib.Timeline()
   load = cpu.ForeignLoad([os.getpid(), trainer_pid])
   step_loads: list[float | None] = []
-  origin = time.perf_counter()
-  load.start()
-  outcomes = await job_lib.run_job(engine, plan, lambda s, i: batches[s, i], timeline=recorder,
-                                   on_step=lambda _: step_loads.append(load.lap()))
+  if mode == "resident":  # the trainer built these itself; only their ids travel
+    batches = contextlib.nullcontext(lambda s, i: data_lib.Batch(s, i, {}))
+  else:
+    batches = BatchPrefetch(options.sizes(), options.seed, plan.steps, plan.microbatches)
+  with batches as batch_for:
+    origin = time.perf_counter()
+    load.start()
+    outcomes = await job_lib.run_job(engine, plan, batch_for, timeline=recorder,
+                                     on_step=lambda _: step_loads.append(load.lap()))
   finish = await client.call("finish")
   trainer_spans = await client.call("timeline")
   timings = metrics.step_timings(trainer_spans, range(WARMUP_STEPS, options.total_steps))

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from tunix_stage_plugin.cli import inputs
 
 if TYPE_CHECKING:  # the bench modules load grpc; `tunix-stage --help` should not wait for that
   from tunix_stage_plugin.bench import runner
@@ -22,30 +25,10 @@ def _modes(text: str) -> tuple[str, ...]:
 
   modes = tuple(m.strip() for m in text.split(",") if m.strip())
   bad = [m for m in modes if m not in runner.MODES]
-  if bad or not modes:
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted a comma-separated subset of "
-                                     f"{','.join(runner.MODES)}")
+  if bad or not modes or len(set(modes)) != len(modes):
+    raise ValueError(f"accepted: a comma-separated subset of {','.join(runner.MODES)}, "
+                     "each at most once")
   return modes
-
-
-def _positive_int(text: str) -> int:
-  if not (text.isascii() and text.isdigit()) or int(text) < 1:
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted an integer >= 1")
-  return int(text)
-
-
-def _positive_float(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not value > 0 or value == float("inf"):
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted a number > 0")
-  return value
-
-
-def _nonnegative_float(text: str) -> float:
-  return 0.0 if text.strip() in ("0", "0.0") else _positive_float(text)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -60,7 +43,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
           "Writes a JSON report, a PNG timeline and a Chrome/Perfetto trace.", 78) + "\n\n" +
       textwrap.fill(
           "Exit 0 when the run completed and every correctness check passed (a timing check "
-          "fails the exit code only with --strict), 1 otherwise, 2 for bad options.", 78),
+          "fails the exit code only with --strict), 1 otherwise, 2 for bad options (every "
+          "option is checked before anything starts). SIGINT (Ctrl-C) or SIGTERM stops the "
+          "trainer, writes the JSON with the runs finished so far (\"interrupted\": true) and "
+          "exits 130 or 143.", 78),
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog="modes:\n"
       "  inline           every micro-batch travels with its train call; nothing staged\n"
@@ -74,33 +60,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   size.add_argument("--quick", action="store_true",
                     help=f"short run (about a minute): {QUICK['rounds']} round of {QUICK['steps']} "
                     "timed steps per mode unless --rounds/--steps say otherwise")
-  size.add_argument("--rounds", type=_positive_int, default=None, metavar="N",
+  size.add_argument("--rounds", default=None, metavar="N",
                     help=f"rounds; each runs every mode once, rotating the order "
                     f"(default {FULL['rounds']}, --quick {QUICK['rounds']})")
-  size.add_argument("--steps", type=_positive_int, default=None, metavar="N",
+  size.add_argument("--steps", default=None, metavar="N",
                     help=f"timed steps per mode run, after one warm-up step "
                     f"(default {FULL['steps']})")
-  size.add_argument("--retries", type=int, default=3, metavar="N",
+  size.add_argument("--retries", default="3", metavar="N",
                     help="re-run a mode run in which other processes used more than 0.2 cores "
                     "during every timed step, at most N times in all (default 3; 0: never)")
-  size.add_argument("--modes", type=_modes, default=None, metavar="LIST",
+  size.add_argument("--modes", default=None, metavar="LIST",
                     help="comma-separated modes to run (default: all five)")
   shape = parser.add_argument_group("workload and emulated links")
-  shape.add_argument("--microbatches", type=_positive_int, default=4, metavar="M",
+  shape.add_argument("--microbatches", default="4", metavar="M",
                      help="micro-batches per step (default 4)")
-  shape.add_argument("--payload-mib", type=_positive_float, default=16.0, metavar="MIB",
-                     help="bytes of one micro-batch, in MiB (default 16); sets only the real bytes "
-                     "copied, the emulated times follow the ratios")
-  shape.add_argument("--wire-ratio", type=_positive_float, default=0.8, metavar="X",
+  shape.add_argument("--payload-mib", default="16", metavar="MIB",
+                     help="bytes of one micro-batch, in MiB (default 16; 1/1024 to "
+                     f"{inputs.MAX_PAYLOAD_MIB:g}, and what the held micro-batches need must fit "
+                     "in MemAvailable); sets only the real bytes copied, the emulated times "
+                     "follow the ratios")
+  shape.add_argument("--wire-ratio", default="0.8", metavar="X",
                      help="wire time of one micro-batch as a multiple of its compute (default 0.8)")
-  shape.add_argument("--h2d-ratio", type=_positive_float, default=0.4, metavar="X",
+  shape.add_argument("--h2d-ratio", default="0.4", metavar="X",
                      help="host-to-device time as a multiple of compute (default 0.4)")
-  shape.add_argument("--sync-ratio", type=_nonnegative_float, default=0.5, metavar="X",
+  shape.add_argument("--sync-ratio", default="0.5", metavar="X",
                      help="the step boundary's weight sync as a multiple of compute (default 0.5)")
-  shape.add_argument("--max-device-batches", type=_positive_int, default=2, metavar="N",
+  shape.add_argument("--max-device-batches", default="2", metavar="N",
                      help="the trainer's device bound (TUNIX_STAGE_MAX_DEVICE_BATCHES) for every "
                      "mode (default 2: depth2 may hold two staged batches)")
-  shape.add_argument("--seed", type=int, default=0, help="parameters and data seed (default 0)")
+  shape.add_argument("--seed", default="0", metavar="N",
+                     help=f"parameters and data seed, 0 to {inputs.SEED_LIMIT - 1} (default 0)")
   shape.add_argument("--tiny", action="store_true",
                      help="a tiny model for smoke tests; its timing figures mean nothing")
   out = parser.add_argument_group("output")
@@ -119,40 +108,119 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser.set_defaults(run=run)
 
 
-def _options(args: argparse.Namespace) -> runner.BenchOptions:
+_FILES = {"json": "bench.json", "png": "timeline.png", "trace": "trace.json"}
+
+
+def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[str, str],
+                                               list[str]]:
+  """Every option at once: (options, output files, []) or (None, {}, one line per problem)."""
   # pylint: disable-next=import-outside-toplevel,redefined-outer-name
   from tunix_stage_plugin.bench import runner
 
+  p = inputs.Problems()
   length = QUICK if args.quick else FULL
-  return runner.BenchOptions(
-      rounds=args.rounds or length["rounds"], steps=args.steps or length["steps"],
-      microbatches=args.microbatches, payload_mib=args.payload_mib, wire_ratio=args.wire_ratio,
-      h2d_ratio=args.h2d_ratio, sync_ratio=args.sync_ratio,
-      max_device_batches=args.max_device_batches, modes=args.modes or runner.MODES,
-      seed=args.seed, tiny=args.tiny, retries=args.retries)
+  values: dict[str, Any] = {
+      "rounds": p.take("--rounds", args.rounds, inputs.count) or length["rounds"],
+      "steps": p.take("--steps", args.steps, inputs.count) or length["steps"],
+      "retries": p.take("--retries", args.retries,
+                        lambda t: inputs.integer(t, minimum=0, maximum=inputs.MAX_COUNT)),
+      "modes": p.take("--modes", args.modes, _modes) or runner.MODES,
+      "microbatches": p.take("--microbatches", args.microbatches, inputs.count),
+      "payload_mib": p.take("--payload-mib", args.payload_mib, inputs.payload_mib),
+      "wire_ratio": p.take("--wire-ratio", args.wire_ratio, inputs.positive),
+      "h2d_ratio": p.take("--h2d-ratio", args.h2d_ratio, inputs.positive),
+      "sync_ratio": p.take("--sync-ratio", args.sync_ratio, inputs.nonnegative),
+      "max_device_batches": p.take("--max-device-batches", args.max_device_batches,
+                                   inputs.count),
+      "seed": p.take("--seed", args.seed, inputs.seed),
+  }
+  files = {}
+  out_ok = True
+  if any(getattr(args, kind) is None for kind in _FILES):  # some file goes into --out
+    before = len(p.lines)
+    p.check_path("--out", args.out, inputs.output_dir_problem)
+    out_ok = len(p.lines) == before
+  for kind, name in _FILES.items():
+    given = getattr(args, kind)
+    if given == "":
+      continue  # '' skips that file
+    if given is None and not out_ok:
+      continue  # already reported as --out
+    path = given if given is not None else os.path.join(args.out, name)
+    p.check_path(f"--{kind}" if given is not None else f"--{kind} (default {path})", path,
+                 inputs.output_file_problem)
+    files[kind] = path
+  real = {os.path.realpath(path): kind for kind, path in files.items()}
+  if len(real) < len(files):
+    p.add("--json, --png and --trace name the same file; accepted: a different path for each")
+  if p:
+    return None, {}, p.lines
+  options = runner.BenchOptions(tiny=args.tiny, **values)
+  held, what = runner.payloads_held(options)
+  memory = inputs.memory_problem(options.sizes().payload_bytes, held, what)
+  if memory is not None:
+    return None, {}, [f"--payload-mib {args.payload_mib!r}: {memory}"]
+  return options, files, []
+
+
+class _Interrupts:
+  """SIGINT and SIGTERM become one KeyboardInterrupt in the main thread.
+
+  Later signals are only noted: the trainer must still be stopped and the JSON written. Once the
+  runs are over (`raising` False) a signal is noted too, and the command exits 130/143 after its
+  report.
+  """
+
+  EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+  def __init__(self) -> None:
+    self.signum: int | None = None
+    self.raising = True  # False once the runs are over: the report is written, then we exit
+    self._previous: dict[int, Any] = {}
+
+  def _handle(self, signum: int, _frame: Any) -> None:
+    if self.signum is not None:
+      return
+    self.signum = signum
+    if self.raising:
+      raise KeyboardInterrupt
+
+  @property
+  def name(self) -> str | None:
+    return None if self.signum is None else signal.Signals(self.signum).name
+
+  def __enter__(self) -> "_Interrupts":
+    for sig in self.EXIT_CODES:
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc: object) -> None:
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
 
 
 def run(args: argparse.Namespace) -> int:
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+  with _Interrupts() as caught:
+    try:
+      return _run(args, caught)
+    except KeyboardInterrupt:  # before the benchmark began: nothing to save
+      print(f"tunix-stage bench: interrupted by {caught.name or 'SIGINT'}", file=sys.stderr)
+      return _Interrupts.EXIT_CODES[caught.signum or signal.SIGINT]
+
+
+def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
   # pylint: disable=import-outside-toplevel  (keep `tunix-stage --help` fast)
-  from tunix_stage_plugin.bench import plot
   from tunix_stage_plugin.bench import report
   from tunix_stage_plugin.bench import runner  # pylint: disable=redefined-outer-name
-  from tunix_stage_plugin.bench import trace
   from tunix_stage_plugin.embedded import client
   from tunix_stage_plugin.embedded import process
 
-  try:
-    options = _options(args)
-  except ValueError as e:
-    print(f"tunix-stage bench: error: {e}", file=sys.stderr)
+  options, files, problems = _check(args)
+  if options is None:
+    for line in problems:
+      print(f"tunix-stage bench: error: {line}", file=sys.stderr)
     return 2
-  files = {
-      "json": args.json if args.json is not None else os.path.join(args.out, "bench.json"),
-      "png": args.png if args.png is not None else os.path.join(args.out, "timeline.png"),
-      "trace": args.trace if args.trace is not None else os.path.join(args.out, "trace.json"),
-  }
-  files = {k: v for k, v in files.items() if v}
   for path in files.values():
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
@@ -160,16 +228,55 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
       print(line, file=sys.stderr, flush=True)
 
+  result = runner.BenchResult(options)
   try:
-    result = runner.run_bench(options, progress)
+    runner.run_bench(options, progress, result=result)
+  except KeyboardInterrupt:
+    pass  # caught.signum says which signal; result holds the runs that finished
   except (process.TrainerProcessError, *client.CALL_ERRORS) as e:
-    print(f"tunix-stage bench: error: {client.describe_call_error(e, 'the trainer process')}",
-          file=sys.stderr)
-    return 1
+    if caught.signum is None:  # else: Ctrl-C reached the trainer too, which then stopped
+      print(f"tunix-stage bench: error: {client.describe_call_error(e, 'the trainer process')}",
+            file=sys.stderr)
+      return 1
+  finally:
+    caught.raising = False
+  if caught.signum is not None:
+    result.interrupted = caught.name
+    written = _write(result, files, report.summarize(result))
+    print(f"tunix-stage bench: interrupted by {caught.name}; wrote {', '.join(written)} "
+          f"with the {len(result.runs)} mode run(s) that finished", file=sys.stderr)
+    return _Interrupts.EXIT_CODES[caught.signum]
   summary = report.summarize(result)
   checks = report.criteria(result, summary)
-  last_round = list(runner.runs_of_round(result).values())
+  written = _write(result, files, summary, checks)
+  print(report.format_report(result, summary, checks))
+  print("wrote " + ", ".join(written) + f" ({result.wall_s:.0f} s)")
+  if caught.signum is not None:  # arrived while the report was being written: it is complete
+    print(f"tunix-stage bench: interrupted by {caught.name} after the last run", file=sys.stderr)
+    return _Interrupts.EXIT_CODES[caught.signum]
+  failed = [c for c in checks
+            if c.passed is False and (c.kind == report.CORRECTNESS or args.strict)]
+  if result.trainer_exit_code != 0:
+    print(f"tunix-stage bench: error: the trainer exited with code {result.trainer_exit_code}",
+          file=sys.stderr)
+    return 1
+  return 1 if failed else 0
+
+
+def _write(result: runner.BenchResult, files: dict[str, str],
+           summary: dict[str, Any], checks: list[Any] | None = None) -> list[str]:
+  """Writes the PNG and trace (when a run finished), then the JSON; returns the paths written."""
+  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.bench import plot
+  from tunix_stage_plugin.bench import report
+  from tunix_stage_plugin.bench import runner  # pylint: disable=redefined-outer-name
+  from tunix_stage_plugin.bench import trace
+
+  files = dict(files)
+  if not result.runs:
+    files = {k: v for k, v in files.items() if k == "json"}
   if "png" in files:
+    last_round = list(runner.runs_of_round(result, result.runs[-1].round).values())
     try:
       plot.write_timeline_png(files["png"], last_round,
                               title="tunix-stage bench: device compute and staging per mode")
@@ -179,14 +286,7 @@ def run(args: argparse.Namespace) -> int:
   if "trace" in files:
     trace.write_trace(files["trace"], result.runs)
   if "json" in files:
+    checks = report.criteria(result, summary) if checks is None else checks
     with open(files["json"], "w", encoding="utf-8") as f:
       json.dump(report.to_json(result, summary, checks, files), f, indent=1)
-  print(report.format_report(result, summary, checks))
-  print("wrote " + ", ".join(files.values()) + f" ({result.wall_s:.0f} s)")
-  failed = [c for c in checks
-            if c.passed is False and (c.kind == report.CORRECTNESS or args.strict)]
-  if result.trainer_exit_code != 0:
-    print(f"tunix-stage bench: error: the trainer exited with code {result.trainer_exit_code}",
-          file=sys.stderr)
-    return 1
-  return 1 if failed else 0
+  return list(files.values())

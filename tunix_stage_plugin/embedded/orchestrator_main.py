@@ -3,7 +3,9 @@
 Connects to a trainer_main, trains `--steps` steps of `--microbatches` micro-batches and prints a
 line per step plus one summary line (stage/fallbacks per step, the parameters' digest, whether
 every micro-batch trained once and in order). Exit 0 on success; 1 with a one-line error when the
-trainer cannot be reached, a call fails or the order is wrong; 2 for bad flags or settings.
+trainer cannot be reached, a call fails or the order is wrong; 2 for bad flags or settings, every
+one of them reported (a line each) before connecting. Micro-batches are built as they are pulled,
+so memory does not grow with --steps.
 
 Staging: TUNIX_STAGE_BATCH (off | stage) and TUNIX_MAX_STAGED_BATCHES, or --stage_train_batches /
 --max_staged_batches (flags beat env). Off: every micro-batch is sent with its train call, as a
@@ -15,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
-from typing import Any, Callable
 
+from tunix_stage_plugin.cli import inputs
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 from tunix_stage_plugin.embedded import client as client_lib
@@ -29,43 +32,31 @@ from tunix_stage_plugin.embedded import job as job_lib
 PROG = "orchestrator_main"
 
 
-def _number(kind: type, *, allow_zero: bool = False) -> Callable[[str], Any]:
-  def parse(text: str) -> Any:
-    try:
-      value = kind(text)
-    except ValueError:
-      value = None
-    if value is None or not (value >= 0 if allow_zero else value > 0) or value == float("inf"):
-      raise argparse.ArgumentTypeError(
-          f"{text!r}: accepted a{'n' if kind is int else ''} {kind.__name__} "
-          f"{'>=' if allow_zero else '>'} 0")
-    return value
-  return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog=f"python -m tunix_stage_plugin.embedded.{PROG}",
       description="Drive the embedded trainer: train steps of micro-batches, inline or staged.")
   parser.add_argument("--trainer", required=True, metavar="HOST:PORT",
                       help="the trainer_main address, e.g. 127.0.0.1:50051")
-  parser.add_argument("--steps", type=_number(int), default=3, help="steps (default 3)")
-  parser.add_argument("--microbatches", type=_number(int), default=4,
-                      help="micro-batches per step (default 4)")
+  parser.add_argument("--steps", default="3", metavar="N",
+                      help=f"steps, 1 to {inputs.MAX_COUNT} (default 3)")
+  parser.add_argument("--microbatches", default="4", metavar="N",
+                      help=f"micro-batches per step, 1 to {inputs.MAX_COUNT} (default 4)")
   parser.add_argument("--tiny", action="store_true", help="a tiny model (tests, smoke runs)")
-  parser.add_argument("--payload_mib", type=_number(float), default=None, metavar="MIB",
-                      help="bytes per micro-batch in MiB (default: 16 MiB, or ~1 KiB with --tiny)")
-  parser.add_argument("--wire_mbps", type=_number(float), default=None, metavar="MB/S",
-                      help="emulated wire bandwidth in MB/s (default: unpaced loopback)")
-  parser.add_argument("--h2d_mbps", type=_number(float), default=None, metavar="MB/S",
-                      help="emulated host-to-device bandwidth in MB/s (default: no emulation)")
-  parser.add_argument("--sync_s", type=_number(float, allow_zero=True), default=0.0, metavar="S",
-                      help="emulated weight sync closing each step, seconds (default 0)")
-  parser.add_argument("--seed", type=int, default=0, help="parameters and data seed (default 0)")
-  parser.add_argument("--connect_timeout_s", type=_number(float), default=60.0, metavar="S",
-                      help="how long to wait for the trainer to answer (default 60)")
-  parser.add_argument("--liveness_s", type=_number(float), default=client_lib.DEFAULT_LIVENESS_S,
-                      metavar="S",
+  parser.add_argument("--payload_mib", default=None, metavar="MIB",
+                      help="bytes per micro-batch in MiB, 1/1024 to "
+                      f"{inputs.MAX_PAYLOAD_MIB:g} (default: 16 MiB, or ~2 KiB with --tiny)")
+  parser.add_argument("--wire_mbps", default=None, metavar="MB/S",
+                      help="emulated wire bandwidth in MB/s, > 0 (default: unpaced loopback)")
+  parser.add_argument("--h2d_mbps", default=None, metavar="MB/S",
+                      help="emulated host-to-device bandwidth in MB/s, > 0 (default: no emulation)")
+  parser.add_argument("--sync_s", default="0", metavar="S",
+                      help="emulated weight sync closing each step, seconds >= 0 (default 0)")
+  parser.add_argument("--seed", default="0", metavar="N",
+                      help=f"parameters and data seed, 0 to {inputs.SEED_LIMIT - 1} (default 0)")
+  parser.add_argument("--connect_timeout_s", default="60", metavar="S",
+                      help="how long to wait for the trainer to answer, seconds > 0 (default 60)")
+  parser.add_argument("--liveness_s", default=f"{client_lib.DEFAULT_LIVENESS_S:g}", metavar="S",
                       help="report the trainer as stopped answering when a call goes this long "
                       "past its expected time without a reply, or its connection's keepalive "
                       f"pings go unanswered (>= 1; default {client_lib.DEFAULT_LIVENESS_S:g})")
@@ -73,30 +64,87 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def plan_from(cfg: config_lib.StageConfig, args: argparse.Namespace) -> job_lib.JobPlan:
+def plan_from(settings: Settings) -> job_lib.JobPlan:
+  s, cfg = settings, settings.cfg
   if not cfg.enabled:
-    return job_lib.JobPlan(args.steps, args.microbatches, kind="inline", sync_s=args.sync_s)
-  return job_lib.JobPlan(args.steps, args.microbatches, kind="staged",
+    return job_lib.JobPlan(s.steps, s.microbatches, kind="inline", sync_s=s.sync_s)
+  return job_lib.JobPlan(s.steps, s.microbatches, kind="staged",
                          depth=cfg.max_staged_batches, prestage=cfg.max_staged_batches >= 2,
-                         sync_s=args.sync_s)
+                         sync_s=s.sync_s)
 
 
-async def run(args: argparse.Namespace, cfg: config_lib.StageConfig) -> int:
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The checked flags (see check)."""
+
+  trainer: str
+  steps: int
+  microbatches: int
+  sizes: data_lib.Sizes
+  wire_mbps: float | None
+  h2d_mbps: float | None
+  sync_s: float
+  seed: int
+  connect_timeout_s: float
+  liveness_s: float
+  cfg: config_lib.StageConfig
+
+
+def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
+  """Every flag and staging setting at once: (settings, []) or (None, one line per problem)."""
+  p = inputs.Problems()
+  steps = p.take("--steps", args.steps, inputs.count)
+  microbatches = p.take("--microbatches", args.microbatches, inputs.count)
+  payload = p.take("--payload_mib", args.payload_mib, inputs.payload_mib)
+  wire = p.take("--wire_mbps", args.wire_mbps, inputs.positive)
+  h2d = p.take("--h2d_mbps", args.h2d_mbps, inputs.positive)
+  sync_s = p.take("--sync_s", args.sync_s, inputs.nonnegative)
+  seed = p.take("--seed", args.seed, inputs.seed)
+  timeout = p.take("--connect_timeout_s", args.connect_timeout_s, inputs.positive)
+  liveness = p.take("--liveness_s", args.liveness_s, inputs.positive)
+  if liveness is not None and liveness < 1:
+    p.add(f"--liveness_s {args.liveness_s!r}: accepted a number of seconds >= 1")
+  for field in flags_lib.ORCHESTRATOR_FIELDS:  # each setting alone, so every bad one is named
+    setting = config_lib.SETTINGS_BY_FIELD[field]
+    try:
+      config_lib.resolve({field: getattr(args, setting.flag)},
+                         env={setting.env: os.environ.get(setting.env, "")},
+                         explicit_source="flag")
+    except config_lib.ConfigError as e:
+      p.add(str(e))
+  try:
+    client_lib.check_address(args.trainer)
+  except ValueError as e:
+    p.add(str(e))
+  if p:
+    return None, p.lines
+  cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
   sizes = data_lib.TINY_SIZES if args.tiny else data_lib.DEFAULT_SIZES
-  if args.payload_mib is not None:
-    sizes = sizes.with_payload_mib(args.payload_mib)
-  plan = plan_from(cfg, args)
-  wire_rate = None if args.wire_mbps is None else args.wire_mbps * 1e6
-  async with client_lib.WorkerClient(args.trainer, wire_bytes_per_s=wire_rate,
-                                     liveness_s=args.liveness_s) as client:
-    await client.wait_ready(args.connect_timeout_s)
+  if payload is not None:
+    sizes = sizes.with_payload_mib(payload)
+  # Batches are built as they are pulled: a step's, plus the next step's prestaged ones.
+  memory = inputs.memory_problem(sizes.payload_bytes, 2 * microbatches,
+                                 "a step's and the next step's")
+  if memory is not None:
+    return None, [f"--payload_mib {args.payload_mib!r}: {memory}"]
+  return Settings(args.trainer, steps, microbatches, sizes, wire, h2d, sync_s, seed, timeout,
+                  liveness, cfg), []
+
+
+async def run(settings: Settings) -> int:
+  sizes, seed = settings.sizes, settings.seed
+  plan = plan_from(settings)
+  wire_rate = None if settings.wire_mbps is None else settings.wire_mbps * 1e6
+  async with client_lib.WorkerClient(settings.trainer, wire_bytes_per_s=wire_rate,
+                                     liveness_s=settings.liveness_s) as client:
+    await client.wait_ready(settings.connect_timeout_s)
     trainer_mode = (await client.call("info"))["mode"]
-    await client.call("setup", sizes=sizes.as_dict(), seed=args.seed, h2d_mbps=args.h2d_mbps,
+    await client.call("setup", sizes=sizes.as_dict(), seed=seed, h2d_mbps=settings.h2d_mbps,
                       record_timeline=False)
-    batches = {(s, i): data_lib.make_batch(sizes, args.seed, s, i)
-               for s in range(plan.steps) for i in range(plan.microbatches)}
+    # Built when pulled and dropped once sent: memory does not grow with --steps.
     outcomes = await job_lib.run_job(
-        engine_lib.EmbeddedEngine(client), plan, lambda s, i: batches[s, i],
+        engine_lib.EmbeddedEngine(client), plan,
+        lambda s, i: data_lib.make_batch(sizes, seed, s, i),
         on_step=lambda o: print(f"{PROG}: {o.summary()}", flush=True))
     finish = await client.call("finish")
   expected = data_lib.expected_order(plan.steps, plan.microbatches)
@@ -120,17 +168,16 @@ async def run(args: argparse.Namespace, cfg: config_lib.StageConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
   args = build_parser().parse_args(argv)
-  try:
-    cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
-    client_lib.check_address(args.trainer)
-    client_lib.check_liveness(args.liveness_s)
-  except (config_lib.ConfigError, ValueError) as e:
-    print(f"{PROG}: error: {e}", file=sys.stderr)
+  settings, problems = check(args)
+  if settings is None:
+    for line in problems:
+      print(f"{PROG}: error: {line}", file=sys.stderr)
     return 2
   try:
-    return asyncio.run(run(args, cfg))
+    return asyncio.run(run(settings))
   except client_lib.CALL_ERRORS as e:
-    print(f"{PROG}: error: {client_lib.describe_call_error(e, f'the trainer at {args.trainer}')}", file=sys.stderr)
+    where = f"the trainer at {settings.trainer}"
+    print(f"{PROG}: error: {client_lib.describe_call_error(e, where)}", file=sys.stderr)
     return 1
 
 
