@@ -101,9 +101,8 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
   sync_s = p.take("--sync_s", args.sync_s, inputs.nonnegative)
   seed = p.take("--seed", args.seed, inputs.seed)
   timeout = p.take("--connect_timeout_s", args.connect_timeout_s, inputs.positive)
-  liveness = p.take("--liveness_s", args.liveness_s, inputs.positive)
-  if liveness is not None and liveness < 1:
-    p.add(f"--liveness_s {args.liveness_s!r}: accepted a number of seconds >= 1")
+  liveness = p.take("--liveness_s", args.liveness_s,
+                    lambda text: client_lib.check_liveness(inputs.positive(text)))
   for field in flags_lib.ORCHESTRATOR_FIELDS:  # each setting alone, so every bad one is named
     setting = config_lib.SETTINGS_BY_FIELD[field]
     try:
