@@ -48,18 +48,17 @@ def test_hidden_fraction(inline, mode, resident, expected):
   assert metrics.hidden_fraction(inline, mode, resident) == expected
 
 
-@pytest.mark.parametrize("resident, m, call, expected", [
-    (2.2, 4, 0.6, 2.2 / 2.4), (2.2, 4, 0.5, 1.0), (2.2, 4, None, None), (None, 4, 0.6, None)])
-def test_stage_chain_ceiling(resident, m, call, expected):
-  assert metrics.stage_chain_ceiling(resident, m, call) == expected
+def test_the_step_limit_is_the_device_never_waiting():
+  assert metrics.step_limit(9, 0.5, 0.03, 0.25) == pytest.approx(4.78)
 
 
 def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, round_=0,
          stage_call_s=()):
   timings = [metrics.StepTiming(1, seconds, 0.1, 0.2, seconds - 0.3)]
   return runner.ModeRun(
-      mode=mode, round=round_, timings=timings, fwd_bwd_s=[[1.0]], stage_call_s=list(stage_call_s), fallbacks=0, fallback_reasons=[],
-      peak_device_batches=peak, max_device_batches=2,
+      mode=mode, round=round_, timings=timings, fwd_bwd_s=[[1.7]], update_s=[0.1],
+      stage_call_s=list(stage_call_s), fallbacks=0, fallback_reasons=[],
+      peak_device_batches=peak, max_device_batches=2, peak_host_batches=1,
       trained_order=order or data_lib.expected_order(2, 2), param_digest=digest,
       step_foreign_cores=[foreign], spans=[], origin=0.0)
 
@@ -67,51 +66,57 @@ def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, rou
 def _result(**overrides):
   options = runner.BenchOptions(rounds=1, steps=1, microbatches=2)
   runs = {"inline": _run("inline", 10.0), "depth1": _run("depth1", 7.0),
-          "depth2": _run("depth2", 7.0), "depth2_prestage": _run("depth2_prestage", 4.5),
+          "depth2": _run("depth2", 7.0), "depth2_prestage": _run("depth2_prestage", 4.1),
           "resident": _run("resident", 4.0)}
   runs.update(overrides)
   calibration = runner.Calibration(1.0, 0.1, 1 << 20, 1e6, 2e6, 0.5, 0.0, 0.0)
   return runner.BenchResult(options, calibration, list(runs.values()))
 
 
-def _verdicts(result):
+def _failing(result):
   summary = report.summarize(result)
-  return {c.name.split(" ")[0] + " " + c.kind: c.passed for c in report.criteria(result, summary)}
+  return [c.name for c in report.criteria(result, summary) if c.passed is False]
 
 
 def test_criteria_pass_on_a_good_result_and_the_table_shows_every_mode():
   result = _result()
   summary = report.summarize(result)
   checks = report.criteria(result, summary)
-  assert [c.passed for c in checks] == [True, True, True, True, True]
-  assert summary["depth2_prestage"].hidden_fraction == pytest.approx(5.5 / 6)
+  assert [c.passed for c in checks] == [True] * 6
+  pre = summary["depth2_prestage"]
+  assert pre.hidden_fraction == pytest.approx(5.9 / 6)
+  # limit = 2 x 1.7 fwd_bwd + 0.1 update + 0.5 weight sync = 4.0 s
+  assert pre.limit_s == pytest.approx(4.0) and pre.step_over_limit == pytest.approx(4.1 / 4.0)
   table = report.format_table(result, summary)
   for mode in runner.MODES:
     assert mode in table
+  assert "limit" in table.splitlines()[0] and "1.025" in table
   text = report.format_report(result, summary, checks)
-  assert text.count("PASS") == 5 and "FAIL" not in text
-  assert "stage chain" not in text  # no stage call was recorded
+  assert text.count("PASS") == 6 and "FAIL" not in text
+  assert "stage calls:" not in text  # no stage call was recorded
 
 
-def test_the_report_states_the_stage_chain_ceiling():
-  result = _result(depth2_prestage=_run("depth2_prestage", 4.5, stage_call_s=[1.25, 1.25]))
+def test_the_report_states_the_stage_calls_against_compute():
+  result = _result(depth2_prestage=_run("depth2_prestage", 4.1, stage_call_s=[0.8, 0.8]))
   summary = report.summarize(result)
   text = report.format_report(result, summary, report.criteria(result, summary))
-  assert "a stage call (wire + H2D) takes 1.573 s emulated, 1.250 s measured" in text
-  assert "min(1, T_resident / (2 x stage call)) = 1.00 (emulated) / 1.00 (measured)" in text
+  assert "stage calls: 0.800 s each (median, measured; the wire alone is 1.049 s emulated)" in \
+      text
+  assert "peak received host buffers 1 of 1" in text
 
 
 @pytest.mark.parametrize("override, failing", [
-    ({"depth2_prestage": _run("depth2_prestage", 5.0)}, "depth2_prestage timing"),
-    ({"depth2": _run("depth2", 8.0)}, "inline timing"),
-    ({"depth1": _run("depth1", 7.0, digest="e" * 64)}, "same correctness"),
+    ({"resident": _run("resident", 3.9)}, "depth2_prestage hidden"),  # 0.967 < 0.97
+    ({"depth2_prestage": _run("depth2_prestage", 4.15)}, "depth2_prestage step"),  # 1.04 x
+    ({"depth2": _run("depth2", 8.0)}, "inline / depth2"),
+    ({"depth1": _run("depth1", 7.0, digest="e" * 64)}, "same param_digest"),
     ({"depth2": _run("depth2", 7.0, order=["s0-m1", "s0-m0", "s1-m0", "s1-m1"])},
-     "expected correctness"),
-    ({"depth2": _run("depth2", 7.0, peak=3)}, "peak correctness"),
+     "expected trained_order"),
+    ({"depth2": _run("depth2", 7.0, peak=3)}, "peak staged"),
 ])
 def test_each_criterion_fails_on_its_own(override, failing):
-  verdicts = _verdicts(_result(**override))
-  assert [name for name, ok in verdicts.items() if ok is False] == [failing]
+  failed = _failing(_result(**override))
+  assert len(failed) == 1 and failed[0].startswith(failing), failed
 
 
 def test_noisy_steps_are_left_out_of_the_medians():
@@ -135,9 +140,11 @@ def test_criteria_skip_what_the_chosen_modes_cannot_measure():
   result = _result()
   result.options = dataclasses.replace(result.options, modes=("inline", "depth2"))
   result.runs = [r for r in result.runs if r.mode in ("inline", "depth2")]
-  verdicts = _verdicts(result)
-  assert verdicts["depth2_prestage timing"] is None
-  assert verdicts["inline timing"] is True
+  summary = report.summarize(result)
+  verdicts = {c.name: c.passed for c in report.criteria(result, summary)}
+  assert verdicts["depth2_prestage hidden fraction >= 0.97"] is None
+  assert verdicts["depth2_prestage step <= 1.03 x limit"] is None
+  assert verdicts["inline / depth2 median step ratio >= 1.3"] is True
 
 
 def _bench_parser():
@@ -188,8 +195,8 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
 @pytest.mark.parametrize("args, message", [
     (["--out", "/proc/x"], "--out '/proc/x': cannot create anything in /proc"),
     (["--seed", str(2**32)], "accepted: an integer from 0 to 4294967295"),
-    (["--payload-mib", "65536"], "held at once (12 resident on the trainer, 10 built ahead or "
-     "staged) need 1408.0 GiB, more than the"),
+    (["--payload-mib", "65536"], "held at once (12 resident on the trainer, 9 built ahead or "
+     "staged) need 1344.0 GiB, more than the"),
     (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
      "--modes 'inline,inline': accepted: a comma-separated subset of inline,depth1,depth2,"
      "depth2_prestage,resident, each at most once"),
@@ -207,15 +214,15 @@ def test_tiny_marks_the_timing_checks_not_applicable():
   result.options = dataclasses.replace(result.options, tiny=True)
   summary = report.summarize(result)
   checks = report.criteria(result, summary)
-  assert [c.verdict for c in checks] == ["n/a (tiny)", "n/a (tiny)", "PASS", "PASS", "PASS"]
-  assert [c.passed for c in checks if c.kind == report.TIMING] == [None, None]
-  assert checks[1].detail == f"{10 / 11:.3f}"  # the figure is still shown
+  assert [c.verdict for c in checks] == ["n/a (tiny)"] * 3 + ["PASS"] * 3
+  assert [c.passed for c in checks if c.kind == report.TIMING] == [None] * 3
+  assert checks[2].detail == f"{10 / 11:.3f}"  # the figure is still shown
   table = report.format_table(result, summary)
   assert "-0.17 (n/a)" in table and "1.00 (n/a)" in table
   text = report.format_report(result, summary, checks)
   assert "FAIL" not in text and "n/a (tiny): --tiny's model is too small" in text
   as_json = report.to_json(result, summary, checks, {})
-  assert [c["verdict"] for c in as_json["criteria"]][:2] == ["n/a (tiny)"] * 2
+  assert [c["verdict"] for c in as_json["criteria"]][:3] == ["n/a (tiny)"] * 3
 
 
 def test_a_partial_result_summarizes_the_runs_that_finished():
@@ -225,12 +232,13 @@ def test_a_partial_result_summarizes_the_runs_that_finished():
       result, report.summarize(result)), {"json": "x"})
   assert as_json["interrupted"] is True and as_json["interrupted_by"] == "SIGTERM"
   assert as_json["calibration"] is None and as_json["runs"] == [] and as_json["modes"] == {}
-  assert [c["passed"] for c in as_json["criteria"]] == [None] * 5
+  assert [c["passed"] for c in as_json["criteria"]] == [None] * 6
   result.calibration = _result().calibration
   result.runs = [_run("inline", 10.0), _run("depth1", 7.0)]
   summary = report.summarize(result)
   assert list(summary) == ["inline", "depth1"]
-  assert [c.passed for c in report.criteria(result, summary)] == [None, None, True, True, True]
+  assert [c.passed for c in report.criteria(result, summary)] == [None, None, None, True, True,
+                                                                  True]
 
 
 def test_batch_prefetch_builds_a_bounded_window_in_training_order():
@@ -270,14 +278,14 @@ def test_tiny_quick_run_writes_json_png_and_trace(tmp_path):
     assert len(m["step_s"]) == 1 and m["median_step_s"] == m["step_s"][0]
     assert set(m["idle_s"]) == {"mid_step", "boundary"}
     assert m["trained_order"] == expected and m["fallbacks"] == 0
-    assert m["peak_device_batches"] <= m["max_device_batches"] == 2
+    assert m["peak_device_batches"] <= m["max_device_batches"] == 1
     digests.add(m["param_digest"])
   assert len(digests) == 1 and len(digests.pop()) == 64
   # Tiny steps last milliseconds: resident's hidden fraction is 1.0, or None when inline's step
   # happened not to be slower; either way the timing checks are not judged.
   assert report_json["modes"]["resident"]["hidden_fraction"] in (1.0, None)
   assert [c["verdict"] for c in report_json["criteria"] if c["kind"] == "timing"] == [
-      "n/a (tiny)"] * 2
+      "n/a (tiny)"] * 3
   assert "FAIL" not in result.stdout
   assert report_json["trainer_exit_code"] == 0
   assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -365,3 +373,24 @@ def test_a_signal_stops_the_bench_cleanly_with_a_partial_json(sig, code, whole_g
   assert report_json["runs"][0]["mode"] == "inline"
   assert (out / "trace.json").exists()
   assert not trainer_left, "the trainer outlived the bench"
+
+
+def test_bursty_slows_each_steps_head_and_random_spikes_alike_in_every_mode():
+  slow = runner.transfer_slowdown("bursty", 0, 9)
+  factors = {(s, i): slow(data_lib.Batch(s, i, {})) for s in range(40) for i in range(9)}
+  assert all(f >= 1.6 for (s, i), f in factors.items() if i < 3)  # the first third of a step
+  assert all(f in (1.0, 2.0) for (s, i), f in factors.items() if i >= 3)
+  spikes = sum(f in (2.0, 3.2) for f in factors.values()) / len(factors)
+  assert 0.1 < spikes < 0.3  # about a fifth
+  again = runner.transfer_slowdown("bursty", 0, 9)
+  assert all(again(data_lib.Batch(s, i, {})) == f for (s, i), f in factors.items())  # seeded
+  assert runner.transfer_slowdown("steady", 0, 9) is None
+
+
+def test_the_bursty_scenario_judges_depth2_against_depth1():
+  result = _result()
+  result.options = dataclasses.replace(result.options, scenario="bursty")
+  assert _failing(result) == ["bursty: depth2 beats depth1 (depth1 / depth2 median step > 1)"]
+  result = _result(depth2=_run("depth2", 6.5))
+  result.options = dataclasses.replace(result.options, scenario="bursty")
+  assert _failing(result) == []

@@ -63,16 +63,15 @@ def fwd_bwd_durations(spans: Iterable[timeline_lib.Span], step: int) -> list[flo
           and dict(s.args).get("kind") == "fwd_bwd"]
 
 
-def stage_chain_ceiling(t_resident: float | None, microbatches: int,
-                        stage_call_s: float | None) -> float | None:
-  """The most a pipeline with one stage call in flight can hide: min(1, T_resident / (M x s)).
+def update_duration(spans: Iterable[timeline_lib.Span], step: int) -> float:
+  """Device time of the step's update."""
+  return max(s.duration for s in spans if s.track == COMPUTE_TRACK and _step_of(s) == step
+             and dict(s.args).get("kind") == "update")
 
-  Each step needs M stage calls of s seconds one after another, so no step is shorter than
-  M x s; with T_inline = T_resident + M x s the hidden fraction is at most T_resident / (M x s).
-  """
-  if t_resident is None or stage_call_s is None or stage_call_s <= 0:
-    return None
-  return min(1.0, t_resident / (microbatches * stage_call_s))
+
+def step_limit(microbatches: int, fwd_bwd_s: float, update_s: float, sync_s: float) -> float:
+  """The shortest step the device allows: M fwd_bwd, the update and the weight sync, no waiting."""
+  return microbatches * fwd_bwd_s + update_s + sync_s
 
 
 def median(values: Sequence[float]) -> float | None:

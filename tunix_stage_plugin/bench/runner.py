@@ -17,9 +17,10 @@ steps. Rounds rotate the mode order, so slow drift on the machine spreads over e
 Other processes' CPU is sampled per step (bench.cpu); a run in which no timed step was quiet is
 re-run, at most `retries` times per benchmark.
 
-Micro-batches are built as the run needs them, by a thread that keeps at most two steps' worth
-ahead (BatchPrefetch): memory does not grow with --steps, and building one (about 8 ms for 16 MiB)
-stays off the timed path, as when every batch was built up front.
+A mode run's micro-batches are built before it starts (off the timed path: building a 16 MiB
+one takes about 8 ms of a core, which a 2-core machine would take from compute) when they fit in
+PREBUILD_MAX_BYTES; a longer run builds them as it needs them, on a thread that keeps at most
+two steps' worth ahead (BatchPrefetch), so memory does not grow with --steps.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ import threading
 import time
 from typing import Callable
 
+import numpy as np
+
 from tunix_stage_plugin.bench import cpu
 from tunix_stage_plugin.bench import metrics
+from tunix_stage_plugin.bench import modes as modes_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import data as data_lib
@@ -42,23 +46,39 @@ from tunix_stage_plugin.embedded import engine as engine_lib
 from tunix_stage_plugin.embedded import job as job_lib
 from tunix_stage_plugin.embedded import process as process_lib
 
-MODES = ("inline", "depth1", "depth2", "depth2_prestage", "resident")
+MODE_TABLE, MODES, SCENARIOS = modes_lib.MODE_TABLE, modes_lib.MODES, modes_lib.SCENARIOS
+BURSTY_HEAD, BURSTY_HEAD_SLOWDOWN = 1 / 3, 1.6  # the first third of a step's transfers
+BURSTY_SPIKE_P, BURSTY_SPIKE_SLOWDOWN = 0.2, 2.0  # and a fifth of all, at random
 CALIBRATION_STEPS = 3  # the first compiles; the medians use the others
 WARMUP_STEPS = 1
 PREFETCH_STEPS = 2  # batches built ahead: the step being trained and the next (prestage)
 
 
 def plan_for(mode: str, steps: int, microbatches: int, sync_s: float) -> job_lib.JobPlan:
-  kinds = {
-      "inline": dict(kind="inline"),
-      "depth1": dict(kind="staged", depth=1),
-      "depth2": dict(kind="staged", depth=2),
-      "depth2_prestage": dict(kind="staged", depth=2, prestage=True),
-      "resident": dict(kind="resident"),
-  }
+  kinds = {m.name: m.plan for m in MODE_TABLE}
   if mode not in kinds:
     raise ValueError(f"unknown mode {mode!r}; accepted: {', '.join(MODES)}")
   return job_lib.JobPlan(steps, microbatches, sync_s=sync_s, **kinds[mode])
+
+
+def transfer_slowdown(scenario: str, seed: int, microbatches: int
+                      ) -> Callable[[data_lib.Batch], float] | None:
+  """How much slower each micro-batch's wire transfer is than the calibrated link (None: never).
+
+  bursty: seeded; the first third of each step's micro-batches 1.6x (the front-loaded contention
+  of the upstream change's measured step) and, independently, a fifth of all 2x (spikes). The
+  same micro-batch is as slow in every mode, whichever call carries it (a stage or an inline
+  train), so the modes still compare like for like.
+  """
+  if scenario == "steady":
+    return None
+
+  def slowdown(batch: data_lib.Batch) -> float:
+    factor = BURSTY_HEAD_SLOWDOWN if batch.index < BURSTY_HEAD * microbatches else 1.0
+    spike = np.random.default_rng([seed, 7919, batch.step, batch.index]).random()
+    return factor * (BURSTY_SPIKE_SLOWDOWN if spike < BURSTY_SPIKE_P else 1.0)
+
+  return slowdown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +90,9 @@ class BenchOptions:
   wire_ratio: float = 0.8
   h2d_ratio: float = 0.4
   sync_ratio: float = 0.5
-  max_device_batches: int = 2
+  max_device_batches: int = 1
+  max_host_batches: int = 1
+  scenario: str = "steady"
   modes: tuple[str, ...] = MODES
   seed: int = 0
   tiny: bool = False
@@ -81,7 +103,7 @@ class BenchOptions:
       raise ValueError(f"seed must be an integer from 0 to {2**32 - 1}; got {self.seed!r}")
     if not isinstance(self.retries, int) or self.retries < 0:
       raise ValueError(f"retries must be an integer >= 0; got {self.retries!r}")
-    for name in ("rounds", "steps", "microbatches", "max_device_batches"):
+    for name in ("rounds", "steps", "microbatches", "max_device_batches", "max_host_batches"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
@@ -90,6 +112,8 @@ class BenchOptions:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
     if not self.sync_ratio >= 0:
       raise ValueError(f"sync_ratio must be >= 0; got {self.sync_ratio!r}")
+    if self.scenario not in SCENARIOS:
+      raise ValueError(f"scenario must be one of {', '.join(SCENARIOS)}; got {self.scenario!r}")
     unknown = [m for m in self.modes if m not in MODES]
     if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
       raise ValueError(f"modes must be distinct names from {', '.join(MODES)}; got {self.modes}")
@@ -129,10 +153,12 @@ class ModeRun:
   round: int
   timings: list[metrics.StepTiming]
   fwd_bwd_s: list[list[float]]  # per timed step, each micro-batch's device time (contention)
+  update_s: list[float]  # per timed step, the update's device time
   stage_call_s: list[float]  # every engine.stage call of the run, orchestrator side
   fallbacks: int
   fallback_reasons: list[str]
   peak_device_batches: int
+  peak_host_batches: int
   max_device_batches: int
   trained_order: list[str]
   param_digest: str
@@ -157,11 +183,20 @@ class BenchResult:
   interrupted: str | None = None  # the signal's name when a signal stopped the benchmark early
 
 
+PREBUILD_MAX_BYTES = 1 << 30
+
+
+def _prebuilt(options: BenchOptions) -> bool:
+  return options.sizes().payload_bytes * options.total_steps * options.microbatches \
+      <= PREBUILD_MAX_BYTES
+
+
 def payloads_held(options: BenchOptions) -> tuple[int, str]:
   """About how many payloads the two processes hold at once, and why (for the memory check)."""
   resident = options.total_steps if "resident" in options.modes else 0
   on_trainer = max(CALIBRATION_STEPS, resident) * options.microbatches
-  ahead = PREFETCH_STEPS * options.microbatches + options.max_device_batches
+  built = options.total_steps if _prebuilt(options) else PREFETCH_STEPS
+  ahead = built * options.microbatches + options.max_device_batches
   return on_trainer + ahead, (
       f"{on_trainer} resident on the trainer, {ahead} built ahead or staged")
 
@@ -182,7 +217,8 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _:
   trainer = None
   try:
     say("starting the trainer process (JAX, 2-device CPU mesh, gRPC on 127.0.0.1)")
-    trainer = process_lib.TrainerProcess(max_device_batches=options.max_device_batches)
+    trainer = process_lib.TrainerProcess(max_device_batches=options.max_device_batches,
+                                         max_host_batches=options.max_host_batches)
     with trainer:
       asyncio.run(_run(options, trainer, say, result))
   finally:
@@ -268,7 +304,8 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
                say: Callable[[str], None], result: BenchResult) -> None:
   async with client_lib.WorkerClient(trainer.address) as client:
     await client.wait_ready()
-    engine = engine_lib.EmbeddedEngine(client)
+    engine = engine_lib.EmbeddedEngine(client, transfer_slowdown=transfer_slowdown(
+        options.scenario, options.seed, options.microbatches))
     sizes = options.sizes()
     say(f"micro-batches of {sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed}), "
         f"built {PREFETCH_STEPS} steps ahead of training on a thread")
@@ -325,6 +362,11 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
   step_loads: list[float | None] = []
   if mode == "resident":  # the trainer built these itself; only their ids travel
     batches = contextlib.nullcontext(lambda s, i: data_lib.Batch(s, i, {}))
+  elif _prebuilt(options):
+    sizes = options.sizes()
+    built = {(s, i): data_lib.make_batch(sizes, options.seed, s, i)
+             for s in range(plan.steps) for i in range(plan.microbatches)}
+    batches = contextlib.nullcontext(lambda s, i: built.pop((s, i)))
   else:
     batches = BatchPrefetch(options.sizes(), options.seed, plan.steps, plan.microbatches)
   with batches as batch_for:
@@ -339,11 +381,13 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
   fwd_bwd = [metrics.fwd_bwd_durations(trainer_spans, t.step) for t in timings]
   return ModeRun(
       mode=mode, round=round_, timings=timings, fwd_bwd_s=fwd_bwd,
+      update_s=[metrics.update_duration(trainer_spans, t.step) for t in timings],
       stage_call_s=[s.duration for s in recorder.spans(metrics.STAGE_TRACK)],
       fallbacks=sum(o.report.fallbacks for o in outcomes),
       fallback_reasons=[r for o in outcomes for r in o.report.fallback_reasons],
       peak_device_batches=finish["store"]["peak"],
       max_device_batches=finish["max_device_batches"],
+      peak_host_batches=finish["store"]["peak_host"],
       trained_order=finish["trained_order"], param_digest=finish["param_digest"],
       step_foreign_cores=step_loads[WARMUP_STEPS:], spans=spans, origin=origin)
 

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
+from tunix_stage_plugin.bench import modes as modes_lib
 from tunix_stage_plugin.cli import inputs
 
 if TYPE_CHECKING:  # the bench modules load grpc; `tunix-stage --help` should not wait for that
@@ -21,12 +22,10 @@ FULL = {"rounds": 3, "steps": 2}
 
 
 def _modes(text: str) -> tuple[str, ...]:
-  from tunix_stage_plugin.bench import runner  # pylint: disable=import-outside-toplevel
-
   modes = tuple(m.strip() for m in text.split(",") if m.strip())
-  bad = [m for m in modes if m not in runner.MODES]
+  bad = [m for m in modes if m not in modes_lib.MODES]
   if bad or not modes or len(set(modes)) != len(modes):
-    raise ValueError(f"accepted: a comma-separated subset of {','.join(runner.MODES)}, "
+    raise ValueError(f"accepted: a comma-separated subset of {','.join(modes_lib.MODES)}, "
                      "each at most once")
   return modes
 
@@ -48,13 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
           "trainer, writes the JSON with the runs finished so far (\"interrupted\": true) and "
           "exits 130 or 143.", 78),
       formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog="modes:\n"
-      "  inline           every micro-batch travels with its train call; nothing staged\n"
-      "  depth1, depth2   up to 1 or 2 micro-batches staged ahead of the pending train call\n"
-      "  depth2_prestage  depth2, and the next step's first micro-batches stage across the\n"
-      "                   step boundary (update + weight sync)\n"
-      "  resident         all micro-batches on the device before the first step: the ceiling\n"
-      "\nhidden fraction = (T_inline - T_mode) / (T_inline - T_resident)",
+      epilog=modes_lib.epilog(),
   )
   size = parser.add_argument_group("run length")
   size.add_argument("--quick", action="store_true",
@@ -85,9 +78,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="host-to-device time as a multiple of compute (default 0.4)")
   shape.add_argument("--sync-ratio", default="0.5", metavar="X",
                      help="the step boundary's weight sync as a multiple of compute (default 0.5)")
-  shape.add_argument("--max-device-batches", default="2", metavar="N",
+  shape.add_argument("--max-device-batches", default="1", metavar="N",
                      help="the trainer's device bound (TUNIX_STAGE_MAX_DEVICE_BATCHES) for every "
-                     "mode (default 2: depth2 may hold two staged batches)")
+                     "mode (default 1, production's)")
+  shape.add_argument("--max-host-batches", default="1", metavar="N",
+                     help="the trainer's bound on received-but-unplaced micro-batches "
+                     "(TUNIX_STAGE_MAX_HOST_BATCHES; default 1)")
+  shape.add_argument("--scenario", default="steady", metavar="NAME",
+                     help=f"how transfers behave: {' | '.join(modes_lib.SCENARIOS)} (default "
+                     "steady; see below)")
   shape.add_argument("--seed", default="0", metavar="N",
                      help=f"parameters and data seed, 0 to {inputs.SEED_LIMIT - 1} (default 0)")
   shape.add_argument("--tiny", action="store_true",
@@ -111,6 +110,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 _FILES = {"json": "bench.json", "png": "timeline.png", "trace": "trace.json"}
 
 
+def _scenario(text: str) -> str:
+  if text not in modes_lib.SCENARIOS:
+    raise ValueError(f"accepted: {' | '.join(modes_lib.SCENARIOS)}")
+  return text
+
+
 def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[str, str],
                                                list[str]]:
   """Every option at once: (options, output files, []) or (None, {}, one line per problem)."""
@@ -132,6 +137,8 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
       "sync_ratio": p.take("--sync-ratio", args.sync_ratio, inputs.nonnegative),
       "max_device_batches": p.take("--max-device-batches", args.max_device_batches,
                                    inputs.count),
+      "max_host_batches": p.take("--max-host-batches", args.max_host_batches, inputs.count),
+      "scenario": p.take("--scenario", args.scenario, _scenario),
       "seed": p.take("--seed", args.seed, inputs.seed),
   }
   files = {}

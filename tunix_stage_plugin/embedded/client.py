@@ -148,14 +148,17 @@ class WorkerClient:
     return expected
 
   async def call(self, method: str, *args: Any, _timeout_s: float | None = None,
-                 **kwargs: Any) -> Any:
+                 _pace: float = 1.0, **kwargs: Any) -> Any:
     """Runs `method(*args, **kwargs)` on the trainer; returns its result or raises its error.
 
-    `_timeout_s` replaces the derived deadline (expected time + the liveness bound). Raises
-    TrainerUnresponsiveError when the trainer stops answering.
+    `_timeout_s` replaces the derived deadline (expected time + the liveness bound). `_pace`
+    makes this call's payload cross the emulated link that many times slower (the benchmark's
+    bursty scenario). Raises TrainerUnresponsiveError when the trainer stops answering.
     """
+    if not 1.0 <= _pace < float("inf"):
+      raise ValueError(f"_pace must be a finite slowdown >= 1; got {_pace!r}")
     encoded = wire.encode_call(method, args, kwargs)
-    expected = self.expected_s(encoded, args)
+    expected = self.expected_s(encoded, args) * _pace
     timeout = _timeout_s if _timeout_s is not None else expected + self.liveness_s
     start = time.monotonic()
     try:
@@ -164,7 +167,7 @@ class WorkerClient:
         # train-by-key call never queues behind a stage's payload.
         reply = await self._unary(encoded.unary, timeout=timeout)
       else:
-        reply = await self._stream(self._messages(encoded), timeout=timeout)
+        reply = await self._stream(self._messages(encoded, _pace), timeout=timeout)
     except grpc.aio.AioRpcError as e:
       raise await self._diagnose(e, method, time.monotonic() - start, timeout, expected) from e
     return wire.decode_reply(method, reply)
@@ -202,10 +205,10 @@ class WorkerClient:
         f"trainer at {self.address} stopped answering: {method} {why} (liveness bound "
         f"{self.liveness_s:g} s, --liveness_s)")
 
-  async def _messages(self, encoded: wire.EncodedCall) -> AsyncIterator[bytes]:
+  async def _messages(self, encoded: wire.EncodedCall, pace: float) -> AsyncIterator[bytes]:
     yield encoded.header
     for view in wire.iter_chunks(encoded.buffers):
-      await self.pacer.transmit(view.nbytes)
+      await self.pacer.transmit(round(view.nbytes * pace))
       yield bytes(view)  # grpc sends bytes only; a 4 MiB memcpy into reused heap memory
 
   async def clock_offset(self, samples: int = 7) -> tuple[float, float]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.embedded import client as client_lib
@@ -14,12 +14,17 @@ from tunix_stage_plugin.embedded import wire
 class EmbeddedEngine:
   """stage / train / reset for core.pipeline.StagePipeline, plus the step boundary's calls."""
 
-  def __init__(self, client: client_lib.WorkerClient) -> None:
+  def __init__(self, client: client_lib.WorkerClient, *,
+               transfer_slowdown: Callable[[data_lib.Batch], float] | None = None) -> None:
     self.client = client
+    # The benchmark's bursty scenario: a micro-batch's payload crosses the emulated wire this
+    # many times slower, whichever call carries it.
+    self._slowdown = transfer_slowdown or (lambda batch: 1.0)
 
   async def stage(self, payload: data_lib.Batch, *, key: str) -> outcome_lib.StageOutcome:
     try:
-      answer = await self.client.call("stage_batch", payload, key=key)
+      answer = await self.client.call("stage_batch", payload, key=key,
+                                      _pace=self._slowdown(payload))
     except wire.RemoteCallError as e:
       if e.error_type == store_lib.StageKeyError.__name__:  # a caller bug: fail loud, here too
         raise store_lib.StageKeyError(str(e)) from e
@@ -31,7 +36,7 @@ class EmbeddedEngine:
     if stage_key is not None:
       result = await self.client.call("fwd_bwd", stage_key=stage_key)
     else:
-      result = await self.client.call("fwd_bwd", payload)
+      result = await self.client.call("fwd_bwd", payload, _pace=self._slowdown(payload))
     return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer),
                                fallback=result["placement_fallback"])
 

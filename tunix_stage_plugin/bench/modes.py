@@ -1,0 +1,50 @@
+"""The benchmark's vocabularies, one table each: its modes and its transfer scenarios (light: the
+CLI builds --help from them without loading the benchmark)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  """One benchmark mode: its name, how the job runs it, and what it means (for --help)."""
+
+  name: str
+  plan: dict
+  help: str
+
+
+# The one table of benchmark modes: runner, --help, report and README all read it.
+MODE_TABLE = (
+    Mode("inline", dict(kind="inline"),
+         "every micro-batch travels with its train call; nothing staged"),
+    Mode("depth1", dict(kind="staged", depth=1),
+         "up to 1 micro-batch staged ahead of the pending train call"),
+    Mode("depth2", dict(kind="staged", depth=2),
+         "up to 2 micro-batches staged ahead of the pending train call"),
+    Mode("depth2_prestage", dict(kind="staged", depth=2, prestage=True),
+         "depth2, and the next step's first micro-batches stage across the step boundary "
+         "(update + weight sync)"),
+    Mode("resident", dict(kind="resident"),
+         "all micro-batches on the device before the first step: the ceiling"),
+)
+MODES = tuple(m.name for m in MODE_TABLE)
+
+# How each micro-batch's wire transfer behaves (runner.transfer_slowdown).
+SCENARIOS = {
+    "steady": "every transfer at the calibrated wire speed",
+    "bursty": "seeded: the first third of each step's transfers 1.6x slower, and a fifth of all "
+              "2x slower (the front-loaded contention the upstream change measured)",
+}
+
+
+def epilog() -> str:
+  """The modes and scenarios as `tunix-stage bench --help` lists them."""
+  width = max(len(m.name) for m in MODE_TABLE) + 2
+  lines = ["modes:"] + [f"  {m.name:<{width}}{m.help}" for m in MODE_TABLE]
+  lines += ["", "scenarios (--scenario):"] + [f"  {k:<{width}}{v}" for k, v in SCENARIOS.items()]
+  lines += ["", "hidden fraction = (T_inline - T_mode) / (T_inline - T_resident)",
+            "limit = step / (M x fwd_bwd + update + weight sync), all measured: 1.00 is the "
+            "device never waiting"]
+  return "\n".join(lines)
