@@ -199,11 +199,15 @@ role_env_prefix() {
 
 # Whether setsid runs each process in its own process group (and session): then stopping a
 # process stops its children too, and a Ctrl-C at the terminal reaches only the launcher, which
-# stops everything once, in order.
+# stops everything once, in order. setpriv --pdeathsig makes the kernel send each process SIGTERM
+# when the launcher dies, however it died (SIGKILL included), so nothing outlives it.
+SETSID=()
 if command -v setsid >/dev/null 2>&1; then
   SETSID=(setsid)
-else
-  SETSID=()
+fi
+PDEATHSIG=()
+if command -v setpriv >/dev/null 2>&1 && setpriv --pdeathsig TERM true 2>/dev/null; then
+  PDEATHSIG=(setpriv --pdeathsig TERM)
 fi
 
 # Starts a role's process in the background with its log, and records it.
@@ -219,7 +223,8 @@ start_process() {
   defer_signals # a signal here would otherwise exit before the new PID is recorded
   # setsid execs the command in place (a background child is never a group leader), so $! is the
   # command's PID and its process group ID.
-  ${SETSID[@]+"${SETSID[@]}"} "${prefix[@]}" "$@" >"${log}" 2>&1 &
+  ${SETSID[@]+"${SETSID[@]}"} ${PDEATHSIG[@]+"${PDEATHSIG[@]}"} "${prefix[@]}" "$@" \
+    >"${log}" 2>&1 &
   local pid=$!
   NAMES+=("${name}")
   PIDS+=("${pid}")

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -277,3 +278,17 @@ def test_local_launcher_kills_what_ignores_sigterm_and_says_so(launch, tmp_path:
   assert re.search(r"trainer pid=\d+ ignored SIGTERM for 1s; sending SIGKILL", out), out
   assert "orchestrator pid=" in out and not re.search(r"orchestrator pid=\d+ ignored", out)
   assert_nothing_left(launch, out)  # the stubborn grandchild too
+
+
+def test_sigkill_to_the_launcher_leaves_no_process_behind(launch, tmp_path: Path):
+  """The launcher cannot clean up after SIGKILL: the kernel's parent-death signal (setpriv
+  --pdeathsig) stops its processes instead. Polls /proc with a deadline for them to be gone."""
+  rc, out = _start_and_signal(launch, tmp_path, signal.SIGKILL, "orchestrator")
+  assert rc == -signal.SIGKILL, out
+  pids = reported_pids(out)
+  assert {"trainer", "orchestrator"} <= set(pids), out
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and (
+      processes_with(launch.marker) or any(pid_alive(p) for p in pids.values())):
+    time.sleep(0.1)
+  assert_nothing_left(launch, out)

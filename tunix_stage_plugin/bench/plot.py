@@ -24,7 +24,8 @@ LEGEND = (
     ("fwd_bwd, payload sent inline", "inline"), ("fwd_bwd, staged", "staged"),
     ("fwd_bwd, resident", "resident"), ("update", "update"), ("weight sync", "device/sync"),
     ("H2D on the staging thread", "h2d/staging"), ("H2D inline (compute thread)", "h2d/inline"),
-    ("payload received", "trainer/receive"), ("stage call (wire + H2D)", "orchestrator/stage"),
+    ("payload received", "trainer/receive"),
+    ("stage call (wire; answered once received)", "orchestrator/stage"),
 )
 
 

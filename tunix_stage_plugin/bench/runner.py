@@ -308,7 +308,8 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
         options.scenario, options.seed, options.microbatches))
     sizes = options.sizes()
     say(f"micro-batches of {sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed}), "
-        f"built {PREFETCH_STEPS} steps ahead of training on a thread")
+        + ("built before each mode run" if _prebuilt(options)
+           else f"built {PREFETCH_STEPS} steps ahead of training on a thread"))
     calibration = result.calibration = await _calibrate(client, engine, options, sizes)
     c = calibration
     say(f"calibrated: compute {c.compute_s:.3f} s/micro-batch, update {c.update_s:.3f} s -> wire "
