@@ -200,14 +200,16 @@ role_env_prefix() {
 # Whether setsid runs each process in its own process group (and session): then stopping a
 # process stops its children too, and a Ctrl-C at the terminal reaches only the launcher, which
 # stops everything once, in order. setpriv --pdeathsig makes the kernel send each process SIGTERM
-# when the launcher dies, however it died (SIGKILL included), so nothing outlives it.
+# when the launcher dies, however it died (SIGKILL included), so nothing outlives it; then the
+# child checks that the launcher is still its parent (one that died between the fork and the
+# signal's setting would never send it) before it execs the command.
 SETSID=()
 if command -v setsid >/dev/null 2>&1; then
   SETSID=(setsid)
 fi
 PDEATHSIG=()
 if command -v setpriv >/dev/null 2>&1 && setpriv --pdeathsig TERM true 2>/dev/null; then
-  PDEATHSIG=(setpriv --pdeathsig TERM)
+  PDEATHSIG=(setpriv --pdeathsig TERM bash -c "[[ \"\${PPID}\" == \"\$0\" ]] || exit 143; exec \"\$@\"" "$$")
 fi
 
 # Starts a role's process in the background with its log, and records it.

@@ -93,8 +93,16 @@ def launch(tmp_path: Path):
       pass
 
 
+def _cmdline(pid: int) -> str:
+  try:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+  except OSError:
+    return "?"
+
+
 def assert_nothing_left(launch, output: str) -> None:
-  assert processes_with(launch.marker) == []
+  left = processes_with(launch.marker)
+  assert left == [], [(pid, _cmdline(pid)) for pid in left]
   for name, pid in reported_pids(output).items():
     assert not pid_alive(pid), f"{name} pid={pid} is still running"
 
