@@ -14,4 +14,5 @@ HOST_TRIGGERS: dict[str, tuple[str, ...]] = {
         "tunix.experimental.orchestrator.distributed_rl_engine",
         "tunix.experimental.orchestrator.rl_program",
     ),
+    "maxtext": ("maxtext.training_engine.maxtext_engine",),
 }

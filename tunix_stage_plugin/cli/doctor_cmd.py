@@ -24,6 +24,10 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 
 HOST = "tunix"
+ENGINES = ("maxtext",)  # optional engines behind tunix's TrainerWorker, reported next to tunix
+TUNIX_HINT = ("tunix's experimental distributed stack is on google/tunix main (c7d8950, "
+              "2026-08-21, or newer), not in the registry's google-tunix releases: install a "
+              "checkout of it (pip install -e TUNIX_CHECKOUT) into this environment")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +62,7 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     adapter.load()
   except ImportError as e:
     report["host"] = None
-    problems.append(f"tunix is not importable: {type(e).__name__}: {e}")
+    problems.append(f"tunix is not importable: {type(e).__name__}: {e}. {TUNIX_HINT}")
     return report, problems
   report["host"] = adapter.describe()
   if manager.is_installed(HOST):  # the bootstrap installed while load() imported tunix
@@ -70,7 +74,26 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   problems += [f"probe failed: {c['name']}: {c['detail']}" for c in checks if not c["ok"]]
   report["installed_hooks"] = manager.installed_hooks(HOST)
   report["hook_groups"] = list(adapter.hook_groups)
+  report["engines"] = {name: _engine(name, problems) for name in ENGINES
+                       if name in report["entry_points"]}
   return report, problems
+
+
+def _engine(name: str, problems: list[str]) -> dict[str, Any]:
+  """An optional training engine behind tunix's TrainerWorker (MaxText): absent is fine; present,
+  it must pass its probes."""
+  adapter = entry_points.load_adapter(name)
+  try:
+    adapter.load()
+  except ImportError as e:
+    return {"host": None, "detail": f"not importable ({type(e).__name__}: {e}); optional"}
+  if manager.is_installed(name):
+    probes = [{"name": f"{name} probes (passed at install)", "ok": True, "detail": "ok"}]
+  else:
+    probes = [vars(p) for p in adapter.probe()]
+  problems += [f"probe failed: {p['name']}: {p['detail']}" for p in probes if not p["ok"]]
+  return {"host": adapter.describe(), "probes": probes,
+          "installed_hooks": manager.installed_hooks(name)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,6 +124,11 @@ def run(args: argparse.Namespace) -> int:
       print(f"  {name}")
     if not hooks:
       print("hooks staging installs: " + "; ".join(report["hook_groups"]))
+  for name, engine in report.get("engines", {}).items():
+    print(f"engine {name}: {engine['host'] or engine['detail']}")
+    for check in engine.get("probes", []):
+      print(f"  [{'ok' if check['ok'] else 'FAIL'}] {check['name']}"
+            + ("" if check["ok"] else f": {check['detail']}"))
   for problem in problems:
     print(f"{'error' if enabled else 'note'}: {problem}")
   if enabled and not problems:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from typing import Any, Callable, Protocol
 
 
@@ -20,6 +21,9 @@ class Placement(Protocol):
   def find(self, trainer: Any) -> tuple[Any, str | None]:
     """(target, None): stage through `target`; (None, reason): this kind, but it can never
     stage; (None, None): not this kind of trainer."""
+
+  def check(self, payload: Any) -> None:
+    """Raises for a payload this kind of trainer can never stage (refused before any wait)."""
 
   def place(self, target: Any, payload: Any) -> Any:
     """On the staging thread: prepare and place `payload`; blocks until the copy is done."""
@@ -59,6 +63,24 @@ def choose(trainer: Any) -> tuple[Placement | None, Any, str | None]:
   kinds = ", ".join(p.name for p in registered()) or "none installed"
   return None, None, (f"the hosted trainer is a {type(trainer).__qualname__}; staging supports "
                       f"{kinds} (or a proxy forwarding to one)")
+
+
+# Which stores hold batches staged through which target, so a host event that makes them wrong
+# (MaxText's restore_checkpoint or close) can drop them.
+_holders: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def track(target: Any, store: Any) -> None:
+  """`store` holds batches staged through `target`."""
+  with _lock:
+    _holders.setdefault(target, weakref.WeakSet()).add(store)
+
+
+def discard(target: Any) -> list[str]:
+  """Drops every batch staged through `target` (their device buffers go); returns their keys."""
+  with _lock:
+    stores = list(_holders.get(target, ()))
+  return [key for store in stores for key in store.reset()]
 
 
 class _Consuming(threading.local):

@@ -58,6 +58,11 @@ class PeftPlacement:
                     "promise here")
     return owner, None
 
+  def check(self, payload: Any) -> None:
+    if isinstance(payload, datatypes.TrainerPayload):
+      raise TypeError(f"{type(payload).__name__} is not a JAX pytree; stage what the assembler "
+                      "packs for fwd_bwd (e.g. rl_common.TrainExample or a dict of arrays)")
+
   def place(self, target: Any, payload: Any) -> Any:
     mesh = model_mesh(target.model)
     # `with mesh:` (deprecated in JAX, and it warns) because the host's shard_input reads the
@@ -74,12 +79,6 @@ class PeftPlacement:
     registry.on_undo(placements.register(self))
 
 
-def _check_payload(payload: Any) -> None:
-  if isinstance(payload, datatypes.TrainerPayload):
-    raise TypeError(f"{type(payload).__name__} is not a JAX pytree; stage what the assembler "
-                    "packs for fwd_bwd (e.g. rl_common.TrainExample or a dict of arrays)")
-
-
 def _place(state: installation_lib.WorkerStaging, payload: Any) -> Any:
   return state.placement.place(state.target, transforms.apply_transforms(payload))
 
@@ -93,12 +92,14 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     state = inst.staging_of(self)
     if state.placement is None and state.unsupported is None:
       state.placement, state.target, state.unsupported = placements.choose(self._trainer)  # pylint: disable=protected-access
+      if state.target is not None:
+        placements.track(state.target, state.store)
     if state.unsupported is not None:
       result = outcome_lib.unsupported(store_lib.check_key(key), state.unsupported)
     else:
       # Two phases on the server's staging lane: answered once received, placed next there.
       result = state.store.stage(key, payload, functools.partial(_place, state),
-                                 check=_check_payload,
+                                 check=state.placement.check,
                                  defer=executor_lib.defer_on_current_lane())
     return self._response(staged=result.staged, outcome=result.as_dict())  # pylint: disable=protected-access
 

@@ -1,0 +1,411 @@
+"""Staging into MaxText's training engine (maxtext 0.2.5) behind tunix's real TrainerWorker.
+
+A real tiny MaxText decoder (2 layers, d_model 32, vocab 128; MaxText's own base config, the
+engine's own router-replay adapter and loss), no mocks. Two engines from the same seed: one
+trained inline, one from staged micro-batches (one or two ahead); their accumulated gradients and
+denominators are compared bitwise after every fwd_bwd, their parameters and whole train state
+after every update. The same on 4 forced CPU devices (a subprocess: the device count is fixed
+when JAX starts), through the fallbacks, and end to end over tunix's gRPC server in its own
+process against a node without the plugin. Run `python tests/test_maxtext.py check N` (N devices)
+or `... serve plugin|plain` by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import types
+
+import numpy as np
+
+STEPS, MICRO = 3, 3
+
+
+def tiny_engine(me, pyconfig, maxtext):
+  base_yml = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
+  config = pyconfig.initialize(
+      [None, base_yml], model_name="default", hardware="cpu", attention="dot_product",
+      base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
+      base_num_decoder_layers=2, vocab_size=128, max_target_length=16, per_device_batch_size=1.0,
+      dtype="float32", weight_dtype="float32", grad_dtype="float32", enable_checkpointing=False,
+      enable_tensorboard=False, enable_dropout=False, use_weight_converter=False,
+      skip_jax_distributed_system=True, init_weights_seed=0, learning_rate=1e-3, steps=10,
+      profiler="", profiler_steps=0, run_name="tiny",
+      base_output_directory=tempfile.mkdtemp(prefix="tunix-stage-maxtext-"))
+  engine = me.MaxTextTrainingEngine(config)
+  engine.with_gen_model_input_fn(me.router_replay_gen_model_input_fn)
+  engine.with_loss_fn(me.make_router_replay_loss_fn(config), has_aux=True)
+  engine.compile(None)  # lazy: compiled by the first fwd_bwd
+  return engine
+
+
+def payload(datatypes, seed, b, p=6, c=10, vocab=128):
+  """A synthetic RLTrainerPayload: left-padded prompt, right-padded completion."""
+  rng = np.random.default_rng(seed)
+  prompt_ids = rng.integers(1, vocab, size=(b, p), dtype=np.int32)
+  completion_ids = rng.integers(1, vocab, size=(b, c), dtype=np.int32)
+  prompt_mask, completion_mask = np.ones((b, p), np.int32), np.ones((b, c), np.int32)
+  for i in range(b):
+    prompt_mask[i, :i + 1] = 0
+    completion_mask[i, c - (i + 2):] = 0
+  prompt_ids *= prompt_mask
+  completion_ids *= completion_mask
+  return datatypes.RLTrainerPayload(
+      token_ids=np.concatenate([prompt_ids, completion_ids], -1),
+      token_mask=np.concatenate([prompt_mask, completion_mask], -1),
+      prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+      completion_mask=completion_mask, advantages=rng.standard_normal(b).astype(np.float32),
+      loss_mask=np.concatenate([prompt_mask, completion_mask], -1))
+
+
+def host_leaves(tree):
+  import jax  # pylint: disable=import-outside-toplevel
+  out = []
+  for leaf in jax.tree.leaves(tree):
+    if hasattr(leaf, "dtype") and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      leaf = jax.random.key_data(leaf)
+    out.append(np.array(leaf, copy=True))
+  return out
+
+
+def train(worker, engine, payloads, *, ahead=0, hooks=None):
+  """Trains STEPS x MICRO; `ahead` > 0 stages that many ahead and trains by key. Returns a
+  snapshot after every fwd_bwd (grads, denominator) and update (model, whole train state)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  hooks = hooks or {}
+  keys = [f"m-{n}" for n in range(len(payloads))]
+  snapshots, reasons = [], []
+  for n in range(min(ahead, len(payloads))):
+    assert worker.stage_batch(payloads[n], key=keys[n]).metadata["staged"]
+  for n, item in enumerate(payloads):
+    if ahead and n + ahead < len(payloads):  # stage k+ahead before training k
+      worker.stage_batch(payloads[n + ahead], key=keys[n + ahead])
+    hooks.get(n, lambda: None)()
+    if ahead:
+      response = worker.fwd_bwd(payload=None, stage_key=keys[n])
+      reasons.append(response.metadata["placement_fallback"])
+    else:
+      worker.fwd_bwd(item)
+    snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
+    if n % MICRO == MICRO - 1:
+      worker.update()
+      snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
+  return snapshots, reasons
+
+
+def same_bits(a, b):
+  return len(a) == len(b) and all(
+      len(x) == len(y) and all(u.dtype == v.dtype and np.array_equal(u, v, equal_nan=True)
+                               for u, v in zip(x, y)) for x, y in zip(a, b))
+
+
+def check_equivalence(devices: int) -> None:
+  """Inline vs staged 1 and 2 ahead, bitwise, on this process's devices (run in a subprocess)."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import maxtext
+  from maxtext.configs import pyconfig
+  from maxtext.training_engine import maxtext_engine as me
+  from tunix.experimental.common import datatypes
+  from tunix.experimental.worker import trainer_worker
+
+  from tunix_stage_plugin.core import config as config_lib
+  from tunix_stage_plugin.activation import manager
+
+  assert len(jax.devices()) == devices, jax.devices()
+  # Two ahead: k + 2 is staged while k and k + 1 are held, so three slots.
+  cfg = config_lib.resolve({"mode": "stage", "max_device_batches": 3}, env={})
+  for host in ("tunix", "maxtext"):
+    assert manager.install(cfg, host=host, quiet=True).installed
+  payloads = [payload(datatypes, n, b=2 * devices) for n in range(STEPS * MICRO)]
+  runs = {}
+  for ahead in (0, 1, 2):
+    engine = tiny_engine(me, pyconfig, maxtext)
+    worker = trainer_worker.TrainerWorker(lambda engine=engine: engine)
+    worker.initialize()
+    runs[ahead], reasons = train(worker, engine, payloads, ahead=ahead)
+    assert all(r is None for r in reasons), reasons
+    if ahead:
+      leaf = jax.tree.leaves(worker_staged_example(worker, payloads[0]))[0]
+      spec = jax.sharding.PartitionSpec("fsdp" if devices > 1 else None, None)
+      assert leaf.committed and leaf.sharding.spec == spec, leaf.sharding
+  assert same_bits(runs[0], runs[1]) and same_bits(runs[0], runs[2])
+  print(json.dumps({"devices": devices, "snapshots": len(runs[0]), "identical": True}))
+
+
+def worker_staged_example(worker, item):
+  """Stages `item` once more and returns its placed dynamic half (then drops it)."""
+  from tunix_stage_plugin.hosts.tunix import installation  # pylint: disable=import-outside-toplevel
+  worker.stage_batch(item, key="probe-leaf")
+  staged = installation.current().staging_of(worker).store.take("probe-leaf")
+  return staged.dynamic
+
+
+# ---------------------------------------------------------------- a trainer node (subprocess)
+
+def serve(kind: str) -> None:
+  # pylint: disable=import-outside-toplevel
+  import maxtext
+  import portpicker
+  from flax import nnx
+  from maxtext.configs import pyconfig
+  from maxtext.training_engine import maxtext_engine as me
+  from tunix.experimental.worker import remote_execution, trainer_worker
+
+  if kind == "plugin":
+    from tunix_stage_plugin.activation import manager
+    from tunix_stage_plugin.core import config as config_lib
+    cfg = config_lib.resolve({"mode": "stage", "max_device_batches": 1}, env={})
+    for host in ("tunix", "maxtext"):
+      assert manager.install(cfg, host=host, quiet=True).installed
+
+  class NodeWorker(trainer_worker.TrainerWorker):
+
+    def parameters(self):
+      return [leaf.tobytes() for leaf in host_leaves(nnx.state(self._trainer.model))]
+
+  async def main():
+    worker = NodeWorker(lambda: tiny_engine(me, pyconfig, maxtext), worker_id=kind)
+    worker.initialize()
+    port = portpicker.pick_unused_port()
+    server = remote_execution.GrpcRemoteExecutionServer(worker)
+    await server.start_serving_async(port)
+    print(json.dumps({kind: port}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
+    await server.stop_serving()
+    print("stopped", flush=True)
+
+  asyncio.run(main())
+
+
+if __name__ == "__main__":
+  if sys.argv[1:2] == ["check"]:
+    check_equivalence(int(sys.argv[2]))
+    sys.exit(0)
+  if sys.argv[1:2] == ["serve"]:
+    serve(sys.argv[2])
+    sys.exit(0)
+
+# ---------------------------------------------------------------- the tests
+
+import pytest  # pylint: disable=wrong-import-position
+
+pytest.importorskip("maxtext.training_engine.maxtext_engine",
+                    reason="MaxText's training engine (maxtext 0.2.5) is not importable")
+pytest.importorskip("tunix.experimental.worker.trainer_worker",
+                    reason="tunix's experimental stack (google/tunix main) is not importable")
+
+# pylint: disable=wrong-import-position,wrong-import-order
+import jax
+import maxtext
+from maxtext.configs import pyconfig
+from maxtext.training_engine import maxtext_engine as me
+from tunix.experimental.common import datatypes
+from tunix.experimental.orchestrator import distributed_rl_engine
+from tunix.experimental.orchestrator import rl_program
+from tunix.experimental.worker import remote_execution
+from tunix.experimental.worker import trainer_worker
+
+from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.hosts.maxtext import placement as placement_lib
+from tunix_stage_plugin.hosts.tunix import installation
+
+pytestmark = pytest.mark.maxtext
+
+
+def _env(devices: int) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
+  env.update(JAX_PLATFORMS="cpu", PYTHONWARNINGS="ignore",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return env
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_staged_one_or_two_ahead_is_bitwise_inline(devices):
+  result = subprocess.run([sys.executable, __file__, "check", str(devices)], env=_env(devices),
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+  line = json.loads(result.stdout.strip().splitlines()[-1])
+  assert line == {"devices": devices, "snapshots": STEPS * MICRO + STEPS, "identical": True}
+
+
+@pytest.fixture
+def staging():
+  cfg = config_lib.resolve({"mode": "stage", "max_device_batches": 2}, env={})
+  for host in ("tunix", "maxtext"):
+    manager.uninstall(host, quiet=True)
+    assert manager.install(cfg, host=host, quiet=True).installed
+  yield
+  for host in ("maxtext", "tunix"):
+    manager.uninstall(host, quiet=True)
+
+
+def _pair(n_devices=1):
+  payloads = [payload(datatypes, n, b=2 * n_devices) for n in range(STEPS * MICRO)]
+  inline_engine = tiny_engine(me, pyconfig, maxtext)
+  inline_worker = trainer_worker.TrainerWorker(lambda: inline_engine)
+  inline_worker.initialize()
+  reference, _ = train(inline_worker, inline_engine, payloads)
+  engine = tiny_engine(me, pyconfig, maxtext)
+  worker = trainer_worker.TrainerWorker(lambda: engine)
+  worker.initialize()
+  return payloads, reference, engine, worker
+
+
+def test_a_refused_stage_trains_inline_to_the_same_bits(staging):
+  payloads, reference, engine, worker = _pair()
+  store = installation.current().staging_of(worker).store
+  store.set_bounds(1, 1)
+  store.slot_wait_s = 0
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  def stage(n):
+    return worker.stage_batch(payloads[n], key=f"c-{n}").metadata["outcome"]["status"]
+
+  statuses, snapshots = {0: stage(0)}, []
+  for n, item in enumerate(payloads):
+    if n + 1 < len(payloads):  # while n holds the only device slot, n + 1 is refused
+      statuses[n + 1] = stage(n + 1)
+    if statuses[n] == "staged":
+      worker.fwd_bwd(payload=None, stage_key=f"c-{n}")
+    else:  # the orchestrator's fallback: the same micro-batch, inline
+      worker.fwd_bwd(item)
+    snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
+    if n % MICRO == MICRO - 1:
+      worker.update()
+      snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
+  assert same_bits(snapshots, reference)
+  assert list(statuses.values()) == ["staged", "refused"] * 4 + ["staged"]
+
+
+def test_a_failed_placement_falls_back_to_the_same_bits(staging, monkeypatch):
+  payloads, reference, engine, worker = _pair()
+  real, calls = placement_lib._place_leaf, []  # pylint: disable=protected-access
+
+  def flaky(leaf, sharding):
+    calls.append(1)
+    if len(calls) == 3:
+      raise RuntimeError("injected device_put failure")
+    return real(leaf, sharding)
+
+  monkeypatch.setattr(placement_lib, "_place_leaf", flaky)
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  snapshots, statuses = [], []
+  for n, item in enumerate(payloads):
+    status = worker.stage_batch(item, key=f"f-{n}").metadata["outcome"]["status"]
+    statuses.append(status)
+    if status == "staged":
+      worker.fwd_bwd(payload=None, stage_key=f"f-{n}")
+    else:  # the orchestrator's fallback: the same micro-batch, inline
+      worker.fwd_bwd(item)
+    snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
+    if n % MICRO == MICRO - 1:
+      worker.update()
+      snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
+  assert statuses.count("failed") == 1 and len(installation.current().staging_of(worker).store) == 0
+  assert same_bits(snapshots, reference)
+
+
+def test_an_adapter_set_after_staging_trains_from_the_payload_to_the_same_bits(staging):
+  payloads, reference, engine, worker = _pair()
+  reset_adapter = {4: lambda: engine.with_gen_model_input_fn(me.router_replay_gen_model_input_fn)}
+  snapshots, reasons = train(worker, engine, payloads, ahead=1, hooks=reset_adapter)
+  assert same_bits(snapshots, reference)
+  stale = [n for n, r in enumerate(reasons) if r is not None]
+  # 4 and 5 were staged before the change (5 just before it, one ahead): both train from their
+  # payloads through the new adapter; 6 on were staged after it.
+  assert stale == [4, 5] and "gen_model_input_fn was set" in reasons[4]
+
+
+def test_restore_and_close_drop_what_was_staged(staging):
+  engine = tiny_engine(me, pyconfig, maxtext)
+  worker = trainer_worker.TrainerWorker(lambda: engine)
+  worker.initialize()
+  store = installation.current().staging_of(worker).store
+  assert worker.stage_batch(payload(datatypes, 0, b=2), key="r-0").metadata["staged"]
+  engine.close()
+  assert len(store) == 0 and store.stats.dropped == 1
+
+
+def test_a_maxtext_without_the_seam_gets_nothing_and_says_why(monkeypatch):
+  manager.uninstall("maxtext", quiet=True)
+  monkeypatch.delattr(me.MaxTextTrainingEngine, "_prepare_batch")
+  activation = manager.install(config_lib.resolve({"mode": "stage"}, env={}), host="maxtext",
+                               quiet=True)
+  assert not activation.installed
+  assert "MaxTextTrainingEngine._prepare_batch is missing" in activation.line
+  assert "\n" not in activation.line
+
+
+# ---------------------------------------------------------------- end to end over gRPC
+
+def _start_node(kind):
+  proc = subprocess.Popen([sys.executable, __file__, "serve", kind], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=_env(1))
+  for line in proc.stdout:  # MaxText prints its own lines first
+    if line.startswith("{"):
+      return proc, json.loads(line)
+  proc.wait(10)
+  pytest.fail(f"trainer node did not start:\n{proc.stderr.read()[-3000:]}")
+
+
+class OnePerItem:
+
+  def pack(self, payloads):
+    return list(payloads)
+
+
+def _run_program(port, staged):
+  reports = []
+
+  async def main():
+    handle = remote_execution.ActorHandle.from_address(f"grpc://127.0.0.1:{port}",
+                                                       rpc_timeout_s=300)
+    engine = distributed_rl_engine.DistributedRLEngine([], {datatypes.Role.ACTOR: handle})
+    program = rl_program.StandardRLProgram(
+        algo=types.SimpleNamespace(group_size=1, mini_batch_size=MICRO,
+                                   requires_reference_kl=False),
+        assembler=OnePerItem(), max_staleness=1, sync_weights=False,
+        on_step_end=lambda step, result: reports.append(program.last_step_result))
+    for n in range(STEPS * MICRO):
+      item = datatypes.TrajectoryItem(pair_index=0, group_id=f"g{n}", start_step=0,
+                                      traj=datatypes.Trajectory(reward=0.0))
+      item.payload = payload(datatypes, n, b=2)
+      await program.scored_q.put(item)
+    await program.train_stage(engine, num_steps=STEPS)
+    params = await handle.asubmit("parameters")
+    await handle.close()
+    return params
+
+  manager.uninstall("tunix", quiet=True)
+  if staged:
+    manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True)
+  try:
+    return asyncio.run(main()), reports
+  finally:
+    manager.uninstall("tunix", quiet=True)
+
+
+def test_end_to_end_staged_maxtext_trainer_matches_one_without_the_plugin():
+  nodes = [_start_node(kind) for kind in ("plugin", "plain")]
+  try:
+    ports = {name: port for _, ports in nodes for name, port in ports.items()}
+    staged_params, reports = _run_program(ports["plugin"], staged=True)
+    plain_params, plain_reports = _run_program(ports["plain"], staged=False)
+  finally:
+    for proc, _ in nodes:
+      proc.stdin.close()
+  for proc, _ in nodes:
+    out = proc.stdout.read()
+    assert proc.wait(120) == 0 and "stopped" in out, proc.stderr.read()[-3000:]
+  assert not hasattr(plain_reports[0], "stage_metrics")
+  metrics = [r.stage_metrics for r in reports]
+  assert sum(m["stage/staged"] for m in metrics) > 0, metrics
+  assert all(m["stage/fallbacks"] == 0 for m in metrics), metrics
+  assert staged_params == plain_params  # byte for byte

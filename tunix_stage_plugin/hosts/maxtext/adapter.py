@@ -1,0 +1,93 @@
+"""The MaxText adapter object the `tunix_stage_plugin.hosts` entry point names."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from tunix_stage_plugin.hosts import version
+from tunix_stage_plugin.hosts.probing import Probe, check, free, method
+
+if TYPE_CHECKING:
+  from tunix_stage_plugin.core import config as config_lib
+  from tunix_stage_plugin.core import patching
+
+DIST = "maxtext"
+ENGINE = "maxtext.training_engine.maxtext_engine"
+SEAM = "_prepare_batch"
+
+
+class MaxTextAdapter:
+  name = "maxtext"
+  trigger_modules = (ENGINE,)
+  hook_groups = (
+      "engine: a staged micro-batch prepared once through MaxTextTrainingEngine._prepare_batch, "
+      "placed on the engine's batch shardings; stale after with_gen_model_input_fn, dropped on "
+      "restore_checkpoint and close",
+  )
+
+  def __init__(self) -> None:
+    self._module: ModuleType | None = None
+
+  @property
+  def module(self) -> ModuleType:
+    if self._module is None:
+      raise RuntimeError("maxtext adapter: call load() first")
+    return self._module
+
+  def load(self) -> None:
+    self._module = importlib.import_module(ENGINE)
+
+  def describe(self) -> str:
+    return version.describe("maxtext", DIST, self._module.__file__ if self._module else None)
+
+  def probe(self) -> list[Probe]:
+    m = self.module
+
+    def engine_seam() -> str | None:
+      engine = getattr(m, "MaxTextTrainingEngine", None)
+      if engine is None:
+        return f"{ENGINE} has no MaxTextTrainingEngine"
+      source = inspect.getsource(engine.fwd_bwd)
+      prepared, waited = (source.find(f"self.{SEAM}(payload)"),
+                          source.find("self._throttler.wait_for_next()"))
+      return (method(engine, SEAM, params=("payload",), coroutine=False, own=True)
+              or method(engine, "fwd_bwd", params=("payload",), coroutine=False, own=True)
+              or (None if 0 <= prepared < waited else
+                  f"MaxTextTrainingEngine.fwd_bwd does not call self.{SEAM}(payload) before "
+                  "waiting for the device (maxtext 0.2.5's order)")
+              or method(engine, "_batch_data_shardings", params=("dynamic_batch",),
+                        coroutine=False)
+              or free(engine))
+
+    def split() -> str | None:
+      missing = [f for f in ("_split_static_and_dynamic",) if not callable(getattr(m, f, None))]
+      return f"{ENGINE} lacks {missing}" if missing else None
+
+    def lifecycle() -> str | None:
+      engine = m.MaxTextTrainingEngine
+      return (method(engine, "with_gen_model_input_fn", params=("gen_model_input_fn",),
+                     coroutine=False, own=True)
+              or method(engine, "restore_checkpoint", params=(), coroutine=False, own=True)
+              or method(engine, "close", params=(), coroutine=False, own=True))
+
+    return [
+        check(f"engine: MaxTextTrainingEngine.fwd_bwd prepares through {SEAM}(payload) first",
+              engine_seam),
+        check("engine: _split_static_and_dynamic(batch)", split),
+        check("engine: with_gen_model_input_fn / restore_checkpoint / close", lifecycle),
+    ]
+
+  def runtime_probes(self) -> list[Probe]:
+    return []
+
+  def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
+    del live  # the bounds are the trainer worker's (the tunix adapter's installation)
+    # pylint: disable-next=import-outside-toplevel  (imports JAX: only once maxtext is loaded)
+    from tunix_stage_plugin.hosts.maxtext import placement
+    placement.MaxTextPlacement(self.module).apply(registry)
+
+
+ADAPTER = MaxTextAdapter()
