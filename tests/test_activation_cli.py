@@ -121,8 +121,9 @@ def test_doctor_json(host, capsys, monkeypatch):
   assert report["host"] is None and report["config"]["enabled"] is True
   assert report["config"]["settings"]["max_staged_batches"] == {
       "value": 4, "source": "flag", "env": "TUNIX_MAX_STAGED_BATCHES"}
-  assert report["entry_points"] == ["tunix"]
-  assert any("tunix is not importable" in p for p in report["problems"])
+  assert report["entry_points"] == ["maxtext", "tunix"]
+  assert any("tunix is not importable" in p and "google/tunix main" in p
+             for p in report["problems"])
 
 
 def dry_run(capsys, *args):

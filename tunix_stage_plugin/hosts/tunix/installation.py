@@ -53,6 +53,9 @@ class Installation:
       executor = self._executors.get(server)
       if executor is None:
         executor = self._executors[server] = executor_lib.MethodExecutor(name="trainer")
+        # A server collected without stop_serving (tunix's in-process one has none) must not
+        # leave its idle lane threads behind: they stop after the call they are running.
+        weakref.finalize(server, executor.close, timeout=0)
       return executor
 
   def pop_executor(self, server: Any) -> executor_lib.MethodExecutor | None:
