@@ -8,7 +8,8 @@
 # the containers through each container's `env`:
 #   orchestrator: TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES
 #                 (+ --stage_train_batches=stage --max_staged_batches=N when staging is on)
-#   trainer:      TUNIX_STAGE_BATCH, TUNIX_STAGE_MAX_DEVICE_BATCHES
+#   trainer:      TUNIX_STAGE_BATCH, TUNIX_STAGE_MAX_DEVICE_BATCHES, TUNIX_STAGE_MAX_HOST_BATCHES
+# (the plugin's settings table decides which: `tunix-stage config --env-for ROLE`)
 #   rollout:      none
 # With staging off the containers carry TUNIX_STAGE_BATCH=off and no staging flag.
 set -euo pipefail
@@ -39,6 +40,7 @@ staging (validated by 'tunix-stage config --check'; a bad value stops the launch
   TUNIX_STAGE_BATCH               off | stage (default off)
   TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, 1..1024 (default 2)
   TUNIX_STAGE_MAX_DEVICE_BATCHES  trainer's device-memory bound, 1..1024 (default 1)
+  TUNIX_STAGE_MAX_HOST_BATCHES    trainer's received-batch host bound, 1..1024 (default 1)
 
 Every other knob (JOB_NAME, ports, model, TPU shape, ...) is listed in mlperf_base.sh.
 KUBECTL_FLAGS (e.g. "--context=my-cluster --namespace=rl") goes before every kubectl command.
@@ -272,7 +274,8 @@ fi
 if ((DRY_RUN)); then
   echo "# ${PROG}: dry run, nothing applied; TUNIX_STAGE_BATCH=${TUNIX_STAGE_BATCH}" \
     "TUNIX_MAX_STAGED_BATCHES=${TUNIX_MAX_STAGED_BATCHES}" \
-    "TUNIX_STAGE_MAX_DEVICE_BATCHES=${TUNIX_STAGE_MAX_DEVICE_BATCHES}" >&2
+    "TUNIX_STAGE_MAX_DEVICE_BATCHES=${TUNIX_STAGE_MAX_DEVICE_BATCHES}" \
+    "TUNIX_STAGE_MAX_HOST_BATCHES=${TUNIX_STAGE_MAX_HOST_BATCHES}" >&2
   for role in "${ROLES[@]}"; do
     if [[ "${COMMAND}" == start ]]; then
       printf '%s\n' "${MANIFESTS[${role}]}"

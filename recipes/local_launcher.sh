@@ -54,6 +54,7 @@ staging (validated by 'tunix-stage config --check'; a bad value stops the launch
   TUNIX_STAGE_BATCH               off | stage (default off)            orchestrator, trainer
   TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, 1..1024 (default 2) orchestrator
   TUNIX_STAGE_MAX_DEVICE_BATCHES  device-memory bound, 1..1024 (default 1) trainer
+  TUNIX_STAGE_MAX_HOST_BATCHES    received-batch host bound, 1..1024 (default 1) trainer
 The python that runs everything is \$PYTHON (default: the first of this checkout's
 .venv/bin/python, the python next to 'tunix-stage' on PATH, python3, that has the plugin).
 Numbers are decimal ASCII digits ("08" is 8); no value may hold a control character.
@@ -190,7 +191,7 @@ role_env_prefix() {
   local role="$1" keep name
   keep=" $(mlperf_stage_env_names "${role}") "
   printf '%s\n' env
-  for name in TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_MAX_DEVICE_BATCHES; do
+  for name in ${MLPERF_ENV_ORCHESTRATOR} ${MLPERF_ENV_TRAINER}; do
     if [[ "${keep}" != *" ${name} "* ]]; then
       printf '%s\n' -u "${name}"
     fi
@@ -412,7 +413,8 @@ wait_job() {
 say "host=${HOST} python=${PYTHON} logs=${LOG_DIR}"
 say "staging: TUNIX_STAGE_BATCH=${TUNIX_STAGE_BATCH}" \
   "TUNIX_MAX_STAGED_BATCHES=${TUNIX_MAX_STAGED_BATCHES}" \
-  "TUNIX_STAGE_MAX_DEVICE_BATCHES=${TUNIX_STAGE_MAX_DEVICE_BATCHES}"
+  "TUNIX_STAGE_MAX_DEVICE_BATCHES=${TUNIX_STAGE_MAX_DEVICE_BATCHES}" \
+  "TUNIX_STAGE_MAX_HOST_BATCHES=${TUNIX_STAGE_MAX_HOST_BATCHES}"
 
 if [[ "${HOST}" == embedded ]]; then
   # --port 0: the trainer binds a free port itself and names it in its READY line.

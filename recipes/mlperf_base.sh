@@ -20,6 +20,8 @@ set -euo pipefail
 export TUNIX_STAGE_BATCH="${TUNIX_STAGE_BATCH:-off}"
 # trainer: how many staged batches may sit in device memory at once.
 export TUNIX_STAGE_MAX_DEVICE_BATCHES="${TUNIX_STAGE_MAX_DEVICE_BATCHES:-1}"
+# trainer: how many received micro-batches may wait in host memory for a device slot.
+export TUNIX_STAGE_MAX_HOST_BATCHES="${TUNIX_STAGE_MAX_HOST_BATCHES:-1}"
 # orchestrator: how many micro-batches to keep staged ahead of the pending train call.
 export TUNIX_MAX_STAGED_BATCHES="${TUNIX_MAX_STAGED_BATCHES:-2}"
 
@@ -74,7 +76,8 @@ export ROLLOUT_TPU_CHIPS_PER_HOST="${ROLLOUT_TPU_CHIPS_PER_HOST:-4}"
 export ROLLOUT_REPLICAS="${ROLLOUT_REPLICAS:-1}"
 
 # Every knob above, and the staging variables: none may hold a control character.
-MLPERF_KNOBS=(TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES TUNIX_MAX_STAGED_BATCHES PYTHON
+MLPERF_KNOBS=(TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES TUNIX_STAGE_MAX_HOST_BATCHES
+  TUNIX_MAX_STAGED_BATCHES PYTHON
   CONTAINER_PYTHON JOB_NAME ORCHESTRATOR_ID TRAINER_ID ROLLOUT_ID ORCHESTRATOR_PORT ROLLOUT_PORT
   TRAINER_PORT RUNTIME_MAIN RUNTIME_EXECUTOR ORCHESTRATOR_MAIN TRAINER_MAIN ROLLOUT_MAIN MODEL_ID
   TOKENIZER_PATH BATCH_SIZE NUM_GENERATIONS MAX_STEPS MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH
@@ -148,7 +151,7 @@ mlperf_check_staging() {
   if ! mlperf_python_has_plugin "${PYTHON}"; then
     mlperf_error "tunix-stage-plugin is not installed for ${PYTHON} (or its dependencies are" \
       "missing); it runs the job's processes and validates TUNIX_STAGE_BATCH," \
-      "TUNIX_MAX_STAGED_BATCHES and TUNIX_STAGE_MAX_DEVICE_BATCHES. Install it (pip install" \
+      "TUNIX_MAX_STAGED_BATCHES and the trainer's bounds. Install it (pip install" \
       "tunix-stage-plugin) or set PYTHON to an interpreter that has it."
     return 2
   fi
@@ -165,31 +168,41 @@ mlperf_check_staging() {
     printf '%s\n' "${out}" >&2
     return 2
   fi
-  # The plugin's resolved values: enabled, mode, depth, device bound. (Called from an `if`, this
-  # function runs without errexit: every failure is checked by hand.)
-  local values
-  if ! values="$("${PYTHON}" -m tunix_stage_plugin.cli.main config --json | "${PYTHON}" -c '
-import json, sys
-cfg = json.load(sys.stdin)
-s = cfg["settings"]
-print(int(cfg["enabled"]), s["mode"]["value"], s["max_staged_batches"]["value"],
-      s["max_device_batches"]["value"])
-')"; then
-    mlperf_error "could not read the resolved settings from 'tunix-stage config --json'"
+  # The plugin's resolved values, per role, from its own settings table (`tunix-stage config
+  # --env-for ROLE`): the recipes name no variable themselves. (Called from an `if`, this function
+  # runs without errexit: every failure is checked by hand.)
+  local role assignment names
+  for role in orchestrator trainer; do
+    if ! out="$("${PYTHON}" -m tunix_stage_plugin.cli.main config --env-for "${role}")"; then
+      mlperf_error "could not read the ${role}'s settings from 'tunix-stage config --env-for'"
+      return 2
+    fi
+    names=""
+    while IFS= read -r assignment; do
+      [[ -n "${assignment}" ]] || continue
+      export "${assignment?}" # normalised by the plugin (e.g. " 2" -> "2")
+      names+="${names:+ }${assignment%%=*}"
+    done <<<"${out}"
+    if [[ "${role}" == orchestrator ]]; then
+      MLPERF_ENV_ORCHESTRATOR="${names}"
+    else
+      MLPERF_ENV_TRAINER="${names}"
+    fi
+  done
+  if ! MLPERF_ORCHESTRATOR_FLAGS="$("${PYTHON}" -m tunix_stage_plugin.cli.main config \
+    --flags-for orchestrator)"; then
+    mlperf_error "could not read the orchestrator's flags from 'tunix-stage config --flags-for'"
     return 2
   fi
-  read -r MLPERF_STAGING_ENABLED TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES \
-    TUNIX_STAGE_MAX_DEVICE_BATCHES <<<"${values}"
-  export TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_MAX_DEVICE_BATCHES
 }
 
-# The staging variables a role's container/process receives, space-separated.
-# orchestrator: the mode and its stage-ahead depth; trainer: the mode and its device-memory bound;
-# rollout: none (it never sees a training batch).
+# The staging variables a role's container/process receives, space-separated (the plugin's
+# settings table decides: `tunix-stage config --env-for ROLE`); rollout: none (it never sees a
+# training batch).
 mlperf_stage_env_names() {
   case "$1" in
-    orchestrator) echo "TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES" ;;
-    trainer) echo "TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES" ;;
+    orchestrator) echo "${MLPERF_ENV_ORCHESTRATOR}" ;;
+    trainer) echo "${MLPERF_ENV_TRAINER}" ;;
     rollout) echo "" ;;
     *)
       mlperf_error "unknown role '$1'; accepted: orchestrator | trainer | rollout"
@@ -199,17 +212,11 @@ mlperf_stage_env_names() {
 }
 
 # The staging driver flags for a role, one per line; none when staging is off.
-# Only the orchestrator's driver takes them; the trainer reads its bound from the environment
+# Only the orchestrator's driver takes them; the trainer reads its bounds from the environment
 # (tunix's trainer node rejects flags it does not define).
 mlperf_stage_flags() {
-  if [[ "${MLPERF_STAGING_ENABLED:-0}" != 1 ]]; then
-    return 0
-  fi
   case "$1" in
-    orchestrator)
-      printf '%s\n' "--stage_train_batches=${TUNIX_STAGE_BATCH}" \
-        "--max_staged_batches=${TUNIX_MAX_STAGED_BATCHES}"
-      ;;
+    orchestrator) [[ -z "${MLPERF_ORCHESTRATOR_FLAGS}" ]] || echo "${MLPERF_ORCHESTRATOR_FLAGS}" ;;
     trainer | rollout) ;;
     *)
       mlperf_error "unknown role '$1'; accepted: orchestrator | trainer | rollout"

@@ -34,8 +34,11 @@ class ThreadedEngine:
                stage_gate: dict[Any, threading.Event] | None = None,
                train_gate: dict[Any, threading.Event] | None = None,
                slot_wait_s: float = 30.0, fail_train_before_take: set[Any] = frozenset(),
-               on_event: Any = None) -> None:
-    self.store = store_lib.StagedBatchStore(max_device_batches, slot_wait_s=slot_wait_s)
+               on_event: Any = None, split: bool = False, max_host_batches: int = 1) -> None:
+    self.store = store_lib.StagedBatchStore(max_device_batches, max_host_batches=max_host_batches,
+                                            slot_wait_s=slot_wait_s)
+    # split: a stage is answered once received; its placement runs next on the staging lane.
+    self.split = split
     self.executor = executor_lib.MethodExecutor(name="test")
     self.stage_outcomes = stage_outcomes or {}
     self.stage_delay_s = stage_delay_s or {}
@@ -71,7 +74,8 @@ class ThreadedEngine:
   def _stage(self, payload: Any, key: str) -> StageOutcome:
     self.log(f"stage-start {payload}")
     self.key_payload[key] = payload
-    result = self.store.stage(key, payload, self._prepare)
+    defer = executor_lib.defer_on_current_lane() if self.split else None
+    result = self.store.stage(key, payload, self._prepare, defer=defer)
     if result.staged:
       attempt = LOST_REPLY if self.stage_outcomes.get(payload) == LOST_REPLY else OK
     else:
@@ -85,14 +89,20 @@ class ThreadedEngine:
   async def stage(self, payload: Any, *, key: str) -> StageOutcome:
     return await self.executor.run("stage_batch", self._stage, payload, key)
 
-  def _train(self, payload: Any, stage_key: str | None, apply_optimizer: bool) -> int:
+  def _train(self, payload: Any, stage_key: str | None, apply_optimizer: bool
+             ) -> tuple[int, str | None]:
     name = payload if stage_key is None else self.key_payload.get(stage_key)
     if name in self.fail_train_before_take:
       raise TrainFailed(f"injected train failure before take for {name!r}")
+    fallback = None
     if stage_key is not None:
       assert payload is None, "a train call with a stage key must not carry the payload"
-      tag, payload = self.store.take(stage_key)
-      assert tag == "placed"
+      try:
+        tag, payload = self.store.take(stage_key)
+        assert tag == "placed"
+      except store_lib.PlacementFailed as e:  # received, never placed: train its payload
+        payload, fallback = e.payload, e.reason
+        self.attempts.append((payload, "unplaced"))
     self.log(f"train {payload}")
     gate = self.train_gate.get(payload)
     if gate is not None and not gate.wait(timeout=30):
@@ -100,15 +110,16 @@ class ThreadedEngine:
     if payload in self.fail_train:
       raise TrainFailed(f"injected train failure for {payload!r}")
     self.trained.append(payload)
-    self.trained_staged.append(stage_key is not None)
+    self.trained_staged.append(stage_key is not None and fallback is None)
     if apply_optimizer:
       self.updates.append(len(self.trained))
-    return len(self.trained)
+    return len(self.trained), fallback
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
                   ) -> Trained:
-    return Trained(await self.executor.run("fwd_bwd", self._train, payload, stage_key,
-                                           apply_optimizer))
+    result, fallback = await self.executor.run("fwd_bwd", self._train, payload, stage_key,
+                                               apply_optimizer)
+    return Trained(result, fallback)
 
   async def reset(self, keys: list[str]) -> None:
     await self.executor.run("reset_staged", self.store.reset, keys)

@@ -1,6 +1,7 @@
 """Property: whatever the stage latencies, refusals, failures, train failures and cancellations,
-every micro-batch is trained at most once and in order (exactly once when nothing fails), the
-device bound holds, fallbacks are counted exactly, and nothing stays staged or running.
+one-call or two-phase stages (placements failing, reset or closed while placing), every
+micro-batch is trained at most once and in order (exactly once when nothing fails), the device
+and host bounds hold, fallbacks are counted exactly, and nothing stays staged or running.
 
 Drives the real step loop, store and executor threads (tests/core_engine.py); latencies are real
 sleeps in the staging thread and the source (emulated work, never used to order events). A
@@ -34,6 +35,7 @@ def scenarios(draw):
       cancel_at=draw(st.integers(1, 2 * len(flat))),  # the k-th stage/train event
       depth=draw(st.integers(1, 3)), bound=draw(st.integers(1, 3)),
       slot_wait_s=draw(st.sampled_from([0.0, 5.0])), prestage=draw(st.booleans()),
+      split=draw(st.booleans()), host_bound=draw(st.integers(1, 2)),
       pull_delay_s=draw(st.sampled_from([0.0, 0.001])),
   )
 
@@ -85,7 +87,8 @@ def test_exactly_once_in_order_bounded_counted_and_nothing_left(sc):
       sc["bound"], stage_outcomes=sc["outcomes"], stage_delay_s=sc["delays"],
       fail_train={sc["fail_train"]} if fault == "train_fails" else set(),
       fail_train_before_take={sc["fail_train"]} if fault == "train_fails_before_take" else set(),
-      slot_wait_s=sc["slot_wait_s"], on_event=on_event)
+      slot_wait_s=sc["slot_wait_s"], on_event=on_event, split=sc["split"],
+      max_host_batches=sc["host_bound"])
   flat = [p for step in sc["payloads"] for p in step]
   reports, error = None, None
   try:
@@ -100,15 +103,17 @@ def test_exactly_once_in_order_bounded_counted_and_nothing_left(sc):
     assert engine.trained == flat  # exactly once, in order
     ends = [sum(len(p) for p in sc["payloads"][:s + 1]) for s in range(len(sc["payloads"]))]
     assert engine.updates == ends  # the optimizer step is each step's last call
+    # Not staged, refused, failed, lost, or (split) received but never placed.
     failed = [p for p, outcome in engine.attempts if outcome != OK]
     assert sum(r.fallbacks for r in reports) == len(failed)
+    unplaced = sum(outcome == "unplaced" for _, outcome in engine.attempts)
     for r, step in zip(reports, sc["payloads"]):
       assert r.trained == r.staged + r.inline == len(step)
       assert r.peak_staged <= sc["depth"]
       assert r.prestaged <= r.staged
     # Every batch staged and answered reached training by key; nothing else did.
     assert sum(engine.trained_staged) == sum(r.staged for r in reports) == \
-        len([a for a in engine.attempts if a[1] == OK])
+        len([a for a in engine.attempts if a[1] == OK]) - unplaced
   elif fault.startswith("train_fails"):
     assert isinstance(error, TrainFailed)
     cut = flat.index(sc["fail_train"])
@@ -117,4 +122,5 @@ def test_exactly_once_in_order_bounded_counted_and_nothing_left(sc):
     assert isinstance(error, Cancelled)
     assert engine.trained == flat[:len(engine.trained)]
   assert engine.store.stats.peak <= sc["bound"]
+  assert engine.store.stats.peak_host <= sc["host_bound"]
   assert len(engine.store) == 0, engine.store.keys()  # nothing left holding device memory

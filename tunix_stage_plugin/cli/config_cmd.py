@@ -24,6 +24,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser.add_argument("--json", action="store_true", help="print JSON for machines")
   parser.add_argument("--check", action="store_true",
                       help="print nothing; exit 0 when valid, 2 with the error otherwise")
+  parser.add_argument("--env-for", choices=config_lib.ROLES, metavar="ROLE",
+                      help="print NAME=value, one per line, for the variables a process of ROLE "
+                      f"({' | '.join(config_lib.ROLES)}) reads (what its container gets)")
+  parser.add_argument("--flags-for", choices=config_lib.ROLES, metavar="ROLE",
+                      help="print --flag=value, one per line, for ROLE's settings when staging is "
+                      "on (nothing when it is off)")
   parser.set_defaults(run=run)
 
 
@@ -40,6 +46,15 @@ def run(args: argparse.Namespace) -> int:
   except config_lib.ConfigError as e:
     return print_config_error("config", e)
   if args.check:
+    return 0
+  if args.env_for or args.flags_for:
+    role = args.env_for or args.flags_for
+    for field in config_lib.fields_for(role):
+      setting, value = config_lib.SETTINGS_BY_FIELD[field], getattr(cfg, field)
+      if args.env_for:
+        print(f"{setting.env}={value}")
+      elif cfg.enabled:
+        print(f"--{setting.flag}={value}")
     return 0
   if args.json:
     print(json.dumps({"enabled": cfg.enabled, "settings": cfg.as_dict()}, indent=2))
