@@ -29,7 +29,8 @@ SCRIPTS = (BASE, K8S, LOCAL)
 LIB = RECIPES / "cli_lib.sh"  # sourced by the launchers, never run on its own
 VENV_BIN = Path(sys.executable).parent
 
-STAGING_VARS = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES")
+STAGING_VARS = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES",
+                "TUNIX_STAGE_MAX_HOST_BATCHES")
 STAGING_FLAG_PREFIXES = ("--stage_train_batches", "--max_staged_batches", "--stage_max_device_batches")
 IMAGE = "registry.example/tunix-stage:test"
 
@@ -222,7 +223,8 @@ def test_base_run_directly_prints_the_effective_settings(tmp_path: Path):
   assert proc.returncode == 0, proc.stderr
   assert "orchestrator: env [TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES] flags " \
          "[--stage_train_batches=stage --max_staged_batches=3]" in proc.stdout
-  assert "trainer: env [TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES] flags []" in proc.stdout
+  assert ("trainer: env [TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES "
+          "TUNIX_STAGE_MAX_HOST_BATCHES] flags []") in proc.stdout
   assert "rollout: env [] flags []" in proc.stdout
 
 
@@ -353,7 +355,8 @@ def test_dry_run_defaults_when_the_variables_are_unset(tmp_path: Path, fake_bin:
   assert {r: len(c) for r, c in roles.items()} == {"orchestrator": 1, "trainer": 1, "rollout": 1}
   (orch,), (trainer,), (rollout,) = roles["orchestrator"], roles["trainer"], roles["rollout"]
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "2")]
-  assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1")]
+  assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1"),
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
   assert env_of(rollout) == []
   for container in (orch, trainer, rollout):
     assert staging_flags(container) == []  # off means off
@@ -366,7 +369,8 @@ def test_dry_run_staging_on(tmp_path: Path, fake_bin: Path, depth: str, bound: s
   (orch,), (trainer,), (rollout,) = roles["orchestrator"], roles["trainer"], roles["rollout"]
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", depth)]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"),
-                             ("TUNIX_STAGE_MAX_DEVICE_BATCHES", bound)]
+                             ("TUNIX_STAGE_MAX_DEVICE_BATCHES", bound),
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
   assert env_of(rollout) == []
   # The orchestrator's driver gets the flags; the trainer reads its bound from the env only.
   assert staging_flags(orch) == ["--stage_train_batches=stage", f"--max_staged_batches={depth}"]
@@ -383,7 +387,8 @@ def test_dry_run_staging_off_carries_off_and_no_flags(tmp_path: Path, fake_bin: 
                           TUNIX_MAX_STAGED_BATCHES="5", TUNIX_STAGE_MAX_DEVICE_BATCHES="3"))
   (orch,), (trainer,) = roles["orchestrator"], roles["trainer"]
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "5")]
-  assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "3")]
+  assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "3"),
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
   assert all(staging_flags(c) == [] for cs in roles.values() for c in cs)
 
 
@@ -392,7 +397,8 @@ def test_dry_run_forwards_the_plugins_normalised_values(tmp_path: Path, fake_bin
                           TUNIX_MAX_STAGED_BATCHES="03", TUNIX_STAGE_MAX_DEVICE_BATCHES=" 2"))
   (orch,), (trainer,) = roles["orchestrator"], roles["trainer"]
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", "3")]
-  assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "2")]
+  assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "2"),
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
   assert staging_flags(orch) == ["--stage_train_batches=stage", "--max_staged_batches=3"]
 
 
@@ -477,7 +483,8 @@ def test_k8s_start_deletes_then_applies_each_role(tmp_path: Path, fake_bin: Path
   assert env_of(applied[0]["orchestrator"][0]) == [("TUNIX_STAGE_BATCH", "stage"),
                                                    ("TUNIX_MAX_STAGED_BATCHES", "2")]
   assert env_of(applied[1]["trainer"][0]) == [("TUNIX_STAGE_BATCH", "stage"),
-                                              ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1")]
+                                              ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1"),
+                                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
 
 
 def test_k8s_stop_one_role_only_deletes(tmp_path: Path, fake_bin: Path):
