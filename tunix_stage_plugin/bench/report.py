@@ -272,6 +272,7 @@ def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
       "runs": [{"mode": r.mode, "round": r.round, "step_s": [t.seconds for t in r.timings],
                 "mid_step_idle_s": [t.mid_step_idle for t in r.timings],
                 "boundary_idle_s": [t.boundary_idle for t in r.timings],
+                "fwd_bwd_s": r.fwd_bwd_s, "update_s": r.update_s,
                 "fallbacks": r.fallbacks, "fallback_reasons": r.fallback_reasons,
                 "other_processes_cores": r.step_foreign_cores, "step_quiet": r.step_quiet}
                for r in result.runs],

@@ -10,9 +10,10 @@ from tunix_stage_plugin.cli import bench_cmd
 from tunix_stage_plugin.cli import config_cmd
 from tunix_stage_plugin.cli import doctor_cmd
 from tunix_stage_plugin.cli import run_cmd
+from tunix_stage_plugin.cli import simulate_cmd
 
 # Each subcommand module offers add_parser(subparsers) and run(args) -> exit code.
-_COMMANDS = (config_cmd, doctor_cmd, run_cmd, bench_cmd)
+_COMMANDS = (config_cmd, doctor_cmd, run_cmd, bench_cmd, simulate_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

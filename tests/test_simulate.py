@@ -1,0 +1,131 @@
+"""`tunix-stage simulate`: the real core pipeline in virtual time against the resource model.
+
+Times here are virtual (looptime's event-loop clock), so the predictions are exact arithmetic and
+can be asserted; nothing here measures wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.sim import run as run_lib
+from tunix_stage_plugin.sim import trace as trace_lib
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "upstream_pattern.json"
+
+
+def uniform(steps=3, m=4, wire=0.8, h2d=0.4, compute=1.0, update=0.1, boundary=0.5):
+  mb = trace_lib.MicroBatchTimes(wire, h2d, compute)
+  return trace_lib.Trace(tuple(trace_lib.StepTimes((mb,) * m, update, boundary)
+                               for _ in range(steps)), "uniform")
+
+
+def test_inline_and_resident_are_the_arithmetic_of_their_resources():
+  trace = uniform()
+  inline = run_lib.simulate(trace, "inline")
+  resident = run_lib.simulate(trace, "resident")
+  # inline: each micro-batch's wire, copy and compute one after another, then update, boundary
+  assert inline.step_s == pytest.approx([4 * (0.8 + 0.4 + 1.0) + 0.1 + 0.5] * 2)
+  assert resident.step_s == pytest.approx([4 * 1.0 + 0.1 + 0.5] * 2)
+  assert resident.mid_step_idle_s == pytest.approx([0.0, 0.0])
+
+
+def test_staging_with_prestage_reaches_resident_when_each_resource_is_below_compute():
+  trace = uniform(m=9)
+  results = {m: run_lib.simulate(trace, m) for m in ("inline", "depth1", "depth2",
+                                                     "depth2_prestage", "resident")}
+  steps = {m: r.median_step_s for m, r in results.items()}
+  assert steps["inline"] > steps["depth1"] > steps["depth2"] > steps["depth2_prestage"]
+  assert steps["depth2_prestage"] == pytest.approx(steps["resident"])
+  assert run_lib.hidden_fractions(results)["depth2_prestage"] == pytest.approx(1.0)
+  assert all(r.fallbacks == 0 for r in results.values())
+
+
+def test_a_wire_slower_than_compute_bounds_the_step_and_what_if_lifts_it():
+  slow = uniform(m=9, wire=1.2)
+  staged = run_lib.simulate(slow, "depth2_prestage").median_step_s
+  assert staged >= 9 * 1.2  # bound by the wire
+  faster = run_lib.simulate(slow.scaled({"wire": 0.5}), "depth2_prestage").median_step_s
+  assert faster == pytest.approx(run_lib.simulate(slow, "resident").median_step_s)
+
+
+def test_other_depths_are_modes_and_unknown_ones_are_refused():
+  assert run_lib.plan_of("depth3_prestage") == run_lib.Plan("staged", 3, True)
+  with pytest.raises(ValueError, match="depthN / depthN_prestage"):
+    run_lib.plan_of("deep")
+
+
+def test_the_trace_formats_load_the_same_times(tmp_path):
+  rows = ["step,microbatch,wire_s,h2d_s,compute_s,update_s,boundary_s"]
+  rows += [f"{s},{i},0.8,0.4,1.0,0.1,0.5" for s in range(3) for i in range(4)]
+  (tmp_path / "t.csv").write_text("\n".join(rows))
+  from_csv = trace_lib.load(str(tmp_path / "t.csv"))
+  as_json = {"steps": [{"update_s": 0.1, "boundary_s": 0.5, "microbatches": [
+      {"wire_s": 0.8, "h2d_s": 0.4, "compute_s": 1.0}] * 4}] * 3}
+  (tmp_path / "t.json").write_text(json.dumps(as_json))
+  assert from_csv.steps == trace_lib.load(str(tmp_path / "t.json")).steps == uniform().steps
+
+
+@pytest.mark.parametrize("content, message", [
+    ("{}", "expected a JSON object with a 'steps' list"),
+    ('{"steps": []}', "no step"),
+    ('{"steps": [{"microbatches": [{"wire_s": -1, "h2d_s": 0, "compute_s": 1}]}]}',
+     "step 0 micro-batch 0 wire_s: -1 is not a time"),
+    ("not json", "not JSON"),
+])
+def test_a_bad_trace_is_one_clear_error_and_exit_2(tmp_path, capsys, content, message):
+  path = tmp_path / "bad.json"
+  path.write_text(content)
+  assert cli_main.main(["simulate", str(path)]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err, err
+
+
+def test_bad_options_are_all_reported_before_simulating(capsys):
+  code = cli_main.main(["simulate", str(EXAMPLE), "--what-if", "disk=2x", "--what-if",
+                        "wire=0", "--modes", "inline,warp", "--max-device-batches", "0"])
+  err = capsys.readouterr().err
+  assert code == 2 and err.count("\n") == 4, err
+  assert "--what-if 'disk=2x'" in err and "--what-if 'wire=0'" in err
+  assert "unknown mode 'warp'" in err and "--max-device-batches '0'" in err
+
+
+def test_the_example_of_the_upstream_pattern_runs_and_writes_json(tmp_path, capsys):
+  out = tmp_path / "sim.json"
+  assert cli_main.main(["simulate", str(EXAMPLE), "--json", str(out)]) == 0
+  table = capsys.readouterr().out
+  assert "depth2_prestage" in table and "saved s" in table
+  report = json.loads(out.read_text())
+  modes = report["modes"]
+  assert set(modes) == {"inline", "depth1", "depth2", "depth2_prestage", "resident"}
+  assert modes["inline"]["saved_s"] == 0
+  assert modes["inline"]["total_s"] > modes["depth2_prestage"]["total_s"] > \
+      modes["resident"]["total_s"]
+  assert modes["depth2_prestage"]["predicted_median_step_s"] == pytest.approx(
+      modes["resident"]["predicted_median_step_s"])
+
+
+def test_check_predicts_a_tiny_bench_run(tmp_path):
+  """Structure only: a --tiny run's steps last milliseconds, so its accuracy means nothing."""
+  out = tmp_path / "b"
+  bench = subprocess.run(
+      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
+       "--steps", "1", "--microbatches", "3", "--payload-mib", "0.05", "--out", str(out),
+       "--png", "", "--trace", ""], capture_output=True, text=True, timeout=300)
+  assert bench.returncode == 0, bench.stderr[-3000:]
+  check = subprocess.run(
+      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "simulate", "--check",
+       str(out / "bench.json"), "--json", "-"], capture_output=True, text=True, timeout=120)
+  assert check.returncode in (0, 1), check.stderr  # 1: a prediction off by more than 5 %
+  report = json.loads(check.stdout)
+  assert report["check"] is True and set(report["modes"]) == {
+      "inline", "depth1", "depth2", "depth2_prestage", "resident"}
+  for figures in report["modes"].values():
+    assert figures["predicted_median_step_s"] > 0 and figures["measured_median_step_s"] > 0
+    assert figures["within_tolerance"] == (abs(figures["error"]) <= 0.05)

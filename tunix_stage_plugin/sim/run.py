@@ -1,0 +1,117 @@
+"""Runs the real core StagePipeline against the virtual-time trainer, once per mode.
+
+The event loop's clock is looptime's (a well-kept asyncio virtual clock): every sleep of the model
+completes at once in wall time, so an hour of steps simulates in well under a second, while the
+pipeline's own code (its races, its depth, its prestage) runs exactly as on a trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+from typing import AsyncIterator
+
+import looptime
+
+from tunix_stage_plugin.bench import metrics
+from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.sim import model
+from tunix_stage_plugin.sim import trace as trace_lib
+
+_DEPTH_MODE = re.compile(r"depth(?P<depth>[1-9][0-9]?)(?P<prestage>_prestage)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How a mode runs: inline, staged at a depth (with or without prestage), or resident."""
+
+  kind: str  # inline | staged | resident
+  depth: int = 1
+  prestage: bool = False
+
+
+def plan_of(mode: str) -> Plan:
+  table = {m.name: m.plan for m in modes_lib.MODE_TABLE}
+  if mode in table:
+    return Plan(**table[mode])
+  match = _DEPTH_MODE.fullmatch(mode)
+  if match is None:
+    raise ValueError(f"unknown mode {mode!r}; accepted: {', '.join(modes_lib.MODES)}, or "
+                     "depthN / depthN_prestage with N from 1 to 99")
+  return Plan("staged", int(match["depth"]), bool(match["prestage"]))
+
+
+@dataclasses.dataclass
+class ModeResult:
+  mode: str
+  step_s: list[float]  # every step after the first (the first fills the pipeline)
+  mid_step_idle_s: list[float]
+  boundary_idle_s: list[float]
+  total_s: float  # the whole trace, start to the last update's end
+  fallbacks: int
+  spans: list[timeline_lib.Span]
+
+  @property
+  def median_step_s(self) -> float | None:
+    return metrics.median(self.step_s)
+
+  @property
+  def timings(self) -> list[metrics.StepTiming]:  # for the timeline picture
+    return [metrics.StepTiming(i + 1, s, m, b, s - m - b) for i, (s, m, b) in
+            enumerate(zip(self.step_s, self.mid_step_idle_s, self.boundary_idle_s))]
+
+
+async def _source(trace: trace_lib.Trace, step: int
+                  ) -> AsyncIterator[pipeline_lib.MicroBatch]:
+  times = trace.steps[step]
+  last = len(times.microbatches) - 1
+  for index, mb in enumerate(times.microbatches):
+    yield pipeline_lib.MicroBatch(model.SimMicroBatch(step, index, mb, times.update_s),
+                                  closes_step=index == last)
+
+
+async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
+               max_host_batches: int) -> ModeResult:
+  plan = plan_of(mode)
+  trainer = model.SimTrainer(max_device_batches=max_device_batches,
+                             max_host_batches=max_host_batches, resident=plan.kind == "resident")
+  pipeline = pipeline_lib.StagePipeline(trainer, plan.depth, timeline=trainer.timeline,
+                                        staging=plan.kind == "staged")
+  fallbacks = 0
+
+  async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
+    nonlocal fallbacks
+    fallbacks += report.fallbacks
+    await trainer.boundary(step, trace.steps[step].boundary_s)
+
+  await pipeline.run_steps(lambda step: _source(trace, step), steps=len(trace.steps),
+                           prestage=plan.prestage, after_step=after_step)
+  spans = trainer.timeline.spans()
+  timings = metrics.step_timings(spans, range(1, len(trace.steps)))
+  ends = [s.end for s in spans if s.track == model.COMPUTE]
+  return ModeResult(mode, [t.seconds for t in timings], [t.mid_step_idle for t in timings],
+                    [t.boundary_idle for t in timings], max(ends), fallbacks, spans)
+
+
+def simulate(trace: trace_lib.Trace, mode: str, *, max_device_batches: int = 1,
+             max_host_batches: int = 1) -> ModeResult:
+  """One mode over the whole trace, in virtual time (a fresh event loop each run)."""
+  if len(trace.steps) < 2:
+    raise trace_lib.TraceError(f"{trace.source}: {len(trace.steps)} step; accepted: at least 2 "
+                               "(the first fills the pipeline, as a long run's steady state)")
+  loop = looptime.new_event_loop(start=0.0, _enabled=True)
+  try:
+    return loop.run_until_complete(_run(trace, mode, max_device_batches, max_host_batches))
+  finally:
+    loop.run_until_complete(loop.shutdown_asyncgens())  # the steps' sources, left open
+    loop.close()
+
+
+def hidden_fractions(results: dict[str, ModeResult]) -> dict[str, float | None]:
+  t_inline, t_resident = (results[m].median_step_s if m in results else None
+                          for m in ("inline", "resident"))
+  return {m: metrics.hidden_fraction(t_inline, r.median_step_s, t_resident)
+          for m, r in results.items()}
