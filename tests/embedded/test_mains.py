@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from embedded_support import call
+from tests.embedded.support import call
 from tunix_stage_plugin.embedded import process as process_lib
 
 ORCH = [sys.executable, "-m", "tunix_stage_plugin.embedded.orchestrator_main"]
