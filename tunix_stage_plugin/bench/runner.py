@@ -40,6 +40,7 @@ from tunix_stage_plugin.bench import cpu
 from tunix_stage_plugin.bench import metrics
 from tunix_stage_plugin.bench import modes as modes_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import engine as engine_lib
@@ -341,7 +342,7 @@ async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.Embedde
   spans = await client.call("timeline")
   warm = range(1, CALIBRATION_STEPS)
   compute = statistics.median(d for step in warm for d in metrics.fwd_bwd_durations(spans, step))
-  update = statistics.median(s.duration for s in spans if s.track == metrics.COMPUTE_TRACK
+  update = statistics.median(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE
                              and dict(s.args)["kind"] == "update" and dict(s.args)["step"] > 0)
   payload = sizes.payload_bytes
   return Calibration(
@@ -383,7 +384,7 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
   return ModeRun(
       mode=mode, round=round_, timings=timings, fwd_bwd_s=fwd_bwd,
       update_s=[metrics.update_duration(trainer_spans, t.step) for t in timings],
-      stage_call_s=[s.duration for s in recorder.spans(metrics.STAGE_TRACK)],
+      stage_call_s=[s.duration for s in recorder.spans(tracks.ORCHESTRATOR_STAGE)],
       fallbacks=sum(o.report.fallbacks for o in outcomes),
       fallback_reasons=[r for o in outcomes for r in o.report.fallback_reasons],
       peak_device_batches=finish["store"]["peak"],
