@@ -154,7 +154,8 @@ class _Window:
         self.report.peak_staged = max(self.report.peak_staged, self.staged_count())
 
   async def _stage(self, entry: _Entry) -> outcome_lib.StageOutcome:
-    with self.pipeline.timeline.span(tracks.ORCHESTRATOR_STAGE, f"stage s{self.step} m{entry.index}"):
+    with self.pipeline.timeline.span(tracks.ORCHESTRATOR_STAGE,
+                                     f"stage s{self.step} m{entry.index}"):
       return await self.pipeline.engine.stage(entry.mb.payload, key=entry.key)
 
   def handle(self, done: set[asyncio.Task]) -> None:
