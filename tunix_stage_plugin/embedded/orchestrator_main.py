@@ -21,9 +21,9 @@ import dataclasses
 import os
 import sys
 
-from tunix_stage_plugin.cli import inputs
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import engine as engine_lib

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.embedded import server as server_lib
 from tunix_stage_plugin.embedded import worker as worker_lib
 
@@ -46,26 +47,12 @@ PARENT_WATCHES = ("off", "pipe", "signal", "both")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _port(text: str) -> int:
-  if not (text.isascii() and text.isdigit()) or int(text) > 65535:
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted an integer in 0..65535 (0: any free port)")
-  return int(text)
-
-
-def _non_negative(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not 0 <= value < float("inf"):
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted a number of seconds >= 0")
-  return value
-
-
-def _mib(text: str) -> int:
-  if not (text.isascii() and text.isdigit()) or int(text) < 1:
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted an integer number of MiB >= 1")
-  return int(text)
+MAX_CALL_MIB = 1 << 30  # 1 PiB: far above any call, low enough that a typo is refused
+_port = inputs.argparse_type(inputs.port,
+                             f"an integer in 0..{inputs.MAX_PORT} (0: any free port)")
+_non_negative = inputs.argparse_type(inputs.nonnegative, "a number of seconds >= 0 and <= 1e+12")
+_mib = inputs.argparse_type(lambda text: inputs.integer(text, minimum=1, maximum=MAX_CALL_MIB),
+                            f"an integer number of MiB >= 1 and <= {MAX_CALL_MIB}")
 
 
 def build_parser() -> argparse.ArgumentParser:
