@@ -1,15 +1,10 @@
 """Trainer process: `python -m tunix_stage_plugin.embedded.trainer_main --port PORT`.
 
-Serves the embedded trainer worker on 127.0.0.1:PORT. Prints `READY 127.0.0.1:PORT` (flushed) once
-serving; `--port 0` picks a free port and the line names it. Logs go to stderr.
-
-Stopping (README "Stopping the trainer"): on SIGTERM or SIGINT (or its parent's death, with
---exit_with_parent) it stops taking calls, gives the calls already running --shutdown_grace_s
-(default 2 s) to finish and exits 0; calls still running then are abandoned, logged, and the exit
-code is 3. A second SIGTERM/SIGINT exits at once with 128 + the signal number.
-
-Staging: TUNIX_STAGE_BATCH (off | stage) and TUNIX_STAGE_MAX_DEVICE_BATCHES, or the flags below
-(flags beat env). With staging off it is a plain inline trainer that never starts a staging thread.
+Serves the embedded trainer worker on 127.0.0.1:PORT, printing `READY 127.0.0.1:PORT` (flushed)
+once serving (`--port 0`: a free port, named in that line); logs go to stderr. A second
+SIGTERM/SIGINT while stopping exits at once with 128 + the signal number. Flags, settings and
+the stop sequence (exit 0, or 3 when calls were abandoned): README "Entry points for launch
+recipes" and "Stopping the trainer".
 """
 
 from __future__ import annotations
