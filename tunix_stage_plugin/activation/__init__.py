@@ -1,16 +1,11 @@
-"""Activation: install / uninstall the staging hooks into a host, three ways.
+"""Activation: install / uninstall the staging hooks into a host (README "Using it with tunix").
 
-1. The env-gated bootstrap (`tunix_stage_plugin.pth`, shipped with the package): nothing happens
-   unless TUNIX_STAGE_BATCH is set (and not "off"); then the configuration is resolved, and the
-   hooks installed, when the host is first imported. An invalid setting stops that process there
-   with exit code 2 and one line naming the variable.
-2. The wrapper `tunix-stage run -- <command>`: sets the environment for the bootstrap, then execs.
-3. Explicit `tunix_stage_plugin.install()` / `uninstall()`; drivers with staging flags call
-   `configure(flags.config_from_argparse(args))`, so flags beat the environment.
-
-Host adapters are found through the `tunix_stage_plugin.hosts` entry-point group. The names below
-are loaded on first use: the bootstrap imports this package at every interpreter start with
-staging on, and the manager (entry points, metadata) is what costs start-up time.
+Three ways: the env-gated `.pth` bootstrap, `tunix-stage run -- <command>`, and explicit
+`install()` / `uninstall()` (drivers with staging flags: `configure(flags.config_from_argparse(
+args))`, flags beating the environment). Host adapters are found through the
+`tunix_stage_plugin.hosts` entry-point group. The names below are loaded on first use: the
+bootstrap imports this package at every interpreter start with staging on, and the manager
+(entry points, metadata) is what costs start-up time.
 """
 
 from __future__ import annotations

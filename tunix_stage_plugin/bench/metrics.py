@@ -20,9 +20,8 @@ import statistics
 from typing import Iterable, Sequence
 
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 
-COMPUTE_TRACK = "device/compute"
-STAGE_TRACK = "orchestrator/stage"  # core.pipeline's span around each engine.stage call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +41,7 @@ def step_timings(spans: Iterable[timeline_lib.Span], steps: Iterable[int]) -> li
   """Timings of `steps` (each needs the step before it) from device compute spans."""
   by_step: dict[int, list[timeline_lib.Span]] = {}
   for span in spans:
-    if span.track == COMPUTE_TRACK:
+    if span.track == tracks.DEVICE_COMPUTE:
       by_step.setdefault(_step_of(span), []).append(span)
   out = []
   for step in steps:
@@ -59,13 +58,13 @@ def step_timings(spans: Iterable[timeline_lib.Span], steps: Iterable[int]) -> li
 
 def fwd_bwd_durations(spans: Iterable[timeline_lib.Span], step: int) -> list[float]:
   """Device time of each of the step's fwd_bwd calls (longer under CPU contention)."""
-  return [s.duration for s in spans if s.track == COMPUTE_TRACK and _step_of(s) == step
+  return [s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE and _step_of(s) == step
           and dict(s.args).get("kind") == "fwd_bwd"]
 
 
 def update_duration(spans: Iterable[timeline_lib.Span], step: int) -> float:
   """Device time of the step's update."""
-  return max(s.duration for s in spans if s.track == COMPUTE_TRACK and _step_of(s) == step
+  return max(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE and _step_of(s) == step
              and dict(s.args).get("kind") == "update")
 
 

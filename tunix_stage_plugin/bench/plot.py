@@ -6,26 +6,21 @@ from typing import Sequence
 
 from tunix_stage_plugin.bench import runner
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 
-# (row label, track, colour per span); rows are drawn top to bottom.
-ROWS = (
-    ("device compute", "device/compute"),
-    ("weight sync", "device/sync"),
-    ("host-to-device", "trainer/h2d"),
-    ("wire in (trainer)", "trainer/receive"),
-    ("stage call", "orchestrator/stage"),
-)
+# (row label, track): the tracks with a label in core.tracks, drawn top to bottom in table order.
+ROWS = tuple((t.label, t.name) for t in tracks.TRACKS if t.label is not None)
 COLOURS = {
     "inline": "#d62728", "staged": "#2ca02c", "resident": "#1f77b4", "update": "#444444",
-    "device/sync": "#bbbbbb", "h2d/staging": "#ff7f0e", "h2d/inline": "#d62728",
-    "trainer/receive": "#9467bd", "orchestrator/stage": "#8c564b",
+    tracks.DEVICE_SYNC: "#bbbbbb", "h2d/staging": "#ff7f0e", "h2d/inline": "#d62728",
+    tracks.TRAINER_RECEIVE: "#9467bd", tracks.ORCHESTRATOR_STAGE: "#8c564b",
 }
 LEGEND = (
     ("fwd_bwd, payload sent inline", "inline"), ("fwd_bwd, staged", "staged"),
-    ("fwd_bwd, resident", "resident"), ("update", "update"), ("weight sync", "device/sync"),
+    ("fwd_bwd, resident", "resident"), ("update", "update"), ("weight sync", tracks.DEVICE_SYNC),
     ("H2D on the staging thread", "h2d/staging"), ("H2D inline (compute thread)", "h2d/inline"),
-    ("payload received", "trainer/receive"),
-    ("stage call (wire; answered once received)", "orchestrator/stage"),
+    ("payload received", tracks.TRAINER_RECEIVE),
+    ("stage call (wire; answered once received)", tracks.ORCHESTRATOR_STAGE),
 )
 
 
@@ -35,9 +30,9 @@ class PlotUnavailable(RuntimeError):
 
 def _colour(span: timeline_lib.Span) -> str:
   args = dict(span.args)
-  if span.track == "device/compute":
+  if span.track == tracks.DEVICE_COMPUTE:
     return COLOURS["update" if args.get("kind") == "update" else args.get("source", "inline")]
-  if span.track == "trainer/h2d":
+  if span.track == tracks.TRAINER_H2D:
     return COLOURS[f"h2d/{args.get('lane', 'inline')}"]
   return COLOURS.get(span.track, "#7f7f7f")
 

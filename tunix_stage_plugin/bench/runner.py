@@ -1,26 +1,11 @@
 """Runs the staging A/B: one trainer process, the modes alternating in rounds, same data and seed.
 
-Modes:
-  inline           every micro-batch travels with its train call (no staging thread is used)
-  depth1, depth2   core.pipeline.StagePipeline keeping 1 or 2 micro-batches staged ahead
-  depth2_prestage  depth2, plus the next step's first micro-batches staging across the boundary
-  resident         every micro-batch on the device before the first step: the ceiling
-
-Emulated links are calibrated on this machine: a warm-up measures the compute time c of one
-micro-batch on the device, then the wire is paced at payload / (wire_ratio * c), host-to-device
-at payload / (h2d_ratio * c) and the boundary's weight sync holds the trainer sync_ratio * c, so
-every machine runs production's proportions (wire 8-10 s, H2D 3.9 s, compute 10.35 s).
-
-Each mode run starts from the same parameters (`setup` with the same seed), trains one warm-up
-step (it fills the pipeline; a long run's steady state has no empty start) and then the timed
-steps. Rounds rotate the mode order, so slow drift on the machine spreads over every mode.
-Other processes' CPU is sampled per step (bench.cpu); a run in which no timed step was quiet is
-re-run, at most `retries` times per benchmark.
-
-A mode run's micro-batches are built before it starts (off the timed path: building a 16 MiB
-one takes about 8 ms of a core, which a 2-core machine would take from compute) when they fit in
-PREBUILD_MAX_BYTES; a longer run builds them as it needs them, on a thread that keeps at most
-two steps' worth ahead (BatchPrefetch), so memory does not grow with --steps.
+One runner, so every mode gets the same trainer, data, calibration and machine. The modes, the
+links calibrated from the measured compute time c, the warm-up step, the rotating rounds and the
+re-runs of mode runs without a quiet step (bench.cpu): README "The main job: `tunix-stage bench`"
+and "Performance: what limits the figures". Micro-batches are built before a mode run (off the
+timed path: a 16 MiB one takes about 8 ms of a core, which a 2-core machine would take from
+compute) when they fit in PREBUILD_MAX_BYTES, else by BatchPrefetch, at most two steps ahead.
 """
 
 from __future__ import annotations
@@ -40,6 +25,7 @@ from tunix_stage_plugin.bench import cpu
 from tunix_stage_plugin.bench import metrics
 from tunix_stage_plugin.bench import modes as modes_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import engine as engine_lib
@@ -341,7 +327,7 @@ async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.Embedde
   spans = await client.call("timeline")
   warm = range(1, CALIBRATION_STEPS)
   compute = statistics.median(d for step in warm for d in metrics.fwd_bwd_durations(spans, step))
-  update = statistics.median(s.duration for s in spans if s.track == metrics.COMPUTE_TRACK
+  update = statistics.median(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE
                              and dict(s.args)["kind"] == "update" and dict(s.args)["step"] > 0)
   payload = sizes.payload_bytes
   return Calibration(
@@ -383,7 +369,7 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
   return ModeRun(
       mode=mode, round=round_, timings=timings, fwd_bwd_s=fwd_bwd,
       update_s=[metrics.update_duration(trainer_spans, t.step) for t in timings],
-      stage_call_s=[s.duration for s in recorder.spans(metrics.STAGE_TRACK)],
+      stage_call_s=[s.duration for s in recorder.spans(tracks.ORCHESTRATOR_STAGE)],
       fallbacks=sum(o.report.fallbacks for o in outcomes),
       fallback_reasons=[r for o in outcomes for r in o.report.fallback_reasons],
       peak_device_batches=finish["store"]["peak"],

@@ -11,7 +11,7 @@ import textwrap
 from typing import TYPE_CHECKING, Any
 
 from tunix_stage_plugin.bench import modes as modes_lib
-from tunix_stage_plugin.cli import inputs
+from tunix_stage_plugin.core import inputs
 
 if TYPE_CHECKING:  # the bench modules load grpc; `tunix-stage --help` should not wait for that
   from tunix_stage_plugin.bench import runner

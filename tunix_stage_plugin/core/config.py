@@ -13,6 +13,8 @@ import os
 import threading
 from typing import Any, Callable, Mapping
 
+from tunix_stage_plugin.core import inputs
+
 MODE_OFF = "off"
 MODE_STAGE = "stage"
 MODES = (MODE_OFF, MODE_STAGE)
@@ -53,11 +55,7 @@ def _parse_mode(text: str) -> str:
 
 
 def _parse_count(text: str) -> int:
-  value = text.strip()
-  # int() alone would take "+2", " 2", "2_0" and "٢"; a count in an env var is plain ASCII digits.
-  if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= MAX_COUNT:
-    raise ValueError(value)
-  return int(value)
+  return inputs.integer(text, minimum=1, maximum=MAX_COUNT)  # its message gives way to `accepted`
 
 
 def echo(text: str) -> str:

@@ -39,8 +39,11 @@ def add_argparse_flags(parser: argparse.ArgumentParser,
 
 def config_from_argparse(args: argparse.Namespace,
                          fields: Iterable[str] = ALL_FIELDS) -> config_lib.StageConfig:
-  """Resolves the configuration from parsed argparse flags plus the environment."""
-  explicit = {f: getattr(args, config_lib.SETTINGS_BY_FIELD[f].flag, None) for f in fields}
+  """Resolves the configuration from parsed argparse flags plus the environment.
+
+  `fields`: the ones whose flags add_argparse_flags added to the parser that made `args`.
+  """
+  explicit = {f: getattr(args, config_lib.SETTINGS_BY_FIELD[f].flag) for f in fields}
   return config_lib.resolve(explicit, explicit_source="flag")
 
 

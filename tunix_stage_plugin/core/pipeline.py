@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 
 log = logging.getLogger("tunix_stage_plugin")
 
@@ -153,7 +154,8 @@ class _Window:
         self.report.peak_staged = max(self.report.peak_staged, self.staged_count())
 
   async def _stage(self, entry: _Entry) -> outcome_lib.StageOutcome:
-    with self.pipeline.timeline.span("orchestrator/stage", f"stage s{self.step} m{entry.index}"):
+    with self.pipeline.timeline.span(tracks.ORCHESTRATOR_STAGE,
+                                     f"stage s{self.step} m{entry.index}"):
       return await self.pipeline.engine.stage(entry.mb.payload, key=entry.key)
 
   def handle(self, done: set[asyncio.Task]) -> None:
@@ -430,7 +432,7 @@ class StagePipeline:
   async def _train(self, window: _Window, entry: _Entry) -> Any:
     report = window.report
     staged = entry.status is _Status.STAGED
-    with self.timeline.span("orchestrator/train", f"train s{window.step} m{entry.index}",
+    with self.timeline.span(tracks.ORCHESTRATOR_TRAIN, f"train s{window.step} m{entry.index}",
                             staged=staged):
       trained = await self.engine.train(
           None if staged else entry.mb.payload,

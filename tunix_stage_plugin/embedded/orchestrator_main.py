@@ -1,16 +1,11 @@
 """Orchestrator process: `python -m tunix_stage_plugin.embedded.orchestrator_main --trainer ADDR`.
 
-Connects to a trainer_main, trains `--steps` steps of `--microbatches` micro-batches and prints a
-line per step plus one summary line (stage/fallbacks per step, the parameters' digest, whether
-every micro-batch trained once and in order). Exit 0 on success; 1 with a one-line error when the
-trainer cannot be reached, a call fails or the order is wrong; 2 for bad flags or settings, every
-one of them reported (a line each) before connecting. Micro-batches are built as they are pulled,
-so memory does not grow with --steps.
-
-Staging: TUNIX_STAGE_BATCH (off | stage) and TUNIX_MAX_STAGED_BATCHES, or --stage_train_batches /
---max_staged_batches (flags beat env). Off: every micro-batch is sent with its train call, as a
-plain inline orchestrator. Stage: the core stage pipeline at that depth; with depth >= 2 the next
-step's first micro-batches also stage across the step boundary.
+Trains `--steps` steps of `--microbatches` micro-batches against a trainer_main: a line per step
+plus a summary (stage/fallbacks per step, the parameters' digest, whether every micro-batch
+trained once and in order); exit 0, 1 (one-line error) or 2 (every bad flag or setting, a line
+each, before connecting). Micro-batches are built as they are pulled, so memory does not grow
+with --steps. Staging on runs the core stage pipeline at --max_staged_batches, prestaging the
+next step's first micro-batches at depth >= 2. README "Entry points for launch recipes".
 """
 
 from __future__ import annotations
@@ -21,9 +16,9 @@ import dataclasses
 import os
 import sys
 
-from tunix_stage_plugin.cli import inputs
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import engine as engine_lib

@@ -22,6 +22,7 @@ import grpc
 
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.embedded import wire
 
 log = logging.getLogger("tunix_stage_plugin.embedded")
@@ -117,7 +118,7 @@ class WorkerServer:
           chunks.clear()
           raise wire.overrun_error(method, announced, received)
         chunks.append(chunk)
-      self._timeline.add("trainer/receive", method, start, time.perf_counter(), bytes=announced)
+      self._timeline.add(tracks.TRAINER_RECEIVE, method, start, time.perf_counter(), bytes=announced)
 
       def run() -> Any:
         args, kwargs = wire.decode_streamed(header, chunks)

@@ -1,15 +1,10 @@
 """Trainer process: `python -m tunix_stage_plugin.embedded.trainer_main --port PORT`.
 
-Serves the embedded trainer worker on 127.0.0.1:PORT. Prints `READY 127.0.0.1:PORT` (flushed) once
-serving; `--port 0` picks a free port and the line names it. Logs go to stderr.
-
-Stopping (README "Stopping the trainer"): on SIGTERM or SIGINT (or its parent's death, with
---exit_with_parent) it stops taking calls, gives the calls already running --shutdown_grace_s
-(default 2 s) to finish and exits 0; calls still running then are abandoned, logged, and the exit
-code is 3. A second SIGTERM/SIGINT exits at once with 128 + the signal number.
-
-Staging: TUNIX_STAGE_BATCH (off | stage) and TUNIX_STAGE_MAX_DEVICE_BATCHES, or the flags below
-(flags beat env). With staging off it is a plain inline trainer that never starts a staging thread.
+Serves the embedded trainer worker on 127.0.0.1:PORT, printing `READY 127.0.0.1:PORT` (flushed)
+once serving (`--port 0`: a free port, named in that line); logs go to stderr. A second
+SIGTERM/SIGINT while stopping exits at once with 128 + the signal number. Flags, settings and
+the stop sequence (exit 0, or 3 when calls were abandoned): README "Entry points for launch
+recipes" and "Stopping the trainer".
 """
 
 from __future__ import annotations
@@ -35,6 +30,7 @@ from typing import Any, Callable
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.embedded import server as server_lib
 from tunix_stage_plugin.embedded import worker as worker_lib
 
@@ -46,26 +42,12 @@ PARENT_WATCHES = ("off", "pipe", "signal", "both")
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _port(text: str) -> int:
-  if not (text.isascii() and text.isdigit()) or int(text) > 65535:
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted an integer in 0..65535 (0: any free port)")
-  return int(text)
-
-
-def _non_negative(text: str) -> float:
-  try:
-    value = float(text)
-  except ValueError:
-    value = -1.0
-  if not 0 <= value < float("inf"):
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted a number of seconds >= 0")
-  return value
-
-
-def _mib(text: str) -> int:
-  if not (text.isascii() and text.isdigit()) or int(text) < 1:
-    raise argparse.ArgumentTypeError(f"{text!r}: accepted an integer number of MiB >= 1")
-  return int(text)
+MAX_CALL_MIB = 1 << 30  # 1 PiB: far above any call, low enough that a typo is refused
+_port = inputs.argparse_type(inputs.port,
+                             f"an integer in 0..{inputs.MAX_PORT} (0: any free port)")
+_non_negative = inputs.argparse_type(inputs.nonnegative, "a number of seconds >= 0 and <= 1e+12")
+_mib = inputs.argparse_type(lambda text: inputs.integer(text, minimum=1, maximum=MAX_CALL_MIB),
+                            f"an integer number of MiB >= 1 and <= {MAX_CALL_MIB}")
 
 
 def build_parser() -> argparse.ArgumentParser:

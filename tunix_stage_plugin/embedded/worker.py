@@ -19,12 +19,10 @@ from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import pacing
 
-COMPUTE_TRACK = "device/compute"
-SYNC_TRACK = "device/sync"
-H2D_TRACK = "trainer/h2d"
 LIGHT_METHODS = executor_lib.LIGHT_METHODS | {"timeline"}
 
 
@@ -155,7 +153,7 @@ class TrainerWorker:
       source = "inline"
     start = time.perf_counter()
     loss = trainer.fwd_bwd(item.placed)
-    self.recorder.add(COMPUTE_TRACK, item.mb_id, start, time.perf_counter(), step=item.step,
+    self.recorder.add(tracks.DEVICE_COMPUTE, item.mb_id, start, time.perf_counter(), step=item.step,
                       kind="fwd_bwd", source=source)
     self._trained.append(item.mb_id)
     self._last_step = item.step
@@ -165,7 +163,7 @@ class TrainerWorker:
     trainer = self._require_trainer()
     start = time.perf_counter()
     count = trainer.update()
-    self.recorder.add(COMPUTE_TRACK, f"update s{self._last_step}", start, time.perf_counter(),
+    self.recorder.add(tracks.DEVICE_COMPUTE, f"update s{self._last_step}", start, time.perf_counter(),
                       step=self._last_step, kind="update")
     return {"updates": count}
 
@@ -175,7 +173,7 @@ class TrainerWorker:
       raise ValueError(f"weight_sync seconds must be >= 0; got {seconds!r}")
     start = time.perf_counter()
     time.sleep(seconds)
-    self.recorder.add(SYNC_TRACK, f"weight sync after s{self._last_step}", start,
+    self.recorder.add(tracks.DEVICE_SYNC, f"weight sync after s{self._last_step}", start,
                       time.perf_counter(), step=self._last_step)
 
   def finish(self) -> dict[str, Any]:
@@ -227,6 +225,6 @@ class TrainerWorker:
     start = time.perf_counter()
     placed = self._require_trainer().place(batch.arrays)
     self._h2d.transfer(batch.nbytes, start)
-    self.recorder.add(H2D_TRACK, batch.mb_id, start, time.perf_counter(), step=batch.step,
+    self.recorder.add(tracks.TRAINER_H2D, batch.mb_id, start, time.perf_counter(), step=batch.step,
                       lane=lane, bytes=batch.nbytes)
     return placed

@@ -7,7 +7,7 @@ Each worker wraps a PeftTrainer with a tiny flax nnx language model and a non-id
 `_prepare_inputs` (it shifts the tokens, so preparing twice trains other numbers), bound to the
 mesh the way tunix's trainer node binds it (a small wrapper of our own, which also adds an
 optional delay before fwd_bwd so a call can be kept running). Run
-`python tests/test_tunix_grpc.py serve plugin|plain` to start a node by hand.
+`python tests/hosts/tunix/test_grpc.py serve plugin|plain` to start a node by hand.
 """
 
 from __future__ import annotations

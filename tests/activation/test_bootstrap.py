@@ -21,7 +21,7 @@ from tunix_stage_plugin.activation import host_triggers
 from tunix_stage_plugin.activation import importhook
 from tunix_stage_plugin.activation import manager
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PTH_SOURCE = REPO / "tunix_stage_plugin" / "activation" / bootstrap.PTH_NAME
 BOOTSTRAP_MODULE = "tunix_stage_plugin.activation.bootstrap"
 

@@ -5,7 +5,7 @@ in-process server (routed through the method executor like the gRPC one). The tr
 PeftTrainer subclass that records what fwd_bwd/update received (in order) instead of computing:
 tunix's own preparation seam (`_prepare_payload`: `_prepare_inputs` + shard_input) runs as in
 production, with its model on a one-device mesh. The two-device gRPC path with tunix's real
-PeftTrainer computing is in test_tunix_grpc.py.
+PeftTrainer computing is in test_grpc.py.
 """
 
 from __future__ import annotations

@@ -18,12 +18,13 @@ from tunix_stage_plugin.bench import metrics
 from tunix_stage_plugin.bench import report
 from tunix_stage_plugin.bench import runner
 from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.timeline import Span
 from tunix_stage_plugin.embedded import data as data_lib
 
 
 def _compute(step, start, end, kind="fwd_bwd"):
-  return Span("device/compute", f"{kind} s{step}", start, end, (("kind", kind), ("step", step)))
+  return Span(tracks.DEVICE_COMPUTE, f"{kind} s{step}", start, end, (("kind", kind), ("step", step)))
 
 
 def test_step_timings_split_a_step_into_boundary_idle_mid_step_idle_and_compute():
@@ -31,7 +32,7 @@ def test_step_timings_split_a_step_into_boundary_idle_mid_step_idle_and_compute(
       _compute(0, 0.0, 1.0), _compute(0, 1.0, 1.5, "update"),
       # step 1: 0.5 s boundary, fwd 2.0-3.0, a 0.25 s gap, fwd 3.25-4.0, update 4.0-4.5
       _compute(1, 2.0, 3.0), _compute(1, 3.25, 4.0), _compute(1, 4.0, 4.5, "update"),
-      Span("device/sync", "weight sync", 1.5, 1.8),  # not compute: part of the boundary
+      Span(tracks.DEVICE_SYNC, "weight sync", 1.5, 1.8),  # not compute: part of the boundary
   ]
   (t,) = metrics.step_timings(spans, [1])
   assert (t.step, t.seconds, t.boundary_idle, t.mid_step_idle, t.compute) == (
@@ -292,8 +293,8 @@ def test_tiny_quick_run_writes_json_png_and_trace(tmp_path):
   trace = json.loads((out / "trace.json").read_text())
   names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
   assert names == {f"{m} (round 1)" for m in runner.MODES}
-  tracks = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
-  assert {"device/compute", "trainer/h2d", "orchestrator/stage"} <= tracks
+  thread_names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+  assert {tracks.DEVICE_COMPUTE, tracks.TRAINER_H2D, tracks.ORCHESTRATOR_STAGE} <= thread_names
 
 
 def _trainer_children(pid: int) -> list[int]:

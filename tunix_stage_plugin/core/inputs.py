@@ -1,14 +1,17 @@
-"""One way to read the commands' numbers and output paths, checking everything before work starts.
+"""One set of parsers for numbers given as text, and checks of every input before work starts.
 
-A command parses its flags as text, then hands each to `Problems.take`, which keeps every refusal
-(one line each) so the command can report them all at once and exit 2 before it spawns or
-connects to anything. The parsers accept plain ASCII decimal only (int() alone would take "+2",
+Every reader of a number uses these: the CLI commands and orchestrator_main (through
+`Problems.take`, which keeps one line per refusal so a command reports them all and exits 2
+before it spawns or connects to anything), trainer_main's argparse flags (`argparse_type`), and
+core.config's settings. The parsers accept plain ASCII decimal only (int() alone would take "+2",
 " 2", "2_0" and "٢"), and bound what they accept so a typo such as 99999999999999999999999 is
-refused with the accepted range rather than taken as a depth. README: "Inputs".
+refused with the accepted range rather than taken as a depth. Light imports only: core.config and
+the embedded processes import it. README: "Inputs".
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import re
@@ -18,6 +21,7 @@ from typing import Callable, TypeVar
 T = TypeVar("T")
 
 MAX_COUNT = 10**6  # steps, rounds, micro-batches, depths, retries
+MAX_PORT = 65535
 SEED_LIMIT = 2**32  # JAX's PRNGKey and numpy's seed sequence both take a 32-bit seed
 MIB = 1 << 20
 MIN_PAYLOAD_MIB = 1 / 1024  # 1 KiB: anything smaller is a typo, not a micro-batch
@@ -44,6 +48,11 @@ def count(text: str) -> int:
 
 def seed(text: str) -> int:
   return integer(text, minimum=0, maximum=SEED_LIMIT - 1)
+
+
+def port(text: str) -> int:
+  """A TCP port, 0 (any free port) to MAX_PORT."""
+  return integer(text, minimum=0, maximum=MAX_PORT)
 
 
 def number(text: str, *, above: float | None = None, at_least: float | None = None,
@@ -75,6 +84,16 @@ def payload_mib(text: str) -> float:
   except ValueError:
     raise ValueError(f"accepted: a size in MiB from 1/1024 (1 KiB) to {MAX_PAYLOAD_MIB:g} "
                      f"({MAX_PAYLOAD_MIB / 1024:g} GiB)") from None
+
+
+def argparse_type(parse: Callable[[str], T], accepted: str) -> Callable[[str], T]:
+  """`parse` as an argparse `type=`: a refusal reads `'TEXT': accepted ACCEPTED`."""
+  def parse_flag(text: str) -> T:
+    try:
+      return parse(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r}: accepted {accepted}") from None
+  return parse_flag
 
 
 def available_bytes() -> int | None:

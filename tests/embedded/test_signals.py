@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 import pytest
 
-from embedded_support import call
+from tests.embedded.support import call
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import process as process_lib
 from tunix_stage_plugin.embedded import wire

@@ -6,8 +6,8 @@ trained inline, one from staged micro-batches (one or two ahead); their accumula
 denominators are compared bitwise after every fwd_bwd, their parameters and whole train state
 after every update. The same on 4 forced CPU devices (a subprocess: the device count is fixed
 when JAX starts), through the fallbacks, and end to end over tunix's gRPC server in its own
-process against a node without the plugin. Run `python tests/test_maxtext.py check N` (N devices)
-or `... serve plugin|plain` by hand.
+process against a node without the plugin. Run `python tests/hosts/maxtext/test_maxtext.py check N`
+(N devices) or `... serve plugin|plain` by hand.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The host here is a fake defined in this module: it stands in for tunix's classes because tunix's
 experimental stack cannot be installed in CI. The same checks against the real classes are in
-test_tunix_activation.py (marked `tunix`).
+tests/hosts/tunix/test_activation.py (marked `tunix`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ one-call or two-phase stages (placements failing, reset or closed while placing)
 micro-batch is trained at most once and in order (exactly once when nothing fails), the device
 and host bounds hold, fallbacks are counted exactly, and nothing stays staged or running.
 
-Drives the real step loop, store and executor threads (tests/core_engine.py); latencies are real
+Drives the real step loop, store and executor threads (tests/core/engines.py); latencies are real
 sleeps in the staging thread and the source (emulated work, never used to order events). A
 cancellation is triggered by an event (the k-th stage or train call starting), not by time.
 """
@@ -15,7 +15,7 @@ import asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from core_engine import LOST_REPLY, OK, PREPARE_FAILS, ThreadedEngine, TrainFailed, source_of
+from tests.core.engines import LOST_REPLY, OK, PREPARE_FAILS, ThreadedEngine, TrainFailed, source_of
 from tunix_stage_plugin.core.pipeline import StagePipeline
 
 

@@ -1,4 +1,4 @@
-"""StagePipeline over real threads and a real event loop (tests/core_engine.py)."""
+"""StagePipeline over real threads and a real event loop (tests/core/engines.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from core_engine import LOST_REPLY, PREPARE_FAILS, ThreadedEngine, TrainFailed, source_of
+from tests.core.engines import LOST_REPLY, PREPARE_FAILS, ThreadedEngine, TrainFailed, source_of
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core.pipeline import MicroBatch, PipelineContractError, StagePipeline
 from tunix_stage_plugin.core.store import StageKeyError

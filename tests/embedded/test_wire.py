@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from embedded_support import no_new_threads
+from tests.embedded.support import no_new_threads
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import pacing

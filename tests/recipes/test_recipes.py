@@ -20,7 +20,7 @@ import sys
 import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 K8S = RECIPES / "k8s_launcher.sh"
 LOCAL = RECIPES / "local_launcher.sh"

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from embedded_support import call
+from tests.embedded.support import call
 from tunix_stage_plugin.embedded import process as process_lib
 
 ORCH = [sys.executable, "-m", "tunix_stage_plugin.embedded.orchestrator_main"]
@@ -111,3 +112,70 @@ def test_bad_settings_and_an_absent_trainer_fail_with_a_clear_message(cmd, env, 
                           text=True, timeout=120)
   assert result.returncode == code, result.stderr
   assert message in result.stderr
+
+
+def test_orchestrator_main_reports_every_bad_flag_before_connecting():
+  with socket.socket() as listener:  # a "trainer" that records whether anyone connected
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    address = f"127.0.0.1:{listener.getsockname()[1]}"
+    result = subprocess.run(
+        [*ORCH, "--trainer", address, "--steps", "99999999999999999999999", "--microbatches",
+         "0", "--payload_mib", "1e-30", "--seed", "-1", "--sync_s", "-1", "--wire_mbps", "inf",
+         "--h2d_mbps", "0", "--connect_timeout_s", "x", "--max_staged_batches", "0"],
+        env=_env(TUNIX_STAGE_BATCH="maybe"), capture_output=True, text=True, timeout=60)
+    with pytest.raises(BlockingIOError):
+      listener.accept()
+  assert result.returncode == 2, result.stderr
+  expected = [
+      "--steps '99999999999999999999999': accepted: an integer from 1 to 1000000",
+      "--microbatches '0': accepted: an integer from 1 to 1000000",
+      "--payload_mib '1e-30': accepted: a size in MiB from 1/1024 (1 KiB)",
+      "--wire_mbps 'inf': accepted: a number > 0",
+      "--h2d_mbps '0': accepted: a number > 0",
+      "--sync_s '-1': accepted: a number >= 0",
+      "--seed '-1': accepted: an integer from 0 to 4294967295",
+      "--connect_timeout_s 'x': accepted: a number > 0",
+      "TUNIX_STAGE_BATCH='maybe' is invalid; accepted: off | stage",
+      "--max_staged_batches='0' is invalid; accepted: an integer >= 1",
+  ]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == len(expected), result.stderr
+  for line, want in zip(lines, expected):
+    assert line.startswith(f"orchestrator_main: error: {want}"), (line, want)
+
+
+def test_orchestrator_main_refuses_a_payload_that_cannot_fit():
+  result = subprocess.run([*ORCH, "--trainer", "127.0.0.1:9", "--payload_mib", "65536",
+                           "--microbatches", "1000"], env=_env(), capture_output=True, text=True,
+                          timeout=60)
+  assert result.returncode == 2
+  assert "2000 micro-batches of 65536 MiB held at once (a step's and the next step's)" in (
+      result.stderr)
+  assert "(MemAvailable); accepted: a smaller payload" in result.stderr
+
+
+def _peak_rss_mib(address: str, steps: int, tmp_path) -> float:
+  """Runs orchestrator_main to the end; its peak RSS from wait4 (the kernel's VmHWM)."""
+  log = tmp_path / f"steps{steps}.log"
+  with open(log, "w", encoding="utf-8") as out:
+    proc = subprocess.Popen(
+        [*ORCH, "--trainer", address, "--tiny", "--payload_mib", "8", "--steps", str(steps),
+         "--microbatches", "4", "--stage_train_batches", "stage"], env=_env(), stdout=out,
+        stderr=subprocess.STDOUT)
+  try:
+    _, status, usage = os.wait4(proc.pid, 0)
+  finally:
+    proc.returncode = -1  # reaped above: Popen must not wait for it again
+  assert os.waitstatus_to_exitcode(status) == 0, log.read_text()
+  assert f"OK: {steps} steps x 4 micro-batches" in log.read_text()
+  return usage.ru_maxrss / 1024  # KiB on Linux
+
+
+def test_orchestrator_main_memory_does_not_grow_with_steps(tmp_path):
+  with process_lib.TrainerProcess() as trainer:
+    few = _peak_rss_mib(trainer.address, 2, tmp_path)
+    many = _peak_rss_mib(trainer.address, 12, tmp_path)
+  # Built up front, 10 more steps of 4 x 8 MiB would add 320 MiB.
+  assert many < few + 48, (few, many)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from embedded_support import TINY, call, no_new_threads, run_plan
+from tests.embedded.support import TINY, call, no_new_threads, run_plan
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import job as job_lib
 from tunix_stage_plugin.embedded import process as process_lib

@@ -21,7 +21,7 @@ import uuid
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "recipes" / "local_launcher.sh"
 VENV_BIN = Path(sys.executable).parent
 MARKER_VAR = "TUNIX_STAGE_RECIPE_TEST_MARKER"
