@@ -227,8 +227,15 @@ start_process() {
   # setsid execs the command in place (a background child is never a group leader), so $! is the
   # command's PID and its process group ID.
   ${SETSID[@]+"${SETSID[@]}"} ${PDEATHSIG[@]+"${PDEATHSIG[@]}"} "${prefix[@]}" "$@" \
-    >"${log}" 2>&1 &
-  local pid=$!
+    >"${log}" 2>&1 {LAUNCHER_STDERR}>&- &
+  local pid=$! waited=0
+  # Until setsid has run, the child is a fork of this shell (with its traps) in this shell's
+  # group, where a stop signal could be lost: wait (bounded) until it leads its own group.
+  while ((${#SETSID[@]})) && ((waited < 50)) && [[ -r "/proc/${pid}/stat" ]] &&
+    [[ "$(cut -d' ' -f5 "/proc/${pid}/stat" 2>/dev/null)" != "${pid}" ]]; do
+    sleep 0.02
+    waited=$((waited + 1))
+  done
   NAMES+=("${name}")
   PIDS+=("${pid}")
   LOGS+=("${log}")
@@ -326,6 +333,9 @@ print_log_tails() {
 on_exit() {
   local rc=$?
   set +e
+  # A signal's trap can run inside a command whose stderr is redirected (e.g. a `read ...
+  # 2>/dev/null`), and its exit keeps that redirection: write to the launcher's own stderr.
+  exec 2>&"${LAUNCHER_STDERR}"
   trap '' INT TERM HUP # one clean stop: a second Ctrl-C does not cut it short
   stop_all
   if ((rc != 0)); then
@@ -338,7 +348,7 @@ on_exit() {
 }
 # A signal says "interrupted" and exits with 128 + its number, through on_exit.
 on_signal() {
-  echo "${PROG}: interrupted by SIG$1; stopping every process it started" >&2
+  echo "${PROG}: interrupted by SIG$1; stopping every process it started" >&"${LAUNCHER_STDERR}"
   exit "$2"
 }
 deliver_signals() {
@@ -356,6 +366,7 @@ defer_signals() {
 }
 DEFERRED_EXIT=0
 DEFERRED_SIGNAL=""
+exec {LAUNCHER_STDERR}>&2 # the launcher's stderr, for its signal and exit traps
 trap on_exit EXIT
 deliver_signals
 

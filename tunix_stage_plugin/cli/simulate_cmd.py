@@ -10,7 +10,7 @@ import textwrap
 from typing import Any
 
 from tunix_stage_plugin.bench import modes as modes_lib
-from tunix_stage_plugin.cli import inputs
+from tunix_stage_plugin.core import inputs
 
 CHECK_TOLERANCE = 0.05  # --check: a prediction within 5 % of the measured median step
 
@@ -214,9 +214,9 @@ class _Picture:
   """What bench.plot draws for a run: one step's window of a simulated mode."""
 
   def __init__(self, mode: str, result: Any, step: int) -> None:
-    from tunix_stage_plugin.bench import metrics  # pylint: disable=import-outside-toplevel
+    from tunix_stage_plugin.core import tracks  # pylint: disable=import-outside-toplevel
     ends = {dict(s.args)["step"]: s.end for s in result.spans
-            if s.track == metrics.COMPUTE_TRACK and dict(s.args).get("kind") == "update"}
+            if s.track == tracks.DEVICE_COMPUTE and dict(s.args).get("kind") == "update"}
     self.mode, self.round = mode, 0
     self.origin = ends.get(step - 1, 0.0)
     end = ends[step]

@@ -15,9 +15,11 @@ from typing import Any
 
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.sim import trace as trace_lib
 
-COMPUTE, SYNC, H2D, RECEIVE = "device/compute", "device/sync", "trainer/h2d", "trainer/receive"
+COMPUTE, SYNC = tracks.DEVICE_COMPUTE, tracks.DEVICE_SYNC
+H2D, RECEIVE = tracks.TRAINER_H2D, tracks.TRAINER_RECEIVE
 WIRE_CHUNKS = 4  # how finely concurrent transfers share the wire (the bench: 4 MiB of 16 MiB)
 
 

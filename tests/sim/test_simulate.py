@@ -17,7 +17,7 @@ from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.sim import run as run_lib
 from tunix_stage_plugin.sim import trace as trace_lib
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "upstream_pattern.json"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "upstream_pattern.json"
 
 
 def uniform(steps=3, m=4, wire=0.8, h2d=0.4, compute=1.0, update=0.1, boundary=0.5):
