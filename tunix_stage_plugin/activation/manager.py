@@ -17,6 +17,7 @@ import sys
 import threading
 from typing import Any
 
+from tunix_stage_plugin import hosts
 from tunix_stage_plugin.activation import entry_points
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
@@ -37,7 +38,7 @@ class Activation:
 
 @dataclasses.dataclass
 class _Active:
-  adapter: Any
+  adapter: hosts.HostAdapter
   registry: patching.PatchRegistry
   live: config_lib.LiveConfig  # what the hooks read; handed down to them at apply
   line: str

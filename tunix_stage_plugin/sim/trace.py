@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 from typing import Any
 
 RESOURCES = ("wire", "h2d", "compute")
@@ -108,21 +109,24 @@ def from_csv(text: str, source: str) -> Trace:
 
 def from_bench(data: dict[str, Any], mode: str, source: str) -> Trace:
   """A `tunix-stage bench` JSON: the emulated wire and host-to-device times of every micro-batch
-  (calibration), each timed step's recorded fwd_bwd and update times in `mode`'s first run, and
-  the weight sync as the boundary."""
+  (calibration), `mode`'s recorded fwd_bwd and update times (each position's median over the
+  mode's runs, as the bench's own medians span its rounds), and the weight sync as the boundary."""
   calibration, runs = data.get("calibration"), data.get("runs")
   if not isinstance(calibration, dict) or not isinstance(runs, list):
     raise TraceError(f"{source}: not a finished tunix-stage bench report (no calibration/runs)")
-  run = next((r for r in runs if r.get("mode") == mode and "fwd_bwd_s" in r), None)
-  if run is None:
+  runs = [r for r in runs if r.get("mode") == mode and "fwd_bwd_s" in r]
+  if not runs:
     raise TraceError(f"{source}: no {mode} run with recorded fwd_bwd times (a bench JSON from "
                      "this version of tunix-stage bench has them)")
   wire, h2d, sync = (_number(calibration[k], f"{source} calibration.{k}")
                      for k in ("wire_s", "h2d_s", "sync_s"))
-  steps = tuple(StepTimes(tuple(MicroBatchTimes(wire, h2d, _number(c, f"{source} fwd_bwd_s"))
-                                for c in step_compute), _number(update, f"{source} update_s"), sync)
-                for step_compute, update in zip(run["fwd_bwd_s"], run["update_s"]))
-  return _check(Trace(steps, f"{source} ({mode})"))
+  steps = []
+  for i, step_compute in enumerate(runs[0]["fwd_bwd_s"]):
+    compute = [statistics.median(_number(r["fwd_bwd_s"][i][j], f"{source} fwd_bwd_s")
+                                 for r in runs) for j in range(len(step_compute))]
+    update = statistics.median(_number(r["update_s"][i], f"{source} update_s") for r in runs)
+    steps.append(StepTimes(tuple(MicroBatchTimes(wire, h2d, c) for c in compute), update, sync))
+  return _check(Trace(tuple(steps), f"{source} ({mode})"))
 
 
 def load(path: str, mode: str | None = None) -> Trace:

@@ -97,6 +97,20 @@ def train(worker, engine, payloads, *, ahead=0, hooks=None):
   return snapshots, reasons
 
 
+def train_one(worker, engine, n, item, status, key, snapshots):
+  """Trains micro-batch n by key when it was staged, else inline (the orchestrator's fallback),
+  and snapshots as `train` does."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  if status == "staged":
+    worker.fwd_bwd(payload=None, stage_key=key)
+  else:
+    worker.fwd_bwd(item)
+  snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
+  if n % MICRO == MICRO - 1:
+    worker.update()
+    snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
+
+
 def same_bits(a, b):
   return len(a) == len(b) and all(
       len(x) == len(y) and all(u.dtype == v.dtype and np.array_equal(u, v, equal_nan=True)
@@ -262,7 +276,6 @@ def test_a_refused_stage_trains_inline_to_the_same_bits(staging):
   store = installation.current().staging_of(worker).store
   store.set_bounds(1, 1)
   store.slot_wait_s = 0
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   def stage(n):
     return worker.stage_batch(payloads[n], key=f"c-{n}").metadata["outcome"]["status"]
@@ -271,14 +284,7 @@ def test_a_refused_stage_trains_inline_to_the_same_bits(staging):
   for n, item in enumerate(payloads):
     if n + 1 < len(payloads):  # while n holds the only device slot, n + 1 is refused
       statuses[n + 1] = stage(n + 1)
-    if statuses[n] == "staged":
-      worker.fwd_bwd(payload=None, stage_key=f"c-{n}")
-    else:  # the orchestrator's fallback: the same micro-batch, inline
-      worker.fwd_bwd(item)
-    snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
-    if n % MICRO == MICRO - 1:
-      worker.update()
-      snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
+    train_one(worker, engine, n, item, statuses[n], f"c-{n}", snapshots)
   assert same_bits(snapshots, reference)
   assert list(statuses.values()) == ["staged", "refused"] * 4 + ["staged"]
 
@@ -294,19 +300,10 @@ def test_a_failed_placement_falls_back_to_the_same_bits(staging, monkeypatch):
     return real(leaf, sharding)
 
   monkeypatch.setattr(placement_lib, "_place_leaf", flaky)
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   snapshots, statuses = [], []
   for n, item in enumerate(payloads):
-    status = worker.stage_batch(item, key=f"f-{n}").metadata["outcome"]["status"]
-    statuses.append(status)
-    if status == "staged":
-      worker.fwd_bwd(payload=None, stage_key=f"f-{n}")
-    else:  # the orchestrator's fallback: the same micro-batch, inline
-      worker.fwd_bwd(item)
-    snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
-    if n % MICRO == MICRO - 1:
-      worker.update()
-      snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
+    statuses.append(worker.stage_batch(item, key=f"f-{n}").metadata["outcome"]["status"])
+    train_one(worker, engine, n, item, statuses[-1], f"f-{n}", snapshots)
   assert statuses.count("failed") == 1 and len(installation.current().staging_of(worker).store) == 0
   assert same_bits(snapshots, reference)
 
