@@ -117,7 +117,7 @@ def test_check_predicts_a_tiny_bench_run(tmp_path):
   bench = subprocess.run(
       [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
        "--steps", "1", "--microbatches", "3", "--payload-mib", "0.05", "--out", str(out),
-       "--png", "", "--trace", ""], capture_output=True, text=True, timeout=300)
+       "--png", ""], capture_output=True, text=True, timeout=300)
   assert bench.returncode == 0, bench.stderr[-3000:]
   check = subprocess.run(
       [sys.executable, "-m", "tunix_stage_plugin.cli.main", "simulate", "--check",
@@ -129,3 +129,10 @@ def test_check_predicts_a_tiny_bench_run(tmp_path):
   for figures in report["modes"].values():
     assert figures["predicted_median_step_s"] > 0 and figures["measured_median_step_s"] > 0
     assert figures["within_tolerance"] == (abs(figures["error"]) <= 0.05)
+
+  # Its Chrome trace is an input too: the inline run's own spans, micro-batch by micro-batch.
+  trace = trace_lib.load(str(out / "trace.json"))
+  assert [len(step.microbatches) for step in trace.steps] == [3, 3]  # warm-up + timed step
+  # (its payloads are under 1 MiB: one message each, so no receive span and no wire time)
+  assert all(mb.wire_s == 0 and mb.h2d_s >= 0 and mb.compute_s > 0 for step in trace.steps
+             for mb in step.microbatches)

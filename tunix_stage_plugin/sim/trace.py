@@ -129,6 +129,47 @@ def from_bench(data: dict[str, Any], mode: str, source: str) -> Trace:
   return _check(Trace(tuple(steps), f"{source} ({mode})"))
 
 
+def from_chrome_trace(data: dict[str, Any], source: str) -> Trace:
+  """A `tunix-stage bench` trace.json: its first inline run, where every micro-batch's recorded
+  spans are its own (the payload received, its host-to-device copy, its fwd_bwd), plus each
+  step's update and weight sync. (tunix's `stage/*` step logs carry counts, not times: a job's
+  times come from its profiler, written as a trace JSON or CSV.)"""
+  events = data.get("traceEvents") if isinstance(data, dict) else None
+  if not isinstance(events, list):
+    raise TraceError(f"{source}: not a Chrome trace (no traceEvents)")
+  processes = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+  pid = next((p for p, name in sorted(processes.items()) if name.startswith("inline ")), None)
+  if pid is None:
+    raise TraceError(f"{source}: no inline run in this trace; accepted: a tunix-stage bench "
+                     "trace.json with the inline mode")
+  tracks = {e["tid"]: e["args"]["name"] for e in events
+            if e.get("name") == "thread_name" and e["pid"] == pid}
+  spans = [(tracks[e["tid"]], e) for e in events if e.get("ph") == "X" and e["pid"] == pid]
+  seconds = lambda e: e["dur"] / 1e6
+  receive = [seconds(e) for track, e in spans if track == "trainer/receive"]
+  h2d = {e["name"]: seconds(e) for track, e in spans if track == "trainer/h2d"}
+  steps: dict[int, dict[str, Any]] = {}
+  for track, e in spans:
+    if track == "device/compute":
+      step = steps.setdefault(e["args"]["step"], {"compute": [], "update": 0.0, "sync": 0.0})
+      if e["args"].get("kind") == "update":
+        step["update"] = seconds(e)
+      else:
+        step["compute"].append((e["name"], seconds(e)))
+    elif track == "device/sync":
+      steps.setdefault(e["args"]["step"], {"compute": [], "update": 0.0, "sync": 0.0})["sync"] = \
+          seconds(e)
+  count = sum(len(s["compute"]) for s in steps.values())
+  if not receive:  # payloads under 1 MiB travel as one message: no receive span, no wire time
+    receive = [0.0] * count
+  if len(receive) != count:
+    raise TraceError(f"{source}: the inline run's payloads and fwd_bwd spans do not pair up")
+  wire = iter(receive)  # in training order: the inline run sends one payload per train call
+  return _check(Trace(tuple(StepTimes(tuple(
+      MicroBatchTimes(next(wire), h2d.get(name, 0.0), compute) for name, compute in s["compute"]),
+      s["update"], s["sync"]) for _, s in sorted(steps.items())), f"{source} (inline run)"))
+
+
 def load(path: str, mode: str | None = None) -> Trace:
   """A trace from a JSON or CSV file, or a bench JSON (with `mode`, its recorded times)."""
   try:
@@ -145,4 +186,6 @@ def load(path: str, mode: str | None = None) -> Trace:
                      "trace CSV (.csv) or a tunix-stage bench JSON") from None
   if isinstance(data, dict) and "calibration" in data and "runs" in data:
     return from_bench(data, mode or "inline", path)
+  if isinstance(data, dict) and "traceEvents" in data:
+    return from_chrome_trace(data, path)
   return from_json(data, path)
