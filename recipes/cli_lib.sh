@@ -15,6 +15,24 @@ die() {
   exit 2
 }
 
+# One flag spelling everywhere: underscores, as the plugin's Python entry points and the hosts'
+# drivers spell theirs (--stage_train_batches sits next to tunix's and MaxText's flags); a dashed
+# flag (--dry-run) is the same flag. Prints ARG with its name's dashes made underscores.
+# Usage: set -- "$(canonical_flag "$1")" "${@:2}"
+canonical_flag() {
+  local arg="$1" name rest=""
+  if [[ "${arg}" != --?* ]]; then
+    printf '%s' "${arg}"
+    return
+  fi
+  name="${arg:2}"
+  if [[ "${name}" == *=* ]]; then
+    rest="=${name#*=}"
+    name="${name%%=*}"
+  fi
+  printf -- '--%s%s' "${name//-/_}" "${rest}"
+}
+
 # Takes an option's value from the next argument; fails when there is none.
 # Usage: value="$(option_value --name "$#" "${2-}")"
 option_value() {

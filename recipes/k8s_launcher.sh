@@ -9,7 +9,7 @@
 #   orchestrator: TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES
 #                 (+ --stage_train_batches=stage --max_staged_batches=N when staging is on)
 #   trainer:      TUNIX_STAGE_BATCH, TUNIX_STAGE_MAX_DEVICE_BATCHES, TUNIX_STAGE_MAX_HOST_BATCHES
-# (the plugin's settings table decides which: `tunix-stage config --env-for ROLE`)
+# (the plugin's settings table decides which: `tunix-stage config --env_for ROLE`)
 #   rollout:      none
 # With staging off the containers carry TUNIX_STAGE_BATCH=off and no staging flag.
 set -euo pipefail
@@ -22,7 +22,7 @@ PROG="k8s_launcher.sh"
 usage() {
   cat <<EOF
 usage: ${PROG} --command start|stop [--role orchestrator|trainer|rollout|all] [--image IMAGE]
-                     [--dry-run] [-h|--help]
+                     [--dry_run] [-h|--help]
 
 Renders one JobSet manifest per role and pipes it to 'kubectl apply -f -' (start first deletes
 the role's running JobSets), or deletes the role's JobSets (stop).
@@ -32,7 +32,7 @@ options:
   --role ROLE            orchestrator, trainer, rollout or all (default: all)
   --image IMAGE          container image with tunix and tunix-stage-plugin installed
                          (default: \$TUNIX_IMAGE; required by start)
-  --dry-run              print the manifests (start) or the kubectl commands (stop) and touch
+  --dry_run              print the manifests (start) or the kubectl commands (stop) and touch
                          nothing; kubectl is not needed
   -h, --help             show this help and exit
 
@@ -45,7 +45,7 @@ staging (validated by 'tunix-stage config --check'; a bad value stops the launch
 Every other knob (JOB_NAME, ports, model, TPU shape, ...) is listed in mlperf_base.sh.
 KUBECTL_FLAGS (e.g. "--context=my-cluster --namespace=rl") goes before every kubectl command.
 example:
-  TUNIX_STAGE_BATCH=stage ${PROG} --command start --image IMAGE --dry-run
+  TUNIX_STAGE_BATCH=stage ${PROG} --command start --image IMAGE --dry_run
 EOF
 }
 
@@ -55,6 +55,7 @@ DRY_RUN=0
 IMAGE_ARG=""
 
 while (($# > 0)); do
+  set -- "$(canonical_flag "$1")" "${@:2}"
   case "$1" in
     --command=*) COMMAND="${1#*=}"; shift ;;
     --command) COMMAND="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
@@ -62,7 +63,7 @@ while (($# > 0)); do
     --role) ROLE="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
     --image=*) IMAGE_ARG="${1#*=}"; shift ;;
     --image) IMAGE_ARG="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
-    --dry-run) DRY_RUN=1; shift ;;
+    --dry_run) DRY_RUN=1; shift ;;
     -h | --help) usage; exit 0 ;;
     *) usage_error "unknown option '$1'" ;;
   esac
@@ -296,7 +297,7 @@ if ((DRY_RUN)); then
 fi
 
 if ! command -v kubectl >/dev/null 2>&1; then
-  die "kubectl not found on PATH (use --dry-run to only print the manifests)"
+  die "kubectl not found on PATH (use --dry_run to only print the manifests)"
 fi
 kubectl() {
   command kubectl ${KUBECTL_FLAG_ARGS[@]+"${KUBECTL_FLAG_ARGS[@]}"} "$@"

@@ -28,7 +28,7 @@ EMBEDDED_ORCHESTRATOR="tunix_stage_plugin.embedded.orchestrator_main"
 usage() {
   cat <<EOF
 usage: ${PROG} [--host auto|embedded|tunix] [--port PORT] [--steps N] [--microbatches M]
-                       [--tiny] [--log-dir DIR] [--timeout SECS] [--startup-timeout SECS]
+                       [--tiny] [--log_dir DIR] [--timeout SECS] [--startup_timeout SECS]
                        [-h|--help] [-- ORCHESTRATOR_ARGS...]
 
 Starts one job's processes on this machine (127.0.0.1 only), waits for the job, then stops
@@ -42,10 +42,10 @@ options:
   --steps N               training steps (embedded: --steps; tunix: --max_steps)
   --microbatches M        micro-batches per step (embedded host only)
   --tiny                  the embedded host's tiny model (embedded host only)
-  --log-dir DIR           where the per-process logs go (default: a new temporary directory)
+  --log_dir DIR           where the per-process logs go (default: a new temporary directory)
   --timeout SECS          stop everything and fail when the job (start-up included) has not
                           finished after SECS (default: 0, no limit)
-  --startup-timeout SECS  how long the trainer may take to become ready (default: 120)
+  --startup_timeout SECS  how long the trainer may take to become ready (default: 120)
   -h, --help              show this help and exit
   -- ARGS...              more flags for the orchestrator (embedded host), e.g.
                           -- --payload_mib 4 --wire_mbps 200
@@ -81,6 +81,7 @@ STOP_GRACE="${STOP_GRACE:-10}"
 EXTRA_ORCH_ARGS=()
 
 while (($# > 0)); do
+  set -- "$(canonical_flag "$1")" "${@:2}"
   case "$1" in
     --host=*) HOST="${1#*=}"; shift ;;
     --host) HOST="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
@@ -91,12 +92,12 @@ while (($# > 0)); do
     --microbatches=*) MICROBATCHES="${1#*=}"; shift ;;
     --microbatches) MICROBATCHES="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
     --tiny) TINY=1; shift ;;
-    --log-dir=*) LOG_DIR="${1#*=}"; shift ;;
-    --log-dir) LOG_DIR="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    --log_dir=*) LOG_DIR="${1#*=}"; shift ;;
+    --log_dir) LOG_DIR="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
     --timeout=*) TIMEOUT="${1#*=}"; shift ;;
     --timeout) TIMEOUT="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
-    --startup-timeout=*) STARTUP_TIMEOUT="${1#*=}"; shift ;;
-    --startup-timeout) STARTUP_TIMEOUT="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
+    --startup_timeout=*) STARTUP_TIMEOUT="${1#*=}"; shift ;;
+    --startup_timeout) STARTUP_TIMEOUT="$(option_value "$1" "$#" "${2-}")"; shift 2 ;;
     -h | --help) usage; exit 0 ;;
     --) shift; EXTRA_ORCH_ARGS=("$@"); break ;;
     *) usage_error "unknown option '$1'" ;;
@@ -112,9 +113,9 @@ esac
 [[ -z "${STEPS}" ]] || uint_option --steps STEPS 1 999999999
 [[ -z "${MICROBATCHES}" ]] || uint_option --microbatches MICROBATCHES 1 999999999
 uint_option --timeout TIMEOUT 0 999999999
-uint_option --startup-timeout STARTUP_TIMEOUT 1 999999999
+uint_option --startup_timeout STARTUP_TIMEOUT 1 999999999
 uint_option STOP_GRACE STOP_GRACE 0 3600
-check_no_control --log-dir "${LOG_DIR}"
+check_no_control --log_dir "${LOG_DIR}"
 for arg in ${EXTRA_ORCH_ARGS[@]+"${EXTRA_ORCH_ARGS[@]}"}; do
   check_no_control "orchestrator argument" "${arg}"
 done

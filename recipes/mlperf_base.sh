@@ -169,12 +169,12 @@ mlperf_check_staging() {
     return 2
   fi
   # The plugin's resolved values, per role, from its own settings table (`tunix-stage config
-  # --env-for ROLE`): the recipes name no variable themselves. (Called from an `if`, this function
+  # --env_for ROLE`): the recipes name no variable themselves. (Called from an `if`, this function
   # runs without errexit: every failure is checked by hand.)
   local role assignment names
   for role in orchestrator trainer; do
-    if ! out="$("${PYTHON}" -m tunix_stage_plugin.cli.main config --env-for "${role}")"; then
-      mlperf_error "could not read the ${role}'s settings from 'tunix-stage config --env-for'"
+    if ! out="$("${PYTHON}" -m tunix_stage_plugin.cli.main config --env_for "${role}")"; then
+      mlperf_error "could not read the ${role}'s settings from 'tunix-stage config --env_for'"
       return 2
     fi
     names=""
@@ -190,14 +190,14 @@ mlperf_check_staging() {
     fi
   done
   if ! MLPERF_ORCHESTRATOR_FLAGS="$("${PYTHON}" -m tunix_stage_plugin.cli.main config \
-    --flags-for orchestrator)"; then
-    mlperf_error "could not read the orchestrator's flags from 'tunix-stage config --flags-for'"
+    --flags_for orchestrator)"; then
+    mlperf_error "could not read the orchestrator's flags from 'tunix-stage config --flags_for'"
     return 2
   fi
 }
 
 # The staging variables a role's container/process receives, space-separated (the plugin's
-# settings table decides: `tunix-stage config --env-for ROLE`); rollout: none (it never sees a
+# settings table decides: `tunix-stage config --env_for ROLE`); rollout: none (it never sees a
 # training batch).
 mlperf_stage_env_names() {
   case "$1" in

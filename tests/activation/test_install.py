@@ -297,3 +297,31 @@ def test_registry_refuses_a_double_patch_and_undoes_in_reverse():
                               f"{__name__}.FakeEngine.train_step"]
   assert registry.undo() == []
   assert snapshot() == before and len(registry) == 0
+
+
+def test_install_takes_explicit_settings_over_the_environment(adapter, capsys, monkeypatch):
+  monkeypatch.setenv("TUNIX_STAGE_BATCH", "off")
+  monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "3")
+  monkeypatch.setenv("TUNIX_STAGE_MAX_DEVICE_BATCHES", "2")
+  activation = tunix_stage_plugin.install(host="fake", mode="stage", max_staged_batches=4)
+  assert activation.installed
+  cfg = manager.current_config("fake")
+  assert (cfg.max_staged_batches, cfg.max_device_batches) == (4, 2)  # explicit > env
+  assert (cfg.sources["max_staged_batches"], cfg.sources["max_device_batches"]) == (
+      config_lib.SOURCE_INSTALL, config_lib.SOURCE_ENV)
+  # A driver's resolution (flags + env) keeps what install() was told, flags still beating it.
+  flags = config_lib.resolve({"max_device_batches": 3}, explicit_source="flag")
+  manager.configure(flags, host="fake", quiet=True)
+  cfg = manager.current_config("fake")
+  assert (cfg.enabled, cfg.max_staged_batches, cfg.max_device_batches) == (True, 4, 3)
+
+
+def test_install_refuses_bad_or_unknown_settings_before_patching(adapter):
+  before = snapshot()
+  with pytest.raises(config_lib.ConfigError, match=r"install\(max_staged_batches\)='0' is invalid"):
+    manager.install(host="fake", mode="stage", max_staged_batches=0)
+  with pytest.raises(config_lib.ConfigError, match=r"unknown staging setting\(s\) \['depth'\]"):
+    manager.install(host="fake", depth=2)
+  with pytest.raises(TypeError, match="a config or settings"):
+    manager.install(stage_config(), host="fake", max_staged_batches=2)
+  assert snapshot() == before and adapter.applied == 0

@@ -165,8 +165,8 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
   out = tmp_path / "out"
   code = cli_main.main([
       "bench", "--modes", "inline,fast", "--rounds", "0", "--steps", "99999999999999999999999",
-      "--retries", "-1", "--microbatches", "٣", "--payload-mib", "1e-30", "--wire-ratio", "-1",
-      "--h2d-ratio", "nan", "--sync-ratio", "-0.5", "--max-device-batches", "1_0",
+      "--retries", "-1", "--microbatches", "٣", "--payload_mib", "1e-30", "--wire_ratio", "-1",
+      "--h2d_ratio", "nan", "--sync_ratio", "-0.5", "--stage_max_device_batches", "1_0",
       "--seed", "-1", "--json", str(tmp_path), "--png", "/proc/no/such.png",
       "--trace", str(a_file / "trace.json"), "--out", str(out)])
   assert code == 2
@@ -177,11 +177,11 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
       "--retries '-1': accepted: an integer from 0 to 1000000",
       "--modes 'inline,fast': accepted: a comma-separated subset of",
       "--microbatches '٣': accepted: an integer from 1 to 1000000",
-      "--payload-mib '1e-30': accepted: a size in MiB from 1/1024 (1 KiB)",
-      "--wire-ratio '-1': accepted: a number > 0",
-      "--h2d-ratio 'nan': accepted: a number > 0",
-      "--sync-ratio '-0.5': accepted: a number >= 0",
-      "--max-device-batches '1_0': accepted: an integer from 1 to 1000000",
+      "--payload_mib '1e-30': accepted: a size in MiB from 1/1024 (1 KiB)",
+      "--wire_ratio '-1': accepted: a number > 0",
+      "--h2d_ratio 'nan': accepted: a number > 0",
+      "--sync_ratio '-0.5': accepted: a number >= 0",
+      "--stage_max_device_batches '1_0': accepted: an integer from 1 to 1000000",
       "--seed '-1': accepted: an integer from 0 to 4294967295",
       f"--json '{tmp_path}': is a directory",
       "--png '/proc/no/such.png': cannot create anything in /proc",
@@ -196,7 +196,7 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
 @pytest.mark.parametrize("args, message", [
     (["--out", "/proc/x"], "--out '/proc/x': cannot create anything in /proc"),
     (["--seed", str(2**32)], "accepted: an integer from 0 to 4294967295"),
-    (["--payload-mib", "65536"], "held at once (12 resident on the trainer, 9 built ahead or "
+    (["--payload_mib", "65536"], "held at once (12 resident on the trainer, 9 built ahead or "
      "staged) need 1344.0 GiB, more than the"),
     (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
      "--modes 'inline,inline': accepted: a comma-separated subset of inline,depth1,depth2,"
@@ -263,7 +263,7 @@ def test_batch_prefetch_builds_a_bounded_window_in_training_order():
 def test_tiny_quick_run_writes_json_png_and_trace(tmp_path):
   out = tmp_path / "out"
   cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
-         "--steps", "1", "--microbatches", "3", "--payload-mib", "0.05", "--out", str(out)]
+         "--steps", "1", "--microbatches", "3", "--payload_mib", "0.05", "--out", str(out)]
   result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
   assert result.returncode == 0, result.stdout + result.stderr
   for mode in runner.MODES:  # progress on stderr, the table on stdout
@@ -340,7 +340,7 @@ def _read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> str:
 def test_a_signal_stops_the_bench_cleanly_with_a_partial_json(sig, code, whole_group, tmp_path):
   out = tmp_path / "out"
   cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--rounds",
-         "100000", "--steps", "1", "--microbatches", "2", "--payload-mib", "0.01", "--out",
+         "100000", "--steps", "1", "--microbatches", "2", "--payload_mib", "0.01", "--out",
          str(out)]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True)

@@ -84,13 +84,13 @@ def test_trainer_main_prints_ready_and_exits_zero_on_sigint():
 
 def test_a_trainer_that_exits_before_ready_is_reported_with_its_exit_code():
   with pytest.raises(process_lib.TrainerProcessError, match="exited with code 2 before READY"):
-    process_lib.TrainerProcess(extra_args=["--max_device_batches", "0"])
+    process_lib.TrainerProcess(extra_args=["--stage_max_device_batches", "0"])
 
 
 @pytest.mark.parametrize("cmd, env, code, message", [
     (TRAINER + ["--port", "0"], {"TUNIX_STAGE_MAX_DEVICE_BATCHES": "0"}, 2,
      "TUNIX_STAGE_MAX_DEVICE_BATCHES='0' is invalid; accepted: an integer >= 1"),
-    (TRAINER + ["--port", "0", "--max_device_batches", "x"], {}, 2,
+    (TRAINER + ["--port", "0", "--stage_max_device_batches", "x"], {}, 2,
      "--stage_max_device_batches='x' is invalid"),
     (ORCH + ["--trainer", "127.0.0.1"], {}, 2, "trainer address must be HOST:PORT"),
     (ORCH + ["--trainer", "127.0.0.1:1", "--connect_timeout_s", "1"], {}, 1,

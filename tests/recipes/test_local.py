@@ -122,7 +122,7 @@ def test_local_host_tunix_says_when_tunix_is_not_installed(launch):
 @pytest.mark.parametrize("var, value", [("TUNIX_STAGE_BATCH", "yes"),
                                         ("TUNIX_MAX_STAGED_BATCHES", "0")])
 def test_local_bad_value_stops_before_starting_anything(launch, tmp_path: Path, var, value):
-  proc = launch("--host", "embedded", "--log-dir", str(tmp_path / "logs"), **{var: value})
+  proc = launch("--host", "embedded", "--log_dir", str(tmp_path / "logs"), **{var: value})
   assert proc.returncode == 2
   assert f"mlperf_base.sh: error: invalid staging setting: {var}={value!r} is invalid" \
       in proc.stderr
@@ -144,7 +144,7 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
   # Leading zeros are decimal, never octal in the launcher's arithmetic ("090" is not octal).
   numbers = (("--steps", "02", "--microbatches", "03", "--timeout", "090") if mode == "stage"
              else ("--steps", "2", "--microbatches", "3", "--timeout", "50"))
-  proc = launch(*(() if auto else ("--host", "embedded")), *numbers, "--tiny", "--log-dir",
+  proc = launch(*(() if auto else ("--host", "embedded")), *numbers, "--tiny", "--log_dir",
                 str(logs), TUNIX_STAGE_BATCH=mode)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   out = proc.stdout

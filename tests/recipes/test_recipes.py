@@ -1,7 +1,7 @@
 """The launch recipes (recipes/*.sh): shellcheck, mlperf_base.sh and k8s_launcher.sh.
 
 Every test runs the real scripts in subprocesses. None needs a cluster: manifests are checked
-through --dry-run, and the tests that exercise `kubectl apply` / `kubectl delete` put a fake
+through --dry_run, and the tests that exercise `kubectl apply` / `kubectl delete` put a fake
 `kubectl` (a small script that records its arguments and stdin) first on PATH, so that a real
 kubectl on the machine is never reached. The environment each script gets is built from scratch
 (no TUNIX_* or job knobs leak in from the shell running pytest); PYTHON is this interpreter, which
@@ -86,8 +86,8 @@ def kubectl_calls(tmp_path: Path) -> list[dict]:
 
 
 def dry_run(tmp_path: Path, fake_bin: Path, *extra: str, **env_overrides: str) -> list[dict]:
-  """Runs `k8s_launcher.sh --command start --dry-run` and returns the parsed documents."""
-  proc = run(K8S, "--command", "start", "--image", IMAGE, "--dry-run", *extra,
+  """Runs `k8s_launcher.sh --command start --dry_run` and returns the parsed documents."""
+  proc = run(K8S, "--command", "start", "--image", IMAGE, "--dry_run", *extra,
              env=base_env(tmp_path, fake_bin, **env_overrides))
   assert proc.returncode == 0, proc.stderr
   assert kubectl_calls(tmp_path) == [], "a dry run must not call kubectl"
@@ -165,12 +165,12 @@ USAGE_ERRORS = [
     (K8S, ("--bogus",), "unknown option '--bogus'"),
     (K8S, ("--command", "start", "extra"), "unknown option 'extra'"),
     (K8S, ("--command",), "--command needs a value"),
-    (K8S, ("--command", "--dry-run"), "--command needs a value"),
-    (K8S, ("--dry-run",), "--command is required"),
+    (K8S, ("--command", "--dry_run"), "--command needs a value"),
+    (K8S, ("--dry_run",), "--command is required"),
     (K8S, ("--command", "restart"), "--command must be start or stop"),
     (K8S, ("--command", "stop", "--role", "sampler"), "--role must be orchestrator, trainer"),
     (LOCAL, ("--bogus",), "unknown option '--bogus'"),
-    (LOCAL, ("--dry-run",), "unknown option '--dry-run'"),
+    (LOCAL, ("--dry_run",), "unknown option '--dry_run'"),
     (LOCAL, ("--steps",), "--steps needs a value"),
     (LOCAL, ("--steps", "0"), "--steps must be an integer >= 1"),
     (LOCAL, ("--port", "70000"), "--port must be an integer >= 1 and <= 65535, not 70000"),
@@ -182,7 +182,7 @@ USAGE_ERRORS = [
     (LOCAL, ("--steps", "٣"), "--steps must be an integer"),  # not an ASCII digit
     (LOCAL, ("--steps", "9" * 30), "--steps must be an integer >= 1 and <= 999999999"),
     (LOCAL, ("--timeout", "-1"), "--timeout must be an integer >= 0"),
-    (LOCAL, ("--log-dir", "/tmp/a\tb"), "--log-dir=$'/tmp/a\\tb' is invalid; accepted: a value "
+    (LOCAL, ("--log_dir", "/tmp/a\tb"), "--log_dir=$'/tmp/a\\tb' is invalid; accepted: a value "
      "without newlines, tabs or other control characters"),
     (LOCAL, ("--", "--payload_mib", "1\r"), "is invalid; accepted: a value without newlines"),
 ]
@@ -255,7 +255,7 @@ def test_base_says_so_when_the_plugin_is_not_installed(tmp_path: Path):
   bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -I -S "$@"\n')
   bare.chmod(0o755)
   for script in (BASE, K8S):
-    proc = run(script, *(("--command", "start", "--image", IMAGE, "--dry-run")
+    proc = run(script, *(("--command", "start", "--image", IMAGE, "--dry_run")
                          if script is K8S else ()),
                env=base_env(tmp_path, PYTHON=str(bare)), cwd=tmp_path)
     assert proc.returncode == 2
@@ -268,7 +268,7 @@ def test_base_says_so_when_the_plugin_is_not_installed(tmp_path: Path):
     ("ROLLOUT_EXTRA_ARGS", "--a\x1b[2J"), ("TUNIX_STAGE_BATCH", "stage\n"), ("PYTHON", "py\n")])
 def test_base_refuses_control_characters_in_every_knob(tmp_path: Path, var: str, value: str):
   for script, args in ((BASE, ()), (LOCAL, ("--host", "tunix")),
-                       (K8S, ("--command", "start", "--image", IMAGE, "--dry-run"))):
+                       (K8S, ("--command", "start", "--image", IMAGE, "--dry_run"))):
     proc = run(script, *args, env=base_env(tmp_path, **{var: value}))
     assert proc.returncode == 2, (script, proc)
     assert proc.stdout == ""
@@ -427,7 +427,7 @@ def test_dry_run_values_survive_yaml_quoting(tmp_path: Path, fake_bin: Path):
 def test_k8s_bad_value_stops_before_anything_is_printed_or_applied(
     tmp_path: Path, fake_bin: Path, var: str, value: str):
   expected = plugin_error(**{var: value})
-  for extra in ((), ("--dry-run",)):
+  for extra in ((), ("--dry_run",)):
     proc = run(K8S, "--command", "start", "--image", IMAGE, *extra,
                env=base_env(tmp_path, fake_bin, **{var: value}))
     assert proc.returncode == 2
@@ -443,7 +443,7 @@ def test_k8s_bad_value_stops_before_anything_is_printed_or_applied(
     ({"MODEL_ID": "a\nb"}, "MODEL_ID=$'a\\nb' is invalid"),
 ])
 def test_k8s_bad_job_knob_stops(tmp_path: Path, fake_bin: Path, overrides, message):
-  proc = run(K8S, "--command", "start", "--image", IMAGE, "--dry-run",
+  proc = run(K8S, "--command", "start", "--image", IMAGE, "--dry_run",
              env=base_env(tmp_path, fake_bin, **overrides))
   assert proc.returncode == 2
   assert message in proc.stderr
@@ -451,12 +451,12 @@ def test_k8s_bad_job_knob_stops(tmp_path: Path, fake_bin: Path, overrides, messa
 
 
 def test_k8s_start_needs_an_image(tmp_path: Path, fake_bin: Path):
-  proc = run(K8S, "--command", "start", "--dry-run", env=base_env(tmp_path, fake_bin))
+  proc = run(K8S, "--command", "start", "--dry_run", env=base_env(tmp_path, fake_bin))
   assert proc.returncode == 2
   assert "no image: pass --image IMAGE or set TUNIX_IMAGE" in proc.stderr
   docs = dry_run(tmp_path, fake_bin, "--role", "trainer")  # --image given: fine
   assert len(docs) == 1
-  proc = run(K8S, "--command", "start", "--dry-run", "--role", "trainer",
+  proc = run(K8S, "--command", "start", "--dry_run", "--role", "trainer",
              env=base_env(tmp_path, fake_bin, TUNIX_IMAGE=IMAGE))
   assert proc.returncode == 0, proc.stderr
 
@@ -503,7 +503,7 @@ def test_k8s_kubectl_flags_go_before_every_call(tmp_path: Path, fake_bin: Path):
   assert [c["argv"] for c in kubectl_calls(tmp_path)] == [
       [*flags.split(), "delete", "jobset", "-l", _selector("orchestrator"), "--ignore-not-found"],
       [*flags.split(), "apply", "-f", "-"]]
-  proc = run(K8S, "--command", "stop", "--role", "trainer", "--dry-run",
+  proc = run(K8S, "--command", "stop", "--role", "trainer", "--dry_run",
              env=base_env(tmp_path, fake_bin, KUBECTL_FLAGS=flags))
   assert proc.stdout == (f"kubectl {flags} delete jobset -l {_selector('trainer')} "
                          "--ignore-not-found\n")
@@ -511,9 +511,19 @@ def test_k8s_kubectl_flags_go_before_every_call(tmp_path: Path, fake_bin: Path):
 
 def test_k8s_stop_dry_run_prints_the_commands_and_touches_nothing(tmp_path: Path,
                                                                   fake_bin: Path):
-  proc = run(K8S, "--command", "stop", "--dry-run", env=base_env(tmp_path, fake_bin))
+  proc = run(K8S, "--command", "stop", "--dry_run", env=base_env(tmp_path, fake_bin))
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.splitlines() == [
       f"kubectl delete jobset -l {_selector(r)} --ignore-not-found"
       for r in ("orchestrator", "trainer", "rollout")]
+  assert kubectl_calls(tmp_path) == []
+
+
+def test_dashed_flags_are_the_same_flags(tmp_path: Path, fake_bin: Path):
+  """--dry-run / --image=X are --dry_run / --image X: one spelling, the other accepted."""
+  canonical = dry_run(tmp_path, fake_bin)
+  proc = run(K8S, "--command=start", f"--image={IMAGE}", "--dry-run",
+             env=base_env(tmp_path, fake_bin))
+  assert proc.returncode == 0, proc.stderr
+  assert [d for d in yaml.safe_load_all(proc.stdout) if d is not None] == canonical
   assert kubectl_calls(tmp_path) == []

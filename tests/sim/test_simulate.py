@@ -88,12 +88,12 @@ def test_a_bad_trace_is_one_clear_error_and_exit_2(tmp_path, capsys, content, me
 
 
 def test_bad_options_are_all_reported_before_simulating(capsys):
-  code = cli_main.main(["simulate", str(EXAMPLE), "--what-if", "disk=2x", "--what-if",
-                        "wire=0", "--modes", "inline,warp", "--max-device-batches", "0"])
+  code = cli_main.main(["simulate", str(EXAMPLE), "--what_if", "disk=2x", "--what_if",
+                        "wire=0", "--modes", "inline,warp", "--stage_max_device_batches", "0"])
   err = capsys.readouterr().err
   assert code == 2 and err.count("\n") == 4, err
-  assert "--what-if 'disk=2x'" in err and "--what-if 'wire=0'" in err
-  assert "unknown mode 'warp'" in err and "--max-device-batches '0'" in err
+  assert "--what_if 'disk=2x'" in err and "--what_if 'wire=0'" in err
+  assert "unknown mode 'warp'" in err and "--stage_max_device_batches '0'" in err
 
 
 def test_the_example_of_the_upstream_pattern_runs_and_writes_json(tmp_path, capsys):
@@ -116,7 +116,7 @@ def test_check_predicts_a_tiny_bench_run(tmp_path):
   out = tmp_path / "b"
   bench = subprocess.run(
       [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
-       "--steps", "1", "--microbatches", "3", "--payload-mib", "0.05", "--out", str(out),
+       "--steps", "1", "--microbatches", "3", "--payload_mib", "0.05", "--out", str(out),
        "--png", ""], capture_output=True, text=True, timeout=300)
   assert bench.returncode == 0, bench.stderr[-3000:]
   check = subprocess.run(

@@ -54,7 +54,7 @@ def _say(line: str, quiet: bool) -> None:
 
 
 def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT_HOST,
-            quiet: bool = False) -> Activation:
+            quiet: bool = False, **settings: object) -> Activation:
   """Installs the staging hooks into `host` when the configuration says `stage`.
 
   Args:
@@ -62,13 +62,20 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
       install again with a new enabled config updates the depths without re-patching.
     host: the entry-point name of the host adapter.
     quiet: print nothing (the returned Activation still carries the line).
+    **settings: explicit settings by field name (mode="stage", max_staged_batches=2, ...; the
+      table in config.SETTINGS): they beat the environment, which beats the defaults. Not
+      together with `config`.
 
   Raises:
-    config_lib.ConfigError: `config` is None and a staging variable in the environment is
-      invalid (every invalid one is named); nothing is installed.
+    config_lib.ConfigError: a setting is unknown or invalid, or `config` is None and a staging
+      variable in the environment is invalid (every invalid one is named); nothing is installed.
+    TypeError: both `config` and settings are given.
   """
+  if config is not None and settings:
+    raise TypeError(f"install() takes a config or settings ({', '.join(sorted(settings))}), "
+                    "not both")
   with _lock:
-    config = config_lib.resolve() if config is None else config
+    config = config_lib.resolve(settings, explicit_source=config_lib.SOURCE_INSTALL) if config is None else config
     if not config.enabled:
       if host in _active:
         return _refuse(host, f"staging is off ({_mode_origin(config)}) but hooks are installed; "
@@ -149,10 +156,27 @@ def configure(config: config_lib.StageConfig, *, host: str = DEFAULT_HOST,
   hooks the bootstrap installed from TUNIX_STAGE_BATCH=stage (install alone never removes any).
   """
   with _lock:
+    config = _keep_install_settings(config, host)
     if not config.enabled and host in _active:
       uninstall(host, quiet=True)
       return _refuse(host, f"staging is off ({_mode_origin(config)}); hooks removed", quiet)
     return install(config, host=host, quiet=quiet)
+
+
+def _keep_install_settings(config: config_lib.StageConfig, host: str) -> config_lib.StageConfig:
+  """Settings given to install(...) beat the environment and defaults in `config` (flags > explicit
+  > env > default): the driver's resolution does not know them."""
+  active = _active.get(host)
+  if active is None:
+    return config
+  current = active.live.config
+  kept = {f: getattr(current, f) for f, source in current.sources.items()
+          if source == config_lib.SOURCE_INSTALL
+          and config.sources[f] in (config_lib.SOURCE_ENV, config_lib.SOURCE_DEFAULT)}
+  if not kept:
+    return config
+  sources = {**config.sources, **{f: config_lib.SOURCE_INSTALL for f in kept}}
+  return dataclasses.replace(config, **kept, sources=sources)
 
 
 def uninstall(host: str | None = None, *, quiet: bool = False) -> list[str]:

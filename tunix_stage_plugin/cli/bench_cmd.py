@@ -67,21 +67,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   shape = parser.add_argument_group("workload and emulated links")
   shape.add_argument("--microbatches", default="4", metavar="M",
                      help="micro-batches per step (default 4)")
-  shape.add_argument("--payload-mib", default="16", metavar="MIB",
+  shape.add_argument("--payload_mib", default="16", metavar="MIB",
                      help="bytes of one micro-batch, in MiB (default 16; 1/1024 to "
                      f"{inputs.MAX_PAYLOAD_MIB:g}, and what the held micro-batches need must fit "
                      "in MemAvailable); sets only the real bytes copied, the emulated times "
                      "follow the ratios")
-  shape.add_argument("--wire-ratio", default="0.8", metavar="X",
+  shape.add_argument("--wire_ratio", default="0.8", metavar="X",
                      help="wire time of one micro-batch as a multiple of its compute (default 0.8)")
-  shape.add_argument("--h2d-ratio", default="0.4", metavar="X",
+  shape.add_argument("--h2d_ratio", default="0.4", metavar="X",
                      help="host-to-device time as a multiple of compute (default 0.4)")
-  shape.add_argument("--sync-ratio", default="0.5", metavar="X",
+  shape.add_argument("--sync_ratio", default="0.5", metavar="X",
                      help="the step boundary's weight sync as a multiple of compute (default 0.5)")
-  shape.add_argument("--max-device-batches", default="1", metavar="N",
+  shape.add_argument("--stage_max_device_batches", dest="max_device_batches", default="1", metavar="N",
                      help="the trainer's device bound (TUNIX_STAGE_MAX_DEVICE_BATCHES) for every "
                      "mode (default 1, production's)")
-  shape.add_argument("--max-host-batches", default="1", metavar="N",
+  shape.add_argument("--stage_max_host_batches", dest="max_host_batches", default="1", metavar="N",
                      help="the trainer's bound on received-but-unplaced micro-batches "
                      "(TUNIX_STAGE_MAX_HOST_BATCHES; default 1)")
   shape.add_argument("--scenario", default="steady", metavar="NAME",
@@ -131,13 +131,13 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
                         lambda t: inputs.integer(t, minimum=0, maximum=inputs.MAX_COUNT)),
       "modes": p.take("--modes", args.modes, _modes) or runner.MODES,
       "microbatches": p.take("--microbatches", args.microbatches, inputs.count),
-      "payload_mib": p.take("--payload-mib", args.payload_mib, inputs.payload_mib),
-      "wire_ratio": p.take("--wire-ratio", args.wire_ratio, inputs.positive),
-      "h2d_ratio": p.take("--h2d-ratio", args.h2d_ratio, inputs.positive),
-      "sync_ratio": p.take("--sync-ratio", args.sync_ratio, inputs.nonnegative),
-      "max_device_batches": p.take("--max-device-batches", args.max_device_batches,
+      "payload_mib": p.take("--payload_mib", args.payload_mib, inputs.payload_mib),
+      "wire_ratio": p.take("--wire_ratio", args.wire_ratio, inputs.positive),
+      "h2d_ratio": p.take("--h2d_ratio", args.h2d_ratio, inputs.positive),
+      "sync_ratio": p.take("--sync_ratio", args.sync_ratio, inputs.nonnegative),
+      "max_device_batches": p.take("--stage_max_device_batches", args.max_device_batches,
                                    inputs.count),
-      "max_host_batches": p.take("--max-host-batches", args.max_host_batches, inputs.count),
+      "max_host_batches": p.take("--stage_max_host_batches", args.max_host_batches, inputs.count),
       "scenario": p.take("--scenario", args.scenario, _scenario),
       "seed": p.take("--seed", args.seed, inputs.seed),
   }
@@ -166,7 +166,7 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
   held, what = runner.payloads_held(options)
   memory = inputs.memory_problem(options.sizes().payload_bytes, held, what)
   if memory is not None:
-    return None, {}, [f"--payload-mib {args.payload_mib!r}: {memory}"]
+    return None, {}, [f"--payload_mib {args.payload_mib!r}: {memory}"]
   return options, files, []
 
 

@@ -24,10 +24,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser.add_argument("--json", action="store_true", help="print JSON for machines")
   parser.add_argument("--check", action="store_true",
                       help="print nothing; exit 0 when valid, 2 with the error otherwise")
-  parser.add_argument("--env-for", choices=config_lib.ROLES, metavar="ROLE",
+  parser.add_argument("--env_for", choices=config_lib.ROLES, metavar="ROLE",
                       help="print NAME=value, one per line, for the variables a process of ROLE "
                       f"({' | '.join(config_lib.ROLES)}) reads (what its container gets)")
-  parser.add_argument("--flags-for", choices=config_lib.ROLES, metavar="ROLE",
+  parser.add_argument("--flags_for", choices=config_lib.ROLES, metavar="ROLE",
                       help="print --flag=value, one per line, for ROLE's settings when staging is "
                       "on (nothing when it is off)")
   parser.set_defaults(run=run)

@@ -39,11 +39,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser.add_argument("--modes", default=None, metavar="LIST",
                       help=f"comma-separated modes (default: {','.join(modes_lib.MODES)}); "
                       "depthN and depthN_prestage for other depths")
-  parser.add_argument("--max-device-batches", default="1", metavar="N",
+  parser.add_argument("--stage_max_device_batches", dest="max_device_batches", default="1", metavar="N",
                       help="the trainer's device bound (default 1)")
-  parser.add_argument("--max-host-batches", default="1", metavar="N",
+  parser.add_argument("--stage_max_host_batches", dest="max_host_batches", default="1", metavar="N",
                       help="the trainer's received-batch host bound (default 1)")
-  parser.add_argument("--what-if", action="append", default=[], metavar="RESOURCE=Fx",
+  parser.add_argument("--what_if", action="append", default=[], metavar="RESOURCE=Fx",
                       help="scale one resource's times, e.g. wire=0.5x (compression halving the "
                       "wire), h2d=2x, compute=0.8x; repeatable")
   parser.add_argument("--check", action="store_true",
@@ -86,10 +86,10 @@ def run(args: argparse.Namespace) -> int:
 
   p = inputs.Problems()
   modes = p.take("--modes", args.modes, _modes) or modes_lib.MODES
-  device = p.take("--max-device-batches", args.max_device_batches, inputs.count)
-  host = p.take("--max-host-batches", args.max_host_batches, inputs.count)
+  device = p.take("--stage_max_device_batches", args.max_device_batches, inputs.count)
+  host = p.take("--stage_max_host_batches", args.max_host_batches, inputs.count)
   step = p.take("--step", args.step, inputs.count)
-  factors = dict(filter(None, (p.take("--what-if", w, _what_if) for w in args.what_if)))
+  factors = dict(filter(None, (p.take("--what_if", w, _what_if) for w in args.what_if)))
   if args.json not in (None, "-"):
     p.check_path("--json", args.json, inputs.output_file_problem)
   if args.png is not None:

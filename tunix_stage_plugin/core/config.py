@@ -21,6 +21,7 @@ MODES = (MODE_OFF, MODE_STAGE)
 
 SOURCE_DEFAULT = "default"
 SOURCE_ENV = "env"
+SOURCE_INSTALL = "install()"  # settings passed to tunix_stage_plugin.install(...)
 
 ORCHESTRATOR = "orchestrator"
 TRAINER = "trainer"
@@ -183,7 +184,7 @@ def resolve(
   Args:
     explicit: field name -> value (None means "not given"), e.g. from driver flags.
     env: the environment to read; os.environ when None.
-    explicit_source: how explicit values are reported ("argument", "flag").
+    explicit_source: how explicit values are reported ("argument", "flag", SOURCE_INSTALL).
 
   An empty env variable counts as unset, as `${VAR:-default}` in the launch recipes does.
   """
@@ -198,7 +199,8 @@ def resolve(
   for s in SETTINGS:
     try:
       if explicit.get(s.field) is not None:
-        values[s.field] = parse_value(s, explicit[s.field], f"--{s.flag}")
+        name = f"install({s.field})" if explicit_source == SOURCE_INSTALL else f"--{s.flag}"
+        values[s.field] = parse_value(s, explicit[s.field], name)
         sources[s.field] = explicit_source
       elif env.get(s.env, "").strip():
         values[s.field] = parse_value(s, env[s.env], s.env)

@@ -8,6 +8,7 @@ argparse; MaxText's use absl.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Iterable
 
 from tunix_stage_plugin.core import config as config_lib
@@ -74,3 +75,36 @@ def config_from_absl(fields: Iterable[str] = ALL_FIELDS,
   explicit = {f: fv[config_lib.SETTINGS_BY_FIELD[f].flag].value for f in fields
               if config_lib.SETTINGS_BY_FIELD[f].flag in fv}
   return config_lib.resolve(explicit, explicit_source="flag")
+
+
+# One spelling for every flag of every command: underscores, as the hosts' drivers spell theirs
+# (tunix's argparse drivers and MaxText's absl flags: --stage_train_batches sits on their command
+# lines next to ours). The dashed spelling is accepted as an alias; so are the old names below.
+OLD_NAMES = {
+    "max_device_batches": "stage_max_device_batches",
+    "max_host_batches": "stage_max_host_batches",
+}
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse with the plugin's flag spelling: --a_b canonical, --a-b and OLD_NAMES accepted.
+
+  Only this parser's own long options are rewritten, and nothing after a bare `--` (a command
+  given to `tunix-stage run` keeps its flags as written). Subcommand parsers are Parsers too.
+  """
+
+  def _canonical(self, token: str) -> str:
+    if not token.startswith("--") or token == "--":
+      return token
+    name, sep, value = token[2:].partition("=")
+    spelled = name.replace("-", "_")
+    spelled = OLD_NAMES.get(spelled, spelled)
+    if f"--{name}" in self._option_string_actions or f"--{spelled}" not in self._option_string_actions:
+      return token
+    return f"--{spelled}{sep}{value}"
+
+  def parse_known_args(self, args=None, namespace=None):
+    tokens = list(sys.argv[1:] if args is None else args)
+    cut = tokens.index("--") if "--" in tokens else len(tokens)
+    tokens = [self._canonical(t) for t in tokens[:cut]] + tokens[cut:]
+    return super().parse_known_args(tokens, namespace)

@@ -28,7 +28,7 @@ PROG = "orchestrator_main"
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = flags_lib.Parser(
       prog=f"python -m tunix_stage_plugin.embedded.{PROG}",
       description="Drive the embedded trainer: train steps of micro-batches, inline or staged.")
   parser.add_argument("--trainer", required=True, metavar="HOST:PORT",

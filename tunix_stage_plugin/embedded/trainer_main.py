@@ -51,15 +51,12 @@ _mib = inputs.argparse_type(lambda text: inputs.integer(text, minimum=1, maximum
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
+  parser = flags_lib.Parser(
       prog="python -m tunix_stage_plugin.embedded.trainer_main",
       description="Serve the embedded JAX trainer over gRPC on 127.0.0.1 until SIGTERM/SIGINT.")
   parser.add_argument("--port", type=_port, required=True,
                       help="TCP port on 127.0.0.1 (0: any free port, named in the READY line)")
   flags_lib.add_argparse_flags(parser, flags_lib.TRAINER_FIELDS)
-  setting = config_lib.SETTINGS_BY_FIELD["max_device_batches"]
-  parser.add_argument("--max_device_batches", dest=setting.flag, default=None, metavar="N",
-                      help=f"the same as --{setting.flag} (kept for existing launch lines)")
   parser.add_argument("--fail_stage_ids", default="", metavar="IDS",
                       help="testing: comma-separated micro-batch ids (e.g. s1-m2) whose stage "
                       "fails in the worker, to exercise the inline fallback")

@@ -37,7 +37,7 @@ class Trace:
   source: str = ""
 
   def scaled(self, factors: dict[str, float]) -> "Trace":
-    """`--what-if wire=0.5x`: every wire (h2d, compute) time times its factor."""
+    """`--what_if wire=0.5x`: every wire (h2d, compute) time times its factor."""
     f = {r: factors.get(r, 1.0) for r in RESOURCES}
     return dataclasses.replace(self, steps=tuple(dataclasses.replace(step, microbatches=tuple(
         MicroBatchTimes(mb.wire_s * f["wire"], mb.h2d_s * f["h2d"], mb.compute_s * f["compute"])

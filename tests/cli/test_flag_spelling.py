@@ -1,0 +1,71 @@
+"""One flag spelling across `tunix-stage`, the process entry points and the recipes.
+
+Underscores are canonical (as the hosts' drivers spell their flags); the dashed spelling and the
+device bound's old names parse to the same option. Real parsers, real console script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.embedded import orchestrator_main
+from tunix_stage_plugin.embedded import trainer_main
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+  top = cli_main.build_parser()
+  found = {"tunix-stage": top}
+  for action in top._actions:  # the subparsers action: argparse offers no public accessor
+    if isinstance(action, argparse._SubParsersAction):
+      found.update({f"tunix-stage {name}": p for name, p in action.choices.items()})
+  found["trainer_main"] = trainer_main.build_parser()
+  found["orchestrator_main"] = orchestrator_main.build_parser()
+  return found
+
+
+@pytest.mark.parametrize("name,parser", sorted(_parsers().items()))
+def test_every_long_flag_is_spelled_with_underscores(name: str, parser: argparse.ArgumentParser):
+  longs = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+  assert longs, name
+  assert [o for o in longs if "-" in o[2:]] == [], f"{name} spells a flag with a dash"
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "--payload_mib", "8", "--stage_max_device_batches", "2"],
+    ["bench", "--payload-mib", "8", "--stage-max-device-batches", "2"],
+    ["bench", "--payload-mib=8", "--max-device-batches=2"],
+    ["bench", "--payload_mib=8", "--max_device_batches", "2"],
+])
+def test_dashed_and_old_spellings_parse_to_the_same_options(argv: list[str]):
+  args, unknown = cli_main.build_parser().parse_known_args(argv)
+  assert unknown == []
+  assert (args.payload_mib, args.max_device_batches) == ("8", "2")
+
+
+def test_the_trainer_entry_point_takes_the_old_device_bound_name():
+  parser = trainer_main.build_parser()
+  new = parser.parse_args(["--port", "0", "--stage_max_device_batches", "3"])
+  old = parser.parse_args(["--port", "0", "--max_device_batches", "3"])
+  assert vars(new) == vars(old)
+  assert new.stage_max_device_batches == "3"
+
+
+def test_a_command_given_to_run_keeps_its_flags_as_written():
+  args, unknown = cli_main.build_parser().parse_known_args(
+      ["run", "--dry-run", "--", "python", "job.py", "--dry-run", "--max-device-batches=1"])
+  assert unknown == []
+  assert args.dry_run is True
+  assert args.command == ["--", "python", "job.py", "--dry-run", "--max-device-batches=1"]
+
+
+def test_an_unknown_flag_is_reported_by_the_subcommand_that_got_it():
+  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin.cli.main", "simulate", "x.json",
+                         "--no_such_flag"], capture_output=True, text=True, timeout=60)
+  assert proc.returncode == 2
+  assert "tunix-stage simulate: error: unrecognized arguments: --no_such_flag" in proc.stderr
+  assert "usage: tunix-stage simulate" in proc.stderr

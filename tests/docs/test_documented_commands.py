@@ -1,0 +1,137 @@
+"""Every command README.md and docs/*.md show runs as written from a checkout.
+
+A `$ ...` line in a console block is run for real (PATH leads with this interpreter's bin
+directory, as after the README's set-up, cwd the repository root) and checked against what the
+page shows under it: its exit status (the `echo $?` the page shows; else 0, or
+not 0 where it shows an error), and every shown line
+(numbers, paths and hex masked; `...` elides). Every `tunix-stage ...` command elsewhere (inline
+code, bash blocks) must parse with the real command-line parser. The examples that need tunix's
+stack are skipped when it is not importable (one-line reason); the bench's full run is parsed
+only (the bench has its own tests).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tunix_stage_plugin.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+TUNIX = importlib.util.find_spec("tunix") is not None
+NEEDS_TUNIX = ("--host tunix", "tunix-stage doctor")
+
+
+def _console_examples() -> list[tuple[str, str, list[str], int | None]]:
+  """(page:line, command, shown output lines, shown exit status or None) for each `$` line."""
+  found = []
+  for page in PAGES:
+    lines = page.read_text().splitlines()
+    in_console = False
+    i = 0
+    while i < len(lines):
+      line = lines[i]
+      if line.startswith("```"):
+        in_console = (not in_console) and line.strip() == "```console"
+        i += 1
+        continue
+      if in_console and line.startswith("$ ") and line != "$ echo $?":
+        where = f"{page.name}:{i + 1}"
+        command = line[2:]
+        while command.endswith("\\"):
+          i += 1
+          command = command[:-1] + lines[i].strip()
+        shown, status = [], None
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+          if lines[i] == "$ echo $?":
+            status = int(lines[i + 1])
+            i += 2
+            continue
+          if lines[i].startswith("$ "):
+            break
+          shown.append(lines[i])
+          i += 1
+        found.append((where, command, shown, status))
+        continue
+      i += 1
+  return found
+
+
+def _mask(line: str) -> str:
+  line = re.sub(r"(?<![\w'])/[^\s']+", "PATH", line)
+  line = re.sub(r"\b[0-9a-f]{7,}\b", "HEX", line)
+  line = re.sub(r"\d+(\.\d+)?", "N", line)
+  return " ".join(line.split())
+
+
+EXAMPLES = _console_examples()
+
+
+@pytest.mark.parametrize("where,command,shown,status", EXAMPLES,
+                         ids=[e[0] for e in EXAMPLES])
+def test_console_example_runs_as_shown(where: str, command: str, shown: list[str],
+                                       status: int | None,
+                                       tmp_path: Path):
+  if any(n in command for n in NEEDS_TUNIX) and TUNIX:
+    pytest.skip("this example shows a machine without (or with) tunix's stack: this one differs")
+  if "tunix-stage doctor" in command and not TUNIX:
+    pytest.skip("tunix's experimental stack (google/tunix main) is not importable")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
+  env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+  proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=240)
+  if status is None:  # not shown: an example that prints an error fails, any other succeeds
+    failed = any(": error:" in line for line in shown)
+    status = proc.returncode if failed and proc.returncode != 0 else int(failed)
+  assert proc.returncode == status, f"{where}: {command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+  printed = {_mask(l) for l in (proc.stdout + proc.stderr).splitlines()}
+  missing = [l for l in shown if l.strip() and l.strip() != "..." and _mask(l) not in printed]
+  assert missing == [], f"{where}: {command} did not print these lines as shown"
+
+
+def _tunix_stage_commands() -> list[tuple[str, str]]:
+  """(page:line, argv string) for every `tunix-stage ...` the pages show outside `$` examples."""
+  found = []
+  for page in PAGES:
+    fence = None
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+      if line.startswith("```"):
+        fence = line[3:].strip() if fence is None else None
+        continue
+      if fence is None:  # prose: the inline code spans
+        candidates = re.findall(r"`((?:[A-Z_]+=\S+ )*tunix-stage [^`]+)`", line)
+      elif fence in ("bash", "sh") and re.match(r"([A-Z_]+=\S+ )*(\.venv/bin/)?tunix-stage ", line):
+        candidates = [line.split("#")[0].strip()]
+      else:  # console blocks run in the test above; text blocks are output
+        continue
+      for c in candidates:
+        if "[" in c or "..." in c or c.endswith("simulate"):  # a synopsis or a name, not a command
+          continue
+        found.append((f"{page.name}:{n}", c))
+  return found
+
+
+PLACEHOLDERS = {"ROLE": "trainer", "TRACE": "examples/upstream_pattern.json", "N": "2"}
+
+
+@pytest.mark.parametrize("where,command", _tunix_stage_commands(),
+                         ids=[w for w, _ in _tunix_stage_commands()])
+def test_documented_tunix_stage_command_parses(where: str, command: str):
+  words = shlex.split(command.lstrip("$ "))
+  words = words[[i for i, w in enumerate(words) if w.endswith("tunix-stage")][0] + 1:]
+  words = [PLACEHOLDERS.get(w, w) for w in words]
+  try:
+    args, unknown = cli_main.build_parser().parse_known_args(words)
+  except SystemExit as e:
+    pytest.fail(f"{where}: `tunix-stage {' '.join(words)}` does not parse (exit {e.code})")
+  assert unknown == [], f"{where}: unknown flags {unknown}"
+  assert args.command in ("config", "doctor", "run", "bench", "simulate")
