@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import platform
 import selectors
 import signal
 import subprocess
@@ -14,12 +15,16 @@ import time
 
 import pytest
 
+import tunix_stage_plugin
+from tests.core.trace_check import partial_overlaps
+from tunix_stage_plugin.bench import meta as meta_lib
 from tunix_stage_plugin.bench import metrics
 from tunix_stage_plugin.bench import report
 from tunix_stage_plugin.bench import runner
+from tunix_stage_plugin.cli import bench_cmd
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.timeline import Span
+from tunix_stage_plugin.core.timeline import Span, lane_track
 from tunix_stage_plugin.embedded import data as data_lib
 
 
@@ -260,11 +265,17 @@ def test_batch_prefetch_builds_a_bounded_window_in_training_order():
   assert threading.active_count() == before
 
 
-def test_tiny_quick_run_writes_json_png_and_trace(tmp_path):
-  out = tmp_path / "out"
+@pytest.fixture(name="tiny_run", scope="module")
+def fixture_tiny_run(tmp_path_factory):
+  """One real tiny quick run for the module: (the finished process, its output folder)."""
+  out = tmp_path_factory.mktemp("tiny") / "out"
   cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
          "--steps", "1", "--microbatches", "3", "--payload_mib", "0.05", "--out", str(out)]
-  result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+  return subprocess.run(cmd, capture_output=True, text=True, timeout=240), out
+
+
+def test_tiny_quick_run_writes_json_png_and_trace(tiny_run):
+  result, out = tiny_run
   assert result.returncode == 0, result.stdout + result.stderr
   for mode in runner.MODES:  # progress on stderr, the table on stdout
     assert f"round 1/1 {mode}" in result.stderr
@@ -295,6 +306,171 @@ def test_tiny_quick_run_writes_json_png_and_trace(tmp_path):
   assert names == {f"{m} (round 1)" for m in runner.MODES}
   thread_names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
   assert {tracks.DEVICE_COMPUTE, tracks.TRAINER_H2D, tracks.ORCHESTRATOR_STAGE} <= thread_names
+  assert partial_overlaps(trace) == []  # every thread's events nest: Perfetto draws them right
+  assert sum(e["ph"] == "X" for e in trace["traceEvents"]) > 0
+  assert all(lane_track(n) == n or lane_track(n) in thread_names for n in thread_names)
+
+
+def test_the_tiny_run_records_its_context_and_checks_as_numbers(tiny_run):
+  result, out = tiny_run
+  assert result.returncode == 0, result.stdout + result.stderr
+  report_json = json.loads((out / "bench.json").read_text())
+  meta = report_json["meta"]
+  assert meta["plugin_version"] == tunix_stage_plugin.__version__
+  assert meta["git_commit"] is None or len(meta["git_commit"]) == 40
+  assert meta["date_utc"].endswith("+00:00") and meta["hostname"]
+  assert meta["cpu_count"] == os.cpu_count()
+  assert meta["python"] == platform.python_version()
+  assert all(isinstance(meta[p], str) for p in ("jax", "jaxlib", "grpcio", "numpy"))
+  assert meta["options"]["tiny"] is True and meta["options"]["steps"] == 1
+  assert meta["options"]["microbatches"] == 3 and meta["options"]["modes"] == list(runner.MODES)
+  by_name = {c["name"]: c for c in report_json["criteria"]}
+  digest = by_name["same param_digest in every mode and round"]
+  assert (digest["value"], digest["comparison"], digest["threshold"]) == (1, "<=", 1)
+  assert digest["passed"] is True
+  ratio = by_name["inline / depth2 median step ratio >= 1.3"]
+  assert isinstance(ratio["value"], float) and ratio["threshold"] == 1.3
+  assert ratio["passed"] is None  # tiny: not judged, the figure still a number
+  modes = report_json["modes"]
+  assert ratio["value"] == pytest.approx(modes["inline"]["median_step_s"]
+                                         / modes["depth2"]["median_step_s"])
+
+
+def test_the_tiny_run_says_run_k_of_n_and_the_time_left(tiny_run):
+  result, _ = tiny_run
+  lines = [l for l in result.stderr.splitlines() if "round 1/1" in l]
+  assert len(lines) == len(runner.MODES), result.stderr
+  for k, line in enumerate(lines[:-1], start=1):
+    assert f"; run {k} of 5, about " in line and " left (" in line, line
+  assert lines[-1].endswith("; run 5 of 5, the last"), lines[-1]
+
+
+def test_the_time_left_is_the_mean_run_times_the_runs_left():
+  assert runner.time_left_line([10.0, 20.0], 6) == (
+      "run 2 of 6, about 1 min 00 s left (4 run(s) of 15.0 s on average)")
+  assert runner.time_left_line([2.0], 2) == "run 1 of 2, about 2 s left (1 run(s) of 2.0 s on " \
+      "average)"
+  assert runner.time_left_line([3000.0], 3) == (
+      "run 1 of 3, about 1 h 40 min left (2 run(s) of 3000.0 s on average)")
+  assert runner.time_left_line([1.0, 1.0], 2) == "run 2 of 2, the last"
+
+
+def _compare(capsys, *paths):
+  code = cli_main.main(["bench", "--compare", *map(str, paths)])
+  captured = capsys.readouterr()
+  return code, captured.out, captured.err
+
+
+def test_compare_puts_two_real_runs_side_by_side(tiny_run, tmp_path, capsys):
+  result, out = tiny_run
+  assert result.returncode == 0, result.stdout + result.stderr
+  a = json.loads((out / "bench.json").read_text())
+  b = json.loads(json.dumps(a))
+  b["meta"]["git_commit"] = "f" * 40
+  for figures in b["modes"].values():
+    figures["median_step_s"] *= 2
+    figures["step_over_limit"] *= 0.5
+  b["modes"]["depth2"]["fallbacks"] = 3
+  b["modes"]["inline"]["hidden_fraction"] = 0.25
+  a["modes"]["inline"]["hidden_fraction"] = 0.0
+  del b["modes"]["depth1"]
+  b["modes"]["depth3"] = dict(b["modes"]["depth2"])
+  (tmp_path / "a.json").write_text(json.dumps(a))
+  (tmp_path / "b.json").write_text(json.dumps(b))
+  code, text, err = _compare(capsys, tmp_path / "a.json", tmp_path / "b.json")
+  assert code == 0 and err == ""
+  lines = text.splitlines()
+  assert lines[0].startswith(f"A = {tmp_path / 'a.json'} ({a['meta']['date_utc']}, ")
+  assert "commit ffffffffff" in lines[1] and "tiny" in lines[1]
+  header = lines[3].split()
+  assert header[:4] == ["mode", "step", "s", "A"]
+  rows = {l.split()[0]: l.split() for l in lines[5:] if not l.startswith("only in")}
+  assert list(rows) == ["inline", "depth2", "depth2_prestage", "resident"]
+  for mode, row in rows.items():
+    assert row[1] == f"{a['modes'][mode]['median_step_s']:.3f}"
+    assert row[3] == "2.000x" and row[9] == "0.500x"
+  assert rows["inline"][4:7] == ["0.00", "0.25", "+0.25"]
+  assert rows["depth2"][10:] == ["0", "3", "+3"] and rows["resident"][12] == "+0"
+  assert lines[-2:] == ["only in A: depth1", "only in B: depth3"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ("{not json", "not JSON"),
+    ('{"runs": []}', 'not a tunix-stage bench JSON (no "modes" object)'),
+    ('[1, 2]', 'not a tunix-stage bench JSON (no "modes" object)'),
+    ('{"modes": {}}', 'no mode finished in this run ("modes" is empty)'),
+    ('{"modes": {"inline": 3}}', "modes.inline is not an object"),
+])
+def test_compare_refuses_a_file_it_cannot_compare_with_one_line(content, message, tmp_path,
+                                                                 capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  good = tmp_path / "good.json"
+  good.write_text('{"modes": {"inline": {"median_step_s": 1.0}}}')
+  bad = tmp_path / "bad.json"
+  if content is not None:
+    bad.write_text(content)
+  for paths in ((good, bad), (bad, good)):
+    code, text, err = _compare(capsys, *paths)
+    assert code == 2 and text == ""
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"tunix-stage bench: error: --compare: {bad}: {message}"), err
+  assert sorted(os.listdir(tmp_path)) == sorted(["good.json"] + (["bad.json"] if content else []))
+
+
+def _bench_files(argv):
+  args = cli_main.build_parser().parse_args(["bench", *argv])
+  options, files, problems = bench_cmd._check(args)  # pylint: disable=protected-access
+  assert options is not None, problems
+  return args, files
+
+
+def test_the_default_folder_is_not_overwritten_silently(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  say = bench_cmd._say_overwrite  # pylint: disable=protected-access
+  say(*_bench_files([]))
+  assert capsys.readouterr().err == ""  # nothing there yet
+  os.mkdir("bench-out")
+  with open("bench-out/bench.json", "w", encoding="utf-8") as f:
+    json.dump({"meta": {"date_utc": "2026-01-02T03:04:05+00:00"}, "modes": {}}, f)
+  say(*_bench_files([]))
+  assert capsys.readouterr().err == ("tunix-stage bench: overwriting bench-out/ from "
+                                     "2026-01-02T03:04:05+00:00; use --out DIR to keep it\n")
+  with open("bench-out/bench.json", "w", encoding="utf-8") as f:
+    f.write("{}")  # an older JSON without meta: the file's time
+  os.utime("bench-out/bench.json", (0, 86400))
+  say(*_bench_files(["--quiet"]))
+  assert capsys.readouterr().err == ("tunix-stage bench: overwriting bench-out/ from "
+                                     "1970-01-02T00:00:00+00:00; use --out DIR to keep it\n")
+  say(*_bench_files(["--out", "elsewhere"]))
+  say(*_bench_files(["--json", "other.json"]))
+  assert capsys.readouterr().err == ""
+
+
+def test_meta_never_fails(tmp_path, monkeypatch):
+  assert meta_lib.git_commit(str(tmp_path)) is None  # not a checkout
+  monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
+  assert meta_lib.git_commit() is None and meta_lib.git_dirty() is None
+  meta = meta_lib.run_meta(runner.BenchOptions())
+  assert meta["git_commit"] is None and meta["git_dirty"] is None
+  assert meta["options"]["modes"] == list(runner.MODES)
+  assert meta_lib.version("no-such-package-here") is None
+  assert meta_lib.run_date(str(tmp_path / "missing.json")) == "an unknown date"
+
+
+def test_criteria_hold_their_figures_as_numbers_and_the_table_is_unchanged():
+  result = _result(depth2_prestage=_run("depth2_prestage", 4.15))
+  summary = report.summarize(result)
+  checks = report.criteria(result, summary)
+  as_json = report.to_json(result, summary, checks, {})["criteria"]
+  assert [(c["value"], c["comparison"], c["threshold"], c["passed"]) for c in as_json] == [
+      (pytest.approx(5.85 / 6), ">=", 0.97, True),
+      (pytest.approx(4.15 / 4.0), "<=", 1.03, False),
+      (pytest.approx(10 / 7), ">=", 1.3, True),
+      (1, "<=", 1, True), (0, "<=", 0, True), (1, "<=", 2, True)]
+  assert [c["detail"] for c in as_json][:3] == [f"{5.85 / 6:.3f}", "1.038", f"{10 / 7:.3f}"]
+  text = report.format_report(result, summary, checks)
+  assert "FAIL  depth2_prestage step <= 1.03 x limit: 1.038" in text
 
 
 def _trainer_children(pid: int) -> list[int]:

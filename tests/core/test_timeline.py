@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 import threading
 
-from tunix_stage_plugin.core.timeline import (Span, Timeline, busy_time, idle_time, shifted,
-                                              write_chrome_trace)
+from tests.core.trace_check import partial_overlaps
+from tunix_stage_plugin.core.timeline import (Span, Timeline, busy_time, idle_time, lane_track,
+                                              shifted, to_chrome_trace, write_chrome_trace)
 
 
 def test_busy_and_idle_count_overlaps_once_and_clip_to_the_window():
@@ -57,3 +59,56 @@ def test_shift_and_chrome_trace(tmp_path):
   assert complete[0]["args"] == {"mb": 3}
   names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"}
   assert names == {(1, "inline"), (2, "depth2")}
+
+
+def _thread_names(trace):
+  return {(e["pid"], e["tid"]): e["args"]["name"] for e in trace["traceEvents"]
+          if e["name"] == "thread_name"}
+
+
+def test_the_checker_sees_a_partial_overlap():
+  trace = {"traceEvents": [{"ph": "X", "name": "a", "pid": 1, "tid": 1, "ts": 0, "dur": 2},
+                           {"ph": "X", "name": "b", "pid": 1, "tid": 1, "ts": 1, "dur": 2},
+                           {"ph": "X", "name": "c", "pid": 1, "tid": 2, "ts": 1, "dur": 2},
+                           {"ph": "X", "name": "d", "pid": 1, "tid": 1, "ts": 0.5, "dur": 1}]}
+  assert [(a["name"], b["name"]) for a, b in partial_overlaps(trace)] == [("a", "b"),
+                                                                         ("b", "d")]
+
+
+def test_overlapping_spans_of_a_track_go_on_lanes_that_nest():
+  spans = [
+      Span("trainer/h2d", "s0-m0", 0.0, 2.0), Span("trainer/h2d", "s0-m1", 1.0, 3.0),
+      Span("trainer/h2d", "s0-m2", 1.5, 2.5),  # overlaps s0-m0, inside s0-m1: lane 2
+      Span("trainer/h2d", "s0-m3", 2.0, 4.0),  # touches s0-m0's end: back on lane 1
+      Span("trainer/h2d", "inner", 2.5, 3.5),  # inside s0-m3
+      Span("trainer/receive", "r", 0.5, 1.0), Span("device/compute", "fwd", 0.0, 9.0),
+      Span("trainer/h2d", "late", 3.0, 5.0),  # overlaps s0-m3 (lane 1); lane 2 is free at 3.0
+      Span("trainer/h2d", "tick", 1.00000000001, 1.00000000002),  # rounds to 0 us at 1 s
+  ]
+  trace = to_chrome_trace({"depth2": spans})
+  assert partial_overlaps(trace) == []
+  names = _thread_names(trace)
+  lane = {e["name"]: names[e["pid"], e["tid"]] for e in trace["traceEvents"] if e["ph"] == "X"}
+  assert lane == {"s0-m0": "trainer/h2d", "s0-m1": "trainer/h2d #2", "s0-m2": "trainer/h2d #2",
+                  "s0-m3": "trainer/h2d", "inner": "trainer/h2d", "late": "trainer/h2d #2",
+                  "tick": "trainer/h2d", "r": "trainer/receive", "fwd": "device/compute"}
+  assert {lane_track(n) for n in names.values()} == {"trainer/h2d", "trainer/receive",
+                                                    "device/compute"}
+  assert lane_track("a #b") == "a #b" and lane_track("x #12") == "x"
+  # the same spans written naively, one thread per track, are what the viewers reject
+  naive = {"traceEvents": [{"ph": "X", "name": s.name, "pid": 1, "tid": hash(s.track),
+                            "ts": s.start * 1e6, "dur": s.duration * 1e6} for s in spans]}
+  assert partial_overlaps(naive)
+
+
+def test_lanes_nest_for_random_spans():
+  rng = random.Random(5)
+  spans = []
+  for i in range(300):
+    start = rng.uniform(0, 10)
+    spans.append(Span(rng.choice("ab"), f"s{i}", start, start + rng.expovariate(1.0)))
+  trace = to_chrome_trace({"g": spans})
+  assert partial_overlaps(trace) == []
+  assert sum(e["ph"] == "X" for e in trace["traceEvents"]) == 300
+  lanes = [n for n in _thread_names(trace).values() if lane_track(n) == "a"]
+  assert len(lanes) > 1  # the test has overlaps to separate

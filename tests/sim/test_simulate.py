@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.core.timeline import Span, to_chrome_trace
 from tunix_stage_plugin.sim import run as run_lib
 from tunix_stage_plugin.sim import trace as trace_lib
 
@@ -136,3 +137,20 @@ def test_check_predicts_a_tiny_bench_run(tmp_path):
   # (its payloads are under 1 MiB: one message each, so no receive span and no wire time)
   assert all(mb.wire_s == 0 and mb.h2d_s >= 0 and mb.compute_s > 0 for step in trace.steps
              for mb in step.microbatches)
+
+
+def test_a_bench_trace_whose_track_was_split_into_lanes_reads_as_one_track():
+  spans = [Span("trainer/receive", "s0-m0", 0.0, 0.3),
+           Span("trainer/receive", "s0-m1", 0.2, 0.5),
+           Span("trainer/h2d", "s0-m0", 0.3, 0.5), Span("trainer/h2d", "s0-m1", 0.4, 0.7),
+           Span("device/compute", "s0-m0", 0.5, 1.0, (("kind", "fwd_bwd"), ("step", 0))),
+           Span("device/compute", "s0-m1", 1.0, 1.5, (("kind", "fwd_bwd"), ("step", 0))),
+           Span("device/compute", "update", 1.5, 1.6, (("kind", "update"), ("step", 0)))]
+  data = to_chrome_trace({"inline (round 1)": spans})
+  lanes = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
+  assert {"trainer/receive #2", "trainer/h2d #2"} <= lanes  # the overlaps were split
+  trace = trace_lib.from_chrome_trace(data, "t.json")
+  (step,) = trace.steps
+  assert [(mb.wire_s, mb.h2d_s, mb.compute_s) for mb in step.microbatches] == [
+      pytest.approx((0.3, 0.2, 0.5)), pytest.approx((0.3, 0.3, 0.5))]
+  assert step.update_s == pytest.approx(0.1)

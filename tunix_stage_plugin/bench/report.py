@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from tunix_stage_plugin.bench import cpu
+from tunix_stage_plugin.bench import meta
 from tunix_stage_plugin.bench import metrics
 from tunix_stage_plugin.bench import runner
 from tunix_stage_plugin.embedded import data as data_lib
@@ -79,6 +80,14 @@ class Criterion:
   passed: bool | None  # None: not measurable with the modes that ran, or not meaningful
   detail: str
   not_applicable: str = ""  # why the figure in `detail` is not judged (e.g. TINY_NA)
+  value: float | None = None  # the figure judged, as a number (None: none was measured)
+  threshold: float | None = None  # what it is compared with, by `comparison`
+  comparison: str = ">="  # value >= threshold passes, or "<=": value <= threshold passes
+
+  def to_json(self) -> dict[str, Any]:
+    return {"name": self.name, "kind": self.kind, "passed": self.passed,
+            "verdict": self.verdict, "value": self.value, "comparison": self.comparison,
+            "threshold": self.threshold, "detail": self.detail}
 
   @property
   def verdict(self) -> str:
@@ -91,14 +100,20 @@ def _timing(name: str, figure: float | None, minimum: float, needed: tuple[str, 
             summary: dict[str, ModeSummary], tiny: bool, shown: float | None = None
             ) -> Criterion:
   """PASS when figure >= minimum (a maximum is checked as -figure >= -maximum, `shown`)."""
+  if shown is None:
+    numbers = {"value": figure, "threshold": minimum}
+  else:  # a maximum: the JSON holds the figure and the maximum themselves
+    numbers = {"value": shown, "threshold": -minimum, "comparison": "<="}
   if any(m not in summary for m in needed):
-    return Criterion(name, TIMING, None, f"needs {', '.join(needed)}")
-  shown = ("-" if figure is None else f"{figure:.3f}") if shown is None else f"{shown:.3f}"
+    return Criterion(name, TIMING, None, f"needs {', '.join(needed)}",
+                     **{**numbers, "value": None})
+  text = ("-" if figure is None else f"{figure:.3f}") if shown is None else f"{shown:.3f}"
   if tiny:
-    return Criterion(name, TIMING, None, shown, not_applicable=TINY_NA)
+    return Criterion(name, TIMING, None, text, not_applicable=TINY_NA, **numbers)
   if figure is None:
-    return Criterion(name, TIMING, None, "inline was not slower than resident: nothing to hide")
-  return Criterion(name, TIMING, figure >= minimum, shown)
+    return Criterion(name, TIMING, None, "inline was not slower than resident: nothing to hide",
+                     **numbers)
+  return Criterion(name, TIMING, figure >= minimum, text, **numbers)
 
 
 def expected_order(result: runner.BenchResult) -> list[str]:
@@ -167,20 +182,25 @@ def criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> lis
   out.append(Criterion(
       "same param_digest in every mode and round", CORRECTNESS,
       None if not digests else len(digests) == 1,
-      f"{len(digests)} distinct: " + ", ".join(sorted(d[:12] for d in digests))))
+      f"{len(digests)} distinct: " + ", ".join(sorted(d[:12] for d in digests)),
+      value=len(digests) if digests else None, threshold=1, comparison="<="))
   wrong = [m for m, s in summary.items() if not s.orders_match]
   out.append(Criterion(
       "expected trained_order in every mode and round", CORRECTNESS,
       None if not summary else not wrong,
       f"{len(expected_order(result))} micro-batches, s0-m0 .. "
-      f"{expected_order(result)[-1]}" + (f"; wrong in {wrong}" if wrong else "")))
+      f"{expected_order(result)[-1]}" + (f"; wrong in {wrong}" if wrong else ""),
+      value=len(wrong) if summary else None, threshold=0, comparison="<="))
   staged = {m: s for m, s in summary.items() if m not in ("inline", "resident")}
   over = [m for m, s in staged.items() if s.peak_device_batches > s.max_device_batches]
   peaks = ", ".join(f"{m} {s.peak_device_batches}" for m, s in staged.items())
   out.append(Criterion(
       "peak staged device batches <= bound", CORRECTNESS,
       None if not staged else not over,
-      f"bound {result.options.max_device_batches}; peaks: {peaks or 'no staged mode ran'}"))
+      f"bound {result.options.max_device_batches}; peaks: {peaks or 'no staged mode ran'}",
+      value=max((s.peak_device_batches for s in staged.values()), default=None),
+      threshold=min((s.max_device_batches for s in staged.values()), default=None),
+      comparison="<="))
   return out
 
 
@@ -259,6 +279,7 @@ def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
             checks: list[Criterion], files: dict[str, str]) -> dict[str, Any]:
   c = result.calibration
   return {
+      "meta": meta.run_meta(result.options),
       "interrupted": result.interrupted is not None,
       "interrupted_by": result.interrupted,
       "options": {**dataclasses.asdict(result.options), "modes": list(result.options.modes),
@@ -267,8 +288,7 @@ def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
                                              "h2d_s": c.h2d_s},
       "expected_trained_order": expected_order(result),
       "modes": {m: s.to_json() for m, s in summary.items()},
-      "criteria": [{"name": ch.name, "kind": ch.kind, "passed": ch.passed,
-                    "verdict": ch.verdict, "detail": ch.detail} for ch in checks],
+      "criteria": [ch.to_json() for ch in checks],
       "runs": [{"mode": r.mode, "round": r.round, "step_s": [t.seconds for t in r.timings],
                 "mid_step_idle_s": [t.mid_step_idle for t in r.timings],
                 "boundary_idle_s": [t.boundary_idle for t in r.timings],

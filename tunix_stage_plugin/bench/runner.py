@@ -303,16 +303,21 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
         f"{c.h2d_bytes_per_s / 1e6:.1f} MB/s ({c.h2d_s:.3f} s), weight sync {c.sync_s:.3f} s")
     client.pacer.set_rate(c.wire_bytes_per_s)
     retries = options.retries
+    total = options.rounds * len(options.modes)  # grows by one per re-run
+    durations: list[float] = []
     for r in range(options.rounds):
       shift = r % len(options.modes)
       for mode in options.modes[shift:] + options.modes[:shift]:
         while True:
+          began = time.monotonic()
           run = await _run_mode(client, engine, options, calibration, mode, r, trainer.pid)
+          durations.append(time.monotonic() - began)
           result.runs.append(run)
-          say(_progress_line(options, run))
+          say(f"{_progress_line(options, run)}; {time_left_line(durations, total)}")
           if any(run.step_quiet) or retries == 0:
             break
           retries -= 1
+          total += 1
           say(f"re-running {mode}: other processes used more than {cpu.QUIET_CORES} cores in "
               f"every timed step ({retries} re-run(s) left)")
 
@@ -385,6 +390,27 @@ def _progress_line(options: BenchOptions, run: ModeRun) -> str:
   return (f"round {run.round + 1}/{options.rounds} {run.mode:<16} steps {steps} s, "
           f"fallbacks {run.fallbacks}, peak {run.peak_device_batches}/{run.max_device_batches}, "
           f"digest {run.param_digest[:8]}, other processes {foreign} cores")
+
+
+def _duration(seconds: float) -> str:
+  seconds = round(seconds)
+  if seconds < 60:
+    return f"{seconds} s"
+  minutes, seconds = divmod(seconds, 60)
+  if minutes < 60:
+    return f"{minutes} min {seconds:02d} s"
+  hours, minutes = divmod(minutes, 60)
+  return f"{hours} h {minutes:02d} min"
+
+
+def time_left_line(durations: list[float], total: int) -> str:
+  """"run k of N, about T left": T is the mean of the finished runs' times x the runs left."""
+  done = len(durations)
+  left = max(0, total - done)
+  if not left:
+    return f"run {done} of {total}, the last"
+  return (f"run {done} of {total}, about {_duration(statistics.fmean(durations) * left)} left "
+          f"({left} run(s) of {statistics.fmean(durations):.1f} s on average)")
 
 
 def runs_of_round(result: BenchResult, round_: int | None = None) -> dict[str, ModeRun]:

@@ -102,6 +102,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   out.add_argument("--trace", default=None, metavar="PATH",
                    help="Chrome/Perfetto trace of every run (default DIR/trace.json; '' skips)")
   out.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+  out.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
+                   help="run no benchmark: print two bench JSONs side by side per mode (step, "
+                   "hidden, step/limit, fallbacks and the change from A to B)")
   out.add_argument("--strict", action="store_true",
                    help="exit 1 when a timing check fails, too")
   parser.set_defaults(run=run)
@@ -207,6 +210,8 @@ class _Interrupts:
 
 
 def run(args: argparse.Namespace) -> int:
+  if args.compare:
+    return _compare(*args.compare)
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
   with _Interrupts() as caught:
     try:
@@ -228,6 +233,7 @@ def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
     for line in problems:
       print(f"tunix-stage bench: error: {line}", file=sys.stderr)
     return 2
+  _say_overwrite(args, files)
   for path in files.values():
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
@@ -268,6 +274,27 @@ def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
           file=sys.stderr)
     return 1
   return 1 if failed else 0
+
+
+def _compare(path_a: str, path_b: str) -> int:
+  from tunix_stage_plugin.bench import compare  # pylint: disable=import-outside-toplevel
+
+  try:
+    print(compare.compare(path_a, path_b))
+  except compare.CompareError as e:
+    print(f"tunix-stage bench: error: --compare: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+def _say_overwrite(args: argparse.Namespace, files: dict[str, str]) -> None:
+  """One line on stderr when the default folder already holds a run that this one replaces."""
+  old = os.path.join(DEFAULT_OUT, _FILES["json"])
+  if args.out != DEFAULT_OUT or files.get("json") != old or not os.path.isfile(old):
+    return
+  from tunix_stage_plugin.bench import meta  # pylint: disable=import-outside-toplevel
+  print(f"tunix-stage bench: overwriting {DEFAULT_OUT}/ from {meta.run_date(old)}; "
+        "use --out DIR to keep it", file=sys.stderr)
 
 
 def _write(result: runner.BenchResult, files: dict[str, str],

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,19 +86,73 @@ def idle_time(spans: Iterable[Span], start: float, end: float) -> float:
   return max(0.0, (end - start) - busy_time(spans, start, end))
 
 
+LANE_MARK = " #"  # "trainer/h2d #2": the second lane of track trainer/h2d
+
+
+def lane_track(thread_name: str) -> str:
+  """The track a trace thread (lane) belongs to: "trainer/h2d #2" -> "trainer/h2d"."""
+  track, mark, number = thread_name.rpartition(LANE_MARK)
+  return track if mark and number.isdigit() else thread_name
+
+
+def assign_lanes(intervals: Sequence[tuple[float, float]]) -> list[int]:
+  """A lane (0, 1, ...) for each (start, end) of one track, so that the intervals of a lane nest.
+
+  Chrome/Perfetto draw one thread's complete events as a stack: two that partially overlap
+  (the receive of payload k+1 starting before payload k's ends) break it. Greedy interval
+  partitioning in start order (the longer first at a tie): an interval goes on the first lane
+  whose open intervals it fits inside (it ends by the time the innermost still-open one ends),
+  else on a new lane. Intervals that only touch (one ends where the next starts) share a lane.
+  """
+  lanes: list[list[float]] = []  # per lane, the ends of its open intervals, innermost last
+  out = [0] * len(intervals)
+  for i in sorted(range(len(intervals)), key=lambda i: (intervals[i][0], -intervals[i][1])):
+    start, end = intervals[i]
+    for lane, stack in enumerate(lanes):
+      while stack and stack[-1] <= start:
+        stack.pop()
+      if not stack or end <= stack[-1]:
+        stack.append(end)
+        out[i] = lane
+        break
+    else:
+      lanes.append([end])
+      out[i] = len(lanes) - 1
+  return out
+
+
+TICKS_PER_US = 10  # trace times are whole tenths of a microsecond
+
+
 def to_chrome_trace(groups: dict[str, Iterable[Span]], origin: float = 0.0) -> dict[str, Any]:
-  """Chrome/Perfetto JSON: one process per group (e.g. per benchmark mode), one thread per track."""
+  """Chrome/Perfetto JSON: one process per group (e.g. per benchmark mode), one thread per track.
+
+  A track whose spans partially overlap gets more threads ("lanes"): "trainer/h2d",
+  "trainer/h2d #2", ... (assign_lanes; lane_track reads the track back), so every thread's
+  complete events nest as the trace viewers require. Lanes are chosen on the times as written
+  (rounded to 0.1 us), so rounding cannot make two events of a lane overlap.
+  """
   events: list[dict[str, Any]] = []
   for pid, (group, spans) in enumerate(groups.items(), start=1):
     events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": group}})
-    tids: dict[str, int] = {}
-    for s in sorted(spans, key=lambda s: s.start):
-      if s.track not in tids:
-        tids[s.track] = len(tids) + 1
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[s.track],
-                       "args": {"name": s.track}})
-      events.append({"ph": "X", "name": s.name, "pid": pid, "tid": tids[s.track],
-                     "ts": round((s.start - origin) * 1e6, 1), "dur": round(s.duration * 1e6, 1),
+    spans = sorted(spans, key=lambda s: s.start)
+    ticks = [(round((s.start - origin) * 1e6 * TICKS_PER_US),
+              round((s.end - origin) * 1e6 * TICKS_PER_US)) for s in spans]
+    lane_of: dict[int, int] = {}
+    for track in dict.fromkeys(s.track for s in spans):
+      indexes = [i for i, s in enumerate(spans) if s.track == track]
+      lane_of.update(zip(indexes, assign_lanes([ticks[i] for i in indexes])))
+    tids: dict[tuple[str, int], int] = {}
+    for i, s in enumerate(spans):
+      key = (s.track, lane_of[i])
+      if key not in tids:
+        tids[key] = len(tids) + 1
+        name = s.track if key[1] == 0 else f"{s.track}{LANE_MARK}{key[1] + 1}"
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tids[key],
+                       "args": {"name": name}})
+      start, end = ticks[i]
+      events.append({"ph": "X", "name": s.name, "pid": pid, "tid": tids[key],
+                     "ts": start / TICKS_PER_US, "dur": (end - start) / TICKS_PER_US,
                      "args": dict(s.args)})
   return {"traceEvents": events, "displayTimeUnit": "ms"}
 

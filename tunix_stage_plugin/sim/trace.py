@@ -10,6 +10,8 @@ import os
 import statistics
 from typing import Any
 
+from tunix_stage_plugin.core import timeline as timeline_lib
+
 RESOURCES = ("wire", "h2d", "compute")
 
 
@@ -142,7 +144,7 @@ def from_chrome_trace(data: dict[str, Any], source: str) -> Trace:
   if pid is None:
     raise TraceError(f"{source}: no inline run in this trace; accepted: a tunix-stage bench "
                      "trace.json with the inline mode")
-  tracks = {e["tid"]: e["args"]["name"] for e in events
+  tracks = {e["tid"]: timeline_lib.lane_track(e["args"]["name"]) for e in events
             if e.get("name") == "thread_name" and e["pid"] == pid}
   spans = [(tracks[e["tid"]], e) for e in events if e.get("ph") == "X" and e["pid"] == pid]
   seconds = lambda e: e["dur"] / 1e6
