@@ -83,6 +83,7 @@ class BenchOptions:
   seed: int = 0
   tiny: bool = False
   retries: int = 3  # re-runs of mode runs with no quiet step, for the whole benchmark
+  payload: str = "dense"  # data.PAYLOADS
 
   def __post_init__(self) -> None:
     if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
@@ -98,6 +99,9 @@ class BenchOptions:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
     if not self.sync_ratio >= 0:
       raise ValueError(f"sync_ratio must be >= 0; got {self.sync_ratio!r}")
+    if self.payload not in data_lib.PAYLOADS:
+      raise ValueError(f"payload must be one of {', '.join(data_lib.PAYLOADS)}; "
+                       f"got {self.payload!r}")
     if self.scenario not in SCENARIOS:
       raise ValueError(f"scenario must be one of {', '.join(SCENARIOS)}; got {self.scenario!r}")
     unknown = [m for m in self.modes if m not in MODES]
@@ -110,7 +114,7 @@ class BenchOptions:
 
   def sizes(self) -> data_lib.Sizes:
     base = data_lib.TINY_SIZES if self.tiny else data_lib.DEFAULT_SIZES
-    return base.with_payload_mib(self.payload_mib)
+    return base.with_payload(self.payload).with_payload_mib(self.payload_mib)
 
 
 @dataclasses.dataclass(frozen=True)

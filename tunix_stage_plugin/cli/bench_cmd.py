@@ -72,6 +72,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      f"{inputs.MAX_PAYLOAD_MIB:g}, and what the held micro-batches need must fit "
                      "in MemAvailable); sets only the real bytes copied, the emulated times "
                      "follow the ratios")
+  shape.add_argument("--payload", default="dense", metavar="KIND",
+                     help="what a micro-batch carries: dense (tokens + float32 ballast, the "
+                     "default) or rl (ids, masks, advantages, log-probs, routed_experts int16; "
+                     "README \"The rl payload\")")
   shape.add_argument("--wire_ratio", default="0.8", metavar="X",
                      help="wire time of one micro-batch as a multiple of its compute (default 0.8)")
   shape.add_argument("--h2d_ratio", default="0.4", metavar="X",
@@ -116,6 +120,14 @@ def _scenario(text: str) -> str:
   return text
 
 
+def _payload(text: str) -> str:
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.embedded import data as data_lib
+  if text not in data_lib.PAYLOADS:
+    raise ValueError(f"accepted: {' | '.join(data_lib.PAYLOADS)}")
+  return text
+
+
 def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[str, str],
                                                list[str]]:
   """Every option at once: (options, output files, []) or (None, {}, one line per problem)."""
@@ -140,6 +152,7 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
       "max_host_batches": p.take("--stage_max_host_batches", args.max_host_batches, inputs.count),
       "scenario": p.take("--scenario", args.scenario, _scenario),
       "seed": p.take("--seed", args.seed, inputs.seed),
+      "payload": p.take("--payload", args.payload, _payload),
   }
   files = {}
   out_ok = True

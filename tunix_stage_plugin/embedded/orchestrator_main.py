@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--payload_mib", default=None, metavar="MIB",
                       help="bytes per micro-batch in MiB, 1/1024 to "
                       f"{inputs.MAX_PAYLOAD_MIB:g} (default: 16 MiB, or ~2 KiB with --tiny)")
+  parser.add_argument("--payload", default=data_lib.PAYLOAD_DENSE, metavar="KIND",
+                      help=f"what a micro-batch carries: {' | '.join(data_lib.PAYLOADS)} "
+                      "(default dense; README \"The rl payload\")")
   parser.add_argument("--wire_mbps", default=None, metavar="MB/S",
                       help="emulated wire bandwidth in MB/s, > 0 (default: unpaced loopback)")
   parser.add_argument("--h2d_mbps", default=None, metavar="MB/S",
@@ -96,6 +99,8 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
   sync_s = p.take("--sync_s", args.sync_s, inputs.nonnegative)
   seed = p.take("--seed", args.seed, inputs.seed)
   timeout = p.take("--connect_timeout_s", args.connect_timeout_s, inputs.positive)
+  if args.payload not in data_lib.PAYLOADS:
+    p.add(f"--payload {args.payload!r}: accepted: {' | '.join(data_lib.PAYLOADS)}")
   liveness = p.take("--liveness_s", args.liveness_s,
                     lambda text: client_lib.check_liveness(inputs.positive(text)))
   for field in flags_lib.ORCHESTRATOR_FIELDS:  # each setting alone, so every bad one is named
@@ -114,6 +119,7 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
     return None, p.lines
   cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
   sizes = data_lib.TINY_SIZES if args.tiny else data_lib.DEFAULT_SIZES
+  sizes = sizes.with_payload(args.payload)
   if payload is not None:
     sizes = sizes.with_payload_mib(payload)
   # Batches are built as they are pulled: a step's, plus the next step's prestaged ones.
