@@ -23,12 +23,14 @@ from typing import Any
 import numpy as np
 
 OFF = "off"
+ON = "on"  # the default codec at its default level (README "Compressed stage payloads")
+DEFAULT_CODEC = "blosc2-zstd"
 CODECS = ("blosc2-zstd", "blosc2-lz4", "zstd", "lz4")
 DEFAULT_LEVELS = {"blosc2-zstd": 1, "blosc2-lz4": 5, "zstd": 1, "lz4": 0}
 LEVELS = {"blosc2-zstd": (0, 9), "blosc2-lz4": (0, 9), "zstd": (-7, 22), "lz4": (0, 16)}
 MODULES = {"blosc2-zstd": "blosc2", "blosc2-lz4": "blosc2", "zstd": "zstandard", "lz4": "lz4"}
 EXTRA = "pip install 'tunix-stage-plugin[codec]'"
-ACCEPTED = f"{OFF} | NAME[:LEVEL] with NAME one of {', '.join(CODECS)}"
+ACCEPTED = f"{OFF} | {ON} ({DEFAULT_CODEC}) | NAME[:LEVEL] with NAME one of {', '.join(CODECS)}"
 MIN_PACK_BYTES = 64 << 10  # smaller arrays travel raw: their bytes are not worth a codec call
 CHUNK_BYTES = 64 << 20  # under every codec's 2 GiB per-call limit; one decode call per chunk
 ALIGNMENT = 64
@@ -61,12 +63,14 @@ def installed(name: str) -> bool:
 
 
 def parse(text: str, *, require_installed: bool = True) -> Codec | None:
-  """`off` -> None, `NAME[:LEVEL]` -> Codec; ValueError (CodecUnavailable: not installed)."""
+  """`off` -> None, `on` / `NAME[:LEVEL]` -> Codec; ValueError (CodecUnavailable: not installed)."""
   value = text.strip()
   if value == OFF:
     return None
-  name, _, level_text = value.partition(":")
-  if name not in CODECS:
+  if value == ON:
+    value = DEFAULT_CODEC
+  name, sep, level_text = value.partition(":")
+  if name not in CODECS or (sep and not level_text):
     raise ValueError(value)
   if level_text:
     try:

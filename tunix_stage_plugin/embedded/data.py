@@ -158,6 +158,41 @@ def make_batch(sizes: Sizes, seed: int, step: int, index: int) -> Batch:
   return Batch(step, index, {"tokens": tokens, "ballast": ballast})
 
 
+@dataclasses.dataclass
+class PackedBatch:
+  """A micro-batch whose large arrays travel compressed (TUNIX_STAGE_CODEC; core.codec): only a
+  stage sends one, and the trainer unpacks it on its staging lane before placing it."""
+
+  step: int
+  index: int
+  packed: Any  # core.codec.Packed
+
+  @property
+  def mb_id(self) -> str:
+    return mb_id(self.step, self.index)
+
+  @property
+  def nbytes(self) -> int:
+    return self.packed.nbytes
+
+  @property
+  def wire_bytes(self) -> int:
+    return self.packed.wire_bytes
+
+
+def pack_batch(codec: Any, batch: Batch) -> PackedBatch:
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.core import codec as codec_lib
+  return PackedBatch(batch.step, batch.index, codec_lib.pack(codec, batch.arrays))
+
+
+def unpack_batch(packed: PackedBatch) -> Batch:
+  """Raises core.codec.CodecError for a payload that does not decode to what it announced."""
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.core import codec as codec_lib
+  return Batch(packed.step, packed.index, codec_lib.unpack(packed.packed))
+
+
 def expected_order(steps: int, microbatches: int) -> list[str]:
   return [mb_id(s, i) for s in range(steps) for i in range(microbatches)]
 

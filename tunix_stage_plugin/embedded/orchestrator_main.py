@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 from tunix_stage_plugin.core import inputs
@@ -142,8 +143,10 @@ async def run(settings: Settings) -> int:
     await client.call("setup", sizes=sizes.as_dict(), seed=seed, h2d_mbps=settings.h2d_mbps,
                       record_timeline=False)
     # Built when pulled and dropped once sent: memory does not grow with --steps.
+    codec = codec_lib.parse(settings.cfg.codec) if plan.kind == "staged" else None
+    engine = engine_lib.EmbeddedEngine(client, codec=codec)
     outcomes = await job_lib.run_job(
-        engine_lib.EmbeddedEngine(client), plan,
+        engine, plan,
         lambda s, i: data_lib.make_batch(sizes, seed, s, i),
         on_step=lambda o: print(f"{PROG}: {o.summary()}", flush=True))
     finish = await client.call("finish")
@@ -152,6 +155,10 @@ async def run(settings: Settings) -> int:
   fallbacks = [o.report.fallbacks for o in outcomes]
   staging = (f"stage depth={plan.depth} prestage={'on' if plan.prestage else 'off'}"
              if plan.kind == "staged" else "off (inline)")
+  if codec is not None:
+    ratio = engine.wire.ratio
+    staging += (f" codec={codec} (stage bytes sent {engine.wire.stage_sent_bytes} of "
+                f"{engine.wire.stage_raw_bytes}, ratio {ratio:.2f})" if ratio else f" codec={codec}")
   print(f"{PROG}: {'OK' if in_order else 'FAILED'}: {plan.steps} steps x {plan.microbatches} "
         f"micro-batches, staging {staging}, trainer staging {trainer_mode}, "
         f"stage/fallbacks per step {fallbacks}, "
