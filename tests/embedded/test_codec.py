@@ -1,7 +1,8 @@
 """Compressed stage payloads (TUNIX_STAGE_CODEC): lossless packing, and the embedded host end to
 end (a real JAX trainer process, real gRPC on 127.0.0.1) with the rl payload.
 
-Every test needs a codec library (the `codec` extra) and is skipped, with that reason, without it.
+The tests that compress need a codec library (the `codec` extra) and are skipped, with that
+reason, without it; the rl payload's staged-vs-inline check runs everywhere.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from tunix_stage_plugin.embedded import job as job_lib
 from tunix_stage_plugin.embedded import process as process_lib
 
 INSTALLED = [name for name in codec_lib.CODECS if codec_lib.installed(name)]
-pytestmark = pytest.mark.skipif(
+needs_codec = pytest.mark.skipif(
     not INSTALLED, reason=f"no codec library installed ({codec_lib.EXTRA})")
 DEFAULT = INSTALLED[0] if INSTALLED else None  # blosc2-zstd where the extra is installed
 # Large enough that routed_experts and the log-probs are packed (>= MIN_PACK_BYTES each).
@@ -117,6 +118,7 @@ def test_compressed_staging_trains_to_the_same_parameters_as_inline(trainer, inl
   assert result.wire.stage_raw_bytes == result.wire.stages * RL.payload_bytes
 
 
+@needs_codec
 def test_a_corrupted_compressed_payload_falls_back_inline_and_is_counted(trainer, inline_digest):
   engine = functools.partial(CorruptingEngine, codec=codec_lib.parse(DEFAULT),
                              corrupt=frozenset({"s0-m1", "s1-m3"}))
