@@ -6,8 +6,8 @@
 # One JobSet per role: the orchestrator on a CPU node, the trainer and the rollout on TPU slices
 # (the rollout: one JobSet per replica, ROLLOUT_REPLICAS, default 1). The staging variables reach
 # the containers through each container's `env`:
-#   orchestrator: TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES
-#                 (+ --stage_train_batches=stage --max_staged_batches=N when staging is on)
+#   orchestrator: TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES, TUNIX_STAGE_CODEC
+#                 (+ --stage_train_batches=stage --max_staged_batches=N --stage_codec=C when on)
 #   trainer:      TUNIX_STAGE_BATCH, TUNIX_STAGE_MAX_DEVICE_BATCHES, TUNIX_STAGE_MAX_HOST_BATCHES
 # (the plugin's settings table decides which: `tunix-stage config --env_for ROLE`)
 #   rollout:      none
@@ -41,6 +41,7 @@ staging (validated by 'tunix-stage config --check'; a bad value stops the launch
   TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, 1..1024 (default 2)
   TUNIX_STAGE_MAX_DEVICE_BATCHES  trainer's device-memory bound, 1..1024 (default 1)
   TUNIX_STAGE_MAX_HOST_BATCHES    trainer's received-batch host bound, 1..1024 (default 1)
+  TUNIX_STAGE_CODEC               orchestrator's stage payload codec, off | on | NAME[:LEVEL] (default off)
 
 Every other knob (JOB_NAME, ports, model, TPU shape, ...) is listed in mlperf_base.sh.
 KUBECTL_FLAGS (e.g. "--context=my-cluster --namespace=rl") goes before every kubectl command.

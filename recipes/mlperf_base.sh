@@ -24,6 +24,8 @@ export TUNIX_STAGE_MAX_DEVICE_BATCHES="${TUNIX_STAGE_MAX_DEVICE_BATCHES:-1}"
 export TUNIX_STAGE_MAX_HOST_BATCHES="${TUNIX_STAGE_MAX_HOST_BATCHES:-1}"
 # orchestrator: how many micro-batches to keep staged ahead of the pending train call.
 export TUNIX_MAX_STAGED_BATCHES="${TUNIX_MAX_STAGED_BATCHES:-2}"
+# orchestrator: compress staged payloads (off | NAME[:LEVEL]; needs the codec extra).
+export TUNIX_STAGE_CODEC="${TUNIX_STAGE_CODEC:-off}"
 
 # --- the job's usual knobs --------------------------------------------------------------------
 # The interpreter the recipes run (validation, local processes); default: the first of this
@@ -77,7 +79,7 @@ export ROLLOUT_REPLICAS="${ROLLOUT_REPLICAS:-1}"
 
 # Every knob above, and the staging variables: none may hold a control character.
 MLPERF_KNOBS=(TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES TUNIX_STAGE_MAX_HOST_BATCHES
-  TUNIX_MAX_STAGED_BATCHES PYTHON
+  TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_CODEC PYTHON
   CONTAINER_PYTHON JOB_NAME ORCHESTRATOR_ID TRAINER_ID ROLLOUT_ID ORCHESTRATOR_PORT ROLLOUT_PORT
   TRAINER_PORT RUNTIME_MAIN RUNTIME_EXECUTOR ORCHESTRATOR_MAIN TRAINER_MAIN ROLLOUT_MAIN MODEL_ID
   TOKENIZER_PATH BATCH_SIZE NUM_GENERATIONS MAX_STEPS MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH

@@ -26,7 +26,8 @@ def test_defaults_when_env_is_empty():
 
 def test_env_beats_default_and_explicit_beats_env():
   env = {"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "3",
-         "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2", "TUNIX_STAGE_MAX_HOST_BATCHES": "4"}
+         "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2", "TUNIX_STAGE_MAX_HOST_BATCHES": "4",
+         "TUNIX_STAGE_CODEC": "off"}
   cfg = config_lib.resolve(env=env)
   assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches, cfg.max_host_batches) == (
       "stage", 3, 2, 4)
@@ -125,11 +126,11 @@ def test_absl_flags_beat_env_and_define_is_idempotent(monkeypatch):
   cfg = flags_lib.config_from_absl(flag_values=fv)
   assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("stage", 4, 3)
   assert cfg.sources == {"mode": "flag", "max_staged_batches": "env", "max_device_batches": "flag",
-                         "max_host_batches": "default"}
+                         "max_host_batches": "default", "codec": "default"}
 
 
 def test_roles_name_the_settings_each_process_reads():
-  assert config_lib.fields_for("orchestrator") == ("mode", "max_staged_batches")
+  assert config_lib.fields_for("orchestrator") == ("mode", "max_staged_batches", "codec")
   assert config_lib.fields_for("trainer") == ("mode", "max_device_batches", "max_host_batches")
   assert flags_lib.TRAINER_FIELDS == config_lib.fields_for("trainer")
   with pytest.raises(ValueError, match="unknown role 'rollout'; accepted: orchestrator | trainer"):
@@ -191,3 +192,49 @@ def test_cli_config_json_reports_sources():
 def test_cli_config_check_is_silent_when_valid():
   out = _cli("config", "--check", env={"TUNIX_STAGE_BATCH": "stage"})
   assert (out.returncode, out.stdout, out.stderr) == (0, "", "")
+
+
+def test_codec_off_needs_no_codec_library():
+  assert config_lib.resolve(env={"TUNIX_STAGE_CODEC": "off"}).codec == "off"
+  assert config_lib.resolve(env={}).codec == "off"
+
+
+@pytest.mark.parametrize("value", ["gzip", "zstd:99", "lz4:x", "blosc2-zstd:", "ZSTD"])
+def test_a_bad_codec_is_one_line_with_what_is_accepted(value):
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.resolve(env={"TUNIX_STAGE_CODEC": value})
+  assert e.value.problems == [
+      f"TUNIX_STAGE_CODEC={value!r} is invalid; accepted: off | on (blosc2-zstd) | NAME[:LEVEL] "
+      "with NAME one of "
+      "blosc2-zstd, blosc2-lz4, zstd, lz4"]
+
+
+@pytest.mark.parametrize("value", ["blosc2-zstd", "blosc2-lz4:9", "zstd:3", "lz4", "on"])
+def test_a_codec_is_accepted_where_installed_else_one_line_names_the_extra(value):
+  from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
+  if value == "on":
+    value = "blosc2-zstd"  # what `on` means
+  name = value.partition(":")[0]
+  if codec_lib.installed(name):
+    cfg = config_lib.resolve({"codec": value}, env={}, explicit_source="flag")
+    assert cfg.codec == (value if ":" in value else f"{value}:{codec_lib.DEFAULT_LEVELS[name]}")
+    assert cfg.sources["codec"] == "flag"
+  else:
+    with pytest.raises(config_lib.ConfigError) as e:
+      config_lib.resolve({"codec": value}, env={}, explicit_source="flag")
+    assert len(e.value.problems) == 1
+    assert e.value.problems[0].startswith(f"--stage_codec={value!r}: codec {name} needs")
+    assert e.value.problems[0].endswith("pip install 'tunix-stage-plugin[codec]'")
+
+
+def test_a_missing_codec_library_is_named_with_the_extra(monkeypatch):
+  """Where the codecs are installed, their absence cannot happen for real: `installed` is patched
+  to say so (the real absence is what the test above checks without the extra)."""
+  from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(codec_lib, "installed", lambda name: False)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.resolve(env={"TUNIX_STAGE_CODEC": "zstd:3", "TUNIX_STAGE_BATCH": "on"})
+  assert e.value.problems == [
+      "TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage",
+      "TUNIX_STAGE_CODEC='zstd:3': codec zstd needs the Python package zstandard, which is not "
+      "installed: pip install 'tunix-stage-plugin[codec]'"]

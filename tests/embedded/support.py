@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 
@@ -22,6 +22,7 @@ TINY = data_lib.TINY_SIZES
 class PlanResult:
   outcomes: list[job_lib.StepOutcome]
   finish: dict[str, Any]
+  wire: engine_lib.WireStats | None = None
 
   @property
   def fallbacks(self) -> list[int]:
@@ -30,14 +31,17 @@ class PlanResult:
 
 async def run_plan_async(address: str, plan: job_lib.JobPlan, *,
                          sizes: data_lib.Sizes = TINY, seed: int = 0,
+                         engine: Callable[[client_lib.WorkerClient], engine_lib.EmbeddedEngine]
+                         = engine_lib.EmbeddedEngine,
                          **setup: Any) -> PlanResult:
   async with client_lib.WorkerClient(address) as client:
     await client.wait_ready()
     await client.call("setup", sizes=sizes.as_dict(), seed=seed, **setup)
+    the_engine = engine(client)
     outcomes = await job_lib.run_job(
-        engine_lib.EmbeddedEngine(client), plan,
+        the_engine, plan,
         lambda s, i: data_lib.make_batch(sizes, seed, s, i))
-    return PlanResult(outcomes, await client.call("finish"))
+    return PlanResult(outcomes, await client.call("finish"), the_engine.wire)
 
 
 def run_plan(address: str, plan: job_lib.JobPlan, **kwargs: Any) -> PlanResult:

@@ -179,3 +179,26 @@ def test_orchestrator_main_memory_does_not_grow_with_steps(tmp_path):
     many = _peak_rss_mib(trainer.address, 12, tmp_path)
   # Built up front, 10 more steps of 4 x 8 MiB would add 320 MiB.
   assert many < few + 48, (few, many)
+
+
+def test_orchestrator_main_rl_payload_with_a_codec_trains_as_inline():
+  """The codec extra where installed; without it the codec run must refuse in one line (exit 2)."""
+  from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
+  with process_lib.TrainerProcess() as trainer:
+    inline = _orchestrate(trainer.address, "--payload", "rl", "--payload_mib", "1",
+                          TUNIX_STAGE_BATCH="off")
+    packed = _orchestrate(trainer.address, "--payload", "rl", "--payload_mib", "1",
+                          "--stage_codec", "on", TUNIX_STAGE_BATCH="stage")
+  assert trainer.proc.returncode == 0
+  assert inline.returncode == 0, inline.stderr
+  if not codec_lib.installed(codec_lib.DEFAULT_CODEC):
+    assert packed.returncode == 2
+    assert packed.stderr.strip().splitlines() == [
+        "orchestrator_main: error: --stage_codec='on': codec blosc2-zstd needs the Python package "
+        "blosc2, which is not installed: pip install 'tunix-stage-plugin[codec]'"]
+    return
+  assert packed.returncode == 0, packed.stderr
+  summary = packed.stdout.strip().splitlines()[-1]
+  assert "codec=blosc2-zstd:1 (stage bytes sent " in summary
+  assert "stage/fallbacks per step [0, 0]" in summary
+  assert _digest(packed.stdout) == _digest(inline.stdout)

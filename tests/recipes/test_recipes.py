@@ -30,8 +30,9 @@ LIB = RECIPES / "cli_lib.sh"  # sourced by the launchers, never run on its own
 VENV_BIN = Path(sys.executable).parent
 
 STAGING_VARS = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES",
-                "TUNIX_STAGE_MAX_HOST_BATCHES")
-STAGING_FLAG_PREFIXES = ("--stage_train_batches", "--max_staged_batches", "--stage_max_device_batches")
+                "TUNIX_STAGE_MAX_HOST_BATCHES", "TUNIX_STAGE_CODEC")
+STAGING_FLAG_PREFIXES = ("--stage_train_batches", "--max_staged_batches", "--stage_max_device_batches",
+                         "--stage_codec")
 IMAGE = "registry.example/tunix-stage:test"
 
 FAKE_KUBECTL = f"""#!{sys.executable}
@@ -221,8 +222,8 @@ def test_base_defaults_when_unset_and_when_empty(tmp_path: Path):
 def test_base_run_directly_prints_the_effective_settings(tmp_path: Path):
   proc = run(BASE, env=base_env(tmp_path, TUNIX_STAGE_BATCH="stage", TUNIX_MAX_STAGED_BATCHES="3"))
   assert proc.returncode == 0, proc.stderr
-  assert "orchestrator: env [TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES] flags " \
-         "[--stage_train_batches=stage --max_staged_batches=3]" in proc.stdout
+  assert "orchestrator: env [TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_CODEC] flags " \
+         "[--stage_train_batches=stage --max_staged_batches=3 --stage_codec=off]" in proc.stdout
   assert ("trainer: env [TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES "
           "TUNIX_STAGE_MAX_HOST_BATCHES] flags []") in proc.stdout
   assert "rollout: env [] flags []" in proc.stdout
@@ -354,7 +355,8 @@ def test_dry_run_defaults_when_the_variables_are_unset(tmp_path: Path, fake_bin:
   roles = by_role(dry_run(tmp_path, fake_bin))
   assert {r: len(c) for r, c in roles.items()} == {"orchestrator": 1, "trainer": 1, "rollout": 1}
   (orch,), (trainer,), (rollout,) = roles["orchestrator"], roles["trainer"], roles["rollout"]
-  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "2")]
+  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "2"),
+                          ("TUNIX_STAGE_CODEC", "off")]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1"),
                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
   assert env_of(rollout) == []
@@ -367,13 +369,15 @@ def test_dry_run_staging_on(tmp_path: Path, fake_bin: Path, depth: str, bound: s
   roles = by_role(dry_run(tmp_path, fake_bin, TUNIX_STAGE_BATCH="stage",
                           TUNIX_MAX_STAGED_BATCHES=depth, TUNIX_STAGE_MAX_DEVICE_BATCHES=bound))
   (orch,), (trainer,), (rollout,) = roles["orchestrator"], roles["trainer"], roles["rollout"]
-  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", depth)]
+  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", depth),
+                          ("TUNIX_STAGE_CODEC", "off")]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"),
                              ("TUNIX_STAGE_MAX_DEVICE_BATCHES", bound),
                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
   assert env_of(rollout) == []
   # The orchestrator's driver gets the flags; the trainer reads its bound from the env only.
-  assert staging_flags(orch) == ["--stage_train_batches=stage", f"--max_staged_batches={depth}"]
+  assert staging_flags(orch) == ["--stage_train_batches=stage", f"--max_staged_batches={depth}",
+                                 "--stage_codec=off"]
   assert staging_flags(trainer) == []
   assert staging_flags(rollout) == []
   # The flags go to the process_main, i.e. after the runtime's own flags.
@@ -386,7 +390,8 @@ def test_dry_run_staging_off_carries_off_and_no_flags(tmp_path: Path, fake_bin: 
   roles = by_role(dry_run(tmp_path, fake_bin, TUNIX_STAGE_BATCH="off",
                           TUNIX_MAX_STAGED_BATCHES="5", TUNIX_STAGE_MAX_DEVICE_BATCHES="3"))
   (orch,), (trainer,) = roles["orchestrator"], roles["trainer"]
-  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "5")]
+  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "5"),
+                          ("TUNIX_STAGE_CODEC", "off")]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "3"),
                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
   assert all(staging_flags(c) == [] for cs in roles.values() for c in cs)
@@ -396,10 +401,12 @@ def test_dry_run_forwards_the_plugins_normalised_values(tmp_path: Path, fake_bin
   roles = by_role(dry_run(tmp_path, fake_bin, TUNIX_STAGE_BATCH=" stage ",
                           TUNIX_MAX_STAGED_BATCHES="03", TUNIX_STAGE_MAX_DEVICE_BATCHES=" 2"))
   (orch,), (trainer,) = roles["orchestrator"], roles["trainer"]
-  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", "3")]
+  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", "3"),
+                          ("TUNIX_STAGE_CODEC", "off")]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "2"),
                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
-  assert staging_flags(orch) == ["--stage_train_batches=stage", "--max_staged_batches=3"]
+  assert staging_flags(orch) == ["--stage_train_batches=stage", "--max_staged_batches=3",
+                                 "--stage_codec=off"]
 
 
 @pytest.mark.parametrize("role", ["orchestrator", "trainer", "rollout"])
@@ -481,7 +488,8 @@ def test_k8s_start_deletes_then_applies_each_role(tmp_path: Path, fake_bin: Path
   applied = [by_role(list(yaml.safe_load_all(c["stdin"]))) for c in calls[3:]]
   assert [list(a) for a in applied] == [[r] for r in roles]
   assert env_of(applied[0]["orchestrator"][0]) == [("TUNIX_STAGE_BATCH", "stage"),
-                                                   ("TUNIX_MAX_STAGED_BATCHES", "2")]
+                                                   ("TUNIX_MAX_STAGED_BATCHES", "2"),
+                                                   ("TUNIX_STAGE_CODEC", "off")]
   assert env_of(applied[1]["trainer"][0]) == [("TUNIX_STAGE_BATCH", "stage"),
                                               ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1"),
                                               ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]

@@ -208,9 +208,24 @@ def _fmt(value: float | None, spec: str) -> str:
   return "-" if value is None else format(value, spec)
 
 
+def wire_summary(result: runner.BenchResult, mode: str) -> dict[str, Any]:
+  """A mode's micro-batch bytes over all its runs: as sent per micro-batch, and the stage ratio
+  (raw / sent; None when nothing was staged). The emulated wire paces the bytes sent."""
+  runs = [r.wire for r in result.runs if r.mode == mode and r.wire]
+  sent = sum(w["stage_sent_bytes"] + w["inline_bytes"] for w in runs)
+  count = sum(w["stages"] + w["inline"] for w in runs)
+  raw = sum(w["stage_raw_bytes"] for w in runs)
+  staged = sum(w["stage_sent_bytes"] for w in runs)
+  return {"codec": result.options.codec, "microbatches_sent": count,
+          "wire_bytes_per_microbatch": sent / count if count else None,
+          "stage_raw_bytes": raw, "stage_sent_bytes": staged,
+          "stage_ratio": raw / staged if staged else None,
+          "encode_s": sum(w["encode_s"] for w in runs)}
+
+
 def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> str:
   header = ("mode", "step s", "mid-step idle s", "boundary idle s", "hidden", "limit",
-            "fwd_bwd s", "fallbacks", "peak device batches")
+            "fwd_bwd s", "fallbacks", "peak device batches", "wire MiB/mb", "ratio")
   rows = []
   for mode, s in summary.items():
     if mode == "resident":
@@ -222,10 +237,14 @@ def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) ->
     hidden = _fmt(s.hidden_fraction, ".2f")
     if result.options.tiny and s.hidden_fraction is not None:
       hidden += " (n/a)"
+    wire = wire_summary(result, mode)
+    per_mb = wire["wire_bytes_per_microbatch"]
     rows.append((mode + (" *" if s.noisy else ""), _fmt(s.median_step_s, ".2f"),
                  _fmt(s.mid_step_idle_s, ".2f"),
                  _fmt(s.boundary_idle_s, ".2f"), hidden, _fmt(s.step_over_limit, ".3f"),
-                 _fmt(s.fwd_bwd_s, ".3f"), str(s.fallbacks), peak))
+                 _fmt(s.fwd_bwd_s, ".3f"), str(s.fallbacks), peak,
+                 _fmt(None if per_mb is None else per_mb / data_lib.MIB, ".2f"),
+                 _fmt(wire["stage_ratio"], ".2f")))
   widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
   lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                      for i, (cell, w) in enumerate(zip(row, widths)))
@@ -288,13 +307,15 @@ def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
                                              "h2d_s": c.h2d_s},
       "expected_trained_order": expected_order(result),
       "modes": {m: s.to_json() for m, s in summary.items()},
+      "wire": {m: wire_summary(result, m) for m in summary},
       "criteria": [ch.to_json() for ch in checks],
       "runs": [{"mode": r.mode, "round": r.round, "step_s": [t.seconds for t in r.timings],
                 "mid_step_idle_s": [t.mid_step_idle for t in r.timings],
                 "boundary_idle_s": [t.boundary_idle for t in r.timings],
                 "fwd_bwd_s": r.fwd_bwd_s, "update_s": r.update_s,
                 "fallbacks": r.fallbacks, "fallback_reasons": r.fallback_reasons,
-                "other_processes_cores": r.step_foreign_cores, "step_quiet": r.step_quiet}
+                "other_processes_cores": r.step_foreign_cores, "step_quiet": r.step_quiet,
+                "wire": r.wire}
                for r in result.runs],
       "wall_s": result.wall_s,
       "trainer_exit_code": result.trainer_exit_code,

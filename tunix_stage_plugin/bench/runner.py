@@ -24,6 +24,7 @@ import numpy as np
 from tunix_stage_plugin.bench import cpu
 from tunix_stage_plugin.bench import metrics
 from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.embedded import client as client_lib
@@ -83,6 +84,8 @@ class BenchOptions:
   seed: int = 0
   tiny: bool = False
   retries: int = 3  # re-runs of mode runs with no quiet step, for the whole benchmark
+  payload: str = "dense"  # data.PAYLOADS
+  codec: str = "off"  # TUNIX_STAGE_CODEC's values: staged payloads compressed (core.codec)
 
   def __post_init__(self) -> None:
     if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
@@ -98,6 +101,10 @@ class BenchOptions:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
     if not self.sync_ratio >= 0:
       raise ValueError(f"sync_ratio must be >= 0; got {self.sync_ratio!r}")
+    codec_lib.parse(self.codec)  # ValueError (CodecUnavailable: the extra is not installed)
+    if self.payload not in data_lib.PAYLOADS:
+      raise ValueError(f"payload must be one of {', '.join(data_lib.PAYLOADS)}; "
+                       f"got {self.payload!r}")
     if self.scenario not in SCENARIOS:
       raise ValueError(f"scenario must be one of {', '.join(SCENARIOS)}; got {self.scenario!r}")
     unknown = [m for m in self.modes if m not in MODES]
@@ -110,7 +117,7 @@ class BenchOptions:
 
   def sizes(self) -> data_lib.Sizes:
     base = data_lib.TINY_SIZES if self.tiny else data_lib.DEFAULT_SIZES
-    return base.with_payload_mib(self.payload_mib)
+    return base.with_payload(self.payload).with_payload_mib(self.payload_mib)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +158,8 @@ class ModeRun:
   step_foreign_cores: list[float | None]  # other processes' CPU during each timed step
   spans: list[timeline_lib.Span]  # orchestrator and trainer spans, on the orchestrator's clock
   origin: float  # orchestrator time the run started
+  # engine.WireStats.as_dict() of the run: micro-batch bytes as arrays and as sent (all steps)
+  wire: dict = dataclasses.field(default_factory=dict)
 
   @property
   def step_quiet(self) -> list[bool]:
@@ -291,7 +300,8 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
   async with client_lib.WorkerClient(trainer.address) as client:
     await client.wait_ready()
     engine = engine_lib.EmbeddedEngine(client, transfer_slowdown=transfer_slowdown(
-        options.scenario, options.seed, options.microbatches))
+        options.scenario, options.seed, options.microbatches),
+        codec=codec_lib.parse(options.codec))
     sizes = options.sizes()
     say(f"micro-batches of {sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed}), "
         + ("built before each mode run" if _prebuilt(options)
@@ -361,6 +371,7 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
     batches = contextlib.nullcontext(lambda s, i: built.pop((s, i)))
   else:
     batches = BatchPrefetch(options.sizes(), options.seed, plan.steps, plan.microbatches)
+  engine.wire = engine_lib.WireStats()
   with batches as batch_for:
     origin = time.perf_counter()
     load.start()
@@ -381,7 +392,8 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
       max_device_batches=finish["max_device_batches"],
       peak_host_batches=finish["store"]["peak_host"],
       trained_order=finish["trained_order"], param_digest=finish["param_digest"],
-      step_foreign_cores=step_loads[WARMUP_STEPS:], spans=spans, origin=origin)
+      step_foreign_cores=step_loads[WARMUP_STEPS:], spans=spans, origin=origin,
+      wire=engine.wire.as_dict())
 
 
 def _progress_line(options: BenchOptions, run: ModeRun) -> str:

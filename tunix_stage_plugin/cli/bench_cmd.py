@@ -72,6 +72,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      f"{inputs.MAX_PAYLOAD_MIB:g}, and what the held micro-batches need must fit "
                      "in MemAvailable); sets only the real bytes copied, the emulated times "
                      "follow the ratios")
+  shape.add_argument("--payload", default="dense", metavar="KIND",
+                     help="what a micro-batch carries: dense (tokens + float32 ballast, the "
+                     "default) or rl (ids, masks, advantages, log-probs, routed_experts int16; "
+                     "README \"The rl payload\")")
+  shape.add_argument("--stage_codec", default="off", metavar="CODEC",
+                     help="compress staged payloads on the wire (TUNIX_STAGE_CODEC's values: off, "
+                     "on, NAME[:LEVEL]; default off; needs pip install "
+                     "'tunix-stage-plugin[codec]'); inline calls are never compressed")
   shape.add_argument("--wire_ratio", default="0.8", metavar="X",
                      help="wire time of one micro-batch as a multiple of its compute (default 0.8)")
   shape.add_argument("--h2d_ratio", default="0.4", metavar="X",
@@ -119,6 +127,26 @@ def _scenario(text: str) -> str:
   return text
 
 
+def _payload(text: str) -> str:
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.embedded import data as data_lib
+  if text not in data_lib.PAYLOADS:
+    raise ValueError(f"accepted: {' | '.join(data_lib.PAYLOADS)}")
+  return text
+
+
+def _codec(text: str) -> str:
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.core import codec as codec_lib
+  try:
+    spec = codec_lib.parse(text)
+  except codec_lib.CodecUnavailable:
+    raise
+  except ValueError:
+    raise ValueError(f"accepted: {codec_lib.ACCEPTED}") from None
+  return codec_lib.OFF if spec is None else str(spec)
+
+
 def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[str, str],
                                                list[str]]:
   """Every option at once: (options, output files, []) or (None, {}, one line per problem)."""
@@ -143,6 +171,8 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
       "max_host_batches": p.take("--stage_max_host_batches", args.max_host_batches, inputs.count),
       "scenario": p.take("--scenario", args.scenario, _scenario),
       "seed": p.take("--seed", args.seed, inputs.seed),
+      "payload": p.take("--payload", args.payload, _payload),
+      "codec": p.take("--stage_codec", args.stage_codec, _codec),
   }
   files = {}
   out_ok = True

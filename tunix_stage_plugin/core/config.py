@@ -59,6 +59,13 @@ def _parse_count(text: str) -> int:
   return inputs.integer(text, minimum=1, maximum=MAX_COUNT)  # its message gives way to `accepted`
 
 
+def _parse_codec(text: str) -> str:
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.core import codec as codec_lib
+  spec = codec_lib.parse(text)  # CodecUnavailable: well formed, library missing
+  return codec_lib.OFF if spec is None else str(spec)
+
+
 def echo(text: str) -> str:
   """`text` as an error message repeats it: repr, cut to MAX_ECHO characters."""
   if len(text) <= MAX_ECHO:
@@ -125,6 +132,19 @@ SETTINGS: tuple[Setting, ...] = (
         "(a stage is answered once received; its placement follows on the staging lane); a "
         "stage over the bound is refused and that micro-batch trains inline.",
     ),
+    Setting(
+        field="codec",
+        env="TUNIX_STAGE_CODEC",
+        flag="stage_codec",
+        default="off",
+        parse=_parse_codec,
+        accepted="off | on (blosc2-zstd) | NAME[:LEVEL] with NAME one of blosc2-zstd, "
+        "blosc2-lz4, zstd, lz4",
+        roles=(ORCHESTRATOR,),
+        help="orchestrator: compress a staged micro-batch's large arrays (lossless) before they "
+        "cross the wire; the trainer decodes them on its staging lane. Inline calls are never "
+        "compressed. Needs the codec extra: pip install 'tunix-stage-plugin[codec]'.",
+    ),
 )
 SETTINGS_BY_FIELD = {s.field: s for s in SETTINGS}
 
@@ -144,6 +164,7 @@ class StageConfig:
   max_staged_batches: int = 2
   max_device_batches: int = 1
   max_host_batches: int = 1
+  codec: str = "off"
   sources: Mapping[str, str] = dataclasses.field(
       default_factory=lambda: {s.field: SOURCE_DEFAULT for s in SETTINGS}, compare=False
   )
@@ -167,8 +188,12 @@ def parse_value(setting: Setting, raw: Any, origin: str) -> Any:
   if len(text) > MAX_VALUE_CHARS:
     raise ConfigError(f"{origin}={echo(text)} is invalid: longer than {MAX_VALUE_CHARS} "
                       f"characters; accepted: {setting.accepted}")
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.core import codec as codec_lib
   try:
     return setting.parse(text)
+  except codec_lib.CodecUnavailable as e:
+    raise ConfigError(f"{origin}={echo(text)}: {e}") from None
   except ValueError:
     raise ConfigError(f"{origin}={echo(text)} is invalid; accepted: {setting.accepted}") from None
 

@@ -14,6 +14,16 @@ import numpy as np
 
 MIB = 1 << 20
 
+PAYLOAD_DENSE = "dense"
+PAYLOAD_RL = "rl"
+PAYLOADS = (PAYLOAD_DENSE, PAYLOAD_RL)
+# Per token of an rl micro-batch, before routed_experts: tokens, positions, segment ids (int32),
+# old and ref log-probs (f32), loss mask (int8).
+RL_TOKEN_BYTES = 4 + 4 + 4 + 4 + 4 + 1
+# Long-tailed response lengths: lognormal(mean log, sigma) in units of seq, clipped to [2, seq].
+RL_LENGTH_MU, RL_LENGTH_SIGMA = -1.2, 0.8
+RL_EXPERTS = 64
+
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
@@ -29,9 +39,18 @@ class Sizes:
   # the payload's bytes (the wire and host-to-device cost) while barely adding compute. The loss
   # reads every value, so a corrupted transfer changes the parameters' digest.
   ballast: int = 2048
+  # "dense": tokens + float32 ballast (the default). "rl": a realistic RL micro-batch (make_batch):
+  # ids, masks, advantages, log-probs and routed_experts [batch, seq, routed_layers, top_k] int16.
+  payload: str = PAYLOAD_DENSE
+  routed_layers: int = 4  # rl only: MoE layers whose routing travels (sized by with_payload_mib)
+  top_k: int = 8  # rl only
 
   def __post_init__(self) -> None:
+    if self.payload not in PAYLOADS:
+      raise ValueError(f"Sizes.payload must be one of {', '.join(PAYLOADS)}; got {self.payload!r}")
     for field in dataclasses.fields(self):
+      if field.name == "payload":
+        continue
       value = getattr(self, field.name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"Sizes.{field.name} must be an int >= 1; got {value!r}")
@@ -42,15 +61,36 @@ class Sizes:
 
   @property
   def payload_bytes(self) -> int:
+    if self.payload == PAYLOAD_RL:
+      return (self.batch * self.seq * (RL_TOKEN_BYTES + 2 * self.routed_layers * self.top_k)
+              + 4 * self.batch)
     return self.batch * self.seq * (4 + 4 * self.ballast)
 
+  def with_payload(self, payload: str) -> "Sizes":
+    return dataclasses.replace(self, payload=payload)
+
   def with_payload_mib(self, mib: float) -> "Sizes":
-    """The same model with the ballast resized so one micro-batch is about `mib` MiB."""
+    """The same model with the ballast (dense) or the routed layers (rl) resized so one
+    micro-batch is about `mib` MiB."""
     if not mib > 0:
       raise ValueError(f"payload size must be > 0 MiB; got {mib!r}")
+    if self.payload == PAYLOAD_RL:
+      tokens = self.batch * self.seq
+      per_layer = tokens * 2 * self.top_k
+      layers = max(1, round((mib * MIB - tokens * RL_TOKEN_BYTES - 4 * self.batch) / per_layer))
+      return dataclasses.replace(self, routed_layers=layers)
     per_token = self.batch * self.seq * 4
     ballast = max(1, round((mib * MIB - per_token) / per_token))
     return dataclasses.replace(self, ballast=ballast)
+
+  def array_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Each array of a micro-batch: its shape (what the trainer checks before placing)."""
+    b, t = self.batch, self.seq
+    if self.payload == PAYLOAD_RL:
+      return {"tokens": (b, t), "positions": (b, t), "segment_ids": (b, t), "loss_mask": (b, t),
+              "advantages": (b,), "old_logprobs": (b, t), "ref_logprobs": (b, t),
+              "routed_experts": (b, t, self.routed_layers, self.top_k)}
+    return {"tokens": (b, t), "ballast": (b, t, self.ballast)}
 
   def as_dict(self) -> dict[str, int]:
     return dataclasses.asdict(self)
@@ -81,11 +121,76 @@ class Batch:
     return sum(a.nbytes for a in self.arrays.values())
 
 
+def rl_lengths(sizes: Sizes, rng: np.random.Generator) -> np.ndarray:
+  """Each sequence's real length: long-tailed (lognormal), clipped to [2, seq]."""
+  frac = rng.lognormal(RL_LENGTH_MU, RL_LENGTH_SIGMA, sizes.batch)
+  return np.clip(np.round(frac * sizes.seq), 2, sizes.seq).astype(np.int32)
+
+
+def make_rl_arrays(sizes: Sizes, rng: np.random.Generator) -> dict[str, np.ndarray]:
+  """An RL micro-batch as a trainer receives it (README "The rl payload"): every per-token field is
+  padded past each sequence's real length (ids 0, mask 0, log-probs 0.0, routed_experts -1)."""
+  b, t = sizes.batch, sizes.seq
+  lengths = rl_lengths(sizes, rng)
+  live = np.arange(t)[None, :] < lengths[:, None]  # [b, t]
+  tokens = np.where(live, rng.integers(1, sizes.vocab, (b, t), dtype=np.int32), 0).astype(np.int32)
+  positions = np.where(live, np.arange(t, dtype=np.int32)[None, :], 0).astype(np.int32)
+  segment_ids = live.astype(np.int32)
+  old = np.where(live, -rng.exponential(2.0, (b, t)), 0.0).astype(np.float32)
+  ref = np.where(live, old + rng.normal(0.0, 0.05, (b, t)), 0.0).astype(np.float32)
+  # Top-k routing per token and layer: expert ids of RL_EXPERTS with a skewed popularity (low ids
+  # more often: u**3), so ids repeat as real routers' do; -1 past each sequence's length.
+  draws = rng.random((b, t, sizes.routed_layers, sizes.top_k), dtype=np.float32)
+  routed = (draws * draws * draws * RL_EXPERTS).astype(np.int16)
+  routed[~live] = -1
+  return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids,
+          "loss_mask": live.astype(np.int8),
+          "advantages": rng.normal(0.0, 1.0, b).astype(np.float32),
+          "old_logprobs": old, "ref_logprobs": ref, "routed_experts": routed}
+
+
 def make_batch(sizes: Sizes, seed: int, step: int, index: int) -> Batch:
   rng = np.random.default_rng([seed, step, index])
+  if sizes.payload == PAYLOAD_RL:
+    return Batch(step, index, make_rl_arrays(sizes, rng))
   tokens = rng.integers(0, sizes.vocab, (sizes.batch, sizes.seq), dtype=np.int32)
   ballast = rng.random((sizes.batch, sizes.seq, sizes.ballast), dtype=np.float32)
   return Batch(step, index, {"tokens": tokens, "ballast": ballast})
+
+
+@dataclasses.dataclass
+class PackedBatch:
+  """A micro-batch whose large arrays travel compressed (TUNIX_STAGE_CODEC; core.codec): only a
+  stage sends one, and the trainer unpacks it on its staging lane before placing it."""
+
+  step: int
+  index: int
+  packed: Any  # core.codec.Packed
+
+  @property
+  def mb_id(self) -> str:
+    return mb_id(self.step, self.index)
+
+  @property
+  def nbytes(self) -> int:
+    return self.packed.nbytes
+
+  @property
+  def wire_bytes(self) -> int:
+    return self.packed.wire_bytes
+
+
+def pack_batch(codec: Any, batch: Batch) -> PackedBatch:
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.core import codec as codec_lib
+  return PackedBatch(batch.step, batch.index, codec_lib.pack(codec, batch.arrays))
+
+
+def unpack_batch(packed: PackedBatch) -> Batch:
+  """Raises core.codec.CodecError for a payload that does not decode to what it announced."""
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.core import codec as codec_lib
+  return Batch(packed.step, packed.index, codec_lib.unpack(packed.packed))
 
 
 def expected_order(steps: int, microbatches: int) -> list[str]:
@@ -93,6 +198,7 @@ def expected_order(steps: int, microbatches: int) -> list[str]:
 
 
 def sizes_from_dict(d: dict[str, Any]) -> Sizes:
+  """Sizes from its as_dict (older dicts without payload fields mean the dense payload)."""
   unknown = sorted(set(d) - {f.name for f in dataclasses.fields(Sizes)})
   if unknown:
     raise ValueError(f"unknown size field(s) {unknown}; accepted: {sorted(Sizes().as_dict())}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from typing import Any, Callable
 
 from tunix_stage_plugin.core import outcome as outcome_lib
@@ -11,34 +13,102 @@ from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import wire
 
 
+# What the trainer raises (by name) for a staged payload it cannot decode: the engine then sends
+# that micro-batch with its train call, uncompressed, and the pipeline counts a fallback.
+UNREADABLE = "StagedPayloadUnreadable"
+
+
+@dataclasses.dataclass
+class WireStats:
+  """Bytes of the micro-batches sent, as arrays (raw) and as they crossed the wire (sent)."""
+
+  stages: int = 0
+  stage_raw_bytes: int = 0
+  stage_sent_bytes: int = 0
+  inline: int = 0
+  inline_bytes: int = 0
+  encode_s: float = 0.0  # orchestrator seconds packing stage payloads (off the event loop)
+
+  @property
+  def ratio(self) -> float | None:
+    return self.stage_raw_bytes / self.stage_sent_bytes if self.stage_sent_bytes else None
+
+  def as_dict(self) -> dict[str, Any]:
+    return {**dataclasses.asdict(self), "ratio": self.ratio}
+
+
 class EmbeddedEngine:
-  """stage / train / reset for core.pipeline.StagePipeline, plus the step boundary's calls."""
+  """stage / train / reset for core.pipeline.StagePipeline, plus the step boundary's calls.
+
+  `codec` (core.codec.Codec, TUNIX_STAGE_CODEC): a stage's payload is packed on a worker thread
+  (never on the event loop) and the trainer unpacks it on its staging lane; train calls that
+  carry their micro-batch (inline) always send it as it is.
+  """
 
   def __init__(self, client: client_lib.WorkerClient, *,
-               transfer_slowdown: Callable[[data_lib.Batch], float] | None = None) -> None:
+               transfer_slowdown: Callable[[data_lib.Batch], float] | None = None,
+               codec: Any = None) -> None:
     self.client = client
     # The benchmark's bursty scenario: a micro-batch's payload crosses the emulated wire this
     # many times slower, whichever call carries it.
     self._slowdown = transfer_slowdown or (lambda batch: 1.0)
+    self.codec = codec
+    self.wire = WireStats()
+    # Compressed stages' micro-batches by stage key, until trained or reset: what is sent again
+    # if the trainer cannot decode the staged bytes (the pipeline holds them meanwhile anyway).
+    self._packed_sent: dict[str, data_lib.Batch] = {}
+
+  def _pack(self, payload: data_lib.Batch) -> data_lib.PackedBatch:
+    """Runs on a worker thread."""
+    return data_lib.pack_batch(self.codec, payload)
 
   async def stage(self, payload: data_lib.Batch, *, key: str) -> outcome_lib.StageOutcome:
+    sent: Any = payload
+    if self.codec is not None:
+      start = asyncio.get_running_loop().time()
+      sent = await asyncio.to_thread(self._pack, payload)
+      self.wire.encode_s += asyncio.get_running_loop().time() - start
+      self._packed_sent[key] = payload
+    self.wire.stages += 1
+    self.wire.stage_raw_bytes += payload.nbytes
+    self.wire.stage_sent_bytes += getattr(sent, "wire_bytes", payload.nbytes)
     try:
-      answer = await self.client.call("stage_batch", payload, key=key,
+      answer = await self.client.call("stage_batch", sent, key=key,
                                       _pace=self._slowdown(payload))
     except wire.RemoteCallError as e:
+      self._packed_sent.pop(key, None)
       if e.error_type == store_lib.StageKeyError.__name__:  # a caller bug: fail loud, here too
         raise store_lib.StageKeyError(str(e)) from e
       raise
-    return outcome_lib.StageOutcome.from_dict(answer)
+    except BaseException:
+      self._packed_sent.pop(key, None)
+      raise
+    outcome = outcome_lib.StageOutcome.from_dict(answer)
+    if outcome.status is not outcome_lib.StageStatus.STAGED:  # trains inline: nothing to send again
+      self._packed_sent.pop(key, None)
+    return outcome
 
   async def train(self, payload: data_lib.Batch | None, *, stage_key: str | None,
                   apply_optimizer: bool) -> outcome_lib.Trained:
     if stage_key is not None:
-      result = await self.client.call("fwd_bwd", stage_key=stage_key)
+      payload = self._packed_sent.pop(stage_key, payload)
+      try:
+        result = await self.client.call("fwd_bwd", stage_key=stage_key)
+      except wire.RemoteCallError as e:
+        if e.error_type != UNREADABLE or payload is None:
+          raise
+        # The staged bytes did not decode: this micro-batch goes with its train call instead.
+        result = await self._train_inline(payload)
+        result["placement_fallback"] = str(e).split(": ", 2)[-1]
     else:
-      result = await self.client.call("fwd_bwd", payload, _pace=self._slowdown(payload))
+      result = await self._train_inline(payload)
     return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer),
                                fallback=result["placement_fallback"])
+
+  async def _train_inline(self, payload: data_lib.Batch) -> dict[str, Any]:
+    self.wire.inline += 1
+    self.wire.inline_bytes += payload.nbytes
+    return await self.client.call("fwd_bwd", payload, _pace=self._slowdown(payload))
 
   async def train_resident(self, mb_id: str, *, apply_optimizer: bool) -> outcome_lib.Trained:
     result = await self.client.call("fwd_bwd", resident=mb_id)
@@ -53,6 +123,8 @@ class EmbeddedEngine:
     return result
 
   async def reset(self, keys: list[str]) -> None:
+    for key in keys:
+      self._packed_sent.pop(key, None)
     await self.client.call("reset_staged", keys)
 
   async def weight_sync(self, seconds: float) -> None:

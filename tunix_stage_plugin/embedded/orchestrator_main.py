@@ -16,6 +16,7 @@ import dataclasses
 import os
 import sys
 
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 from tunix_stage_plugin.core import inputs
@@ -41,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--payload_mib", default=None, metavar="MIB",
                       help="bytes per micro-batch in MiB, 1/1024 to "
                       f"{inputs.MAX_PAYLOAD_MIB:g} (default: 16 MiB, or ~2 KiB with --tiny)")
+  parser.add_argument("--payload", default=data_lib.PAYLOAD_DENSE, metavar="KIND",
+                      help=f"what a micro-batch carries: {' | '.join(data_lib.PAYLOADS)} "
+                      "(default dense; README \"The rl payload\")")
   parser.add_argument("--wire_mbps", default=None, metavar="MB/S",
                       help="emulated wire bandwidth in MB/s, > 0 (default: unpaced loopback)")
   parser.add_argument("--h2d_mbps", default=None, metavar="MB/S",
@@ -96,6 +100,8 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
   sync_s = p.take("--sync_s", args.sync_s, inputs.nonnegative)
   seed = p.take("--seed", args.seed, inputs.seed)
   timeout = p.take("--connect_timeout_s", args.connect_timeout_s, inputs.positive)
+  if args.payload not in data_lib.PAYLOADS:
+    p.add(f"--payload {args.payload!r}: accepted: {' | '.join(data_lib.PAYLOADS)}")
   liveness = p.take("--liveness_s", args.liveness_s,
                     lambda text: client_lib.check_liveness(inputs.positive(text)))
   for field in flags_lib.ORCHESTRATOR_FIELDS:  # each setting alone, so every bad one is named
@@ -114,6 +120,7 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
     return None, p.lines
   cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
   sizes = data_lib.TINY_SIZES if args.tiny else data_lib.DEFAULT_SIZES
+  sizes = sizes.with_payload(args.payload)
   if payload is not None:
     sizes = sizes.with_payload_mib(payload)
   # Batches are built as they are pulled: a step's, plus the next step's prestaged ones.
@@ -136,8 +143,10 @@ async def run(settings: Settings) -> int:
     await client.call("setup", sizes=sizes.as_dict(), seed=seed, h2d_mbps=settings.h2d_mbps,
                       record_timeline=False)
     # Built when pulled and dropped once sent: memory does not grow with --steps.
+    codec = codec_lib.parse(settings.cfg.codec) if plan.kind == "staged" else None
+    engine = engine_lib.EmbeddedEngine(client, codec=codec)
     outcomes = await job_lib.run_job(
-        engine_lib.EmbeddedEngine(client), plan,
+        engine, plan,
         lambda s, i: data_lib.make_batch(sizes, seed, s, i),
         on_step=lambda o: print(f"{PROG}: {o.summary()}", flush=True))
     finish = await client.call("finish")
@@ -146,6 +155,10 @@ async def run(settings: Settings) -> int:
   fallbacks = [o.report.fallbacks for o in outcomes]
   staging = (f"stage depth={plan.depth} prestage={'on' if plan.prestage else 'off'}"
              if plan.kind == "staged" else "off (inline)")
+  if codec is not None:
+    ratio = engine.wire.ratio
+    staging += (f" codec={codec} (stage bytes sent {engine.wire.stage_sent_bytes} of "
+                f"{engine.wire.stage_raw_bytes}, ratio {ratio:.2f})" if ratio else f" codec={codec}")
   print(f"{PROG}: {'OK' if in_order else 'FAILED'}: {plan.steps} steps x {plan.microbatches} "
         f"micro-batches, staging {staging}, trainer staging {trainer_mode}, "
         f"stage/fallbacks per step {fallbacks}, "

@@ -67,6 +67,16 @@ def _loss(sizes: data_lib.Sizes, params: dict[str, Any], batch: dict[str, jax.Ar
   tokens = batch["tokens"]
   logp = jax.nn.log_softmax(_logits(sizes, params, tokens)[:, :-1])
   nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+  if sizes.payload == data_lib.PAYLOAD_RL:
+    # Every field reaches the parameters (a corrupted transfer changes the digest): the loss
+    # mask selects tokens; advantages, the log-prob gap, routing, positions and segments weight
+    # them a little.
+    mask = batch["loss_mask"].astype(jnp.float32)[:, 1:]
+    routed = batch["routed_experts"].astype(jnp.float32).mean((-1, -2))
+    signal = (batch["advantages"][:, None] + batch["old_logprobs"] - batch["ref_logprobs"]
+              + 0.01 * routed + 0.001 * (batch["positions"] + batch["segment_ids"]))
+    weights = mask * (1.0 + 0.01 * jnp.tanh(signal)[:, 1:])
+    return (nll * weights).sum() / jnp.maximum(mask.sum(), 1.0)
   # Per-token weights from the ballast: every payload byte reaches the parameters.
   weights = 1.0 + 0.01 * jnp.tanh(batch["ballast"].mean(-1) - 0.5)[:, 1:]
   return (nll * weights).mean()
@@ -112,8 +122,7 @@ class Trainer:
 
   def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Host to device (the real part; the emulated bandwidth is the caller's). Blocks until done."""
-    expected = {"tokens": (self.sizes.batch, self.sizes.seq),
-                "ballast": (self.sizes.batch, self.sizes.seq, self.sizes.ballast)}
+    expected = self.sizes.array_shapes()
     shapes = {k: tuple(v.shape) for k, v in arrays.items()}
     if shapes != expected:
       raise ValueError(f"micro-batch arrays {shapes} do not match the model's sizes; "

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any, Iterable
 
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
@@ -36,6 +37,11 @@ class _Staged:
   step: int
   mb_id: str
   placed: Any  # device arrays
+
+
+class StagedPayloadUnreadable(RuntimeError):
+  """A staged micro-batch's compressed bytes did not decode (engine.UNREADABLE): the orchestrator
+  sends it again with its train call."""
 
 
 class InjectedStageFailure(RuntimeError):
@@ -141,7 +147,15 @@ class TrainerWorker:
       try:
         item, source = self.store.take(stage_key), "staged"
       except store_lib.PlacementFailed as e:  # received but not placed: train its payload here
-        item = _Staged(e.payload.step, e.payload.mb_id, self._place(e.payload, "inline"))
+        payload = e.payload
+        if isinstance(payload, data_lib.PackedBatch):
+          try:
+            payload = data_lib.unpack_batch(payload)
+          except codec_lib.CodecError as decode:
+            raise StagedPayloadUnreadable(
+                f"staged micro-batch {payload.mb_id} did not decode ({decode}); "
+                f"send it with its train call") from None
+        item = _Staged(payload.step, payload.mb_id, self._place(payload, "inline"))
         source, fallback = "unplaced", e.reason
     elif resident is not None:
       if resident not in self._resident:
@@ -196,9 +210,11 @@ class TrainerWorker:
           key, "staging is off on this trainer (TUNIX_STAGE_BATCH=off)").as_dict()
     self._require_trainer()
 
-    def prepare(b: data_lib.Batch) -> _Staged:
+    def prepare(b: data_lib.Batch | data_lib.PackedBatch) -> _Staged:
       if b.mb_id in self._fail_stage:
         raise InjectedStageFailure(f"injected stage failure for micro-batch {b.mb_id}")
+      if isinstance(b, data_lib.PackedBatch):  # decoded here, on the staging lane
+        b = data_lib.unpack_batch(b)
       return _Staged(b.step, b.mb_id, self._place(b, "staging"))
 
     # Two phases: answered once received (a host buffer held), placed next on this lane, so the
@@ -207,8 +223,9 @@ class TrainerWorker:
                             defer=executor_lib.defer_on_current_lane()).as_dict()
 
   def _check_batch(self, batch: Any) -> None:
-    if not isinstance(batch, data_lib.Batch):
-      raise TypeError(f"stage_batch takes a data.Batch; got {type(batch).__name__}")
+    if not isinstance(batch, (data_lib.Batch, data_lib.PackedBatch)):
+      raise TypeError(f"stage_batch takes a data.Batch or data.PackedBatch; "
+                      f"got {type(batch).__name__}")
 
   def reset_staged(self, keys: list[str] | None = None) -> list[str]:
     return self.store.reset(keys)

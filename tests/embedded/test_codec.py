@@ -1,0 +1,136 @@
+"""Compressed stage payloads (TUNIX_STAGE_CODEC): lossless packing, and the embedded host end to
+end (a real JAX trainer process, real gRPC on 127.0.0.1) with the rl payload.
+
+The tests that compress need a codec library (the `codec` extra) and are skipped, with that
+reason, without it; the rl payload's staged-vs-inline check runs everywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from tests.embedded.support import TINY, run_plan
+from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.embedded import data as data_lib
+from tunix_stage_plugin.embedded import engine as engine_lib
+from tunix_stage_plugin.embedded import job as job_lib
+from tunix_stage_plugin.embedded import process as process_lib
+
+INSTALLED = [name for name in codec_lib.CODECS if codec_lib.installed(name)]
+needs_codec = pytest.mark.skipif(
+    not INSTALLED, reason=f"no codec library installed ({codec_lib.EXTRA})")
+DEFAULT = INSTALLED[0] if INSTALLED else None  # blosc2-zstd where the extra is installed
+# Large enough that routed_experts and the log-probs are packed (>= MIN_PACK_BYTES each).
+RL = TINY.with_payload(data_lib.PAYLOAD_RL).with_payload_mib(1)
+STEPS, MB = 2, 4
+EXPECTED = data_lib.expected_order(STEPS, MB)
+STAGED = job_lib.JobPlan(STEPS, MB, kind="staged", depth=2, prestage=True)
+
+
+def codecs(*names: str) -> list:
+  return [pytest.param(n, marks=pytest.mark.skipif(
+      not codec_lib.installed(n), reason=f"{codec_lib.MODULES[n]} not installed")) for n in names]
+
+
+@pytest.mark.parametrize("name", codecs(*codec_lib.CODECS))
+def test_every_codec_round_trips_an_rl_batch_byte_for_byte(name):
+  batch = data_lib.make_batch(RL, 3, 1, 2)
+  codec = codec_lib.parse(f"{name}:{codec_lib.DEFAULT_LEVELS[name]}")
+  packed = data_lib.pack_batch(codec, batch)
+  assert "routed_experts" in packed.packed.packed and "advantages" in packed.packed.raw
+  assert packed.wire_bytes < batch.nbytes / 2  # padding and repeated expert ids compress
+  out = data_lib.unpack_batch(packed)
+  assert list(out.arrays) == list(batch.arrays)
+  for key, array in batch.arrays.items():
+    assert out.arrays[key].dtype == array.dtype and out.arrays[key].shape == array.shape
+    assert out.arrays[key].tobytes() == array.tobytes(), key
+    assert out.arrays[key].ctypes.data % 64 == 0 or key in packed.packed.raw
+
+
+def _corrupt(packed: data_lib.PackedBatch) -> data_lib.PackedBatch:
+  """Flips one byte in the middle of every compressed chunk (a bit error on the wire)."""
+  for p in packed.packed.packed.values():
+    p.chunks = [c.copy() for c in p.chunks]
+    for c in p.chunks:
+      c[c.size // 2] ^= 0x5A
+  return packed
+
+
+@pytest.mark.parametrize("name", codecs(*codec_lib.CODECS))
+def test_a_corrupted_or_truncated_chunk_raises_codec_error(name):
+  batch = data_lib.make_batch(RL, 0, 0, 0)
+  codec = codec_lib.parse(name)
+  with pytest.raises(codec_lib.CodecError):
+    data_lib.unpack_batch(_corrupt(data_lib.pack_batch(codec, batch)))
+  truncated = data_lib.pack_batch(codec, batch)
+  first = truncated.packed.packed["routed_experts"]
+  first.chunks = [c[:c.size // 2] for c in first.chunks]
+  with pytest.raises(codec_lib.CodecError):
+    data_lib.unpack_batch(truncated)
+
+
+class CorruptingEngine(engine_lib.EmbeddedEngine):
+  """The real engine; the packed bytes of the micro-batches in `corrupt` are damaged after packing,
+  as a bad link would (there is no real way to make gRPC over loopback flip a bit)."""
+
+  def __init__(self, client, *, corrupt: frozenset[str], **kwargs) -> None:
+    super().__init__(client, **kwargs)
+    self.corrupt = corrupt
+
+  def _pack(self, payload):
+    packed = super()._pack(payload)
+    return _corrupt(packed) if payload.mb_id in self.corrupt else packed
+
+
+@pytest.fixture(scope="module")
+def trainer():
+  with process_lib.TrainerProcess(max_device_batches=2) as proc:
+    yield proc
+  assert proc.proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def inline_digest(trainer):
+  result = run_plan(trainer.address, job_lib.JobPlan(STEPS, MB, kind="inline"), sizes=RL)
+  assert result.finish["trained_order"] == EXPECTED
+  return result.finish["param_digest"]
+
+
+def test_uncompressed_staging_of_the_rl_payload_matches_inline(trainer, inline_digest):
+  result = run_plan(trainer.address, STAGED, sizes=RL)
+  assert result.finish["param_digest"] == inline_digest
+  assert result.wire.stage_sent_bytes == result.wire.stage_raw_bytes > 0
+
+
+@pytest.mark.parametrize("name", codecs(*codec_lib.CODECS))
+def test_compressed_staging_trains_to_the_same_parameters_as_inline(trainer, inline_digest, name):
+  engine = functools.partial(engine_lib.EmbeddedEngine, codec=codec_lib.parse(name))
+  result = run_plan(trainer.address, STAGED, sizes=RL, engine=engine)
+  assert result.finish["trained_order"] == EXPECTED
+  assert result.finish["param_digest"] == inline_digest
+  assert result.fallbacks == [0] * STEPS
+  assert result.finish["store"]["consumed"] == result.wire.stages > 0
+  assert result.wire.stages + result.wire.inline == STEPS * MB  # the pipeline's own inline ones
+  assert result.wire.stage_sent_bytes < result.wire.stage_raw_bytes / 2
+  assert result.wire.stage_raw_bytes == result.wire.stages * RL.payload_bytes
+
+
+@needs_codec
+def test_a_corrupted_compressed_payload_falls_back_inline_and_is_counted(trainer, inline_digest):
+  engine = functools.partial(CorruptingEngine, codec=codec_lib.parse(DEFAULT),
+                             corrupt=frozenset({"s0-m1", "s1-m3"}))
+  result = run_plan(trainer.address, STAGED, sizes=RL, engine=engine)
+  assert result.fallbacks == [1, 1]
+  reasons = [r for o in result.outcomes for r in o.report.fallback_reasons]
+  assert len(reasons) == 2 and all("did not decode" in r for r in reasons), reasons
+  assert result.finish["store"]["failed"] == 2
+  clean = run_plan(trainer.address, STAGED, sizes=RL,
+                   engine=functools.partial(engine_lib.EmbeddedEngine,
+                                            codec=codec_lib.parse(DEFAULT)))
+  # each corrupted one is sent again, uncompressed, with its train call
+  assert result.wire.inline == clean.wire.inline + 2
+  assert result.finish["trained_order"] == EXPECTED
+  assert result.finish["param_digest"] == inline_digest

@@ -1,0 +1,211 @@
+"""Lossless compression of a staged micro-batch's large arrays (TUNIX_STAGE_CODEC).
+
+A codec spec is `off` or `NAME[:LEVEL]` with NAME one of CODECS. The codec libraries are an
+optional extra (`pip install 'tunix-stage-plugin[codec]'`); a spec naming one that is not
+installed is refused with one line naming the extra.
+
+`pack` turns arrays into a Packed: arrays of at least MIN_PACK_BYTES are cut into chunks of at
+most CHUNK_BYTES and each chunk compressed (blosc2 with byte shuffle at the array's itemsize);
+each array carries its dtype, shape and the crc32 of its raw bytes. `unpack` decompresses into
+fresh 64-byte-aligned buffers and checks size and crc32, so a corrupted payload raises
+CodecError and never yields a wrong array. The compressed chunks are numpy uint8 arrays, so they
+travel out of band through the wire's pickle (embedded/wire.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import zlib
+from typing import Any
+
+import numpy as np
+
+OFF = "off"
+ON = "on"  # the default codec at its default level (README "Compressed stage payloads")
+DEFAULT_CODEC = "blosc2-zstd"
+CODECS = ("blosc2-zstd", "blosc2-lz4", "zstd", "lz4")
+DEFAULT_LEVELS = {"blosc2-zstd": 1, "blosc2-lz4": 5, "zstd": 1, "lz4": 0}
+LEVELS = {"blosc2-zstd": (0, 9), "blosc2-lz4": (0, 9), "zstd": (-7, 22), "lz4": (0, 16)}
+MODULES = {"blosc2-zstd": "blosc2", "blosc2-lz4": "blosc2", "zstd": "zstandard", "lz4": "lz4"}
+EXTRA = "pip install 'tunix-stage-plugin[codec]'"
+ACCEPTED = f"{OFF} | {ON} ({DEFAULT_CODEC}) | NAME[:LEVEL] with NAME one of {', '.join(CODECS)}"
+MIN_PACK_BYTES = 64 << 10  # smaller arrays travel raw: their bytes are not worth a codec call
+CHUNK_BYTES = 64 << 20  # under every codec's 2 GiB per-call limit; one decode call per chunk
+ALIGNMENT = 64
+
+
+class CodecUnavailable(ValueError):
+  """The spec is well formed but its library is not installed (the message names the extra)."""
+
+
+class CodecError(RuntimeError):
+  """A packed payload does not decode to what it announced (corrupt or truncated)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+  name: str
+  level: int
+  threads: int = 0  # compression threads (blosc2, zstd); 0: every core this process may use
+
+  def __str__(self) -> str:
+    return f"{self.name}:{self.level}"
+
+  @property
+  def nthreads(self) -> int:
+    return self.threads or len(os.sched_getaffinity(0))
+
+
+def installed(name: str) -> bool:
+  return importlib.util.find_spec(MODULES[name]) is not None
+
+
+def parse(text: str, *, require_installed: bool = True) -> Codec | None:
+  """`off` -> None, `on` / `NAME[:LEVEL]` -> Codec; ValueError (CodecUnavailable: not installed)."""
+  value = text.strip()
+  if value == OFF:
+    return None
+  if value == ON:
+    value = DEFAULT_CODEC
+  name, sep, level_text = value.partition(":")
+  if name not in CODECS or (sep and not level_text):
+    raise ValueError(value)
+  if level_text:
+    try:
+      level = int(level_text)
+    except ValueError:
+      raise ValueError(value) from None
+    low, high = LEVELS[name]
+    if not low <= level <= high:
+      raise ValueError(value)
+  else:
+    level = DEFAULT_LEVELS[name]
+  if require_installed and not installed(name):
+    raise CodecUnavailable(f"codec {name} needs the Python package {MODULES[name]}, which is not "
+                           f"installed: {EXTRA}")
+  return Codec(name, level)
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+  raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+  offset = (-raw.ctypes.data) % ALIGNMENT
+  return raw[offset:offset + nbytes]
+
+
+def compress(codec: Codec, data: memoryview, itemsize: int) -> bytes:
+  """One chunk (at most CHUNK_BYTES)."""
+  if codec.name.startswith("blosc2"):
+    import blosc2  # pylint: disable=import-outside-toplevel
+    which = blosc2.Codec.ZSTD if codec.name == "blosc2-zstd" else blosc2.Codec.LZ4
+    return blosc2.compress2(data, typesize=itemsize, clevel=codec.level, codec=which,
+                            filters=[blosc2.Filter.SHUFFLE], nthreads=codec.nthreads)
+  if codec.name == "zstd":
+    import zstandard  # pylint: disable=import-outside-toplevel
+    threads = codec.nthreads if codec.nthreads > 1 else 0
+    return zstandard.ZstdCompressor(level=codec.level, threads=threads).compress(data)
+  import lz4.block  # pylint: disable=import-outside-toplevel
+  if codec.level > 0:
+    return lz4.block.compress(data, mode="high_compression", compression=codec.level,
+                              store_size=False)
+  return lz4.block.compress(data, store_size=False)
+
+
+def decompress_into(codec_name: str, data: Any, out: np.ndarray, threads: int = 0) -> None:
+  """Decompresses one chunk into `out` (uint8, exactly the chunk's raw size) or raises."""
+  try:
+    if codec_name.startswith("blosc2"):
+      import blosc2  # pylint: disable=import-outside-toplevel
+      kwargs = {"nthreads": threads} if threads else {}
+      n = blosc2.decompress2(memoryview(data), dst=out, **kwargs)
+      got = out.nbytes if n is None else n
+    elif codec_name == "zstd":
+      import zstandard  # pylint: disable=import-outside-toplevel
+      raw = zstandard.ZstdDecompressor().decompress(memoryview(data), max_output_size=out.nbytes)
+      got = len(raw)
+      if got == out.nbytes:
+        out[:] = np.frombuffer(raw, dtype=np.uint8)
+    else:
+      import lz4.block  # pylint: disable=import-outside-toplevel
+      raw = lz4.block.decompress(memoryview(data), uncompressed_size=out.nbytes)
+      got = len(raw)
+      if got == out.nbytes:
+        out[:] = np.frombuffer(raw, dtype=np.uint8)
+  except CodecError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (each library has its own error types)
+    raise CodecError(f"{codec_name} could not decode a chunk: {type(e).__name__}: {e}") from e
+  if got != out.nbytes:
+    raise CodecError(f"{codec_name} decoded {got} bytes where {out.nbytes} were announced")
+
+
+@dataclasses.dataclass
+class PackedArray:
+  dtype: str
+  shape: tuple[int, ...]
+  crc32: int
+  chunks: list[np.ndarray]  # compressed, uint8
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass
+class Packed:
+  """Arrays as they travel compressed: `raw` ones as they are, `packed` ones compressed."""
+
+  codec: str  # Codec.name
+  raw: dict[str, np.ndarray]
+  packed: dict[str, PackedArray]
+  order: list[str]  # the original key order
+
+  @property
+  def nbytes(self) -> int:
+    """The arrays' bytes once decoded."""
+    return sum(a.nbytes for a in self.raw.values()) + sum(p.nbytes for p in self.packed.values())
+
+  @property
+  def wire_bytes(self) -> int:
+    """The arrays' bytes as they travel."""
+    return (sum(a.nbytes for a in self.raw.values())
+            + sum(c.nbytes for p in self.packed.values() for c in p.chunks))
+
+
+def pack(codec: Codec, arrays: dict[str, np.ndarray]) -> Packed:
+  raw, packed = {}, {}
+  for name, array in arrays.items():
+    if array.nbytes < MIN_PACK_BYTES:
+      raw[name] = array
+      continue
+    data = memoryview(np.ascontiguousarray(array)).cast("B")
+    chunks = [np.frombuffer(compress(codec, data[i:i + CHUNK_BYTES], array.itemsize),
+                            dtype=np.uint8)
+              for i in range(0, data.nbytes, CHUNK_BYTES)]
+    packed[name] = PackedArray(array.dtype.str, tuple(array.shape), zlib.crc32(data), chunks)
+  return Packed(codec.name, raw, packed, list(arrays))
+
+
+def unpack(packed: Packed, *, threads: int = 0) -> dict[str, np.ndarray]:
+  """The arrays, decoded into aligned buffers and checked; raises CodecError otherwise."""
+  if packed.codec not in CODECS:
+    raise CodecError(f"unknown codec {packed.codec!r}; accepted: {', '.join(CODECS)}")
+  if not installed(packed.codec):
+    raise CodecError(f"codec {packed.codec} is not installed on the trainer: {EXTRA}")
+  out: dict[str, np.ndarray] = {}
+  for name in packed.order:
+    if name in packed.raw:
+      out[name] = packed.raw[name]
+      continue
+    p = packed.packed[name]
+    buf = _aligned(p.nbytes)
+    starts = range(0, p.nbytes, CHUNK_BYTES)
+    if len(p.chunks) != len(starts):
+      raise CodecError(f"{name}: {len(p.chunks)} chunk(s) where {len(starts)} were expected")
+    for start, chunk in zip(starts, p.chunks):
+      decompress_into(packed.codec, chunk, buf[start:start + CHUNK_BYTES], threads)
+    if zlib.crc32(buf) != p.crc32:
+      raise CodecError(f"{name}: crc32 of the decoded bytes differs from the sender's")
+    out[name] = buf.view(np.dtype(p.dtype)).reshape(p.shape)
+  return out
