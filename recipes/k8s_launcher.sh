@@ -7,7 +7,8 @@
 # (the rollout: one JobSet per replica, ROLLOUT_REPLICAS, default 1). The staging variables reach
 # the containers through each container's `env`:
 #   orchestrator: TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES, TUNIX_STAGE_CODEC
-#                 (+ --stage_train_batches=stage --max_staged_batches=N --stage_codec=C when on)
+#                 (+ --stage_train_batches=stage --max_staged_batches=N when on,
+#                 --stage_codec=C when a codec is set)
 #   trainer:      TUNIX_STAGE_BATCH, TUNIX_STAGE_MAX_DEVICE_BATCHES, TUNIX_STAGE_MAX_HOST_BATCHES
 # (the plugin's settings table decides which: `tunix-stage config --env_for ROLE`)
 #   rollout:      none

@@ -223,7 +223,7 @@ def test_base_run_directly_prints_the_effective_settings(tmp_path: Path):
   proc = run(BASE, env=base_env(tmp_path, TUNIX_STAGE_BATCH="stage", TUNIX_MAX_STAGED_BATCHES="3"))
   assert proc.returncode == 0, proc.stderr
   assert "orchestrator: env [TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_CODEC] flags " \
-         "[--stage_train_batches=stage --max_staged_batches=3 --stage_codec=off]" in proc.stdout
+         "[--stage_train_batches=stage --max_staged_batches=3]" in proc.stdout
   assert ("trainer: env [TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES "
           "TUNIX_STAGE_MAX_HOST_BATCHES] flags []") in proc.stdout
   assert "rollout: env [] flags []" in proc.stdout
@@ -376,8 +376,8 @@ def test_dry_run_staging_on(tmp_path: Path, fake_bin: Path, depth: str, bound: s
                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
   assert env_of(rollout) == []
   # The orchestrator's driver gets the flags; the trainer reads its bound from the env only.
-  assert staging_flags(orch) == ["--stage_train_batches=stage", f"--max_staged_batches={depth}",
-                                 "--stage_codec=off"]
+  assert staging_flags(orch) == ["--stage_train_batches=stage", f"--max_staged_batches={depth}"]
+  # The codec's flag only when one is set: a driver without --stage_codec keeps its command line.
   assert staging_flags(trainer) == []
   assert staging_flags(rollout) == []
   # The flags go to the process_main, i.e. after the runtime's own flags.
@@ -405,8 +405,7 @@ def test_dry_run_forwards_the_plugins_normalised_values(tmp_path: Path, fake_bin
                           ("TUNIX_STAGE_CODEC", "off")]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "2"),
                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1")]
-  assert staging_flags(orch) == ["--stage_train_batches=stage", "--max_staged_batches=3",
-                                 "--stage_codec=off"]
+  assert staging_flags(orch) == ["--stage_train_batches=stage", "--max_staged_batches=3"]
 
 
 @pytest.mark.parametrize("role", ["orchestrator", "trainer", "rollout"])

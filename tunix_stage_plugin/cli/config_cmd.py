@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       f"({' | '.join(config_lib.ROLES)}) reads (what its container gets)")
   parser.add_argument("--flags_for", choices=config_lib.ROLES, metavar="ROLE",
                       help="print --flag=value, one per line, for ROLE's settings when staging is "
-                      "on (nothing when it is off)")
+                      "on (nothing when it is off; the codec only when set)")
   parser.set_defaults(run=run)
 
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
       setting, value = config_lib.SETTINGS_BY_FIELD[field], getattr(cfg, field)
       if args.env_for:
         print(f"{setting.env}={value}")
-      elif cfg.enabled:
+      elif cfg.enabled and (setting.flag_at_default or value != setting.default):
         print(f"--{setting.flag}={value}")
     return 0
   if args.json:

@@ -85,6 +85,9 @@ class Setting:
   accepted: str  # what `parse` accepts, as error messages and help say it
   roles: tuple[str, ...]  # the processes that read it (its variable goes to their containers)
   help: str
+  # Launch lines carry its flag even at the default (False: only when set, so a driver that
+  # predates the setting keeps its command line).
+  flag_at_default: bool = True
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -144,6 +147,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="orchestrator: compress a staged micro-batch's large arrays (lossless) before they "
         "cross the wire; the trainer decodes them on its staging lane. Inline calls are never "
         "compressed. Needs the codec extra: pip install 'tunix-stage-plugin[codec]'.",
+        flag_at_default=False,
     ),
 )
 SETTINGS_BY_FIELD = {s.field: s for s in SETTINGS}
