@@ -276,12 +276,15 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
                  "so the timing checks and hidden fractions (even negative ones) judge nothing")
   pre = summary.get("depth2_prestage")
   if pre and pre.stage_call_s:
+    verdict = (f"Each is under the {c.compute_s:.3f} s of compute it hides behind, so the step "
+               "can reach its limit" if pre.stage_call_s < c.compute_s else
+               f"That is more than the {c.compute_s:.3f} s of compute it hides behind: the "
+               "step is bound by the wire (a faster link or a codec, --stage_codec, helps)")
     lines.append(
         f"stage calls: {pre.stage_call_s:.3f} s each (median, measured; the wire alone is "
         f"{c.wire_s:.3f} s emulated), answered once the trainer received the payload; its "
         f"host-to-device copy ({c.h2d_s:.3f} s) then runs on the trainer's staging lane while "
-        f"the next payload is on the wire. Each is under the {c.compute_s:.3f} s of compute it "
-        f"hides behind, so the step can reach its limit; peak received host buffers "
+        f"the next payload is on the wire. {verdict}; peak received host buffers "
         f"{pre.peak_host_batches} of {o.max_host_batches}")
   dropped = sum(not q for s in summary.values() for q in s.step_quiet)
   if dropped:
