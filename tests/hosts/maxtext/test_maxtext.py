@@ -75,7 +75,6 @@ def host_leaves(tree):
 def train(worker, engine, payloads, *, ahead=0, hooks=None):
   """Trains STEPS x MICRO; `ahead` > 0 stages that many ahead and trains by key. Returns a
   snapshot after every fwd_bwd (grads, denominator) and update (model, whole train state)."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   hooks = hooks or {}
   keys = [f"m-{n}" for n in range(len(payloads))]
   snapshots, reasons = [], []
@@ -90,25 +89,28 @@ def train(worker, engine, payloads, *, ahead=0, hooks=None):
       reasons.append(response.metadata["placement_fallback"])
     else:
       worker.fwd_bwd(item)
-    snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
-    if n % MICRO == MICRO - 1:
-      worker.update()
-      snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
+    snapshot_and_update(worker, engine, n, snapshots)
   return snapshots, reasons
+
+
+def snapshot_and_update(worker, engine, n, snapshots):
+  """After micro-batch n's fwd_bwd: snapshots the grads and denominator; at a step's last
+  micro-batch, updates and snapshots the model and the whole train state."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
+  if n % MICRO == MICRO - 1:
+    worker.update()
+    snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
 
 
 def train_one(worker, engine, n, item, status, key, snapshots):
   """Trains micro-batch n by key when it was staged, else inline (the orchestrator's fallback),
   and snapshots as `train` does."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   if status == "staged":
     worker.fwd_bwd(payload=None, stage_key=key)
   else:
     worker.fwd_bwd(item)
-  snapshots.append(host_leaves((engine._accumulated_grads, engine._accumulated_denominator)))
-  if n % MICRO == MICRO - 1:
-    worker.update()
-    snapshots.append(host_leaves((nnx.state(engine.model), nnx.state(engine._state))))
+  snapshot_and_update(worker, engine, n, snapshots)
 
 
 def same_bits(a, b):
