@@ -170,13 +170,13 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
   assert_nothing_left(launch, out)
 
 
-@pytest.mark.parametrize("after", ["trainer", "orchestrator"])
-def test_local_launcher_stops_everything_when_terminated(launch, tmp_path: Path, after: str):
-  """SIGTERM to the launcher once it has started the trainer (it may still be starting up) or
-  the orchestrator (the job is running): it exits 143 and stops all it started."""
+def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, *, check_started=None,
+                      timeout: float = 60, **env: str):
+  """Starts a slow job, sends `sig` to the launcher once it started `after` (first calling
+  `check_started(output so far)` when given); returns (rc, out)."""
   proc = subprocess.Popen(
       ["bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout", "50", *SLOW_JOB],
-      env={**launch.env, "TUNIX_STAGE_BATCH": "stage"}, cwd=tmp_path, text=True,
+      env={**launch.env, "TUNIX_STAGE_BATCH": "stage", **env}, cwd=tmp_path, text=True,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   seen = []
   try:
@@ -186,15 +186,27 @@ def test_local_launcher_stops_everything_when_terminated(launch, tmp_path: Path,
         break
     else:
       pytest.fail(f"the launcher ended before starting the {after}:\n" + "".join(seen))
-    assert all(pid_alive(pid) for pid in reported_pids("".join(seen)).values())
-    proc.send_signal(signal.SIGTERM)
-    rest, _ = proc.communicate(timeout=30)
+    if check_started is not None:
+      check_started("".join(seen))
+    proc.send_signal(sig)
+    rest, _ = proc.communicate(timeout=timeout)
   finally:
     if proc.poll() is None:
       proc.kill()
       proc.communicate()
-  out = "".join(seen) + rest
-  assert proc.returncode == 143, out
+  return proc.returncode, "".join(seen) + rest
+
+
+@pytest.mark.parametrize("after", ["trainer", "orchestrator"])
+def test_local_launcher_stops_everything_when_terminated(launch, tmp_path: Path, after: str):
+  """SIGTERM to the launcher once it has started the trainer (it may still be starting up) or
+  the orchestrator (the job is running): it exits 143 and stops all it started."""
+  def started_and_alive(seen: str) -> None:
+    assert all(pid_alive(pid) for pid in reported_pids(seen).values())
+
+  rc, out = _start_and_signal(launch, tmp_path, signal.SIGTERM, after,
+                              check_started=started_and_alive, timeout=30)
+  assert rc == 143, out
   assert set(reported_pids(out)) == ({"trainer", "orchestrator"} if after == "orchestrator"
                                      else {"trainer"})
   for name in reported_pids(out):
@@ -226,29 +238,6 @@ def test_local_trainer_that_cannot_start_fails_with_its_log(launch):
   assert str(port) in proc.stderr.split("----- trainer (", 1)[1]  # the bind error, from its log
   assert "started orchestrator" not in proc.stdout
   assert_nothing_left(launch, proc.stdout)
-
-
-def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, **env: str):
-  """Starts a slow job, sends `sig` to the launcher once it started `after`; returns (rc, out)."""
-  proc = subprocess.Popen(
-      ["bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout", "50", *SLOW_JOB],
-      env={**launch.env, "TUNIX_STAGE_BATCH": "stage", **env}, cwd=tmp_path, text=True,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-  seen = []
-  try:
-    for line in proc.stdout:
-      seen.append(line)
-      if line.startswith(f"local_launcher.sh: started {after} pid="):
-        break
-    else:
-      pytest.fail(f"the launcher ended before starting the {after}:\n" + "".join(seen))
-    proc.send_signal(sig)
-    rest, _ = proc.communicate(timeout=60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.communicate()
-  return proc.returncode, "".join(seen) + rest
 
 
 def test_local_launcher_ctrl_c_is_one_clean_stop(launch, tmp_path: Path):
