@@ -129,8 +129,10 @@ def _tunix_stage_commands() -> list[tuple[str, str]]:
 PLACEHOLDERS = {"ROLE": "trainer", "TRACE": "examples/upstream_pattern.json", "N": "2"}
 
 
-@pytest.mark.parametrize("where,command", _tunix_stage_commands(),
-                         ids=[w for w, _ in _tunix_stage_commands()])
+COMMANDS = _tunix_stage_commands()
+
+
+@pytest.mark.parametrize("where,command", COMMANDS, ids=[w for w, _ in COMMANDS])
 def test_documented_tunix_stage_command_parses(where: str, command: str):
   words = shlex.split(command.lstrip("$ "))
   words = words[[i for i, w in enumerate(words) if w.endswith("tunix-stage")][0] + 1:]
