@@ -64,24 +64,24 @@ class EmbeddedEngine:
 
   async def stage(self, payload: data_lib.Batch, *, key: str) -> outcome_lib.StageOutcome:
     sent: Any = payload
+    sent_bytes = payload.nbytes
     if self.codec is not None:
       start = asyncio.get_running_loop().time()
       sent = await asyncio.to_thread(self._pack, payload)
       self.wire.encode_s += asyncio.get_running_loop().time() - start
+      sent_bytes = sent.wire_bytes
       self._packed_sent[key] = payload
     self.wire.stages += 1
     self.wire.stage_raw_bytes += payload.nbytes
-    self.wire.stage_sent_bytes += getattr(sent, "wire_bytes", payload.nbytes)
+    self.wire.stage_sent_bytes += sent_bytes
     try:
       answer = await self.client.call("stage_batch", sent, key=key,
                                       _pace=self._slowdown(payload))
-    except wire.RemoteCallError as e:
+    except BaseException as e:
       self._packed_sent.pop(key, None)
-      if e.error_type == store_lib.StageKeyError.__name__:  # a caller bug: fail loud, here too
+      if (isinstance(e, wire.RemoteCallError)
+          and e.error_type == store_lib.StageKeyError.__name__):  # a caller bug: fail loud here too
         raise store_lib.StageKeyError(str(e)) from e
-      raise
-    except BaseException:
-      self._packed_sent.pop(key, None)
       raise
     outcome = outcome_lib.StageOutcome.from_dict(answer)
     if outcome.status is not outcome_lib.StageStatus.STAGED:  # trains inline: nothing to send again
