@@ -19,10 +19,12 @@ import tunix_stage_plugin
 from tests.core.trace_check import partial_overlaps
 from tunix_stage_plugin.bench import meta as meta_lib
 from tunix_stage_plugin.bench import metrics
+from tunix_stage_plugin.bench import modes as modes_lib
 from tunix_stage_plugin.bench import report
 from tunix_stage_plugin.bench import runner
 from tunix_stage_plugin.cli import bench_cmd
 from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.timeline import Span, lane_track
 from tunix_stage_plugin.embedded import data as data_lib
@@ -94,7 +96,7 @@ def test_criteria_pass_on_a_good_result_and_the_table_shows_every_mode():
   # limit = 2 x 1.7 fwd_bwd + 0.1 update + 0.5 weight sync = 4.0 s
   assert pre.limit_s == pytest.approx(4.0) and pre.step_over_limit == pytest.approx(4.1 / 4.0)
   table = report.format_table(result, summary)
-  for mode in runner.MODES:
+  for mode in modes_lib.DEFAULT_MODES:
     assert mode in table
   assert "limit" in table.splitlines()[0] and "1.025" in table
   text = report.format_report(result, summary, checks)
@@ -205,7 +207,7 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
      "staged) need 1344.0 GiB, more than the"),
     (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
      "--modes 'inline,inline': accepted: a comma-separated subset of inline,depth1,depth2,"
-     "depth2_prestage,resident, each at most once"),
+     "depth2_prestage,resident,depth2_prestage_codec, each at most once"),
 ])
 def test_a_bad_option_exits_2_with_one_line(args, message, tmp_path, capsys):
   args = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -277,14 +279,14 @@ def fixture_tiny_run(tmp_path_factory):
 def test_tiny_quick_run_writes_json_png_and_trace(tiny_run):
   result, out = tiny_run
   assert result.returncode == 0, result.stdout + result.stderr
-  for mode in runner.MODES:  # progress on stderr, the table on stdout
+  for mode in modes_lib.DEFAULT_MODES:  # progress on stderr, the table on stdout
     assert f"round 1/1 {mode}" in result.stderr
     assert mode in result.stdout
   assert "PASS  same param_digest in every mode and round" in result.stdout
   report_json = json.loads((out / "bench.json").read_text())
   expected = data_lib.expected_order(2, 3)  # one warm-up step + one timed step
   assert report_json["expected_trained_order"] == expected
-  assert set(report_json["modes"]) == set(runner.MODES)
+  assert set(report_json["modes"]) == set(modes_lib.DEFAULT_MODES)
   digests = set()
   for mode, m in report_json["modes"].items():
     assert len(m["step_s"]) == 1 and m["median_step_s"] == m["step_s"][0]
@@ -303,7 +305,7 @@ def test_tiny_quick_run_writes_json_png_and_trace(tiny_run):
   assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   trace = json.loads((out / "trace.json").read_text())
   names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
-  assert names == {f"{m} (round 1)" for m in runner.MODES}
+  assert names == {f"{m} (round 1)" for m in modes_lib.DEFAULT_MODES}
   thread_names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
   assert {tracks.DEVICE_COMPUTE, tracks.TRAINER_H2D, tracks.ORCHESTRATOR_STAGE} <= thread_names
   assert partial_overlaps(trace) == []  # every thread's events nest: Perfetto draws them right
@@ -323,7 +325,7 @@ def test_the_tiny_run_records_its_context_and_checks_as_numbers(tiny_run):
   assert meta["python"] == platform.python_version()
   assert all(isinstance(meta[p], str) for p in ("jax", "jaxlib", "grpcio", "numpy"))
   assert meta["options"]["tiny"] is True and meta["options"]["steps"] == 1
-  assert meta["options"]["microbatches"] == 3 and meta["options"]["modes"] == list(runner.MODES)
+  assert meta["options"]["microbatches"] == 3 and meta["options"]["modes"] == list(modes_lib.DEFAULT_MODES)
   by_name = {c["name"]: c for c in report_json["criteria"]}
   digest = by_name["same param_digest in every mode and round"]
   assert (digest["value"], digest["comparison"], digest["threshold"]) == (1, "<=", 1)
@@ -339,7 +341,7 @@ def test_the_tiny_run_records_its_context_and_checks_as_numbers(tiny_run):
 def test_the_tiny_run_says_run_k_of_n_and_the_time_left(tiny_run):
   result, _ = tiny_run
   lines = [l for l in result.stderr.splitlines() if "round 1/1" in l]
-  assert len(lines) == len(runner.MODES), result.stderr
+  assert len(lines) == len(modes_lib.DEFAULT_MODES), result.stderr
   for k, line in enumerate(lines[:-1], start=1):
     assert f"; run {k} of 5, about " in line and " left (" in line, line
   assert lines[-1].endswith("; run 5 of 5, the last"), lines[-1]
@@ -453,7 +455,7 @@ def test_meta_never_fails(tmp_path, monkeypatch):
   assert meta_lib.git_commit() is None and meta_lib.git_dirty() is None
   meta = meta_lib.run_meta(runner.BenchOptions())
   assert meta["git_commit"] is None and meta["git_dirty"] is None
-  assert meta["options"]["modes"] == list(runner.MODES)
+  assert meta["options"]["modes"] == list(modes_lib.DEFAULT_MODES)
   assert meta_lib.version("no-such-package-here") is None
   assert meta_lib.run_date(str(tmp_path / "missing.json")) == "an unknown date"
 
@@ -571,3 +573,66 @@ def test_the_bursty_scenario_judges_depth2_against_depth1():
   result = _result(depth2=_run("depth2", 6.5))
   result.options = dataclasses.replace(result.options, scenario="bursty")
   assert _failing(result) == []
+
+
+def test_the_codec_mode_runs_only_when_named_and_compresses_with_on_by_default(monkeypatch):
+  assert "depth2_prestage_codec" in modes_lib.MODES
+  assert "depth2_prestage_codec" not in runner.BenchOptions().modes == modes_lib.DEFAULT_MODES
+  monkeypatch.setattr(codec_lib, "installed", lambda name: True)
+  options = runner.BenchOptions(modes=("depth2_prestage", "depth2_prestage_codec"))
+  assert options.codec_for("depth2_prestage") is None
+  assert str(options.codec_for("depth2_prestage_codec")) == "blosc2-zstd:1"
+  chosen = dataclasses.replace(options, codec="zstd:3")  # --stage_codec compresses every mode
+  assert [str(chosen.codec_for(m)) for m in chosen.modes] == ["zstd:3", "zstd:3"]
+
+
+def test_the_report_says_what_the_codec_did_to_the_stage_calls(monkeypatch):
+  monkeypatch.setattr(codec_lib, "installed", lambda name: True)
+  wire = lambda sent: {"stages": 2, "stage_raw_bytes": 8 << 20, "stage_sent_bytes": sent,
+                       "inline": 0, "inline_bytes": 0, "encode_s": 0.01}
+  plain = dataclasses.replace(_run("depth2_prestage", 4.6, stage_call_s=[1.4, 1.4]),
+                              wire=wire(8 << 20))
+  packed = dataclasses.replace(_run("depth2_prestage_codec", 4.05, stage_call_s=[0.3, 0.3]),
+                               wire=wire(1 << 20))
+  result = _result(depth2_prestage=plain, depth2_prestage_codec=packed)
+  result.options = dataclasses.replace(
+      result.options, modes=modes_lib.DEFAULT_MODES + ("depth2_prestage_codec",))
+  summary = report.summarize(result)
+  text = report.format_report(result, summary, report.criteria(result, summary))
+  assert "the step is bound by the wire" in text  # 1.4 s stage calls against 1.0 s of compute
+  assert ("stage calls with the codec (blosc2-zstd:1, depth2_prestage_codec): 0.300 s each "
+          "(median), under the 1.000 s of compute; staged payloads 8.00x smaller") in text
+
+
+def test_the_codec_mode_without_the_codec_is_one_clear_line(monkeypatch, tmp_path, capsys):
+  monkeypatch.setattr(codec_lib, "installed", lambda name: False)
+  with pytest.raises(ValueError, match=r"codec blosc2-zstd needs the Python package blosc2"):
+    runner.BenchOptions(modes=("inline", "depth2_prestage_codec"))
+  assert cli_main.main(["bench", "--out", str(tmp_path / "out"),
+                        "--modes", "inline,depth2_prestage_codec"]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1, err
+  assert ("--modes depth2_prestage_codec: compresses with on (--stage_codec is off): codec "
+          f"blosc2-zstd needs the Python package blosc2, which is not installed: "
+          f"{codec_lib.EXTRA}") in err
+  assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(not codec_lib.installed(codec_lib.DEFAULT_CODEC),
+                    reason=f"{codec_lib.DEFAULT_CODEC} is not installed ({codec_lib.EXTRA})")
+def test_one_run_compares_staging_with_and_without_the_codec(tmp_path):
+  out = tmp_path / "out"
+  cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
+         "--steps", "1", "--microbatches", "3", "--payload", "rl", "--payload_mib", "0.5",
+         "--modes", "inline,depth2_prestage,depth2_prestage_codec", "--png", "", "--trace", "",
+         "--out", str(out)]
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stdout + result.stderr
+  report_json = json.loads((out / "bench.json").read_text())
+  modes, wire = report_json["modes"], report_json["wire"]
+  assert len({m["param_digest"] for m in modes.values()}) == 1
+  assert [wire[m]["codec"] for m in modes] == ["off", "off", "blosc2-zstd:1"]
+  assert wire["depth2_prestage"]["stage_ratio"] == 1.0
+  assert wire["depth2_prestage_codec"]["stage_ratio"] > 2
+  assert all(m["fallbacks"] == 0 for m in modes.values())
+  assert "stage calls with the codec (blosc2-zstd:1, depth2_prestage_codec)" in result.stdout

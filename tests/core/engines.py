@@ -13,10 +13,14 @@ import time
 from typing import Any
 
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core.outcome import StageOutcome, StageStatus, Trained
+from tunix_stage_plugin.core.outcome import StageOutcome, StageStatus, StagedPayloadUnreadable
+from tunix_stage_plugin.core.outcome import Trained
 from tunix_stage_plugin.core import store as store_lib
 
 OK, PREPARE_FAILS, LOST_REPLY = "ok", "prepare_fails", "lost_reply"
+# Staged, but its train call finds the staged bytes unreadable (a damaged compressed payload):
+# the trainer takes the key and trains nothing.
+UNREADABLE = "unreadable"
 
 
 class LostReply(ConnectionError):
@@ -103,6 +107,9 @@ class ThreadedEngine:
       except store_lib.PlacementFailed as e:  # received, never placed: train its payload
         payload, fallback = e.payload, e.reason
         self.attempts.append((payload, "unplaced"))
+      if self.stage_outcomes.get(payload) == UNREADABLE:
+        self.attempts.append((payload, UNREADABLE))
+        raise StagedPayloadUnreadable(f"staged payload {payload!r} did not decode")
     self.log(f"train {payload}")
     gate = self.train_gate.get(payload)
     if gate is not None and not gate.wait(timeout=30):

@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from tests.core.engines import LOST_REPLY, PREPARE_FAILS, ThreadedEngine, TrainFailed, source_of
+from tests.core.engines import LOST_REPLY, PREPARE_FAILS, UNREADABLE, ThreadedEngine, TrainFailed
+from tests.core.engines import source_of
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core.pipeline import MicroBatch, PipelineContractError, StagePipeline
 from tunix_stage_plugin.core.store import StageKeyError
@@ -74,6 +75,40 @@ def test_failed_and_lost_stages_fall_back_and_leave_nothing_staged(engine_factor
   # The lost reply's batch was staged on the trainer: it must have been reset, not leaked.
   assert len(engine.store) == 0 and engine.store.stats.dropped == 1
   assert engine.trained_staged[2] is False and engine.trained_staged[4] is False
+
+
+@pytest.mark.parametrize("unreadable", [{2}, {3, 5}])
+def test_an_unreadable_staged_payload_is_trained_inline_once_and_counted(engine_factory,
+                                                                           unreadable):
+  """5 closes the step: its inline retry must still apply the optimizer."""
+  engine = engine_factory(2, stage_outcomes={p: UNREADABLE for p in unreadable})
+  pipeline = StagePipeline(engine, 2)
+  report = run(pipeline.run_step(0, source_of(list(range(6)))))
+  assert engine.trained == list(range(6)) and engine.updates == [6]
+  assert sorted(p for p, a in engine.attempts if a == UNREADABLE) == sorted(unreadable)
+  assert [engine.trained_staged[p] for p in sorted(unreadable)] == [False] * len(unreadable)
+  assert report.fallbacks == len(unreadable) and report.inline >= len(unreadable)
+  assert all(r.startswith("unplaced: staged payload unreadable:")
+             for r in report.fallback_reasons), report.fallback_reasons
+  assert len(engine.store) == 0 and report.trained == 6
+
+
+def test_an_unreadable_answer_to_an_inline_train_is_not_retried(engine_factory):
+  """Only a train by key can be unreadable; from an inline train it is a broken contract."""
+
+  class Confused(ThreadedEngine):
+    async def train(self, payload, *, stage_key, apply_optimizer):
+      if stage_key is None:
+        raise outcome_lib.StagedPayloadUnreadable("nothing was staged")
+      return await super().train(payload, stage_key=stage_key, apply_optimizer=apply_optimizer)
+
+  engine = Confused(1)
+  try:
+    with pytest.raises(outcome_lib.StagedPayloadUnreadable):
+      run(StagePipeline(engine, 1).run_step(0, source_of(list(range(3)))))
+    assert engine.trained == [] and len(engine.store) == 0
+  finally:
+    engine.close()
 
 
 def test_next_micro_batch_dispatches_while_a_later_stage_is_still_in_flight(engine_factory):

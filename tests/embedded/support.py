@@ -71,3 +71,11 @@ def no_new_threads() -> Iterator[None]:
   yield
   left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
   assert not left, f"threads left running: {left}"
+
+
+def inline_digest_of(address: str, steps: int, microbatches: int, **kwargs: Any) -> str:
+  """The parameter digest of an inline run (every micro-batch with its train call): the
+  reference every staged run must reach."""
+  result = run_plan(address, job_lib.JobPlan(steps, microbatches, kind="inline"), **kwargs)
+  assert result.finish["trained_order"] == data_lib.expected_order(steps, microbatches)
+  return result.finish["param_digest"]

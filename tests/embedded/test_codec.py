@@ -12,12 +12,14 @@ import functools
 import numpy as np
 import pytest
 
-from tests.embedded.support import TINY, run_plan
+from tests.embedded.support import TINY, call, inline_digest_of, run_plan
 from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import engine as engine_lib
 from tunix_stage_plugin.embedded import job as job_lib
-from tunix_stage_plugin.embedded import process as process_lib
+from tunix_stage_plugin.embedded import worker as worker_lib
 
 INSTALLED = [name for name in codec_lib.CODECS if codec_lib.installed(name)]
 needs_codec = pytest.mark.skipif(
@@ -40,19 +42,23 @@ def test_every_codec_round_trips_an_rl_batch_byte_for_byte(name):
   batch = data_lib.make_batch(RL, 3, 1, 2)
   codec = codec_lib.parse(f"{name}:{codec_lib.DEFAULT_LEVELS[name]}")
   packed = data_lib.pack_batch(codec, batch)
-  assert "routed_experts" in packed.packed.packed and "advantages" in packed.packed.raw
+  arrays = packed.packed.arrays
+  assert isinstance(arrays["routed_experts"], codec_lib.PackedArray)
+  assert isinstance(arrays["advantages"], np.ndarray)  # small: travels as it is
   assert packed.wire_bytes < batch.nbytes / 2  # padding and repeated expert ids compress
   out = data_lib.unpack_batch(packed)
   assert list(out.arrays) == list(batch.arrays)
   for key, array in batch.arrays.items():
     assert out.arrays[key].dtype == array.dtype and out.arrays[key].shape == array.shape
     assert out.arrays[key].tobytes() == array.tobytes(), key
-    assert out.arrays[key].ctypes.data % 64 == 0 or key in packed.packed.raw
+    assert out.arrays[key].ctypes.data % 64 == 0 or out.arrays[key] is arrays[key]
 
 
 def _corrupt(packed: data_lib.PackedBatch) -> data_lib.PackedBatch:
   """Flips one byte in the middle of every compressed chunk (a bit error on the wire)."""
-  for p in packed.packed.packed.values():
+  for p in packed.packed.arrays.values():
+    if not isinstance(p, codec_lib.PackedArray):
+      continue
     p.chunks = [c.copy() for c in p.chunks]
     for c in p.chunks:
       c[c.size // 2] ^= 0x5A
@@ -66,7 +72,7 @@ def test_a_corrupted_or_truncated_chunk_raises_codec_error(name):
   with pytest.raises(codec_lib.CodecError):
     data_lib.unpack_batch(_corrupt(data_lib.pack_batch(codec, batch)))
   truncated = data_lib.pack_batch(codec, batch)
-  first = truncated.packed.packed["routed_experts"]
+  first = truncated.packed.arrays["routed_experts"]
   first.chunks = [c[:c.size // 2] for c in first.chunks]
   with pytest.raises(codec_lib.CodecError):
     data_lib.unpack_batch(truncated)
@@ -86,17 +92,8 @@ class CorruptingEngine(engine_lib.EmbeddedEngine):
 
 
 @pytest.fixture(scope="module")
-def trainer():
-  with process_lib.TrainerProcess(max_device_batches=2) as proc:
-    yield proc
-  assert proc.proc.returncode == 0
-
-
-@pytest.fixture(scope="module")
 def inline_digest(trainer):
-  result = run_plan(trainer.address, job_lib.JobPlan(STEPS, MB, kind="inline"), sizes=RL)
-  assert result.finish["trained_order"] == EXPECTED
-  return result.finish["param_digest"]
+  return inline_digest_of(trainer.address, STEPS, MB, sizes=RL)
 
 
 def test_uncompressed_staging_of_the_rl_payload_matches_inline(trainer, inline_digest):
@@ -116,6 +113,15 @@ def test_compressed_staging_trains_to_the_same_parameters_as_inline(trainer, inl
   assert result.wire.stages + result.wire.inline == STEPS * MB  # the pipeline's own inline ones
   assert result.wire.stage_sent_bytes < result.wire.stage_raw_bytes / 2
   assert result.wire.stage_raw_bytes == result.wire.stages * RL.payload_bytes
+  # Each compressed stage was decoded once, on the staging lane, right before its placement.
+  spans = call(trainer.address, "timeline")
+  decoded = {s.name: s for s in spans if s.track == tracks.TRAINER_DECODE}
+  placed = {s.name: s for s in spans
+            if s.track == tracks.TRAINER_H2D and dict(s.args)["lane"] == "staging"}
+  assert len(decoded) == result.wire.stages and decoded.keys() == placed.keys()
+  for name, span in decoded.items():
+    assert span.end <= placed[name].start
+    assert dict(span.args)["wire_bytes"] < dict(span.args)["bytes"] == RL.payload_bytes
 
 
 @needs_codec
@@ -134,3 +140,16 @@ def test_a_corrupted_compressed_payload_falls_back_inline_and_is_counted(trainer
   assert result.wire.inline == clean.wire.inline + 2
   assert result.finish["trained_order"] == EXPECTED
   assert result.finish["param_digest"] == inline_digest
+
+
+def test_a_trainer_without_the_codec_refuses_a_compressed_stage_at_once(monkeypatch):
+  """In-process worker (no gRPC needed for the refusal); runs without any codec library."""
+  worker = worker_lib.TrainerWorker(config_lib.resolve({"mode": "stage"}, env={}))
+  worker.setup(sizes=TINY.as_dict())
+  monkeypatch.setattr(codec_lib, "installed", lambda name: False)
+  batch = data_lib.make_batch(TINY, 0, 0, 1)
+  packed = data_lib.PackedBatch(0, 1, codec_lib.Packed("zstd", dict(batch.arrays)))
+  outcome = worker.stage_batch(packed, key="z-1")
+  assert outcome["status"] == "refused"
+  assert "codec zstd is not installed on the trainer" in outcome["reason"]
+  assert codec_lib.EXTRA in outcome["reason"] and worker.store.keys() == []

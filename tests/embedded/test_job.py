@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.embedded.support import TINY, call, no_new_threads, run_plan
+from tests.embedded.support import TINY, call, inline_digest_of, no_new_threads, run_plan
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import job as job_lib
 from tunix_stage_plugin.embedded import process as process_lib
@@ -26,17 +26,8 @@ PLANS = {
 
 
 @pytest.fixture(scope="module")
-def trainer():
-  with process_lib.TrainerProcess(max_device_batches=2) as proc:
-    yield proc
-  assert proc.proc.returncode == 0
-
-
-@pytest.fixture(scope="module")
 def inline_digest(trainer):
-  result = run_plan(trainer.address, PLANS["inline"])
-  assert result.finish["trained_order"] == EXPECTED
-  return result.finish["param_digest"]
+  return inline_digest_of(trainer.address, STEPS, MB)
 
 
 @pytest.mark.parametrize("mode", list(PLANS))

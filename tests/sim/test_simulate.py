@@ -60,6 +60,8 @@ def test_other_depths_are_modes_and_unknown_ones_are_refused():
   assert run_lib.plan_of("depth3_prestage") == run_lib.Plan("staged", 3, True)
   with pytest.raises(ValueError, match="depthN / depthN_prestage"):
     run_lib.plan_of("deep")
+  with pytest.raises(ValueError, match="does not model a codec.*--what_if wire=Fx"):
+    run_lib.plan_of("depth2_prestage_codec")
 
 
 def test_the_trace_formats_load_the_same_times(tmp_path):

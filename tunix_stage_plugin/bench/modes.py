@@ -13,6 +13,7 @@ class Mode:
   name: str
   plan: dict
   help: str
+  codec: bool = False  # its stages compress (--stage_codec, or `on` when that is off)
 
 
 # The one table of benchmark modes: runner, --help, report and README all read it.
@@ -28,8 +29,15 @@ MODE_TABLE = (
          "(update + weight sync)"),
     Mode("resident", dict(kind="resident"),
          "all micro-batches on the device before the first step: the ceiling"),
+    Mode("depth2_prestage_codec", dict(kind="staged", depth=2, prestage=True),
+         "depth2_prestage with staged payloads compressed (by --stage_codec, or on = "
+         "blosc2-zstd:1 when that is off), so one run compares both; needs the codec extra; "
+         "not run unless named in --modes", codec=True),
 )
 MODES = tuple(m.name for m in MODE_TABLE)
+BY_NAME = {m.name: m for m in MODE_TABLE}
+# What runs without --modes (and what simulate models: it has no codec): the uncompressed modes.
+DEFAULT_MODES = tuple(m.name for m in MODE_TABLE if not m.codec)
 
 # How each micro-batch's wire transfer behaves (runner.transfer_slowdown).
 SCENARIOS = {

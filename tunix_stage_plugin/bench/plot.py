@@ -14,11 +14,13 @@ COLOURS = {
     "inline": "#d62728", "staged": "#2ca02c", "resident": "#1f77b4", "update": "#444444",
     tracks.DEVICE_SYNC: "#bbbbbb", "h2d/staging": "#ff7f0e", "h2d/inline": "#d62728",
     tracks.TRAINER_RECEIVE: "#9467bd", tracks.ORCHESTRATOR_STAGE: "#8c564b",
+    tracks.TRAINER_DECODE: "#17becf",
 }
 LEGEND = (
     ("fwd_bwd, payload sent inline", "inline"), ("fwd_bwd, staged", "staged"),
     ("fwd_bwd, resident", "resident"), ("update", "update"), ("weight sync", tracks.DEVICE_SYNC),
     ("H2D on the staging thread", "h2d/staging"), ("H2D inline (compute thread)", "h2d/inline"),
+    ("compressed payload decoded", tracks.TRAINER_DECODE),
     ("payload received", tracks.TRAINER_RECEIVE),
     ("stage call (wire; answered once received)", tracks.ORCHESTRATOR_STAGE),
 )

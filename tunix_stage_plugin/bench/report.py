@@ -216,7 +216,8 @@ def wire_summary(result: runner.BenchResult, mode: str) -> dict[str, Any]:
   count = sum(w["stages"] + w["inline"] for w in runs)
   raw = sum(w["stage_raw_bytes"] for w in runs)
   staged = sum(w["stage_sent_bytes"] for w in runs)
-  return {"codec": result.options.codec, "microbatches_sent": count,
+  codec = result.options.codec_for(mode) if mode in result.options.modes else None
+  return {"codec": str(codec) if codec else "off", "microbatches_sent": count,
           "wire_bytes_per_microbatch": sent / count if count else None,
           "stage_raw_bytes": raw, "stage_sent_bytes": staged,
           "stage_ratio": raw / staged if staged else None,
@@ -286,6 +287,15 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
         f"host-to-device copy ({c.h2d_s:.3f} s) then runs on the trainer's staging lane while "
         f"the next payload is on the wire. {verdict}; peak received host buffers "
         f"{pre.peak_host_batches} of {o.max_host_batches}")
+  packed = summary.get("depth2_prestage_codec")
+  if packed and packed.stage_call_s and c is not None:
+    wire = wire_summary(result, "depth2_prestage_codec")
+    ratio = _fmt(wire["stage_ratio"], ".2f")
+    side = "under" if packed.stage_call_s < c.compute_s else "still over"
+    lines.append(
+        f"stage calls with the codec ({wire['codec']}, depth2_prestage_codec): "
+        f"{packed.stage_call_s:.3f} s each (median), {side} the {c.compute_s:.3f} s of compute; "
+        f"staged payloads {ratio}x smaller on the wire")
   dropped = sum(not q for s in summary.values() for q in s.step_quiet)
   if dropped:
     lines.append(f"note: {dropped} step(s) ran while other processes used more than "

@@ -80,7 +80,7 @@ class BenchOptions:
   max_device_batches: int = 1
   max_host_batches: int = 1
   scenario: str = "steady"
-  modes: tuple[str, ...] = MODES
+  modes: tuple[str, ...] = modes_lib.DEFAULT_MODES
   seed: int = 0
   tiny: bool = False
   retries: int = 3  # re-runs of mode runs with no quiet step, for the whole benchmark
@@ -101,7 +101,8 @@ class BenchOptions:
         raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
     if not self.sync_ratio >= 0:
       raise ValueError(f"sync_ratio must be >= 0; got {self.sync_ratio!r}")
-    codec_lib.parse(self.codec)  # ValueError (CodecUnavailable: the extra is not installed)
+    for mode in {m for m in self.modes if m in MODES} | {"inline"}:
+      self.codec_for(mode)  # ValueError (CodecUnavailable: the extra is not installed)
     if self.payload not in data_lib.PAYLOADS:
       raise ValueError(f"payload must be one of {', '.join(data_lib.PAYLOADS)}; "
                        f"got {self.payload!r}")
@@ -110,6 +111,13 @@ class BenchOptions:
     unknown = [m for m in self.modes if m not in MODES]
     if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
       raise ValueError(f"modes must be distinct names from {', '.join(MODES)}; got {self.modes}")
+
+  def codec_for(self, mode: str) -> codec_lib.Codec | None:
+    """The codec of a mode's stages: --stage_codec, or `on` for a codec mode when that is off."""
+    spec = self.codec
+    if modes_lib.BY_NAME[mode].codec and spec == codec_lib.OFF:
+      spec = codec_lib.ON
+    return codec_lib.parse(spec)
 
   @property
   def total_steps(self) -> int:
@@ -300,8 +308,7 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
   async with client_lib.WorkerClient(trainer.address) as client:
     await client.wait_ready()
     engine = engine_lib.EmbeddedEngine(client, transfer_slowdown=transfer_slowdown(
-        options.scenario, options.seed, options.microbatches),
-        codec=codec_lib.parse(options.codec))
+        options.scenario, options.seed, options.microbatches))
     sizes = options.sizes()
     say(f"micro-batches of {sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed}), "
         + ("built before each mode run" if _prebuilt(options)
@@ -372,6 +379,7 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
   else:
     batches = BatchPrefetch(options.sizes(), options.seed, plan.steps, plan.microbatches)
   engine.wire = engine_lib.WireStats()
+  engine.codec = options.codec_for(mode)
   with batches as batch_for:
     origin = time.perf_counter()
     load.start()
@@ -399,7 +407,8 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
 def _progress_line(options: BenchOptions, run: ModeRun) -> str:
   steps = " ".join(f"{t.seconds:.2f}" for t in run.timings)
   foreign = " ".join("n/a" if f is None else f"{f:.2f}" for f in run.step_foreign_cores)
-  return (f"round {run.round + 1}/{options.rounds} {run.mode:<16} steps {steps} s, "
+  width = max(len(m) for m in options.modes)
+  return (f"round {run.round + 1}/{options.rounds} {run.mode:<{width}} steps {steps} s, "
           f"fallbacks {run.fallbacks}, peak {run.peak_device_batches}/{run.max_device_batches}, "
           f"digest {run.param_digest[:8]}, other processes {foreign} cores")
 

@@ -30,6 +30,19 @@ def _modes(text: str) -> tuple[str, ...]:
   return modes
 
 
+def _check_codec_modes(p: inputs.Problems, modes: tuple[str, ...], codec: str | None) -> None:
+  """A codec mode with --stage_codec off compresses with `on`: its library must be installed."""
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.core import codec as codec_lib
+  named = [m for m in modes if modes_lib.BY_NAME[m].codec]
+  if named and codec == codec_lib.OFF:
+    try:
+      codec_lib.parse(codec_lib.ON)
+    except codec_lib.CodecUnavailable as e:
+      p.add(f"--modes {','.join(named)}: compresses with {codec_lib.ON} (--stage_codec is off): "
+            f"{e}")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser = subparsers.add_parser(
       "bench",
@@ -63,7 +76,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     help="re-run a mode run in which other processes used more than 0.2 cores "
                     "during every timed step, at most N times in all (default 3; 0: never)")
   size.add_argument("--modes", default=None, metavar="LIST",
-                    help="comma-separated modes to run (default: all five)")
+                    help="comma-separated modes to run (default: "
+                    f"{','.join(modes_lib.DEFAULT_MODES)})")
   shape = parser.add_argument_group("workload and emulated links")
   shape.add_argument("--microbatches", default="4", metavar="M",
                      help="micro-batches per step (default 4)")
@@ -160,7 +174,7 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
       "steps": p.take("--steps", args.steps, inputs.count) or length["steps"],
       "retries": p.take("--retries", args.retries,
                         lambda t: inputs.integer(t, minimum=0, maximum=inputs.MAX_COUNT)),
-      "modes": p.take("--modes", args.modes, _modes) or runner.MODES,
+      "modes": p.take("--modes", args.modes, _modes) or modes_lib.DEFAULT_MODES,
       "microbatches": p.take("--microbatches", args.microbatches, inputs.count),
       "payload_mib": p.take("--payload_mib", args.payload_mib, inputs.payload_mib),
       "wire_ratio": p.take("--wire_ratio", args.wire_ratio, inputs.positive),
@@ -174,6 +188,7 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
       "payload": p.take("--payload", args.payload, _payload),
       "codec": p.take("--stage_codec", args.stage_codec, _codec),
   }
+  _check_codec_modes(p, values["modes"] or (), values["codec"])
   files = {}
   out_ok = True
   if any(getattr(args, kind) is None for kind in _FILES):  # some file goes into --out

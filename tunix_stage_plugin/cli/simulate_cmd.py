@@ -37,7 +37,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   )
   parser.add_argument("input", metavar="INPUT", help="a trace JSON or CSV, or a bench JSON")
   parser.add_argument("--modes", default=None, metavar="LIST",
-                      help=f"comma-separated modes (default: {','.join(modes_lib.MODES)}); "
+                      help=f"comma-separated modes (default: {','.join(modes_lib.DEFAULT_MODES)}); "
                       "depthN and depthN_prestage for other depths")
   parser.add_argument("--stage_max_device_batches", dest="max_device_batches", default="1", metavar="N",
                       help="the trainer's device bound (default 1)")
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
   from tunix_stage_plugin.sim import trace as trace_lib
 
   p = inputs.Problems()
-  modes = p.take("--modes", args.modes, _modes) or modes_lib.MODES
+  modes = p.take("--modes", args.modes, _modes) or modes_lib.DEFAULT_MODES
   device = p.take("--stage_max_device_batches", args.max_device_batches, inputs.count)
   host = p.take("--stage_max_host_batches", args.max_host_batches, inputs.count)
   step = p.take("--step", args.step, inputs.count)

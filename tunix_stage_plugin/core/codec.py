@@ -4,12 +4,14 @@ A codec spec is `off` or `NAME[:LEVEL]` with NAME one of CODECS. The codec libra
 optional extra (`pip install 'tunix-stage-plugin[codec]'`); a spec naming one that is not
 installed is refused with one line naming the extra.
 
-`pack` turns arrays into a Packed: arrays of at least MIN_PACK_BYTES are cut into chunks of at
-most CHUNK_BYTES and each chunk compressed (blosc2 with byte shuffle at the array's itemsize);
-each array carries its dtype, shape and the crc32 of its raw bytes. `unpack` decompresses into
-fresh 64-byte-aligned buffers and checks size and crc32, so a corrupted payload raises
-CodecError and never yields a wrong array. The compressed chunks are numpy uint8 arrays, so they
-travel out of band through the wire's pickle (embedded/wire.py).
+`pack_array` turns one array of at least MIN_PACK_BYTES into a PackedArray: chunks of at most
+CHUNK_BYTES, each compressed (blosc2 with byte shuffle at the array's itemsize), with the array's
+dtype, shape and the crc32 of its raw bytes. `unpack_array` decompresses into a fresh
+64-byte-aligned buffer and checks size and crc32, so a corrupted payload raises CodecError and
+never yields a wrong array. `pack`/`unpack` do that for a dict of arrays (the embedded host);
+tunix's TrainerWorker host maps them over a payload's pytree (hosts/tunix/compression.py). The
+compressed chunks are numpy uint8 arrays, so they travel out of band through the embedded wire's
+pickle (embedded/wire.py) and in band through tunix's cloudpickle.
 """
 
 from __future__ import annotations
@@ -142,70 +144,85 @@ def decompress_into(codec_name: str, data: Any, out: np.ndarray, threads: int = 
 
 @dataclasses.dataclass
 class PackedArray:
-  dtype: str
+  """One array, compressed: `codec` names how its chunks decode."""
+
+  codec: str  # Codec.name
+  dtype: np.dtype  # the dtype itself: ml_dtypes' bfloat16 has no faithful string form
   shape: tuple[int, ...]
   crc32: int
   chunks: list[np.ndarray]  # compressed, uint8
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+    return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+  @property
+  def wire_bytes(self) -> int:
+    return sum(c.nbytes for c in self.chunks)
+
+
+def packs(value: Any) -> bool:
+  """Whether `pack_array` compresses this value (a numpy array of at least MIN_PACK_BYTES)."""
+  return isinstance(value, np.ndarray) and value.nbytes >= MIN_PACK_BYTES
+
+
+def pack_array(codec: Codec, array: np.ndarray) -> PackedArray:
+  # Bytes through a uint8 view: the buffer protocol has no format for ml_dtypes' bfloat16.
+  data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+  chunks = [np.frombuffer(compress(codec, data[i:i + CHUNK_BYTES], array.itemsize),
+                          dtype=np.uint8)
+            for i in range(0, data.nbytes, CHUNK_BYTES)]
+  return PackedArray(codec.name, array.dtype, tuple(array.shape), zlib.crc32(data), chunks)
+
+
+def check_decodable(codec_name: str) -> None:
+  """Raises CodecError unless this process can decode `codec_name` (before any wait)."""
+  if codec_name not in CODECS:
+    raise CodecError(f"unknown codec {codec_name!r}; accepted: {', '.join(CODECS)}")
+  if not installed(codec_name):
+    raise CodecError(f"codec {codec_name} is not installed on the trainer: {EXTRA}")
+
+
+def unpack_array(p: PackedArray, *, threads: int = 0, name: str = "array") -> np.ndarray:
+  """The array, decoded into an aligned buffer and checked; raises CodecError otherwise."""
+  check_decodable(p.codec)
+  buf = _aligned(p.nbytes)
+  starts = range(0, p.nbytes, CHUNK_BYTES)
+  if len(p.chunks) != len(starts):
+    raise CodecError(f"{name}: {len(p.chunks)} chunk(s) where {len(starts)} were expected")
+  for start, chunk in zip(starts, p.chunks):
+    decompress_into(p.codec, chunk, buf[start:start + CHUNK_BYTES], threads)
+  if zlib.crc32(buf) != p.crc32:
+    raise CodecError(f"{name}: crc32 of the decoded bytes differs from the sender's")
+  return buf.view(p.dtype).reshape(p.shape)
 
 
 @dataclasses.dataclass
 class Packed:
-  """Arrays as they travel compressed: `raw` ones as they are, `packed` ones compressed."""
+  """A dict of arrays as it travels: the large ones PackedArray, the others as they are."""
 
   codec: str  # Codec.name
-  raw: dict[str, np.ndarray]
-  packed: dict[str, PackedArray]
-  order: list[str]  # the original key order
+  arrays: dict[str, np.ndarray | PackedArray]  # in the original key order
 
   @property
   def nbytes(self) -> int:
     """The arrays' bytes once decoded."""
-    return sum(a.nbytes for a in self.raw.values()) + sum(p.nbytes for p in self.packed.values())
+    return sum(a.nbytes for a in self.arrays.values())
 
   @property
   def wire_bytes(self) -> int:
     """The arrays' bytes as they travel."""
-    return (sum(a.nbytes for a in self.raw.values())
-            + sum(c.nbytes for p in self.packed.values() for c in p.chunks))
+    return sum(a.wire_bytes if isinstance(a, PackedArray) else a.nbytes
+               for a in self.arrays.values())
 
 
 def pack(codec: Codec, arrays: dict[str, np.ndarray]) -> Packed:
-  raw, packed = {}, {}
-  for name, array in arrays.items():
-    if array.nbytes < MIN_PACK_BYTES:
-      raw[name] = array
-      continue
-    data = memoryview(np.ascontiguousarray(array)).cast("B")
-    chunks = [np.frombuffer(compress(codec, data[i:i + CHUNK_BYTES], array.itemsize),
-                            dtype=np.uint8)
-              for i in range(0, data.nbytes, CHUNK_BYTES)]
-    packed[name] = PackedArray(array.dtype.str, tuple(array.shape), zlib.crc32(data), chunks)
-  return Packed(codec.name, raw, packed, list(arrays))
+  return Packed(codec.name, {name: pack_array(codec, a) if packs(a) else a
+                             for name, a in arrays.items()})
 
 
 def unpack(packed: Packed, *, threads: int = 0) -> dict[str, np.ndarray]:
-  """The arrays, decoded into aligned buffers and checked; raises CodecError otherwise."""
-  if packed.codec not in CODECS:
-    raise CodecError(f"unknown codec {packed.codec!r}; accepted: {', '.join(CODECS)}")
-  if not installed(packed.codec):
-    raise CodecError(f"codec {packed.codec} is not installed on the trainer: {EXTRA}")
-  out: dict[str, np.ndarray] = {}
-  for name in packed.order:
-    if name in packed.raw:
-      out[name] = packed.raw[name]
-      continue
-    p = packed.packed[name]
-    buf = _aligned(p.nbytes)
-    starts = range(0, p.nbytes, CHUNK_BYTES)
-    if len(p.chunks) != len(starts):
-      raise CodecError(f"{name}: {len(p.chunks)} chunk(s) where {len(starts)} were expected")
-    for start, chunk in zip(starts, p.chunks):
-      decompress_into(packed.codec, chunk, buf[start:start + CHUNK_BYTES], threads)
-    if zlib.crc32(buf) != p.crc32:
-      raise CodecError(f"{name}: crc32 of the decoded bytes differs from the sender's")
-    out[name] = buf.view(np.dtype(p.dtype)).reshape(p.shape)
-  return out
+  """The arrays, decoded and checked; raises CodecError otherwise."""
+  check_decodable(packed.codec)
+  return {name: unpack_array(a, threads=threads, name=name) if isinstance(a, PackedArray) else a
+          for name, a in packed.arrays.items()}

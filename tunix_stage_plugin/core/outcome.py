@@ -59,3 +59,9 @@ class Trained:
 
   result: Any
   fallback: str | None = None
+
+
+class StagedPayloadUnreadable(RuntimeError):
+  """Raised by an engine's train(stage_key=...) when the trainer could not decode the staged
+  payload (compressed bytes damaged, or no codec there) and trained nothing: the pipeline trains
+  that micro-batch inline instead and counts a fallback. Trainers raise it by this name."""

@@ -41,7 +41,10 @@ class StageEngine(Protocol):
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
                   ) -> outcome_lib.Trained:
-    """Trains one micro-batch: the staged one when `stage_key` is set, else `payload`."""
+    """Trains one micro-batch: the staged one when `stage_key` is set, else `payload`.
+
+    Raises outcome.StagedPayloadUnreadable when the staged payload did not decode on the trainer
+    and nothing was trained; the pipeline then trains `payload` inline."""
 
   async def reset(self, keys: list[str]) -> None:
     """Drops staged keys that will not be consumed."""
@@ -434,14 +437,20 @@ class StagePipeline:
     staged = entry.status is _Status.STAGED
     with self.timeline.span(tracks.ORCHESTRATOR_TRAIN, f"train s{window.step} m{entry.index}",
                             staged=staged):
-      trained = await self.engine.train(
-          None if staged else entry.mb.payload,
-          stage_key=entry.key if staged else None,
-          apply_optimizer=entry.mb.closes_step,
-      )
-    if not isinstance(trained, outcome_lib.Trained):
-      raise PipelineContractError(f"engine.train returned {type(trained).__name__}; accepted: "
-                                  "outcome.Trained")
+      try:
+        trained = await self.engine.train(
+            None if staged else entry.mb.payload,
+            stage_key=entry.key if staged else None,
+            apply_optimizer=entry.mb.closes_step,
+        )
+      except outcome_lib.StagedPayloadUnreadable as e:
+        if not staged:
+          raise
+        # The trainer took the key and trained nothing: this micro-batch goes inline once.
+        trained = _checked(await self.engine.train(entry.mb.payload, stage_key=None,
+                                                   apply_optimizer=entry.mb.closes_step))
+        trained = outcome_lib.Trained(trained.result, fallback=f"staged payload unreadable: {e}")
+    _checked(trained)
     if staged and trained.fallback is not None:  # placed nothing: the trainer trained it inline
       staged = False
       report.fallbacks += 1
@@ -454,3 +463,10 @@ class StagePipeline:
     else:
       report.inline += 1
     return trained.result
+
+
+def _checked(trained: Any) -> outcome_lib.Trained:
+  if not isinstance(trained, outcome_lib.Trained):
+    raise PipelineContractError(f"engine.train returned {type(trained).__name__}; accepted: "
+                                "outcome.Trained")
+  return trained

@@ -11,6 +11,7 @@ import dataclasses
 DEVICE_COMPUTE = "device/compute"
 DEVICE_SYNC = "device/sync"
 TRAINER_H2D = "trainer/h2d"
+TRAINER_DECODE = "trainer/decode"
 TRAINER_RECEIVE = "trainer/receive"
 ORCHESTRATOR_STAGE = "orchestrator/stage"
 ORCHESTRATOR_TRAIN = "orchestrator/train"
@@ -30,6 +31,8 @@ TRACKS = (
           "weight sync"),
     Track(TRAINER_H2D, "embedded trainer: one micro-batch's placement plus emulated host-to-device "
           "time (args step, lane, bytes)", "host-to-device"),
+    Track(TRAINER_DECODE, "embedded trainer: one compressed staged payload decoded on the staging "
+          "lane, before its placement (args step, bytes, wire_bytes)", "decode (trainer)"),
     Track(TRAINER_RECEIVE, "embedded server: one streamed call's payload arriving (args bytes)",
           "wire in (trainer)"),
     Track(ORCHESTRATOR_STAGE, "core.pipeline: one engine.stage call, as the orchestrator saw it",

@@ -13,11 +13,6 @@ from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import wire
 
 
-# What the trainer raises (by name) for a staged payload it cannot decode: the engine then sends
-# that micro-batch with its train call, uncompressed, and the pipeline counts a fallback.
-UNREADABLE = "StagedPayloadUnreadable"
-
-
 @dataclasses.dataclass
 class WireStats:
   """Bytes of the micro-batches sent, as arrays (raw) and as they crossed the wire (sent)."""
@@ -54,9 +49,6 @@ class EmbeddedEngine:
     self._slowdown = transfer_slowdown or (lambda batch: 1.0)
     self.codec = codec
     self.wire = WireStats()
-    # Compressed stages' micro-batches by stage key, until trained or reset: what is sent again
-    # if the trainer cannot decode the staged bytes (the pipeline holds them meanwhile anyway).
-    self._packed_sent: dict[str, data_lib.Batch] = {}
 
   def _pack(self, payload: data_lib.Batch) -> data_lib.PackedBatch:
     """Runs on a worker thread."""
@@ -70,36 +62,27 @@ class EmbeddedEngine:
       sent = await asyncio.to_thread(self._pack, payload)
       self.wire.encode_s += asyncio.get_running_loop().time() - start
       sent_bytes = sent.wire_bytes
-      self._packed_sent[key] = payload
     self.wire.stages += 1
     self.wire.stage_raw_bytes += payload.nbytes
     self.wire.stage_sent_bytes += sent_bytes
     try:
       answer = await self.client.call("stage_batch", sent, key=key,
                                       _pace=self._slowdown(payload))
-    except BaseException as e:
-      self._packed_sent.pop(key, None)
-      if (isinstance(e, wire.RemoteCallError)
-          and e.error_type == store_lib.StageKeyError.__name__):  # a caller bug: fail loud here too
+    except wire.RemoteCallError as e:
+      if e.error_type == store_lib.StageKeyError.__name__:  # a caller bug: fail loud here too
         raise store_lib.StageKeyError(str(e)) from e
       raise
-    outcome = outcome_lib.StageOutcome.from_dict(answer)
-    if outcome.status is not outcome_lib.StageStatus.STAGED:  # trains inline: nothing to send again
-      self._packed_sent.pop(key, None)
-    return outcome
+    return outcome_lib.StageOutcome.from_dict(answer)
 
   async def train(self, payload: data_lib.Batch | None, *, stage_key: str | None,
                   apply_optimizer: bool) -> outcome_lib.Trained:
     if stage_key is not None:
-      payload = self._packed_sent.pop(stage_key, payload)
       try:
         result = await self.client.call("fwd_bwd", stage_key=stage_key)
       except wire.RemoteCallError as e:
-        if e.error_type != UNREADABLE or payload is None:
-          raise
-        # The staged bytes did not decode: this micro-batch goes with its train call instead.
-        result = await self._train_inline(payload)
-        result["placement_fallback"] = str(e).split(": ", 2)[-1]
+        if e.error_type == outcome_lib.StagedPayloadUnreadable.__name__:  # the pipeline sends it
+          raise outcome_lib.StagedPayloadUnreadable(str(e).split(": ", 2)[-1]) from e
+        raise
     else:
       result = await self._train_inline(payload)
     return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer),
@@ -123,8 +106,6 @@ class EmbeddedEngine:
     return result
 
   async def reset(self, keys: list[str]) -> None:
-    for key in keys:
-      self._packed_sent.pop(key, None)
     await self.client.call("reset_staged", keys)
 
   async def weight_sync(self, seconds: float) -> None:

@@ -39,11 +39,6 @@ class _Staged:
   placed: Any  # device arrays
 
 
-class StagedPayloadUnreadable(RuntimeError):
-  """A staged micro-batch's compressed bytes did not decode (engine.UNREADABLE): the orchestrator
-  sends it again with its train call."""
-
-
 class InjectedStageFailure(RuntimeError):
   """A stage failure the test or benchmark asked for (`fail_stage`)."""
 
@@ -152,7 +147,7 @@ class TrainerWorker:
           try:
             payload = data_lib.unpack_batch(payload)
           except codec_lib.CodecError as decode:
-            raise StagedPayloadUnreadable(
+            raise outcome_lib.StagedPayloadUnreadable(
                 f"staged micro-batch {payload.mb_id} did not decode ({decode}); "
                 f"send it with its train call") from None
         item = _Staged(payload.step, payload.mb_id, self._place(payload, "inline"))
@@ -214,7 +209,10 @@ class TrainerWorker:
       if b.mb_id in self._fail_stage:
         raise InjectedStageFailure(f"injected stage failure for micro-batch {b.mb_id}")
       if isinstance(b, data_lib.PackedBatch):  # decoded here, on the staging lane
-        b = data_lib.unpack_batch(b)
+        start = time.perf_counter()
+        b, wire_bytes = data_lib.unpack_batch(b), b.wire_bytes
+        self.recorder.add(tracks.TRAINER_DECODE, b.mb_id, start, time.perf_counter(),
+                          step=b.step, bytes=b.nbytes, wire_bytes=wire_bytes)
       return _Staged(b.step, b.mb_id, self._place(b, "staging"))
 
     # Two phases: answered once received (a host buffer held), placed next on this lane, so the
@@ -226,6 +224,8 @@ class TrainerWorker:
     if not isinstance(batch, (data_lib.Batch, data_lib.PackedBatch)):
       raise TypeError(f"stage_batch takes a data.Batch or data.PackedBatch; "
                       f"got {type(batch).__name__}")
+    if isinstance(batch, data_lib.PackedBatch):  # refused at once when this trainer cannot decode
+      codec_lib.check_decodable(batch.packed.codec)
 
   def reset_staged(self, keys: list[str] | None = None) -> list[str]:
     return self.store.reset(keys)

@@ -34,13 +34,17 @@ class Plan:
 
 
 def plan_of(mode: str) -> Plan:
+  if mode in modes_lib.BY_NAME and modes_lib.BY_NAME[mode].codec:
+    raise ValueError(f"mode {mode!r} compresses, and the simulator does not model a codec; "
+                     "accepted: an uncompressed mode with --what_if wire=Fx for the compressed "
+                     "wire time")
   table = {m.name: m.plan for m in modes_lib.MODE_TABLE}
   if mode in table:
     return Plan(**table[mode])
   match = _DEPTH_MODE.fullmatch(mode)
   if match is None:
-    raise ValueError(f"unknown mode {mode!r}; accepted: {', '.join(modes_lib.MODES)}, or "
-                     "depthN / depthN_prestage with N from 1 to 99")
+    raise ValueError(f"unknown mode {mode!r}; accepted: {', '.join(modes_lib.DEFAULT_MODES)}, "
+                     "or depthN / depthN_prestage with N from 1 to 99")
   return Plan("staged", int(match["depth"]), bool(match["prestage"]))
 
 

@@ -13,6 +13,7 @@ process against a node without the plugin. Run `python tests/hosts/maxtext/test_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -228,7 +229,9 @@ from tunix.experimental.worker import trainer_worker
 
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.hosts.maxtext import placement as placement_lib
+from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import installation
 
 pytestmark = pytest.mark.maxtext
@@ -308,6 +311,29 @@ def test_a_failed_placement_falls_back_to_the_same_bits(staging, monkeypatch):
     train_one(worker, engine, n, item, statuses[-1], f"f-{n}", snapshots)
   assert statuses.count("failed") == 1 and len(installation.current().staging_of(worker).store) == 0
   assert same_bits(snapshots, reference)
+
+
+@pytest.mark.skipif(not codec_lib.installed(codec_lib.DEFAULT_CODEC),
+                    reason=f"{codec_lib.DEFAULT_CODEC} is not installed ({codec_lib.EXTRA})")
+def test_a_compressed_stage_is_decoded_and_trains_to_the_same_bits(staging, monkeypatch):
+  """Every array leaf packed (the threshold lowered: these micro-batches are tiny), decoded on
+  the staging lane, then placed by the MaxText placement as an uncompressed one would be."""
+  monkeypatch.setattr(codec_lib, "MIN_PACK_BYTES", 1)
+  payloads, reference, engine, worker = _pair()
+  codec, snapshots = codec_lib.parse("on"), []
+  for n, item in enumerate(payloads):
+    packed = compression.compress(codec, item)
+    # RLTrainerPayload is a dataclass, not a pytree: its fields were packed one by one.
+    assert type(packed.tree) is type(item)
+    fields = [getattr(packed.tree, f.name) for f in dataclasses.fields(packed.tree)]
+    assert not any(isinstance(v, (np.ndarray, jax.Array)) for v in fields)  # all packed
+    assert sum(isinstance(v, codec_lib.PackedArray) for v in fields) == 8
+    outcome = worker.stage_batch(packed, key=f"z-{n}").metadata["outcome"]
+    assert outcome["status"] == "staged", outcome
+    train_one(worker, engine, n, item, "staged", f"z-{n}", snapshots)
+  assert same_bits(snapshots, reference)
+  stats = installation.current().staging_of(worker).store.stats
+  assert stats.failed == 0 and stats.consumed == len(payloads)  # each trained from its placement
 
 
 def test_an_adapter_set_after_staging_trains_from_the_payload_to_the_same_bits(staging):

@@ -2,11 +2,16 @@
 
 Trainer nodes run in subprocesses (each its own 2-device CPU mesh, set before JAX starts) and
 serve TrainerWorkers on localhost; this process is the orchestrator and connects over 127.0.0.1.
-One node has the plugin installed ("staged" and "timing" workers), the other has not ("plain").
-Each worker wraps a PeftTrainer with a tiny flax nnx language model and a non-idempotent
-`_prepare_inputs` (it shifts the tokens, so preparing twice trains other numbers), bound to the
-mesh the way tunix's trainer node binds it (a small wrapper of our own, which also adds an
-optional delay before fwd_bwd so a call can be kept running). Run
+One node has the plugin installed (PLUGIN_WORKERS), the other has not (PLAIN_WORKERS); each run
+trains a worker of its own from the same initial parameters. Each worker wraps a PeftTrainer with
+a tiny flax nnx language model and a non-idempotent `_prepare_inputs` (it shifts the tokens, so
+preparing twice trains other numbers), bound to the mesh the way tunix's trainer node binds it (a
+small wrapper of our own, which also adds an optional delay before fwd_bwd so a call can be kept
+running). A micro-batch also carries routed-expert ids (int16, -1 past each sequence's length)
+that weight the loss, so a compressed payload decoded wrongly trains other numbers. The node
+without the plugin raises tunix's message cap (its private `_MAX_MESSAGE_BYTES`, as the
+orchestrator does for its channel to it) only so it can train an over-the-cap micro-batch inline
+as the reference; the plugin's node keeps the upstream cap. Run
 `python tests/hosts/tunix/test_grpc.py serve plugin|plain` to start a node by hand.
 """
 
@@ -14,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,13 +32,25 @@ import pytest
 
 TOKENS, SEQ, BATCH = 64, 16, 8  # batch 8 splits over fsdp=2: staged arrays are sharded
 STEPS, MICRO = 2, 4
+PLUGIN_WORKERS = ("staged", "timing", "compressed", "corrupted", "over_cap")
+PLAIN_WORKERS = ("plain", "plain_over_cap")
+LAYERS, TOP_K = 64, 8  # 128 KiB of routed-expert ids: packed by the codec (>= MIN_PACK_BYTES)
+# 140 MiB of ids, over tunix's 128 MiB message cap; routed in the first 8 layers only, -1 past
+# them, so it compresses far below the cap.
+OVER_CAP_LAYERS, OVER_CAP_TOP_K, OVER_CAP_ROUTED = 1120, 512, 8
+TEST_CAP = 512 << 20  # the reference node's raised cap
 
 
-def batch(seed):
+def batch(seed, layers=LAYERS, top_k=TOP_K, routed=None):
   rng = np.random.default_rng(seed)
   mask = np.ones((BATCH, SEQ), np.int32)
   mask[:, -rng.integers(1, 4):] = 0
-  return {"tokens": rng.integers(0, TOKENS, (BATCH, SEQ), dtype=np.int32), "mask": mask}
+  experts = np.full((BATCH, SEQ, layers, top_k), -1, np.int16)
+  routed = layers if routed is None else routed
+  experts[:, :, :routed] = rng.integers(0, 32, (BATCH, SEQ, routed, top_k), dtype=np.int16)
+  experts[mask == 0] = -1
+  return {"tokens": rng.integers(0, TOKENS, (BATCH, SEQ), dtype=np.int32), "mask": mask,
+          "experts": experts}
 
 
 # ---------------------------------------------------------------- the trainer node (subprocess)
@@ -53,6 +72,8 @@ def serve(kind: str) -> None:
   if kind == "plugin":
     assert tunix_stage_plugin.install(
         config_lib.resolve({"mode": "stage", "max_device_batches": 2}, env={})).installed
+  else:
+    remote_execution._MAX_MESSAGE_BYTES = TEST_CAP  # pylint: disable=protected-access
   mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("fsdp", "tp"))
 
   class TinyLM(nnx.Module):
@@ -65,10 +86,11 @@ def serve(kind: str) -> None:
     def __call__(self, tokens):
       return self.out(jax.nn.gelu(self.hidden(self.embed(tokens))))
 
-  def loss_fn(model, tokens, mask):
+  def loss_fn(model, tokens, mask, experts):
     logp = jax.nn.log_softmax(model(tokens[:, :-1]))
     nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
-    weights = mask[:, 1:].astype(jnp.float32)
+    # Each position weighted by its routed-expert ids.
+    weights = mask[:, 1:] * (1.0 + 1e-2 * experts[:, 1:].astype(jnp.float32).mean(axis=(2, 3)))
     return (nll * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
   class MeshBound:
@@ -133,7 +155,7 @@ def serve(kind: str) -> None:
 
   async def main():
     servers, ports = [], {}
-    for name in (("staged", "timing") if kind == "plugin" else ("plain",)):
+    for name in PLUGIN_WORKERS if kind == "plugin" else PLAIN_WORKERS:
       worker = NodeWorker(make_trainer, worker_id=name)
       worker.initialize()
       port = portpicker.pick_unused_port()
@@ -164,8 +186,13 @@ from tunix.experimental.orchestrator import distributed_rl_engine
 from tunix.experimental.orchestrator import rl_program
 from tunix.experimental.worker import remote_execution
 
+import grpc  # pylint: disable=wrong-import-position
+import jax
+
 from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.hosts.tunix import compression
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -236,8 +263,11 @@ class OnePerItem:
     return list(payloads)
 
 
-def run_program(port, staged):
-  """Trains STEPS x MICRO micro-batches through a real StandardRLProgram and engine."""
+def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=None):
+  """Trains `payloads` (default: STEPS x MICRO small micro-batches) through a real
+  StandardRLProgram and engine; `cap` raises this process's message cap for the run."""
+  payloads = [batch(n) for n in range(steps * MICRO)] if payloads is None else payloads
+  assert len(payloads) == steps * MICRO
   reports = []
 
   async def main():
@@ -248,38 +278,47 @@ def run_program(port, staged):
                                    requires_reference_kl=False),
         assembler=OnePerItem(), max_staleness=1, sync_weights=False,
         on_step_end=lambda step, result: reports.append(program.last_step_result))
-    for n in range(STEPS * MICRO):
+    for n, payload in enumerate(payloads):
       item = datatypes.TrajectoryItem(pair_index=n % 2, group_id=f"g{n // 2}", start_step=0,
                                       traj=datatypes.Trajectory(reward=0.0))
-      item.payload = batch(n)
+      item.payload = payload
       await program.scored_q.put(item)
-    await program.train_stage(engine, num_steps=STEPS)
+    await program.train_stage(engine, num_steps=steps)
     result = await handle.asubmit("parameters"), await handle.asubmit("inputs_seen")
     await handle.close()
     return result
 
   manager.uninstall("tunix", quiet=True)
   if staged:
-    manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True)
+    manager.install(config_lib.resolve({"mode": "stage", "codec": codec}, env={}), quiet=True)
+  upstream_cap = remote_execution._MAX_MESSAGE_BYTES  # pylint: disable=protected-access
+  remote_execution._MAX_MESSAGE_BYTES = cap or upstream_cap  # pylint: disable=protected-access
   try:
     params, inputs = asyncio.run(main())
   finally:
+    remote_execution._MAX_MESSAGE_BYTES = upstream_cap  # pylint: disable=protected-access
     manager.uninstall("tunix", quiet=True)
   return params, inputs, reports
 
 
-def test_staged_training_is_bit_identical_to_a_trainer_without_the_plugin(node):
+@pytest.fixture(scope="module")
+def inline(node):
+  """The reference: the small micro-batches trained by the host's own loop, no plugin anywhere."""
+  params, inputs, reports = run_program(node["plain"], staged=False)
+  assert inputs == ["host"] * (STEPS * MICRO)  # the host's own loop, untouched
+  assert not hasattr(reports[0], "stage_metrics")
+  return params
+
+
+def test_staged_training_is_bit_identical_to_a_trainer_without_the_plugin(node, inline):
   staged_params, staged_inputs, reports = run_program(node["staged"], staged=True)
-  inline_params, inline_inputs, inline_reports = run_program(node["plain"], staged=False)
-  assert inline_inputs == ["host"] * (STEPS * MICRO)  # the host's own loop, untouched
-  assert not hasattr(inline_reports[0], "stage_metrics")
   # The trainer's own count of staged fwd_bwd calls (arrived placed and sharded) is the
   # orchestrator's stage/staged, and most micro-batches were staged.
   staged_count = sum(r.stage_metrics["stage/staged"] for r in reports)
   assert staged_inputs.count("P('fsdp',)") == staged_count >= STEPS * MICRO // 2, staged_inputs
   assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [0] * STEPS
-  assert staged_params.keys() == inline_params.keys() and len(staged_params) == 5
-  assert staged_params == inline_params  # byte for byte
+  assert staged_params.keys() == inline.keys() and len(staged_params) == 5
+  assert staged_params == inline  # byte for byte
 
   async def untrained():  # the timing worker never ran update: its parameters are the initial ones
     handle = connect(node["timing"])
@@ -288,3 +327,86 @@ def test_staged_training_is_bit_identical_to_a_trainer_without_the_plugin(node):
     return params
 
   assert all(staged_params[k] != v for k, v in asyncio.run(untrained()).items())  # it trained
+
+
+needs_codec = pytest.mark.skipif(not codec_lib.installed(codec_lib.DEFAULT_CODEC),
+                                 reason=f"{codec_lib.DEFAULT_CODEC} is not installed "
+                                 f"({codec_lib.EXTRA})")
+
+
+@needs_codec
+def test_compressed_staging_is_bit_identical_and_sends_fewer_bytes(node, inline, caplog):
+  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
+  params, inputs, reports = run_program(node["compressed"], staged=True, codec="on")
+  staged_count = sum(r.stage_metrics["stage/staged"] for r in reports)
+  assert inputs.count("P('fsdp',)") == staged_count >= STEPS * MICRO // 2, inputs
+  assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [0] * STEPS
+  assert params == inline  # byte for byte, decoded on the trainer's staging lane
+  ratios = [float(m) for m in re.findall(r"\(ratio ([0-9.]+)\)", caplog.text)]
+  assert len(ratios) == STEPS and all(r > 2 for r in ratios), caplog.text
+
+
+@needs_codec
+def test_a_damaged_compressed_payload_is_trained_inline_and_counted(node, inline, monkeypatch,
+                                                                    caplog):
+  """The 2nd and 5th compressed payloads get one byte flipped in each chunk after packing, as a
+  bad link would (loopback gRPC cannot be made to flip a bit): the trainer's decode fails its
+  crc32, it trains nothing by that key, and the pipeline sends that micro-batch inline."""
+  calls, compress = [], compression.compress
+
+  def damaging(codec, payload):
+    packed = compress(codec, payload)
+    calls.append(payload)
+    if len(calls) in (2, 5):
+      for leaf in jax.tree.leaves(packed.tree):
+        if isinstance(leaf, codec_lib.PackedArray):
+          leaf.chunks = [c.copy() for c in leaf.chunks]
+          for chunk in leaf.chunks:
+            chunk[chunk.size // 2] ^= 0x5A
+    return packed
+
+  monkeypatch.setattr(compression, "compress", damaging)
+  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
+  params, _, reports = run_program(node["corrupted"], staged=True, codec="on")
+  assert len(calls) >= 5
+  assert sum(r.stage_metrics["stage/fallbacks"] for r in reports) == 2
+  unreadable = re.findall(r"staged payload unreadable: staged batch '\S+' did not decode",
+                          caplog.text)
+  assert len(unreadable) == 2, caplog.text
+  assert params == inline
+
+
+@needs_codec
+def test_a_micro_batch_over_tunix_message_cap_stages_only_compressed(node):
+  """Micro-batch 1 of the step carries 140 MiB (tunix refuses messages over 128 MiB); the
+  others are small. Raw, its stage cannot leave the orchestrator; compressed it stages and trains
+  by key, to the parameters the raised-cap reference node trains it to inline."""
+  over = batch(1, OVER_CAP_LAYERS, OVER_CAP_TOP_K, OVER_CAP_ROUTED)
+  cap = remote_execution._MAX_MESSAGE_BYTES  # pylint: disable=protected-access
+  assert over["experts"].nbytes > cap
+
+  async def stage_raw():
+    handle = connect(node["over_cap"])
+    engine = distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
+    try:
+      await engine.stage_train_batch(over, key="over-raw")
+    finally:
+      await handle.close()
+
+  manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True)
+  try:
+    with pytest.raises(grpc.aio.AioRpcError) as raw:
+      asyncio.run(stage_raw())
+  finally:
+    manager.uninstall("tunix", quiet=True)
+  assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, raw.value
+
+  payloads = [batch(0), over, batch(2), batch(3)]
+  params, inputs, reports = run_program(node["over_cap"], staged=True, codec="on",
+                                        payloads=payloads, steps=1)
+  assert inputs[1] == "P('fsdp',)", inputs  # the over-cap micro-batch arrived placed
+  assert reports[0].stage_metrics["stage/fallbacks"] == 0
+  reference, ref_inputs, _ = run_program(node["plain_over_cap"], staged=False,
+                                         payloads=payloads, steps=1, cap=TEST_CAP)
+  assert ref_inputs == ["host"] * MICRO
+  assert params == reference

@@ -32,11 +32,15 @@ from tunix.experimental.train import peft_trainer_v2
 from tunix.experimental.worker import remote_execution
 from tunix.experimental.worker import trainer_worker
 
+from tunix.rl import common as rl_common
+
 from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts import tunix as tunix_host
+from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import installation
 
 pytestmark = pytest.mark.tunix
@@ -256,6 +260,20 @@ def test_engine_stage_answers_a_typed_outcome(staging):
   with pytest.raises(ValueError, match="No trainer worker registered"):
     asyncio.run(other.stage_train_batch(payload, key="b-2", role=datatypes.Role.CRITIC))
 
+  class NoPlugin:
+    """Stands in for a trainer process without the plugin: a compressed payload names our
+    classes, so its unpickling fails there (in-process calls do not pickle, hence this raise)."""
+
+    def stage_batch(self, payload, key):
+      raise ModuleNotFoundError("No module named 'tunix_stage_plugin'")
+
+  handle = remote_execution.InProcessActorHandle(
+      remote_execution.InProcessRemoteExecutionServer(NoPlugin()))
+  outcome = asyncio.run(distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
+                        .stage_train_batch(payload, key="c-1"))
+  assert outcome.status is StageStatus.UNSUPPORTED
+  assert outcome.reason == "tunix-stage-plugin is not installed on the trainer"
+
 
 def test_worker_stages_on_the_mesh_and_consumes_a_key_once(staging):
   trainer = RecordingTrainer()
@@ -272,6 +290,59 @@ def test_worker_stages_on_the_mesh_and_consumes_a_key_once(staging):
     worker.fwd_bwd({"mb": 1}, stage_key="k-6")
   with pytest.raises(TypeError, match="got str 'ab'"):  # would drop 'a' and 'b'
     worker.reset_staged("ab")
+
+
+needs_codec = pytest.mark.skipif(not codec_lib.installed(codec_lib.DEFAULT_CODEC),
+                                 reason=f"{codec_lib.DEFAULT_CODEC} is not installed "
+                                 f"({codec_lib.EXTRA})")
+
+
+@needs_codec
+def test_compression_round_trips_tunix_payloads_byte_for_byte():
+  rng = np.random.default_rng(0)
+  ids = np.full((4, 256, 64), -1, np.int32)
+  ids[:, :100] = rng.integers(0, 1000, (4, 100, 64), dtype=np.int32)
+  logps = jax.numpy.asarray(rng.standard_normal((4, 256, 64)), jax.numpy.bfloat16)
+  example = rl_common.TrainExample(
+      prompt_ids=ids, prompt_mask=ids >= 0, completion_ids=ids[:, :, :4],
+      completion_mask=np.ones((4, 256), bool), advantages=np.ones(4, np.float32),
+      ref_per_token_logps=None, old_per_token_logps=logps)
+  packed = compression.compress(codec_lib.parse("on"), example)
+  leaves = jax.tree.leaves(packed.tree)
+  assert isinstance(packed.tree, rl_common.TrainExample)
+  assert sum(isinstance(x, codec_lib.PackedArray) for x in leaves) == 3  # ids, mask, logps
+  assert packed.wire_bytes < packed.nbytes / 2
+  out = compression.decompress(packed)
+  assert isinstance(out, rl_common.TrainExample) and out.ref_per_token_logps is None
+  for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(example)):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+  # tunix's TrainerPayload types are dataclasses, not pytrees: packed field by field.
+  payload = datatypes.RLTrainerPayload(token_ids=ids, token_mask=ids >= 0,
+                                       advantages=np.ones(4, np.float32), loss_mask=ids >= 0)
+  packed = compression.compress(codec_lib.parse("on"), payload)
+  assert isinstance(packed.tree, datatypes.RLTrainerPayload) and packed.tree is not payload
+  assert isinstance(packed.tree.token_ids, codec_lib.PackedArray)
+  assert isinstance(payload.token_ids, np.ndarray)  # the orchestrator's own payload is untouched
+  out = compression.decompress(packed)
+  assert type(out) is datatypes.RLTrainerPayload and out.prompt_ids is None
+  for name in ("token_ids", "token_mask", "advantages", "loss_mask"):
+    got, want = getattr(out, name), getattr(payload, name)
+    assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), name
+
+
+def test_a_trainer_without_the_codec_refuses_a_compressed_stage_at_once(staging, monkeypatch):
+  trainer = RecordingTrainer()
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  worker.initialize()
+  monkeypatch.setattr(codec_lib, "installed", lambda name: False)
+  payload = compression.CompressedPayload("zstd", {"mb": np.zeros((1, 2), np.int32)}, 8, 8)
+  outcome = worker.stage_batch(payload, key="z-1").metadata["outcome"]
+  assert outcome["status"] == "refused"
+  assert "codec zstd is not installed on the trainer" in outcome["reason"]
+  assert codec_lib.EXTRA in outcome["reason"]
+  assert installation.current().staging_of(worker).store.keys() == []
 
 
 def test_worker_stage_never_touches_state_and_degrades(staging):

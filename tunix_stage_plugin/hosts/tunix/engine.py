@@ -36,11 +36,14 @@ async def stage_train_batch(self: Any, payload: Any, *, key: str,
   except RuntimeError as e:  # the host's remote-error envelope
     remote = probes.remote_error_type(e)
     if remote == store_lib.StageKeyError.__name__:
-      raise store_lib.StageKeyError(str(e).split("\n", 1)[0]) from e
+      raise store_lib.StageKeyError(probes.remote_error_message(e)) from e
     if remote == "AttributeError":  # the host's "Method 'stage_batch' not found" answer
       return outcome_lib.unsupported(
           key, "the trainer has no stage_batch (tunix-stage-plugin not installed there, or "
           "TUNIX_STAGE_BATCH is not 'stage' in the trainer's environment)")
+    if remote == "ModuleNotFoundError" and "tunix_stage_plugin" in str(e):
+      # A compressed payload names our classes: a trainer without the plugin cannot unpickle it.
+      return outcome_lib.unsupported(key, "tunix-stage-plugin is not installed on the trainer")
     return outcome_lib.failed(key, f"stage_batch failed on the trainer: {str(e)[:500]}")
   return outcome_lib.StageOutcome.from_dict(response.metadata["outcome"])
 

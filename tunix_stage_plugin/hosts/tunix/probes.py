@@ -97,10 +97,17 @@ def run(m: Any) -> list[Probe]:
   ]
 
 
-_REMOTE_ERROR = re.compile(r"RemoteExecutionError \[(?P<type>[A-Za-z_][A-Za-z0-9_.]*)\]")
+_REMOTE_ERROR = re.compile(
+    r"RemoteExecutionError \[(?P<type>[A-Za-z_][A-Za-z0-9_.]*)\](: (?P<message>[^\n]*))?")
 
 
 def remote_error_type(error: BaseException) -> str | None:
   """The remote exception's type name in the host's error envelope (ExecutionResponse.unwrap)."""
   match = _REMOTE_ERROR.match(str(error))
   return match["type"] if match else None
+
+
+def remote_error_message(error: BaseException) -> str:
+  """The remote exception's own message (its first line), without the envelope's prefix."""
+  match = _REMOTE_ERROR.match(str(error))
+  return (match["message"] or "") if match else str(error).split("\n", 1)[0]

@@ -11,6 +11,7 @@ docs/tunix.md.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
@@ -22,10 +23,13 @@ from tunix.experimental.orchestrator import batch_assembly
 from tunix.experimental.orchestrator import rl_program
 from tunix.rl import common as rl_common
 
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import probes
 from tunix_stage_plugin.hosts.tunix import worker
 
 log = logging.getLogger("tunix_stage_plugin")
@@ -50,12 +54,22 @@ class _StepFeed:
 
 
 class StageEngine:
-  """core.pipeline.StageEngine over a DistributedRLEngine; inline calls are the host's calls."""
+  """core.pipeline.StageEngine over a DistributedRLEngine; inline calls are the host's calls.
 
-  def __init__(self, engine: Any) -> None:
+  With a codec (TUNIX_STAGE_CODEC) a stage's payload is compressed on a worker thread, never on
+  the event loop; `raw_bytes` / `sent_bytes` count its array bytes before and after.
+  """
+
+  def __init__(self, engine: Any, codec: codec_lib.Codec | None = None) -> None:
     self._engine = engine
+    self.codec = codec
+    self.raw_bytes = self.sent_bytes = 0
 
   async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
+    if self.codec is not None:
+      payload = await asyncio.to_thread(compression.compress, self.codec, payload)
+      self.raw_bytes += payload.nbytes
+      self.sent_bytes += payload.wire_bytes
     return await self._engine.stage_train_batch(payload, key=key, role=ACTOR)
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
@@ -63,8 +77,13 @@ class StageEngine:
     if stage_key is None:  # byte-for-byte the host's own train_step call
       return outcome_lib.Trained(await self._engine.train_step(
           payload, role=ACTOR, accumulate_gradients=True, apply_optimizer=apply_optimizer))
-    result = await self._engine.train_step(None, role=ACTOR, accumulate_gradients=True,
-                                           apply_optimizer=apply_optimizer, stage_key=stage_key)
+    try:
+      result = await self._engine.train_step(None, role=ACTOR, accumulate_gradients=True,
+                                             apply_optimizer=apply_optimizer, stage_key=stage_key)
+    except RuntimeError as e:  # the host's remote-error envelope
+      if probes.remote_error_type(e) == outcome_lib.StagedPayloadUnreadable.__name__:
+        raise outcome_lib.StagedPayloadUnreadable(probes.remote_error_message(e)) from e
+      raise
     # train_step answers fwd_bwd's response, or {"fwd_bwd": response, ...} after an update.
     response = result["fwd_bwd"] if apply_optimizer else result
     return outcome_lib.Trained(result, fallback=response.metadata.get(worker.PLACEMENT_FALLBACK))
@@ -120,9 +139,19 @@ def _may_prestage(program: Any) -> bool:
   return True
 
 
+def _codec_note(engine: StageEngine) -> str:
+  """The compressed stages so far, for the step's log line ("" without a codec)."""
+  if engine.codec is None or not engine.sent_bytes:
+    return ""
+  mib = 1 << 20
+  return (f"; codec {engine.codec}: staged arrays {engine.raw_bytes / mib:.1f} MiB sent as "
+          f"{engine.sent_bytes / mib:.1f} MiB (ratio {engine.raw_bytes / engine.sent_bytes:.2f})")
+
+
 async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,
-                              depth: int) -> None:
-  pipeline = pipeline_lib.StagePipeline(StageEngine(engine), depth)
+                              config: Any) -> None:
+  stage_engine = StageEngine(engine, codec_lib.parse(config.codec))
+  pipeline = pipeline_lib.StagePipeline(stage_engine, config.max_staged_batches)
   feeds: dict[int, _StepFeed] = {}  # a prestaged step keeps its own feed
 
   def source_for(step: int) -> AsyncIterator[pipeline_lib.MicroBatch]:
@@ -153,7 +182,7 @@ async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,
         train_result=report.result,
         stage_metrics=metrics,
     )
-    log.info("tunix-stage: step %d %s", step, metrics)
+    log.info("tunix-stage: step %d %s%s", step, metrics, _codec_note(stage_engine))
     if program.on_step_end:
       program.on_step_end(program.step, report.result)
 
@@ -172,7 +201,6 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     # stage_train_batch with a mock; the host's loop is the right one for it.
     if not issubclass(type(engine), engine_cls):
       return await original_train_stage(self, engine, num_steps)
-    return await _staged_train_stage(self, engine, num_steps,
-                                     inst.live.config.max_staged_batches)
+    return await _staged_train_stage(self, engine, num_steps, inst.live.config)
 
   registry.set(program_cls, "train_stage", train_stage)

@@ -15,11 +15,13 @@ import jax
 from flax import nnx
 from tunix.experimental.common import datatypes
 
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts import placements
+from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import transforms
 
@@ -79,8 +81,27 @@ class PeftPlacement:
     registry.on_undo(placements.register(self))
 
 
+def _check(state: installation_lib.WorkerStaging, payload: Any) -> None:
+  if isinstance(payload, compression.CompressedPayload):
+    payload = compression.check(payload)  # refused at once when this trainer cannot decode it
+  state.placement.check(payload)
+
+
 def _place(state: installation_lib.WorkerStaging, payload: Any) -> Any:
+  if isinstance(payload, compression.CompressedPayload):  # decoded here, on the staging lane
+    payload = compression.decompress(payload)
   return state.placement.place(state.target, transforms.apply_transforms(payload))
+
+
+def _unplaced_payload(key: str, payload: Any) -> Any:
+  """A received batch that was never placed, as the host's inline fwd_bwd takes it."""
+  if not isinstance(payload, compression.CompressedPayload):
+    return payload
+  try:
+    return compression.decompress(payload)
+  except codec_lib.CodecError as e:  # trains nothing: the orchestrator sends it inline
+    raise outcome_lib.StagedPayloadUnreadable(
+        f"staged batch {key!r} did not decode ({e}); send it with its train call") from None
 
 
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
@@ -99,7 +120,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     else:
       # Two phases on the server's staging lane: answered once received, placed next there.
       result = state.store.stage(key, payload, functools.partial(_place, state),
-                                 check=state.placement.check,
+                                 check=functools.partial(_check, state),
                                  defer=executor_lib.defer_on_current_lane())
     return self._response(staged=result.staged, outcome=result.as_dict())  # pylint: disable=protected-access
 
@@ -120,7 +141,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     try:
       staged = inst.staging_of(self).store.take(key)
     except store_lib.PlacementFailed as e:  # received, never placed: the host's own inline call
-      response = original_fwd_bwd(self, e.payload, **kwargs)
+      response = original_fwd_bwd(self, _unplaced_payload(key, e.payload), **kwargs)
       response.metadata[PLACEMENT_FALLBACK] = e.reason
       return response
     with placements.Consume(staged) as consumed:
