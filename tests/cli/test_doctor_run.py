@@ -16,6 +16,7 @@ import pytest
 from tunix_stage_plugin.activation import entry_points
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.cli import run_cmd
+from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.hosts import Probe
 
 ENV_NAMES = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES")
@@ -191,3 +192,15 @@ def test_run_child_activates_the_bootstrap():
 def test_child_environment_only_lists_changes():
   args = cli_main.build_parser().parse_args(["run", "--", "cmd"])
   assert run_cmd.child_environment(args, {"TUNIX_STAGE_BATCH": "stage"}) == {}
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_doctor_names_the_codecs_this_process_can_use(host, capsys, monkeypatch, installed):
+  monkeypatch.setattr(codec_lib, "installed", lambda name: installed)
+  code, out = doctor(capsys)
+  assert code == 0
+  line = next(l for l in out.out.splitlines() if l.startswith("codecs (TUNIX_STAGE_CODEC"))
+  if installed:
+    assert line.endswith(": blosc2-zstd, blosc2-lz4, zstd, lz4")
+  else:
+    assert line.endswith(f": none installed ({codec_lib.EXTRA})")

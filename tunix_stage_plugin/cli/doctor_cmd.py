@@ -51,6 +51,9 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   report["config"] = {"enabled": cfg.enabled, "settings": cfg.as_dict()}
   report["bootstrap_pth"] = bootstrap.installed_pth_files()
   report["entry_points"] = sorted(entry_points.host_entry_points())
+  from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
+  report["codecs"] = [name for name in codec_lib.CODECS if codec_lib.installed(name)]
+  report["codec_extra"] = codec_lib.EXTRA
   if not report["bootstrap_pth"]:
     problems.append(f"{bootstrap.PTH_NAME} is not installed: TUNIX_STAGE_BATCH=stage cannot "
                     "activate on its own (reinstall the package, or call install())")
@@ -112,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  {item['env']:32s} {item['value']!s:8s} ({item['source']})")
   print(f"bootstrap .pth: {', '.join(report['bootstrap_pth']) or 'missing'}")
   print(f"host adapters (entry points): {', '.join(report['entry_points']) or 'none'}")
+  print("codecs (TUNIX_STAGE_CODEC; a trainer decodes what its orchestrator compresses): "
+        + (", ".join(report["codecs"]) or f"none installed ({report['codec_extra']})"))
   if "host" in report:
     print(f"host: {report['host'] or 'tunix not importable'}")
   for check in report.get("probes", []):

@@ -3,7 +3,8 @@ PeftTrainer's placement (its `_prepare_payload` seam).
 
 A staged batch is prepared once, on the staging thread, through the hosted trainer's own
 preparation step, and handed through that step at consume time (hosts/placements.py). Which
-step depends on the trainer: docs/tunix.md, "What it hooks".
+step depends on the trainer: docs/tunix.md, "What it hooks". A compressed payload
+(compression.py) is decoded first, on the same thread.
 """
 
 from __future__ import annotations
