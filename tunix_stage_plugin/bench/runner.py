@@ -41,6 +41,14 @@ WARMUP_STEPS = 1
 PREFETCH_STEPS = 2  # batches built ahead: the step being trained and the next (prestage)
 
 
+def mode_codec(stage_codec: str, mode: str) -> codec_lib.Codec | None:
+  """The codec of a mode's stages: --stage_codec, or `on` for a codec mode when that is off.
+  Raises codec.CodecUnavailable when its library is not installed."""
+  if modes_lib.BY_NAME[mode].codec and stage_codec == codec_lib.OFF:
+    stage_codec = codec_lib.ON
+  return codec_lib.parse(stage_codec)
+
+
 def plan_for(mode: str, steps: int, microbatches: int, sync_s: float) -> job_lib.JobPlan:
   kinds = {m.name: m.plan for m in MODE_TABLE}
   if mode not in kinds:
@@ -113,11 +121,7 @@ class BenchOptions:
       raise ValueError(f"modes must be distinct names from {', '.join(MODES)}; got {self.modes}")
 
   def codec_for(self, mode: str) -> codec_lib.Codec | None:
-    """The codec of a mode's stages: --stage_codec, or `on` for a codec mode when that is off."""
-    spec = self.codec
-    if modes_lib.BY_NAME[mode].codec and spec == codec_lib.OFF:
-      spec = codec_lib.ON
-    return codec_lib.parse(spec)
+    return mode_codec(self.codec, mode)
 
   @property
   def total_steps(self) -> int:

@@ -32,12 +32,13 @@ def _modes(text: str) -> tuple[str, ...]:
 
 def _check_codec_modes(p: inputs.Problems, modes: tuple[str, ...], codec: str | None) -> None:
   """A codec mode with --stage_codec off compresses with `on`: its library must be installed."""
-  # pylint: disable-next=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel,redefined-outer-name
+  from tunix_stage_plugin.bench import runner
   from tunix_stage_plugin.core import codec as codec_lib
   named = [m for m in modes if modes_lib.BY_NAME[m].codec]
-  if named and codec == codec_lib.OFF:
+  if named and codec == codec_lib.OFF:  # an invalid --stage_codec is reported on its own
     try:
-      codec_lib.parse(codec_lib.ON)
+      runner.mode_codec(codec, named[0])
     except codec_lib.CodecUnavailable as e:
       p.add(f"--modes {','.join(named)}: compresses with {codec_lib.ON} (--stage_codec is off): "
             f"{e}")
