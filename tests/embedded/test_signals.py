@@ -11,7 +11,10 @@ import contextlib
 import ctypes
 import os
 import pickle
+import secrets
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -24,6 +27,7 @@ import numpy as np
 import pytest
 
 from tests.embedded.support import call
+from tunix_stage_plugin.embedded import bulk
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import process as process_lib
 from tunix_stage_plugin.embedded import wire
@@ -230,49 +234,57 @@ def _stat_state(pid: int) -> str:
     return f.read().rsplit(")", 1)[1].split()[0]
 
 
-def _header(method: str, sizes: list[int]) -> bytes:
+def _header(method: str, sizes: list[int], transfer: bytes) -> bytes:
   body = pickle.dumps(((), {}), protocol=5)
-  return pickle.dumps({"method": method, "body": body, "sizes": sizes}, protocol=5)
+  return pickle.dumps({"method": method, "body": body, "sizes": sizes, "transfer": transfer},
+                      protocol=5)
 
 
-async def _raw_stream(address: str, messages: Any) -> Any:
+async def _raw_bulk_call(address: str, header: bytes, frame: bytes) -> Any:
+  """A bulk call made by hand: its header on gRPC, `frame` (whatever it holds) on the bulk port."""
   async with grpc.aio.insecure_channel(address, options=wire.grpc_options()) as channel:
-    reply = await asyncio.wait_for(channel.stream_unary(wire.CALL_STREAM)(messages), 20)
+    port = int(await channel.unary_unary(wire.BULK_PORT)(b"", timeout=10))
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+      await loop.sock_connect(sock, ("127.0.0.1", port))
+      answer = asyncio.ensure_future(channel.unary_unary(wire.CALL_BULK)(header, timeout=20))
+      with contextlib.suppress(OSError):  # the trainer may drop the connection mid-frame
+        await loop.sock_sendall(sock, frame)
+      reply = await answer
+    finally:
+      sock.close()
   return wire.decode_reply("heartbeat", reply)
 
 
-def test_an_oversized_stream_is_refused_as_it_arrives_not_after_buffering_it():
+def _frame(transfer: bytes, sizes: list[int], payload: bytes = b"") -> bytes:
+  return (bulk.HEADER.pack(bulk.MAGIC, transfer, len(sizes))
+          + struct.pack(f"<{len(sizes)}Q", *sizes) + payload)
+
+
+def test_an_oversized_or_mismatched_call_is_refused_before_its_bytes_are_read():
   with process_lib.TrainerProcess(extra_args=["--max_call_mib", "8"]) as trainer:
-    chunk = bytes(wire.CHUNK_BYTES)
-
-    async def overrun() -> None:
-      yield _header("heartbeat", [1])
-      for _ in range(256 * MIB // wire.CHUNK_BYTES):
-        yield chunk
-
-    async def warm_up() -> None:
-      yield _header("heartbeat", [wire.CHUNK_BYTES])
-      yield chunk
-
-    # A well-formed stream first, so the peak below counts only what the overrun costs.
-    assert asyncio.run(_raw_stream(trainer.address, warm_up()))["pid"] == trainer.pid
+    warm = secrets.token_bytes(16)
+    # A well-formed call first, so the peak below counts only what the refusals cost.
+    reply = asyncio.run(_raw_bulk_call(trainer.address, _header("heartbeat", [MIB], warm),
+                                       _frame(warm, [MIB], bytes(MIB))))
+    assert reply["pid"] == trainer.pid
     peak_before = _status_kib(trainer.pid, "VmHWM")
-    with pytest.raises(wire.RemoteCallError, match="WireError: heartbeat stream carried more than "
-                       "the 1 bytes its header announced"):
-      asyncio.run(_raw_stream(trainer.address, overrun()))
-    grown_mib = (_status_kib(trainer.pid, "VmHWM") - peak_before) / 1024
-    # Buffered, the stream grew it by 275 MiB; refused per chunk, by 0-36 MiB (gRPC's own buffers).
-    assert grown_mib < 64, f"peak RSS grew {grown_mib:.0f} MiB for a refused 256 MiB stream"
-
-    never = asyncio.Event()
-
-    async def above_cap() -> None:
-      yield _header("heartbeat", [9 * MIB])
-      await never.wait()  # no chunk ever comes: the refusal must not wait for one
-
+    big = secrets.token_bytes(16)
     with pytest.raises(wire.RemoteCallError, match=r"heartbeat announces 9437184 bytes, above "
                        r"this trainer's 8388608-byte cap on one call \(trainer_main "
-                       r"--max_call_mib\); refused before reading any chunk"):
-      asyncio.run(_raw_stream(trainer.address, above_cap()))
+                       r"--max_call_mib\); refused before reading any of its bytes"):
+      asyncio.run(_raw_bulk_call(trainer.address, _header("heartbeat", [9 * MIB], big),
+                                 _frame(big, [9 * MIB], bytes(9 * MIB))))
+    # A frame announcing more than its call's header (the bytes of an overrun): refused by its
+    # frame header, before a buffer is made for it.
+    lying = secrets.token_bytes(16)
+    with pytest.raises(wire.RemoteCallError, match=r"WireError: the bulk frame announced buffer "
+                       r"sizes \[268435456\] where the call's header announced \[1\]"):
+      asyncio.run(_raw_bulk_call(trainer.address, _header("heartbeat", [1], lying),
+                                 _frame(lying, [256 * MIB], bytes(16 * MIB))))
+    grown_mib = (_status_kib(trainer.pid, "VmHWM") - peak_before) / 1024
+    assert grown_mib < 16, f"peak RSS grew {grown_mib:.0f} MiB for refused calls"
     assert call(trainer.address, "heartbeat")["pid"] == trainer.pid  # still serving
   assert trainer.proc.returncode == 0

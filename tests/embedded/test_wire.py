@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.embedded.support import no_new_threads
+from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import pacing
@@ -27,8 +28,11 @@ def _roundtrip(args, kwargs):
   encoded = wire.encode_call("m", args, kwargs)
   if encoded.unary is not None:
     return encoded, wire.decode_unary(encoded.unary)[1:]
-  chunks = [bytes(c) for c in wire.iter_chunks(encoded.buffers)]
-  return encoded, wire.decode_streamed(wire.decode_header(encoded.header), chunks)
+  header = wire.decode_header(encoded.header)
+  received = buffers_lib.HostBufferPool().take_all(header["sizes"])  # as the bulk channel does
+  for buffer, view in zip(received, encoded.buffers):
+    buffer[:] = np.frombuffer(view, np.uint8)
+  return encoded, wire.decode_bulk(header, received)
 
 
 def test_small_call_is_one_unary_message():
@@ -38,7 +42,7 @@ def test_small_call_is_one_unary_message():
   assert kwargs == {"k": "v"}
 
 
-def test_large_arrays_travel_out_of_band_in_chunks_and_come_back_aligned():
+def test_large_arrays_travel_out_of_band_and_come_back_aligned():
   rng = np.random.default_rng(0)
   big = rng.random((3, MIB), dtype=np.float32)  # 12 MiB: three full chunks
   odd = rng.integers(0, 100, 5 * MIB + 3, dtype=np.uint8)  # a short last chunk
@@ -50,18 +54,10 @@ def test_large_arrays_travel_out_of_band_in_chunks_and_come_back_aligned():
   np.testing.assert_array_equal(args[0], big)
   np.testing.assert_array_equal(kwargs["odd"], odd)
   for array in (args[0], kwargs["odd"]):
-    assert array.ctypes.data % wire.ALIGNMENT == 0
+    assert array.ctypes.data % buffers_lib.ALIGNMENT == 0
     assert array.flags.writeable
-
-
-@pytest.mark.parametrize("chunks, message", [
-    ([b"\0" * 10], "stream ended"),
-    ([b"\0" * 12, b"\0" * 8], "overruns"),
-    ([b"\0" * 16, b"\0"], "beyond the announced"),
-])
-def test_assemble_rejects_streams_that_break_the_sizes(chunks, message):
-  with pytest.raises(wire.WireError, match=message):
-    wire.assemble([16], chunks)
+  assert len(encoded.transfer) == wire.TRANSFER_ID_BYTES
+  assert wire.encode_call("m", (big,), {}).transfer != encoded.transfer  # fresh for every call
 
 
 def test_link_pacer_serialises_chunks_at_the_bandwidth():
@@ -151,7 +147,7 @@ class _Echo:
 
   def digest(self, array, *, label):
     return {"sha": hashlib.sha256(array.tobytes()).hexdigest(), "label": label,
-            "aligned": array.ctypes.data % wire.ALIGNMENT == 0,
+            "aligned": array.ctypes.data % buffers_lib.ALIGNMENT == 0,
             "thread": threading.current_thread().name}
 
   def stage_batch(self):
@@ -182,7 +178,7 @@ def test_calls_over_real_grpc_use_the_lanes_stream_big_payloads_and_shut_down_cl
     server, executor, address = await _serve(echo)
     try:
       async with client_lib.WorkerClient(address) as client:
-        # 20 MiB exceeds the 16 MiB message cap: it only arrives if it was chunked.
+        # 20 MiB exceeds the 16 MiB message cap: it only arrives on the bulk channel.
         got = await client.call("digest", payload, label="big")
         assert got["sha"] == hashlib.sha256(payload.tobytes()).hexdigest()
         assert got["aligned"] and got["label"] == "big"
@@ -273,11 +269,17 @@ def test_a_calls_deadline_is_its_expected_time_plus_the_liveness_bound():
   asyncio.run(go())
 
 
-def test_a_header_with_bad_sizes_is_refused():
-  header = pickle.dumps({"method": "m", "body": b"", "sizes": [4, -1]})
+def test_a_header_with_bad_sizes_or_transfer_id_is_refused():
+  transfer = bytes(wire.TRANSFER_ID_BYTES)
+  header = pickle.dumps({"method": "m", "body": b"", "sizes": [4, -1], "transfer": transfer})
   with pytest.raises(wire.WireError, match="list of integers >= 0"):
     wire.decode_header(header)
-  ok = wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4, 8]}))
+  with pytest.raises(wire.WireError, match="16-byte transfer id"):
+    wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4], "transfer": b"x"}))
+  with pytest.raises(wire.WireError, match="must be its header"):
+    wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4]}))
+  ok = wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4, 8],
+                                        "transfer": transfer}))
   assert wire.announced_bytes(ok, 12) == 12
   with pytest.raises(wire.WireError, match="m announces 12 bytes, above this trainer's 11-byte"):
     wire.announced_bytes(ok, 11)

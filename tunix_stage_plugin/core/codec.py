@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from tunix_stage_plugin.core import buffers as buffers_lib
+
 OFF = "off"
 ON = "on"  # the default codec at its default level (README "Compressed stage payloads")
 DEFAULT_CODEC = "blosc2-zstd"
@@ -35,7 +37,6 @@ EXTRA = "pip install 'tunix-stage-plugin[codec]'"
 ACCEPTED = f"{OFF} | {ON} ({DEFAULT_CODEC}) | NAME[:LEVEL] with NAME one of {', '.join(CODECS)}"
 MIN_PACK_BYTES = 64 << 10  # smaller arrays travel raw: their bytes are not worth a codec call
 CHUNK_BYTES = 64 << 20  # under every codec's 2 GiB per-call limit; one decode call per chunk
-ALIGNMENT = 64
 
 
 class CodecUnavailable(ValueError):
@@ -88,12 +89,6 @@ def parse(text: str, *, require_installed: bool = True) -> Codec | None:
     raise CodecUnavailable(f"codec {name} needs the Python package {MODULES[name]}, which is not "
                            f"installed: {EXTRA}")
   return Codec(name, level)
-
-
-def _aligned(nbytes: int) -> np.ndarray:
-  raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-  offset = (-raw.ctypes.data) % ALIGNMENT
-  return raw[offset:offset + nbytes]
 
 
 def compress(codec: Codec, data: memoryview, itemsize: int) -> bytes:
@@ -186,7 +181,7 @@ def check_decodable(codec_name: str) -> None:
 def unpack_array(p: PackedArray, *, threads: int = 0, name: str = "array") -> np.ndarray:
   """The array, decoded into an aligned buffer and checked; raises CodecError otherwise."""
   check_decodable(p.codec)
-  buf = _aligned(p.nbytes)
+  buf = buffers_lib.aligned_empty(p.nbytes)
   starts = range(0, p.nbytes, CHUNK_BYTES)
   if len(p.chunks) != len(starts):
     raise CodecError(f"{name}: {len(p.chunks)} chunk(s) where {len(starts)} were expected")

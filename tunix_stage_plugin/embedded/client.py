@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 import grpc
 
+from tunix_stage_plugin.embedded import bulk as bulk_lib
 from tunix_stage_plugin.embedded import pacing
 from tunix_stage_plugin.embedded import wire
 
@@ -36,6 +37,9 @@ ANNOUNCED_SECONDS = frozenset({"weight_sync"})
 # How grpc words a connection the keepalive pings found silent (it sets TCP_USER_TIMEOUT to the
 # keepalive timeout, so the socket itself times out).
 _TIMEOUT_WORDS = ("timed out", "keepalive", "ping timeout")
+# A bulk send that failed leaves the call this long to bring its own answer (e.g. a refusal by its
+# header, after which the trainer drops the bytes' connection) before the send's error is reported.
+SEND_FAILURE_GRACE_S = 1.0
 
 
 class TrainerUnresponsiveError(ConnectionError):
@@ -101,12 +105,15 @@ class WorkerClient:
   def __init__(self, address: str, *, wire_bytes_per_s: float | None = None,
                liveness_s: float = DEFAULT_LIVENESS_S) -> None:
     self.address = check_address(address)
+    self._host = _ADDRESS_RE.fullmatch(address)["host"].strip("[]")
     self.pacer = pacing.LinkPacer(wire_bytes_per_s)
     self.liveness_s = check_liveness(liveness_s)
     self._channel = grpc.aio.insecure_channel(
         address, options=[*wire.grpc_options(), *keepalive_options(self.liveness_s)])
     self._unary = self._channel.unary_unary(wire.CALL)
-    self._stream = self._channel.stream_unary(wire.CALL_STREAM)
+    self._bulk_header = self._channel.unary_unary(wire.CALL_BULK)
+    self._bulk_port = self._channel.unary_unary(wire.BULK_PORT)
+    self._sender: bulk_lib.BulkSender | None = None
 
   async def __aenter__(self) -> "WorkerClient":
     return self
@@ -115,6 +122,8 @@ class WorkerClient:
     await self.close()
 
   async def close(self) -> None:
+    if self._sender is not None:
+      self._sender.close()
     await self._channel.close()
 
   async def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -167,10 +176,31 @@ class WorkerClient:
         # train-by-key call never queues behind a stage's payload.
         reply = await self._unary(encoded.unary, timeout=timeout)
       else:
-        reply = await self._stream(self._messages(encoded, _pace), timeout=timeout)
+        reply = await self._call_bulk(encoded, timeout, _pace)
     except grpc.aio.AioRpcError as e:
       raise await self._diagnose(e, method, time.monotonic() - start, timeout, expected) from e
+    except OSError as e:  # the bulk connection failed (refused, reset) and the call did not answer
+      raise await self._diagnose_bulk(e, method, time.monotonic() - start) from e
     return wire.decode_reply(method, reply)
+
+  async def _call_bulk(self, encoded: wire.EncodedCall, timeout: float, pace: float) -> bytes:
+    """The header on gRPC and the bytes on the bulk channel, at once; the call's answer wins."""
+    if self._sender is None:
+      port = int(await self._bulk_port(b"", timeout=timeout))
+      self._sender = bulk_lib.BulkSender(self._host, port, self.pacer)
+    rpc = asyncio.ensure_future(self._bulk_header(encoded.header, timeout=timeout))
+    send = asyncio.ensure_future(self._sender.send(encoded.transfer, encoded.buffers, pace))
+    try:
+      await asyncio.wait({rpc, send}, return_when=asyncio.FIRST_COMPLETED)
+      if not rpc.done() and send.exception() is not None:
+        await asyncio.wait({rpc}, timeout=SEND_FAILURE_GRACE_S)
+        if not rpc.done():
+          raise send.exception()
+      return await rpc
+    finally:
+      for task in (rpc, send):
+        task.cancel()
+      await asyncio.gather(rpc, send, return_exceptions=True)
 
   async def _diagnose(self, e: grpc.aio.AioRpcError, method: str, waited: float, timeout: float,
                       expected: float) -> BaseException:
@@ -200,16 +230,26 @@ class WorkerClient:
                               f"({probe.code().name})")
     return e
 
+  async def _diagnose_bulk(self, e: OSError, method: str, waited: float) -> BaseException:
+    """A broken bulk connection: the trainer went away, stopped answering, or only the
+    connection failed (a WireError naming it)."""
+    try:
+      await self._unary(wire.encode_call("heartbeat", (), {}).unary,
+                        timeout=max(1.0, self.liveness_s - waited))
+    except grpc.aio.AioRpcError as probe:
+      if probe.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(probe):
+        return self._unresponsive(method, f"failed after {waited:.0f} s (its bytes' connection: "
+                                  f"{e}) and a heartbeat then got no reply")
+      return TrainerGoneError(f"trainer at {self.address} went away during {method} (its bytes' "
+                              f"connection: {e}); a heartbeat then failed too "
+                              f"({probe.code().name})")
+    return wire.WireError(f"{method}: the connection carrying its bytes to {self.address} "
+                          f"failed: {type(e).__name__}: {e}")
+
   def _unresponsive(self, method: str, why: str) -> TrainerUnresponsiveError:
     return TrainerUnresponsiveError(
         f"trainer at {self.address} stopped answering: {method} {why} (liveness bound "
         f"{self.liveness_s:g} s, --liveness_s)")
-
-  async def _messages(self, encoded: wire.EncodedCall, pace: float) -> AsyncIterator[bytes]:
-    yield encoded.header
-    for view in wire.iter_chunks(encoded.buffers):
-      await self.pacer.transmit(round(view.nbytes * pace))
-      yield bytes(view)  # grpc sends bytes only; a 4 MiB memcpy into reused heap memory
 
   async def clock_offset(self, samples: int = 7) -> tuple[float, float]:
     """(offset, uncertainty): trainer perf_counter + offset = this process's perf_counter.

@@ -2,27 +2,30 @@
 
 The server's event loop only moves messages: it never copies a payload, unpickles one, places it
 or waits for the device. Each method runs on its core.executor lane (compute, staging or inline),
-and for a streamed call the chunk assembly and unpickling run on that lane too (perf-limits.md §5:
-a ping waits 452 ms behind a 0.5 s handler on the loop).
+and a large call's unpickling runs on that lane too (perf-limits.md §5: a ping waits 452 ms behind
+a 0.5 s handler on the loop). A large call's bytes arrive on the bulk channel (bulk.py), received
+by its own threads into pooled aligned buffers.
 
-A streamed call is refused as its bytes arrive, never after buffering them: a header announcing
-more than `max_call_bytes` before any chunk is read, and a stream the moment it carries more than
-its header announced (README "Limits of one call").
+A large call is refused by its header, before any of its bytes are read: more than
+`max_call_bytes` announced, or a bulk frame whose sizes differ from the header's (README "Limits of
+one call").
 
 Binds 127.0.0.1 only: the calls are pickles, trusted because they come from this machine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
 from typing import Any, Protocol
 
 import grpc
 
+from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.embedded import bulk as bulk_lib
 from tunix_stage_plugin.embedded import wire
 
 log = logging.getLogger("tunix_stage_plugin.embedded")
@@ -57,6 +60,9 @@ class WorkerServer:
     self.max_call_bytes = max_call_bytes
     self._executor = executor
     self._timeline = timeline or timeline_lib.Timeline(enabled=False)
+    self.pool = buffers_lib.HostBufferPool()  # where large calls' bytes are received
+    self._transfers = bulk_lib.Transfers()
+    self._bulk = bulk_lib.BulkListener(self.pool, self._transfers, host=BIND_HOST)
     self._server: grpc.aio.Server | None = None
     self.port: int | None = None
 
@@ -70,19 +76,26 @@ class WorkerServer:
         options=[*wire.grpc_options(), *PING_POLICY, ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, {
         "Call": grpc.unary_unary_rpc_method_handler(self._call),
-        "CallStream": grpc.stream_unary_rpc_method_handler(self._call_stream),
+        "CallBulk": grpc.unary_unary_rpc_method_handler(self._call_bulk),
+        "BulkPort": grpc.unary_unary_rpc_method_handler(self._bulk_port),
     }),))
     try:
       bound = server.add_insecure_port(f"{BIND_HOST}:{port}")
     except RuntimeError as e:  # grpcio's way of saying the bind failed
       raise OSError(f"could not bind {BIND_HOST}:{port}: in use or not available ({e})") from None
-    await server.start()
+    self._bulk.start()
+    try:
+      await server.start()
+    except BaseException:
+      self._bulk.close()
+      raise
     self._server, self.port = server, bound
     return bound
 
   async def stop(self, grace: float = 1.0) -> None:
     if self._server is not None:
       server, self._server = self._server, None
+      self._bulk.close()  # no new bytes; calls already received run on their lanes
       await server.stop(grace)
 
   def _method(self, name: str) -> Any:
@@ -100,33 +113,31 @@ class WorkerServer:
       log.debug("call %s failed: %s: %s", method, type(e).__name__, e)
       return wire.encode_error(e)
 
-  async def _call_stream(self, requests: Any, context: grpc.aio.ServicerContext) -> bytes:
-    method = "?"
+  async def _bulk_port(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    return str(self._bulk.port).encode()
+
+  async def _call_bulk(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    method, transfer = "?", None
     try:
-      start = time.perf_counter()
-      iterator = requests.__aiter__()
-      header = wire.decode_header(await anext(iterator))
-      method = header["method"]
+      header = wire.decode_header(request)  # a few hundred bytes: fine on the loop
+      method, transfer = header["method"], header["transfer"]
       fn = self._method(method)
       announced = wire.announced_bytes(header, self.max_call_bytes)
-      # Keep the bytes objects grpc already made; copying them is the lane's job. The only
-      # per-chunk work here is the overrun check.
-      chunks, received = [], 0
-      async for chunk in iterator:
-        received += len(chunk)
-        if received > announced:
-          chunks.clear()
-          raise wire.overrun_error(method, announced, received)
-        chunks.append(chunk)
-      self._timeline.add(tracks.TRAINER_RECEIVE, method, start, time.perf_counter(), bytes=announced)
+      received = await asyncio.wrap_future(self._transfers.expect(transfer, header["sizes"]))
+      self._timeline.add(tracks.TRAINER_RECEIVE, method, received.started, received.ended,
+                         bytes=announced)
+      buffers = received.buffers
+      del received
 
       def run() -> Any:
-        args, kwargs = wire.decode_streamed(header, chunks)
-        chunks.clear()  # the aligned copies are all that is kept
+        args, kwargs = wire.decode_bulk(header, buffers)
+        buffers.clear()  # the arrays over them are all that is kept
         return fn(*args, **kwargs)
 
       return wire.encode_reply(await self._executor.run(method, run))
     except Exception as e:  # pylint: disable=broad-except  (travels back to the caller)
-      log.debug("streamed call %s failed: %s: %s", method, type(e).__name__, e)
+      log.debug("bulk call %s failed: %s: %s", method, type(e).__name__, e)
       return wire.encode_error(e)
-
+    finally:
+      if transfer is not None:
+        self._transfers.end(transfer)

@@ -5,21 +5,20 @@ numpy array in it travels *out of band* as raw bytes and the pickle itself stays
 bytes (perf-limits.md §3: in-band pickling costs a copy into fresh memory each way).
 
 - Small calls (out-of-band bytes <= STREAM_THRESHOLD) are re-pickled in band and sent as one unary
-  message.
-- Larger ones use the client-streaming method: message 0 is the header (method, pickle, buffer
-  sizes), then each buffer's bytes as chunks of at most CHUNK_BYTES, never spanning two buffers.
-  grpcio's unary path runs at 0.35-0.45 GB/s above ~16 MB and caps a message at 2 GiB, against
-  1.1-1.5 GB/s for 4 MiB chunks (perf-limits.md §4).
-
-The receiver copies the chunks into fresh 64-byte-aligned buffers and unpickles against them, so
-arrays come back writable and aligned (on CPU, jax.device_put of an aligned buffer is zero-copy).
-That copy and the unpickling run on an executor lane, never on the server's event loop.
+  gRPC message.
+- Larger ones send their header (method, pickle, buffer sizes and a fresh transfer id) as one
+  unary gRPC message, and the buffers' bytes on the bulk channel (bulk.py), straight from the
+  arrays' memory, paced in chunks of at most CHUNK_BYTES. The trainer receives them into aligned
+  buffers (core.buffers) and unpickles over them: the arrays come back writable and aligned with
+  no further copy (on CPU, jax.device_put of an aligned buffer is zero-copy). The unpickling runs
+  on an executor lane, never on the server's event loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
+import secrets
 import traceback
 from typing import Any, Iterator, Sequence
 
@@ -27,14 +26,16 @@ import numpy as np
 
 SERVICE = "tunix_stage.EmbeddedWorker"
 CALL = f"/{SERVICE}/Call"
-CALL_STREAM = f"/{SERVICE}/CallStream"
+CALL_BULK = f"/{SERVICE}/CallBulk"  # a header; its bytes come on the bulk channel
+BULK_PORT = f"/{SERVICE}/BulkPort"
 
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 4 << 20  # the emulated link paces the bulk bytes in chunks of this size
 STREAM_THRESHOLD = 1 << 20
-# One message is at most a chunk, a header or a small call; the cap leaves room for the header but
-# refuses the multi-GB single messages this module exists to avoid.
+# One message is a header or a small call; the cap leaves room for a header but refuses the
+# multi-GB single messages this module exists to avoid.
 MAX_MESSAGE_BYTES = 16 << 20
-ALIGNMENT = 64
+TRANSFER_ID_BYTES = 16
+HEADER_KEYS = frozenset({"method", "body", "sizes", "transfer"})
 
 
 def grpc_options() -> list[tuple[str, int]]:
@@ -62,8 +63,9 @@ class RemoteCallError(RuntimeError):
 class EncodedCall:
   method: str
   unary: bytes | None  # the whole call, when small
-  header: bytes | None  # the streamed form: header message ...
-  buffers: list[memoryview]  # ... then these bytes in chunks
+  header: bytes | None  # the bulk form: the header message ...
+  buffers: list[memoryview]  # ... and these bytes, on the bulk channel under `transfer`
+  transfer: bytes | None = None
 
   @property
   def payload_bytes(self) -> int:
@@ -76,9 +78,10 @@ def encode_call(method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Enc
   views = [b.raw() for b in buffers]
   if sum(v.nbytes for v in views) <= STREAM_THRESHOLD:
     return EncodedCall(method, pickle.dumps((method, tuple(args), kwargs), protocol=5), None, [])
-  header = pickle.dumps({"method": method, "body": body, "sizes": [v.nbytes for v in views]},
-                        protocol=5)
-  return EncodedCall(method, None, header, views)
+  transfer = secrets.token_bytes(TRANSFER_ID_BYTES)
+  header = pickle.dumps({"method": method, "body": body, "sizes": [v.nbytes for v in views],
+                         "transfer": transfer}, protocol=5)
+  return EncodedCall(method, None, header, views, transfer)
 
 
 def iter_chunks(buffers: Sequence[memoryview], chunk_bytes: int = CHUNK_BYTES
@@ -95,13 +98,15 @@ def decode_unary(message: bytes) -> tuple[str, tuple, dict]:
 
 def decode_header(message: bytes) -> dict[str, Any]:
   header = pickle.loads(message)
-  if not isinstance(header, dict) or set(header) != {"method", "body", "sizes"}:
-    raise WireError("the first message of a streamed call must be its header "
-                    "{'method', 'body', 'sizes'}")
+  if not isinstance(header, dict) or set(header) != HEADER_KEYS:
+    raise WireError(f"a bulk call's message must be its header {sorted(HEADER_KEYS)}")
   sizes = header["sizes"]
   if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
-    raise WireError(f"a streamed call's header must announce its buffer sizes as a list of "
+    raise WireError(f"a bulk call's header must announce its buffer sizes as a list of "
                     f"integers >= 0; got {sizes!r:.80}")
+  transfer = header["transfer"]
+  if not isinstance(transfer, bytes) or len(transfer) != TRANSFER_ID_BYTES:
+    raise WireError(f"a bulk call's header must carry a {TRANSFER_ID_BYTES}-byte transfer id")
   return header
 
 
@@ -111,46 +116,12 @@ def announced_bytes(header: dict[str, Any], max_call_bytes: int) -> int:
   if total > max_call_bytes:
     raise WireError(f"{header['method']} announces {total} bytes, above this trainer's "
                     f"{max_call_bytes}-byte cap on one call (trainer_main --max_call_mib); "
-                    "refused before reading any chunk")
+                    "refused before reading any of its bytes")
   return total
 
 
-def overrun_error(method: str, announced: int, received: int) -> WireError:
-  return WireError(f"{method} stream carried more than the {announced} bytes its header "
-                   f"announced (refused at {received} bytes)")
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-  """A writable uint8 buffer whose data starts on a 64-byte boundary."""
-  raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-  offset = (-raw.ctypes.data) % ALIGNMENT
-  return raw[offset:offset + nbytes]
-
-
-def assemble(sizes: Sequence[int], chunks: Sequence[bytes]) -> list[np.ndarray]:
-  """Copies the received chunks into aligned buffers of the announced sizes (one copy)."""
-  out, i = [], 0
-  for size in sizes:
-    buf = aligned_empty(size)
-    filled = 0
-    while filled < size:
-      if i >= len(chunks):
-        raise WireError(f"stream ended after {filled} of {size} bytes of buffer {len(out)}")
-      chunk = chunks[i]
-      if filled + len(chunk) > size:
-        raise WireError(f"a chunk of {len(chunk)} bytes overruns buffer {len(out)} "
-                        f"({filled} of {size} bytes filled); chunks never span buffers")
-      buf[filled:filled + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
-      filled += len(chunk)
-      i += 1
-    out.append(buf)
-  if i != len(chunks):
-    raise WireError(f"stream carried {len(chunks) - i} chunk(s) beyond the announced sizes")
-  return out
-
-
-def decode_streamed(header: dict[str, Any], chunks: Sequence[bytes]) -> tuple[tuple, dict]:
-  buffers = assemble(header["sizes"], chunks)
+def decode_bulk(header: dict[str, Any], buffers: Sequence[np.ndarray]) -> tuple[tuple, dict]:
+  """The call's arguments, unpickled over the buffers its bytes were received into (no copy)."""
   args, kwargs = pickle.loads(header["body"], buffers=buffers)
   return args, kwargs
 

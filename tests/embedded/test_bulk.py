@@ -1,0 +1,193 @@
+"""The bulk byte channel over real sockets on 127.0.0.1: frames matched with the calls that
+announced them, in either order, and every frame that is not wanted dropped without allocating."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import secrets
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.embedded import bulk
+from tunix_stage_plugin.embedded import pacing
+from tunix_stage_plugin.embedded import wire
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def listener():
+  pool = buffers_lib.HostBufferPool()
+  transfers = bulk.Transfers()
+  server = bulk.BulkListener(pool, transfers)
+  server.start()
+  yield server, transfers, pool
+  before = threading.active_count()
+  server.close()
+  assert not [t for t in threading.enumerate() if t.name.startswith("trainer-bulk")], before
+
+
+def _send(port: int, transfer_id: bytes, arrays: list[np.ndarray]) -> None:
+  async def go() -> None:
+    sender = bulk.BulkSender("127.0.0.1", port, pacing.LinkPacer(None))
+    try:
+      await sender.send(transfer_id, [memoryview(a).cast("B") for a in arrays])
+    finally:
+      sender.close()
+  asyncio.run(go())
+
+
+def _frame(transfer_id: bytes, sizes: list[int]) -> bytes:
+  return bulk.HEADER.pack(bulk.MAGIC, transfer_id, len(sizes)) + struct.pack(
+      f"<{len(sizes)}Q", *sizes)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+  """True once the listener closed the connection (an end of stream, or a reset when it closed
+  with bytes of ours unread)."""
+  sock.settimeout(10)
+  try:
+    return sock.recv(1) == b""
+  except ConnectionResetError:
+    return True
+
+
+def test_a_frame_reaches_its_call_whichever_arrives_first(listener):
+  server, transfers, pool = listener
+  arrays = [np.random.default_rng(0).integers(0, 255, 9 * MIB + 5, dtype=np.uint8),
+            np.arange(100, dtype=np.int64)]
+  sizes = [a.nbytes for a in arrays]
+  first = secrets.token_bytes(16)
+  future = transfers.expect(first, sizes)  # the call's header first
+  _send(server.port, first, arrays)
+  received = future.result(10)
+  second = secrets.token_bytes(16)
+  sending = threading.Thread(target=_send, args=(server.port, second, arrays))
+  sending.start()  # the bytes first: the frame waits for its call (allocating nothing)
+  later = transfers.expect(second, sizes)
+  sending.join(10)
+  for got in (received, later.result(10)):
+    assert [b.nbytes for b in got.buffers] == sizes
+    np.testing.assert_array_equal(got.buffers[0], arrays[0])
+    np.testing.assert_array_equal(got.buffers[1].view(np.int64), arrays[1])
+    assert all(b.ctypes.data % buffers_lib.ALIGNMENT == 0 for b in got.buffers)
+    assert got.ended >= got.started
+  assert pool.made == 2  # the 9 MiB buffer was pooled, once per transfer alive at once
+
+
+def test_frames_that_no_call_wants_are_dropped_before_anything_is_allocated(listener, monkeypatch):
+  server, transfers, pool = listener
+  monkeypatch.setattr(bulk, "CLAIM_WAIT_S", 0.2)
+  ended = secrets.token_bytes(16)
+  transfers.expect(ended, [MIB])
+  transfers.end(ended)  # answered or refused: its late frame is dropped at once
+  for frame in (_frame(ended, [MIB]),  # its call ended
+                _frame(secrets.token_bytes(16), [MIB]),  # no call announced it
+                b"GET / HTTP/1.1\r\n\r\n" + bytes(64)):  # not a frame at all
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+      sock.sendall(frame)
+      assert _closed_by_peer(sock)
+  assert pool.made == 0
+  # The listener still serves a wanted frame afterwards.
+  good = secrets.token_bytes(16)
+  future = transfers.expect(good, [2 * MIB])
+  _send(server.port, good, [np.ones(2 * MIB, np.uint8)])
+  assert future.result(10).buffers[0].sum() == 2 * MIB
+
+
+def test_a_frame_whose_sizes_differ_from_its_header_fails_its_call(listener):
+  server, transfers, pool = listener
+  transfer_id = secrets.token_bytes(16)
+  future = transfers.expect(transfer_id, [MIB])
+  with socket.create_connection(("127.0.0.1", server.port)) as sock:
+    sock.sendall(_frame(transfer_id, [64 * MIB]))
+    with pytest.raises(wire.WireError, match=r"announced buffer sizes \[67108864\] where the "
+                       r"call's header announced \[1048576\]"):
+      future.result(10)
+  assert pool.made == 0
+
+
+def test_a_connection_that_breaks_mid_transfer_fails_its_call(listener):
+  server, transfers, _ = listener
+  transfer_id = secrets.token_bytes(16)
+  future = transfers.expect(transfer_id, [4 * MIB])
+  with socket.create_connection(("127.0.0.1", server.port)) as sock:
+    sock.sendall(_frame(transfer_id, [4 * MIB]) + bytes(MIB))
+  with pytest.raises(wire.WireError, match=r"broke mid-transfer: the connection closed after "
+                     r"1048576 of 4194304 bytes"):
+    future.result(10)
+
+
+def test_an_id_is_single_use_and_an_ended_call_drops_its_bytes(listener):
+  server, transfers, _ = listener
+  transfer_id = secrets.token_bytes(16)
+  future = transfers.expect(transfer_id, [MIB])
+  with pytest.raises(wire.WireError, match="used twice"):
+    transfers.expect(transfer_id, [MIB])
+  transfers.end(transfer_id)
+  assert future.cancelled()
+  with pytest.raises(wire.WireError, match="used twice"):
+    transfers.expect(transfer_id, [MIB])
+
+
+def test_a_sender_reuses_a_connection_only_after_a_whole_frame(listener):
+  server, transfers, _ = listener
+  connections = []
+  real_connection = bulk.BulkSender._connection
+
+  async def counting(self):
+    sock = await real_connection(self)
+    connections.append(sock)
+    return sock
+
+  async def go() -> None:
+    sender = bulk.BulkSender("127.0.0.1", server.port, pacing.LinkPacer(None))
+    sender._connection = counting.__get__(sender)  # pylint: disable=protected-access
+    try:
+      for _ in range(3):
+        transfer_id = secrets.token_bytes(16)
+        future = transfers.expect(transfer_id, [2 * MIB])
+        await sender.send(transfer_id, [memoryview(np.zeros(2 * MIB, np.uint8))])
+        await asyncio.wrap_future(future)
+      # A send cut short closes its connection instead of leaving half a frame on it.
+      # Nobody claims this frame, so its bytes back up and the send blocks.
+      stuck = asyncio.ensure_future(sender.send(secrets.token_bytes(16),
+                                                [memoryview(np.zeros(256 * MIB, np.uint8))]))
+      while len(connections) < 4:  # until the send holds its connection
+        await asyncio.sleep(0)
+      stuck.cancel()
+      await asyncio.gather(stuck, return_exceptions=True)
+      assert stuck.cancelled() and connections[-1].fileno() == -1
+    finally:
+      sender.close()
+
+  asyncio.run(go())
+  assert len({id(c) for c in connections}) == 1
+
+
+def test_pooled_buffers_aliased_by_jax_on_cpu_are_not_reused_while_the_jax_array_lives():
+  """On CPU, device_put of an aligned buffer is zero-copy: the placed array is the buffer, so the
+  pool must not hand it out again until the JAX array is gone (the digest tests of
+  tests/embedded/test_job.py show the same end to end)."""
+  jax = pytest.importorskip("jax")
+  pool = buffers_lib.HostBufferPool()
+  buffer = pool.take(4 * MIB)
+  buffer[:] = 7
+  address = buffer.ctypes.data
+  placed = jax.device_put(buffer.view(np.float32), jax.devices("cpu")[0])
+  jax.block_until_ready(placed)
+  aliased = placed.unsafe_buffer_pointer() == address
+  del buffer
+  other = pool.take(4 * MIB)
+  assert other.ctypes.data != address or not aliased
+  other[:] = 0
+  assert float(np.asarray(placed).view(np.uint8)[:16].sum()) == 7 * 16
+  del placed, other
+  gc.collect()  # JAX may keep its last argument in a reference cycle until a collection
+  assert pool.take(4 * MIB).ctypes.data == address

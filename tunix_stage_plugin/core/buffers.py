@@ -1,0 +1,98 @@
+"""Aligned host buffers for received payloads, reused once nothing references them.
+
+A received micro-batch lands in 64-byte-aligned buffers: numpy arrays unpickled over them are
+writable and aligned, and on CPU `jax.device_put` of an aligned buffer is zero-copy (the placed
+array *is* the buffer). A fresh 1 GiB buffer costs its page faults on first touch (in this
+project's VMs a fresh copy runs at a third of a warm one, docs/performance.md), so the receive
+path takes its large buffers from a `HostBufferPool`: a buffer goes back to the pool only when no
+array, view or JAX alias references it any more (CPython's reference count of its owner), so a
+placement that aliases it on CPU keeps it out of the pool for as long as it lives.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Sequence
+
+import numpy as np
+
+ALIGNMENT = 64
+POOL_MIN_BYTES = 1 << 20  # smaller buffers are allocated fresh: their faults cost nothing
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+  """A writable uint8 buffer of `nbytes` whose data starts on a 64-byte boundary."""
+  raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+  offset = (-raw.ctypes.data) % ALIGNMENT
+  return raw[offset:offset + nbytes]
+
+
+class _Slot:
+  __slots__ = ("raw", "nbytes")
+
+  def __init__(self, nbytes: int) -> None:
+    self.raw = aligned_empty(nbytes).base  # the owner: every view handed out refers to it
+    self.nbytes = nbytes
+
+  def free(self) -> bool:
+    # References: this slot's attribute and getrefcount's own argument. Any view, any array
+    # unpickled over one, any JAX array aliasing one holds one more.
+    return sys.getrefcount(self.raw) <= 2
+
+  def view(self) -> np.ndarray:
+    offset = (-self.raw.ctypes.data) % ALIGNMENT
+    return self.raw[offset:offset + self.nbytes]
+
+
+class HostBufferPool:
+  """Aligned buffers by exact size; `take` reuses a buffer nothing references, else makes one.
+
+  The pool holds at most the buffers that were in use at once (a run's peak), and `trim()` gives
+  back the idle ones (between jobs). Thread-safe.
+  """
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._slots: list[_Slot] = []
+    self.made = 0  # buffers allocated (each paid its page faults once)
+    self.reused = 0
+
+  def take(self, nbytes: int) -> np.ndarray:
+    if not isinstance(nbytes, int) or nbytes < 0:
+      raise ValueError(f"buffer size must be an int >= 0; got {nbytes!r}")
+    if nbytes < POOL_MIN_BYTES:
+      return aligned_empty(nbytes)
+    with self._lock:
+      for slot in self._slots:
+        if slot.nbytes == nbytes and slot.free():
+          self.reused += 1
+          return slot.view()
+      slot = _Slot(nbytes)
+      self._slots.append(slot)
+      self.made += 1
+      return slot.view()
+
+  def take_all(self, sizes: Sequence[int]) -> list[np.ndarray]:
+    return [self.take(n) for n in sizes]
+
+  def held_bytes(self) -> int:
+    """Bytes of every pooled buffer, in use or idle."""
+    with self._lock:
+      return sum(s.nbytes for s in self._slots)
+
+  def idle_bytes(self) -> int:
+    with self._lock:
+      return sum(s.nbytes for s in self._slots if s.free())
+
+  def trim(self) -> int:
+    """Gives back the idle buffers; returns their bytes. Buffers in use stay until reused."""
+    with self._lock:
+      kept, idle = [], 0
+      for slot in self._slots:
+        if slot.free():
+          idle += slot.nbytes
+        else:
+          kept.append(slot)
+      self._slots = kept
+    return idle
