@@ -10,6 +10,7 @@ import textwrap
 from typing import Any
 
 from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin.core import flags as flags_lib
 from tunix_stage_plugin.core import inputs
 
 CHECK_TOLERANCE = 0.05  # --check: a prediction within 5 % of the measured median step
@@ -48,7 +49,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       "wire), h2d=2x, compute=0.8x; repeatable")
   parser.add_argument("--check", action="store_true",
                       help="INPUT is a bench JSON: predict each of its modes and compare with the "
-                      f"measured median step (a prediction within {CHECK_TOLERANCE:.0%} passes)")
+                      + flags_lib.literal(f"measured median step (a prediction within "
+                                          f"{CHECK_TOLERANCE:.0%} passes)"))
   parser.add_argument("--json", default=None, metavar="PATH",
                       help="also write the figures as JSON ('-': stdout, instead of the table)")
   parser.add_argument("--png", default=None, metavar="PATH",
