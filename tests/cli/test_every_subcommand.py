@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.embedded import orchestrator_main
 from tunix_stage_plugin.embedded import trainer_main
 
@@ -62,6 +63,18 @@ def test_an_unknown_flag_is_reported_by_that_subcommand(name: str):
   assert proc.stderr.startswith(f"usage: tunix-stage {name}"), proc.stderr
   assert proc.stderr.splitlines()[-1] == (
       f"tunix-stage {name}: error: unrecognized arguments: {UNKNOWN}")
+
+
+@pytest.mark.parametrize("name", SUBCOMMANDS)
+def test_a_staging_flag_shows_its_setting_s_metavar(name: str):
+  """config, doctor and run take the staging flags: `--stage_codec CODEC`, not `N`."""
+  parser = cli_main.subcommands()[name]
+  for setting in config_lib.SETTINGS:
+    actions = [a for a in parser._actions  # pylint: disable=protected-access
+               if f"--{setting.flag}" in a.option_strings]
+    assert all(a.metavar == setting.metavar for a in actions), (setting.flag, actions)
+  if name in ("config", "doctor", "run"):
+    assert "[--stage_codec CODEC]" in " ".join(parser.format_usage().split())
 
 
 def test_the_issue_s_run_case():

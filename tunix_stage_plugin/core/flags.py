@@ -38,9 +38,9 @@ def add_argparse_flags(parser: argparse.ArgumentParser,
     if field == "mode":
       # A bare --stage_train_batches switches staging on, as a boolean driver flag would.
       group.add_argument(f"--{s.flag}", nargs="?", const=config_lib.MODE_STAGE, default=None,
-                         metavar="off|stage", help=_flag_help(s))
+                         metavar=s.metavar, help=_flag_help(s))
     else:
-      group.add_argument(f"--{s.flag}", default=None, metavar="N", help=_flag_help(s))
+      group.add_argument(f"--{s.flag}", default=None, metavar=s.metavar, help=_flag_help(s))
   return parser
 
 
