@@ -156,9 +156,7 @@ def test_criteria_skip_what_the_chosen_modes_cannot_measure():
 
 
 def _bench_parser():
-  parser = cli_main.build_parser()
-  subparsers = next(a for a in parser._actions if a.dest == "command")
-  return subparsers.choices["bench"]
+  return cli_main.subcommands()["bench"]
 
 
 def test_help_explains_every_option():

@@ -204,3 +204,43 @@ def test_doctor_names_the_codecs_this_process_can_use(host, capsys, monkeypatch,
     assert line.endswith(": blosc2-zstd, blosc2-lz4, zstd, lz4")
   else:
     assert line.endswith(f": none installed ({codec_lib.EXTRA})")
+
+
+class MaxTextAdapter(Adapter):
+  name = "maxtext"
+
+  def load(self):
+    if not self.importable:
+      raise ModuleNotFoundError("No module named 'maxtext'")
+
+  def describe(self):
+    return "maxtext 0.2.5"
+
+  def probe(self):
+    return [Probe("engine: MaxTextTrainingEngine._prepare_batch", self.probes_ok, "missing")]
+
+
+@pytest.fixture
+def hosts(monkeypatch):
+  """tunix's adapter and MaxText's, each its own (the `host` fixture serves one for both)."""
+  adapters = {"tunix": Adapter(), "maxtext": MaxTextAdapter()}
+  monkeypatch.setattr(entry_points, "load_adapter", lambda name: adapters[name])
+  return adapters
+
+
+@pytest.mark.parametrize("maxtext", ["absent", "present"])
+def test_doctor_reports_maxtext_when_tunix_is_not_importable(hosts, capsys, maxtext):
+  hosts["tunix"].importable = False
+  hosts["maxtext"].importable = maxtext == "present"
+  code, out = doctor(capsys)
+  assert code == 0
+  assert "host: tunix not importable" in out.out
+  if maxtext == "absent":
+    assert ("engine maxtext: not importable (ModuleNotFoundError: No module named 'maxtext'); "
+            "optional") in out.out.splitlines()
+  else:
+    assert "engine maxtext: maxtext 0.2.5" in out.out.splitlines()
+    assert "  [ok] engine: MaxTextTrainingEngine._prepare_batch" in out.out.splitlines()
+  report = json.loads(doctor(capsys, "--json")[1].out)
+  assert set(report["engines"]) == {"maxtext"}
+  assert (report["engines"]["maxtext"]["host"] is None) == (maxtext == "absent")

@@ -7,7 +7,8 @@ not 0 where it shows an error), and every shown line
 (numbers, paths and hex masked; `...` elides a line or part of one). Every `tunix-stage ...` command elsewhere (inline
 code, bash blocks) must parse with the real command-line parser. The examples that need tunix's
 stack are skipped when it is not importable (one-line reason); the bench's full run is parsed
-only (the bench has its own tests).
+only (the bench has its own tests). Every sample bench table the pages show has the columns the
+bench's report prints today (bench/report.format_table), one cell per column in each row.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 
 import pytest
 
+from tunix_stage_plugin.bench import modes as modes_lib
 from tunix_stage_plugin.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,4 +144,39 @@ def test_documented_tunix_stage_command_parses(where: str, command: str):
   except SystemExit as e:
     pytest.fail(f"{where}: `tunix-stage {' '.join(words)}` does not parse (exit {e.code})")
   assert unknown == [], f"{where}: unknown flags {unknown}"
-  assert args.command in ("config", "doctor", "run", "bench", "simulate")
+  assert args.subcommand in cli_main.subcommands()
+
+
+def _bench_tables() -> list[tuple[str, list[str]]]:
+  """(page:line, the table's lines) for each bench mode table a page shows as sample output."""
+  found = []
+  for page in PAGES:
+    lines = page.read_text().splitlines()
+    for n, line in enumerate(lines):
+      if line.startswith("mode ") and "peak device batches" in line:
+        end = n + 1  # the header, then the dashes and one row per mode
+        while end < len(lines) and (lines[end].startswith("---") or
+                                    lines[end].split(" ", 1)[0] in modes_lib.BY_NAME):
+          end += 1
+        found.append((f"{page.name}:{n + 1}", lines[n:end]))
+  return found
+
+
+BENCH_TABLES = _bench_tables()
+
+
+def test_the_pages_show_bench_tables():
+  assert len(BENCH_TABLES) >= 2  # the README's two sample runs, at least
+
+
+@pytest.mark.parametrize("where,table", BENCH_TABLES, ids=[w for w, _ in BENCH_TABLES])
+def test_a_sample_bench_table_has_the_columns_the_bench_prints(where: str, table: list[str]):
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.bench import report
+  cells = lambda line: re.split(r"\s{2,}", line.strip())
+  printed = cells(report.format_table(None, {}).splitlines()[0])  # the header alone
+  assert cells(table[0]) == printed, f"{where}: the bench prints {printed}"
+  rows = [row for row in table[1:] if not row.startswith("---")]
+  assert rows, where
+  for row in rows:
+    assert len(cells(row)) == len(printed), f"{where}: {row!r} has not one cell per column"

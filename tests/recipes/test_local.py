@@ -131,9 +131,19 @@ def test_local_bad_value_stops_before_starting_anything(launch, tmp_path: Path, 
   assert_nothing_left(launch, proc.stdout)
 
 
-# A job that cannot finish for minutes: 1 MiB micro-batches over an emulated 10 kB/s wire, paced
-# in the orchestrator (the trainer stays free to stop at once).
-SLOW_JOB = ("--", "--payload_mib", "1", "--wire_mbps", "0.01")
+# A job that cannot finish for hours: 2 MiB micro-batches (above the wire's 1 MiB stream threshold,
+# so each is a streamed call, paced: a 1 MiB payload went as one unpaced message and the job
+# ended in 7 s) over an emulated 10 kB/s wire, about 210 s each, 50 steps of 4. The pacing is in
+# the orchestrator, so the trainer stays free to stop at once. The tests that stop it check that
+# it had not finished (job_finished).
+SLOW_JOB = ("--", "--payload_mib", "2", "--wire_mbps", "0.01", "--steps", "50")
+SUMMARY = re.compile(r"^orchestrator_main: (OK|FAILED): ", re.M)  # its last line, once finished
+
+
+def job_finished(logs: Path) -> bool:
+  """Whether the orchestrator printed its summary line (it prints it only at the job's end)."""
+  log = logs / "orchestrator.log"
+  return log.exists() and SUMMARY.search(log.read_text()) is not None
 
 
 @pytest.mark.parametrize("mode", ["stage", "off"])
@@ -160,6 +170,7 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
   assert f"job succeeded; logs in {logs}" in out
   assert re.search(r"^READY 127\.0\.0\.1:\d+$", (logs / "trainer.log").read_text(), re.M)
   summary = (logs / "orchestrator.log").read_text()
+  assert job_finished(logs)  # what the slow job's tests rely on: the summary marks the end
   assert "OK: 2 steps x 3 micro-batches" in summary
   assert "trained once in order: yes" in summary
   # Both processes run in the mode the launcher set.
@@ -173,9 +184,12 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
 def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, *, check_started=None,
                       timeout: float = 60, **env: str):
   """Starts a slow job, sends `sig` to the launcher once it started `after` (first calling
-  `check_started(output so far)` when given); returns (rc, out)."""
+  `check_started(output so far)` when given); returns (rc, out) once the launcher has exited,
+  after checking that the job had not finished: the signal stopped a running job."""
+  logs = tmp_path / "logs"
   proc = subprocess.Popen(
-      ["bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout", "50", *SLOW_JOB],
+      ["bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout", "50", "--log_dir",
+       str(logs), *SLOW_JOB],
       env={**launch.env, "TUNIX_STAGE_BATCH": "stage", **env}, cwd=tmp_path, text=True,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   seen = []
@@ -194,7 +208,10 @@ def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, *, check_sta
     if proc.poll() is None:
       proc.kill()
       proc.communicate()
-  return proc.returncode, "".join(seen) + rest
+  out = "".join(seen) + rest
+  assert not job_finished(logs), f"the job finished before {signal.Signals(sig).name}:\n{out}"
+  assert "job succeeded" not in out
+  return proc.returncode, out
 
 
 @pytest.mark.parametrize("after", ["trainer", "orchestrator"])
@@ -215,8 +232,11 @@ def test_local_launcher_stops_everything_when_terminated(launch, tmp_path: Path,
   assert_nothing_left(launch, out)
 
 
-def test_local_timeout_stops_the_job_and_prints_the_logs(launch):
-  proc = launch("--host", "embedded", "--tiny", "--timeout", "4", *SLOW_JOB)
+def test_local_timeout_stops_the_job_and_prints_the_logs(launch, tmp_path: Path):
+  logs = tmp_path / "logs"
+  proc = launch("--host", "embedded", "--tiny", "--timeout", "4", "--log_dir", str(logs),
+                *SLOW_JOB)
+  assert not job_finished(logs), proc.stdout + proc.stderr  # the timeout stopped a running job
   assert proc.returncode == 1
   assert "local_launcher.sh: error: the job did not finish within 4s" in proc.stderr
   assert re.search(r"^----- trainer \(.*/trainer\.log\), last 40 lines -----$", proc.stderr,

@@ -1,7 +1,8 @@
 """`tunix-stage doctor`: can staging work here, and what would it do?
 
 Reports: the effective configuration; whether the bootstrap .pth and the entry points are
-installed; whether tunix is importable, its version and commit; every capability probe; which
+installed; whether tunix is importable, its version and commit; MaxText's state next to it
+(importable or not, whether or not tunix is); every capability probe; which
 hooks are installed in this process (the bootstrap installs them while doctor imports tunix when
 TUNIX_STAGE_BATCH=stage). Exit status: 0 when staging is off or can work, 1 when staging is
 requested but cannot work, 2 when a setting is invalid.
@@ -57,16 +58,26 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   if not report["bootstrap_pth"]:
     problems.append(f"{bootstrap.PTH_NAME} is not installed: TUNIX_STAGE_BATCH=stage cannot "
                     "activate on its own (reinstall the package, or call install())")
+  _host(report, problems)
+  # MaxText is reported whether or not tunix is importable: a user setting up the trainer's image
+  # needs both answers.
+  report["engines"] = {name: _engine(name, problems) for name in ENGINES
+                       if name in report["entry_points"]}
+  return report, problems
+
+
+def _host(report: dict[str, Any], problems: list[str]) -> None:
+  """tunix: importable, its probes, the hooks installed in this process."""
   if HOST not in report["entry_points"]:
     problems.append(f"no {HOST!r} adapter in entry-point group {entry_points.ENTRY_POINT_GROUP!r}")
-    return report, problems
+    return
   adapter = entry_points.load_adapter(HOST)
   try:
     adapter.load()
   except ImportError as e:
     report["host"] = None
     problems.append(f"tunix is not importable: {type(e).__name__}: {e}. {TUNIX_HINT}")
-    return report, problems
+    return
   report["host"] = adapter.describe()
   if manager.is_installed(HOST):  # the bootstrap installed while load() imported tunix
     checks = [{"name": "host probes (passed at install)", "ok": True, "detail": "ok"}]
@@ -77,9 +88,6 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   problems += [f"probe failed: {c['name']}: {c['detail']}" for c in checks if not c["ok"]]
   report["installed_hooks"] = manager.installed_hooks(HOST)
   report["hook_groups"] = list(adapter.hook_groups)
-  report["engines"] = {name: _engine(name, problems) for name in ENGINES
-                       if name in report["entry_points"]}
-  return report, problems
 
 
 def _engine(name: str, problems: list[str]) -> dict[str, Any]:

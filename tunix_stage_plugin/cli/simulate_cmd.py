@@ -10,9 +10,13 @@ import textwrap
 from typing import Any
 
 from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin.core import flags as flags_lib
 from tunix_stage_plugin.core import inputs
 
 CHECK_TOLERANCE = 0.05  # --check: a prediction within 5 % of the measured median step
+# --check on a --tiny bench: its steps last milliseconds, so its timings judge nothing (the label
+# tunix-stage bench gives a --tiny run's timing checks, bench/report.TINY_NA).
+TINY_NA = "n/a (tiny)"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,7 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       "wire), h2d=2x, compute=0.8x; repeatable")
   parser.add_argument("--check", action="store_true",
                       help="INPUT is a bench JSON: predict each of its modes and compare with the "
-                      f"measured median step (a prediction within {CHECK_TOLERANCE:.0%} passes)")
+                      + flags_lib.literal(f"measured median step (a prediction within "
+                                          f"{CHECK_TOLERANCE:.0%} passes)"))
   parser.add_argument("--json", default=None, metavar="PATH",
                       help="also write the figures as JSON ('-': stdout, instead of the table)")
   parser.add_argument("--png", default=None, metavar="PATH",
@@ -100,9 +105,15 @@ def run(args: argparse.Namespace) -> int:
     return 2
   try:
     if args.check:
-      report = _check(args.input, modes, device, host, factors)
+      bench, traces = _bench_traces(args.input, modes, factors)
     else:
       trace = trace_lib.load(args.input, mode="resident").scaled(factors)
+      bench, traces = None, {m: trace for m in modes}
+    if args.png is not None:
+      _check_step(step, traces)  # before any simulation: bad input is refused up front
+    if bench is not None:
+      report = _check(args.input, bench, traces, device, host)
+    else:
       report = _predict(trace, modes, device, host)
   except (trace_lib.TraceError, ValueError) as e:
     print(f"tunix-stage simulate: error: {e}", file=sys.stderr)
@@ -142,38 +153,62 @@ def _predict(trace: Any, modes: tuple[str, ...], device: int, host: int) -> dict
           "_results": results}
 
 
-def _check(path: str, modes: tuple[str, ...], device: int, host: int,
-           factors: dict[str, float]) -> dict[str, Any]:
-  # pylint: disable=import-outside-toplevel
-  from tunix_stage_plugin.sim import run as run_lib
-  from tunix_stage_plugin.sim import trace as trace_lib
-  with open(path, encoding="utf-8") as f:
-    bench = json.load(f)
-  measured = bench.get("modes", {})
-  options = bench.get("options", {})
-  device = options.get("max_device_batches", device)
-  host = options.get("max_host_batches", host)
-  modes = tuple(m for m in modes if m in measured)
+def _check_step(step: int, traces: dict[str, Any]) -> None:
+  """--step names a step after the fill (step 0) that every mode's trace has."""
+  from tunix_stage_plugin.sim import trace as trace_lib  # pylint: disable=import-outside-toplevel
+  last = min(len(t.steps) for t in traces.values()) - 1
+  if last >= 1 and step > last:  # (a trace of one step is refused by the simulator itself)
+    raise trace_lib.TraceError(f"--step {step}: accepted: a step from 1 to {last} (the trace's "
+                               f"steps after the fill, step 0)")
+
+
+def _bench_traces(path: str, modes: tuple[str, ...], factors: dict[str, float]
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+  """--check's input: the bench JSON and, per mode it measured, that mode's recorded times."""
+  from tunix_stage_plugin.sim import trace as trace_lib  # pylint: disable=import-outside-toplevel
+  bench = trace_lib.read_json(path)
+  if not isinstance(bench, dict) or not isinstance(bench.get("modes"), dict):
+    raise trace_lib.TraceError(f"{path}: not a tunix-stage bench JSON (no modes); accepted with "
+                               "--check: a bench JSON (bench-out/bench.json)")
+  modes = tuple(m for m in modes if m in bench["modes"])
   if not modes:
     raise trace_lib.TraceError(f"{path}: no mode of this bench to check against")
-  results, report_modes = {}, {}
+  traces = {}
   for mode in modes:
     timed = trace_lib.from_bench(bench, mode, path).scaled(factors)
     # The bench's warm-up step is not recorded: its first timed step stands in for it.
-    trace = trace_lib.Trace((timed.steps[0], *timed.steps), timed.source)
-    results[mode] = run_lib.simulate(trace, mode, max_device_batches=device,
-                                     max_host_batches=host)
+    traces[mode] = trace_lib.Trace((timed.steps[0], *timed.steps), timed.source)
+  return bench, traces
+
+
+def _check(path: str, bench: dict[str, Any], traces: dict[str, Any], device: int,
+           host: int) -> dict[str, Any]:
+  from tunix_stage_plugin.sim import run as run_lib  # pylint: disable=import-outside-toplevel
+  measured = bench["modes"]
+  options = bench.get("options") or {}
+  device = options.get("max_device_batches", device)
+  host = options.get("max_host_batches", host)
+  tiny = bool(options.get("tiny"))  # milliseconds of compute: nothing to judge
+  results = {mode: run_lib.simulate(trace, mode, max_device_batches=device,
+                                    max_host_batches=host) for mode, trace in traces.items()}
   hidden = run_lib.hidden_fractions(results)
+  report_modes = {}
   for mode, result in results.items():
     figures = _figures(result, hidden[mode], None)
     want = measured[mode]["median_step_s"]
     error = result.median_step_s / want - 1.0
     figures.update(measured_median_step_s=want, error=error,
-                   within_tolerance=abs(error) <= CHECK_TOLERANCE)
+                   within_tolerance=None if tiny else abs(error) <= CHECK_TOLERANCE)
     report_modes[mode] = figures
-  return {"input": path, "check": True, "tolerance": CHECK_TOLERANCE,
+  return {"input": path, "check": True, "tolerance": CHECK_TOLERANCE, "tiny": tiny,
           "max_device_batches": device, "max_host_batches": host, "modes": report_modes,
           "_results": results}
+
+
+def _verdict(report: dict[str, Any], figures: dict[str, Any]) -> str:
+  if figures["within_tolerance"] is None:
+    return TINY_NA
+  return "ok" if figures["within_tolerance"] else f"OFF by more than {report['tolerance']:.0%}"
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -190,7 +225,7 @@ def _table(report: dict[str, Any]) -> str:
     if check:
       rows.append((mode, _fmt(r["predicted_median_step_s"], ".3f"),
                    _fmt(r["measured_median_step_s"], ".3f"), f"{r['error']:+.1%}",
-                   "ok" if r["within_tolerance"] else f"OFF by more than {report['tolerance']:.0%}"))
+                   _verdict(report, r)))
     else:
       mid = sorted(r["mid_step_idle_s"])[len(r["mid_step_idle_s"]) // 2]
       boundary = sorted(r["boundary_idle_s"])[len(r["boundary_idle_s"]) // 2]
@@ -202,6 +237,8 @@ def _table(report: dict[str, Any]) -> str:
                      enumerate(zip(row, widths))).rstrip() for row in (header, *rows)]
   lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
   title = (f"tunix-stage simulate --check {report['input']}: predicted vs measured median step"
+           + ("; a --tiny bench: its model computes in milliseconds, so its timings judge "
+              "nothing (n/a)" if report.get("tiny") else "")
            if check else
            f"tunix-stage simulate {report['input']}: {report['steps']} steps, "
            f"{report['microbatches']} micro-batches; device bound {report['max_device_batches']}, "
@@ -226,10 +263,7 @@ class _Picture:
 
 def _picture(path: str, results: dict[str, Any], step: int) -> None:
   from tunix_stage_plugin.bench import plot  # pylint: disable=import-outside-toplevel
-  last = min(len(r.step_s) for r in results.values())
-  if step > last:
-    raise SystemExit(f"tunix-stage simulate: error: --step {step}: the trace has steps 1 to "
-                     f"{last} after the fill")
+  assert step <= min(len(r.step_s) for r in results.values()), step  # run() checked it
   try:
     plot.write_timeline_png(path, [_Picture(m, r, step) for m, r in results.items()],
                             title=f"tunix-stage simulate: step {step}, predicted")

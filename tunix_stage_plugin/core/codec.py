@@ -26,15 +26,12 @@ import numpy as np
 
 from tunix_stage_plugin.core import buffers as buffers_lib
 
-OFF = "off"
-ON = "on"  # the default codec at its default level (README "Compressed stage payloads")
-DEFAULT_CODEC = "blosc2-zstd"
-CODECS = ("blosc2-zstd", "blosc2-lz4", "zstd", "lz4")
-DEFAULT_LEVELS = {"blosc2-zstd": 1, "blosc2-lz4": 5, "zstd": 1, "lz4": 0}
-LEVELS = {"blosc2-zstd": (0, 9), "blosc2-lz4": (0, 9), "zstd": (-7, 22), "lz4": (0, 16)}
-MODULES = {"blosc2-zstd": "blosc2", "blosc2-lz4": "blosc2", "zstd": "zstandard", "lz4": "lz4"}
-EXTRA = "pip install 'tunix-stage-plugin[codec]'"
-ACCEPTED = f"{OFF} | {ON} ({DEFAULT_CODEC}) | NAME[:LEVEL] with NAME one of {', '.join(CODECS)}"
+# The spec's grammar (names, levels, defaults, what is accepted) lives in codec_spec, without
+# numpy, so core.config can say what it accepts; re-exported here (codec.LEVELS is that table).
+# pylint: disable-next=unused-import
+from tunix_stage_plugin.core.codec_spec import ACCEPTED, CODECS, DEFAULT_CODEC, DEFAULT_LEVELS
+from tunix_stage_plugin.core.codec_spec import EXTRA, LEVELS, MODULES, OFF, ON
+
 MIN_PACK_BYTES = 64 << 10  # smaller arrays travel raw: their bytes are not worth a codec call
 CHUNK_BYTES = 64 << 20  # under every codec's 2 GiB per-call limit; one decode call per chunk
 

@@ -13,6 +13,7 @@ import os
 import threading
 from typing import Any, Callable, Mapping
 
+from tunix_stage_plugin.core import codec_spec
 from tunix_stage_plugin.core import inputs
 
 MODE_OFF = "off"
@@ -85,6 +86,7 @@ class Setting:
   accepted: str  # what `parse` accepts, as error messages and help say it
   roles: tuple[str, ...]  # the processes that read it (its variable goes to their containers)
   help: str
+  metavar: str = "N"  # how --help names its flag's value
   # Launch lines carry its flag even at the default (False: only when set, so a driver that
   # predates the setting keeps its command line).
   flag_at_default: bool = True
@@ -99,6 +101,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse=_parse_mode,
         accepted=" | ".join(MODES),
         roles=ROLES,
+        metavar="|".join(MODES),
         help="off: the host runs exactly as without the plugin; stage: micro-batches are staged "
         "on the trainer's device ahead of their train call.",
     ),
@@ -141,9 +144,9 @@ SETTINGS: tuple[Setting, ...] = (
         flag="stage_codec",
         default="off",
         parse=_parse_codec,
-        accepted="off | on (blosc2-zstd) | NAME[:LEVEL] with NAME one of blosc2-zstd, "
-        "blosc2-lz4, zstd, lz4",
+        accepted=codec_spec.ACCEPTED,
         roles=(ORCHESTRATOR,),
+        metavar="CODEC",
         help="orchestrator: compress a staged micro-batch's large arrays (lossless) before they "
         "cross the wire; the trainer decodes them on its staging lane. Inline calls are never "
         "compressed. Needs the codec extra: pip install 'tunix-stage-plugin[codec]'.",

@@ -18,9 +18,15 @@ TRAINER_FIELDS = config_lib.fields_for(config_lib.TRAINER)
 ALL_FIELDS = tuple(s.field for s in config_lib.SETTINGS)
 
 
+def literal(text: str) -> str:
+  """`text` as an argparse help string that shows it as written: argparse %-formats help (for
+  %(default)s and the like), so a bare % in it would break --help."""
+  return text.replace("%", "%%")
+
+
 def _flag_help(setting: config_lib.Setting) -> str:
-  return (f"{setting.help} Accepted: {setting.accepted}. Overrides ${setting.env}; "
-          f"default {setting.default}.")
+  return literal(f"{setting.help} Accepted: {setting.accepted}. Overrides ${setting.env}; "
+                 f"default {setting.default}.")
 
 
 def add_argparse_flags(parser: argparse.ArgumentParser,
@@ -32,9 +38,9 @@ def add_argparse_flags(parser: argparse.ArgumentParser,
     if field == "mode":
       # A bare --stage_train_batches switches staging on, as a boolean driver flag would.
       group.add_argument(f"--{s.flag}", nargs="?", const=config_lib.MODE_STAGE, default=None,
-                         metavar="off|stage", help=_flag_help(s))
+                         metavar=s.metavar, help=_flag_help(s))
     else:
-      group.add_argument(f"--{s.flag}", default=None, metavar="N", help=_flag_help(s))
+      group.add_argument(f"--{s.flag}", default=None, metavar=s.metavar, help=_flag_help(s))
   return parser
 
 

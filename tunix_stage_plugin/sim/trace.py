@@ -13,6 +13,7 @@ from typing import Any
 from tunix_stage_plugin.core import timeline as timeline_lib
 
 RESOURCES = ("wire", "h2d", "compute")
+ACCEPTED_INPUT = "a trace JSON, a trace CSV (.csv) or a tunix-stage bench JSON, as UTF-8 text"
 
 
 class TraceError(ValueError):
@@ -172,20 +173,36 @@ def from_chrome_trace(data: dict[str, Any], source: str) -> Trace:
       s["update"], s["sync"]) for _, s in sorted(steps.items())), f"{source} (inline run)"))
 
 
+def read_text(path: str) -> str:
+  """The file's text; TraceError naming the file when it cannot be read or is not UTF-8 (a
+  leading byte-order mark, as spreadsheets write, is dropped)."""
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise TraceError(f"{path}: cannot read it ({e.strerror}); accepted: {ACCEPTED_INPUT}") from None
+  try:
+    return raw.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    raise TraceError(f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                     f"accepted: {ACCEPTED_INPUT}") from None
+
+
+def read_json(path: str) -> Any:
+  """The file's JSON; TraceError naming the file otherwise."""
+  text = read_text(path)
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError as e:
+    raise TraceError(f"{path}: not JSON ({e.msg} at line {e.lineno}); accepted: "
+                     f"{ACCEPTED_INPUT}") from None
+
+
 def load(path: str, mode: str | None = None) -> Trace:
   """A trace from a JSON or CSV file, or a bench JSON (with `mode`, its recorded times)."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
-  except OSError as e:
-    raise TraceError(f"{path}: cannot read it ({e.strerror})") from None
   if os.path.splitext(path)[1].lower() == ".csv":
-    return from_csv(text, path)
-  try:
-    data = json.loads(text)
-  except json.JSONDecodeError as e:
-    raise TraceError(f"{path}: not JSON ({e.msg} at line {e.lineno}); accepted: a trace JSON, a "
-                     "trace CSV (.csv) or a tunix-stage bench JSON") from None
+    return from_csv(read_text(path), path)
+  data = read_json(path)
   if isinstance(data, dict) and "calibration" in data and "runs" in data:
     return from_bench(data, mode or "inline", path)
   if isinstance(data, dict) and "traceEvents" in data:

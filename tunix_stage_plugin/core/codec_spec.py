@@ -1,0 +1,22 @@
+"""What a codec spec (TUNIX_STAGE_CODEC's value) may name: the codecs, their levels and defaults.
+
+A module of its own, without numpy, so that core.config (read by every `tunix-stage` command and
+by the bootstrap) can say what it accepts, levels included, without importing core/codec.py's
+numpy. core/codec.py re-exports every name here (`codec.LEVELS` is this table). README:
+"Compressed stage payloads" and "Configuration".
+"""
+
+from __future__ import annotations
+
+OFF = "off"
+ON = "on"  # the default codec at its default level (README "Compressed stage payloads")
+DEFAULT_CODEC = "blosc2-zstd"
+CODECS = ("blosc2-zstd", "blosc2-lz4", "zstd", "lz4")
+DEFAULT_LEVELS = {"blosc2-zstd": 1, "blosc2-lz4": 5, "zstd": 1, "lz4": 0}
+LEVELS = {"blosc2-zstd": (0, 9), "blosc2-lz4": (0, 9), "zstd": (-7, 22), "lz4": (0, 16)}
+MODULES = {"blosc2-zstd": "blosc2", "blosc2-lz4": "blosc2", "zstd": "zstandard", "lz4": "lz4"}
+EXTRA = "pip install 'tunix-stage-plugin[codec]'"
+ACCEPTED = (f"{OFF} | {ON} (= {DEFAULT_CODEC}:{DEFAULT_LEVELS[DEFAULT_CODEC]}) | NAME[:LEVEL] "
+            "with LEVEL an integer in NAME's range: "
+            + ", ".join(f"{name} {LEVELS[name][0]} to {LEVELS[name][1]} (default "
+                        f"{DEFAULT_LEVELS[name]})" for name in CODECS))
