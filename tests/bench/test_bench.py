@@ -201,8 +201,8 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
 @pytest.mark.parametrize("args, message", [
     (["--out", "/proc/x"], "--out '/proc/x': cannot create anything in /proc"),
     (["--seed", str(2**32)], "accepted: an integer from 0 to 4294967295"),
-    (["--payload_mib", "65536"], "held at once (12 resident on the trainer, 9 built ahead or "
-     "staged) need 1344.0 GiB, more than the"),
+    (["--payload_mib", "65536"], "held at once (4 built once on the orchestrator (one per "
+     "position of a step), up to 5 on the trainer) need 576.0 GiB, more than the"),
     (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
      "--modes 'inline,inline': accepted: a comma-separated subset of inline,depth1,depth2,"
      "depth2_prestage,resident,depth2_prestage_codec, each at most once"),
@@ -245,24 +245,6 @@ def test_a_partial_result_summarizes_the_runs_that_finished():
   assert list(summary) == ["inline", "depth1"]
   assert [c.passed for c in report.criteria(result, summary)] == [None, None, None, True, True,
                                                                   True]
-
-
-def test_batch_prefetch_builds_a_bounded_window_in_training_order():
-  sizes, steps, m = data_lib.TINY_SIZES, 50, 3
-  before = threading.active_count()
-  with runner.BatchPrefetch(sizes, 7, steps, m) as batch_for:
-    assert threading.active_count() == before + 1
-    for s in range(steps):
-      for i in range(m):
-        batch = batch_for(s, i)
-        want = data_lib.make_batch(sizes, 7, s, i)
-        assert batch.mb_id == want.mb_id
-        assert all((batch.arrays[k] == want.arrays[k]).all() for k in want.arrays)
-        assert batch_for.waiting <= runner.PREFETCH_STEPS * m
-  with runner.BatchPrefetch(sizes, 7, steps, m) as batch_for:
-    with pytest.raises(ValueError, match="more than 2 steps ahead"):
-      batch_for(runner.PREFETCH_STEPS, 0)
-  assert threading.active_count() == before
 
 
 @pytest.fixture(name="tiny_run", scope="module")

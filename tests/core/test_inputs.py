@@ -54,6 +54,7 @@ def test_memory_problem_compares_with_mem_available():
   assert inputs.memory_problem(1 << 20, 4, "test") is None
   problem = inputs.memory_problem(available, 2, "test")
   assert problem is not None and "(MemAvailable)" in problem and "2 micro-batches" in problem
+  assert f"accepted: at most {available / 2 / (1 << 20):.0f} MiB per micro-batch" in problem
 
 
 def test_output_paths(tmp_path):

@@ -40,7 +40,7 @@ async def run_plan_async(address: str, plan: job_lib.JobPlan, *,
     the_engine = engine(client)
     outcomes = await job_lib.run_job(
         the_engine, plan,
-        lambda s, i: data_lib.make_batch(sizes, seed, s, i))
+        data_lib.BatchMaker(sizes, seed))
     return PlanResult(outcomes, await client.call("finish"), the_engine.wire)
 
 

@@ -3,19 +3,18 @@
 One runner, so every mode gets the same trainer, data, calibration and machine. The modes, the
 links calibrated from the measured compute time c, the warm-up step, the rotating rounds and the
 re-runs of mode runs without a quiet step (bench.cpu): README "The main job: `tunix-stage bench`"
-and "Performance: what limits the figures". Micro-batches are built before a mode run (off the
-timed path: a 16 MiB one takes about 8 ms of a core, which a 2-core machine would take from
-compute) when they fit in PREBUILD_MAX_BYTES, else by BatchPrefetch, at most two steps ahead.
+and "Performance: what limits the figures". Each position's bulk array is built once, before the
+first mode run (data.BatchMaker: off the timed path; a 1 GiB one takes over a second of a core),
+and shared by every step and mode; only a micro-batch's small per-step arrays are built when the
+pipeline pulls it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import statistics
-import threading
 import time
 from typing import Callable
 
@@ -38,7 +37,6 @@ BURSTY_HEAD, BURSTY_HEAD_SLOWDOWN = 1 / 3, 1.6  # the first third of a step's tr
 BURSTY_SPIKE_P, BURSTY_SPIKE_SLOWDOWN = 0.2, 2.0  # and a fifth of all, at random
 CALIBRATION_STEPS = 3  # the first compiles; the medians use the others
 WARMUP_STEPS = 1
-PREFETCH_STEPS = 2  # batches built ahead: the step being trained and the next (prestage)
 
 
 def mode_codec(stage_codec: str, mode: str) -> codec_lib.Codec | None:
@@ -190,22 +188,16 @@ class BenchResult:
   interrupted: str | None = None  # the signal's name when a signal stopped the benchmark early
 
 
-PREBUILD_MAX_BYTES = 1 << 30
-
-
-def _prebuilt(options: BenchOptions) -> bool:
-  return options.sizes().payload_bytes * options.total_steps * options.microbatches \
-      <= PREBUILD_MAX_BYTES
-
-
 def payloads_held(options: BenchOptions) -> tuple[int, str]:
   """About how many payloads the two processes hold at once, and why (for the memory check)."""
-  resident = options.total_steps if "resident" in options.modes else 0
-  on_trainer = max(CALIBRATION_STEPS, resident) * options.microbatches
-  built = options.total_steps if _prebuilt(options) else PREFETCH_STEPS
-  ahead = built * options.microbatches + options.max_device_batches
-  return on_trainer + ahead, (
-      f"{on_trainer} resident on the trainer, {ahead} built ahead or staged")
+  m = options.microbatches
+  # On the trainer: a step's resident batches (calibration, resident), or what staging holds at
+  # once: the device and host bounds, the batch computing, the one arriving, and the last one
+  # placed (JAX may keep its last argument until the next placement).
+  staged = options.max_device_batches + options.max_host_batches + 3
+  on_trainer = max(m, staged)
+  return m + on_trainer, (f"{m} built once on the orchestrator (one per position of a step), "
+                          f"up to {on_trainer} on the trainer")
 
 
 def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _: None, *,
@@ -236,77 +228,6 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _:
   return result
 
 
-class BatchPrefetch:
-  """Builds a run's micro-batches in training order on a thread, PREFETCH_STEPS steps ahead.
-
-  Call it as job.run_job's batch_for; each batch is handed out once and then dropped, so memory
-  holds a bounded window whatever the number of steps. `with` stops and joins the thread.
-  """
-
-  def __init__(self, sizes: data_lib.Sizes, seed: int, steps: int, microbatches: int) -> None:
-    self._args = (sizes, seed)
-    self._total = steps * microbatches
-    self._microbatches = microbatches
-    self._ahead = PREFETCH_STEPS * microbatches
-    self._built: dict[tuple[int, int], data_lib.Batch] = {}
-    self._taken = 0  # training-order position after the furthest batch handed out
-    self._closed = False
-    self._error: BaseException | None = None
-    self._cond = threading.Condition()
-    self._thread = threading.Thread(target=self._produce, name="bench-batches", daemon=True)
-    self._thread.start()
-
-  def _produce(self) -> None:
-    try:
-      for n in range(self._total):
-        step, index = divmod(n, self._microbatches)
-        with self._cond:
-          self._cond.wait_for(lambda n=n: self._closed or n < self._taken + self._ahead)
-          if self._closed:
-            return
-        batch = data_lib.make_batch(*self._args, step, index)  # numpy fills without the GIL
-        with self._cond:
-          self._built[step, index] = batch
-          self._cond.notify_all()
-    except BaseException as e:  # pylint: disable=broad-except  (handed to the consumer)
-      with self._cond:
-        self._error = e
-        self._cond.notify_all()
-
-  def __call__(self, step: int, index: int) -> data_lib.Batch:
-    position = step * self._microbatches + index
-    with self._cond:
-      if position >= self._taken + self._ahead:  # the thread would never build it: say so
-        raise ValueError(f"micro-batch {data_lib.mb_id(step, index)} asked for more than "
-                         f"{PREFETCH_STEPS} steps ahead of the last one taken")
-      self._cond.wait_for(lambda: (step, index) in self._built or self._error is not None)
-      if (step, index) not in self._built:
-        raise RuntimeError(f"building micro-batch {data_lib.mb_id(step, index)} failed: "
-                           f"{self._error!r}") from self._error
-      self._taken = max(self._taken, position + 1)
-      self._cond.notify_all()
-      return self._built.pop((step, index))
-
-  @property
-  def waiting(self) -> int:
-    """Batches built and not yet handed out (at most PREFETCH_STEPS steps' worth)."""
-    with self._cond:
-      return len(self._built)
-
-  def close(self) -> None:
-    with self._cond:
-      self._closed = True
-      self._built.clear()
-      self._cond.notify_all()
-    self._thread.join()
-
-  def __enter__(self) -> "BatchPrefetch":
-    return self
-
-  def __exit__(self, *exc: object) -> None:
-    self.close()
-
-
 async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
                say: Callable[[str], None], result: BenchResult) -> None:
   async with client_lib.WorkerClient(trainer.address) as client:
@@ -314,9 +235,10 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
     engine = engine_lib.EmbeddedEngine(client, transfer_slowdown=transfer_slowdown(
         options.scenario, options.seed, options.microbatches))
     sizes = options.sizes()
-    say(f"micro-batches of {sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed}), "
-        + ("built before each mode run" if _prebuilt(options)
-           else f"built {PREFETCH_STEPS} steps ahead of training on a thread"))
+    say(f"micro-batches of {sizes.payload_bytes / data_lib.MIB:.1f} MiB (seed {options.seed}): "
+        f"building the {options.microbatches} bulk arrays every step shares")
+    make = data_lib.BatchMaker(sizes, options.seed)
+    await asyncio.to_thread(lambda: [make(0, i) for i in range(options.microbatches)])
     calibration = result.calibration = await _calibrate(client, engine, options, sizes)
     c = calibration
     say(f"calibrated: compute {c.compute_s:.3f} s/micro-batch, update {c.update_s:.3f} s -> wire "
@@ -331,7 +253,7 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
       for mode in options.modes[shift:] + options.modes[:shift]:
         while True:
           began = time.monotonic()
-          run = await _run_mode(client, engine, options, calibration, mode, r, trainer.pid)
+          run = await _run_mode(client, engine, options, calibration, mode, r, trainer.pid, make)
           durations.append(time.monotonic() - began)
           result.runs.append(run)
           say(f"{_progress_line(options, run)}; {time_left_line(durations, total)}")
@@ -366,7 +288,7 @@ async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.Embedde
 
 async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
                     options: BenchOptions, calibration: Calibration, mode: str, round_: int,
-                    trainer_pid: int) -> ModeRun:
+                    trainer_pid: int, make: data_lib.BatchMaker) -> ModeRun:
   await client.call("setup", sizes=options.sizes().as_dict(), seed=options.seed,
                     h2d_mbps=calibration.h2d_bytes_per_s / 1e6)
   plan = plan_for(mode, options.total_steps, options.microbatches, calibration.sync_s)
@@ -374,21 +296,15 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
   load = cpu.ForeignLoad([os.getpid(), trainer_pid])
   step_loads: list[float | None] = []
   if mode == "resident":  # the trainer built these itself; only their ids travel
-    batches = contextlib.nullcontext(lambda s, i: data_lib.Batch(s, i, {}))
-  elif _prebuilt(options):
-    sizes = options.sizes()
-    built = {(s, i): data_lib.make_batch(sizes, options.seed, s, i)
-             for s in range(plan.steps) for i in range(plan.microbatches)}
-    batches = contextlib.nullcontext(lambda s, i: built.pop((s, i)))
+    batch_for: Callable[[int, int], data_lib.Batch] = lambda s, i: data_lib.Batch(s, i, {})
   else:
-    batches = BatchPrefetch(options.sizes(), options.seed, plan.steps, plan.microbatches)
+    batch_for = make
   engine.wire = engine_lib.WireStats()
   engine.codec = options.codec_for(mode)
-  with batches as batch_for:
-    origin = time.perf_counter()
-    load.start()
-    outcomes = await job_lib.run_job(engine, plan, batch_for, timeline=recorder,
-                                     on_step=lambda _: step_loads.append(load.lap()))
+  origin = time.perf_counter()
+  load.start()
+  outcomes = await job_lib.run_job(engine, plan, batch_for, timeline=recorder,
+                                   on_step=lambda _: step_loads.append(load.lap()))
   finish = await client.call("finish")
   trainer_spans = await client.call("timeline")
   timings = metrics.step_timings(trainer_spans, range(WARMUP_STEPS, options.total_steps))

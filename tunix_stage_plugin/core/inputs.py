@@ -116,7 +116,8 @@ def memory_problem(payload_bytes: int, held: int, what: str) -> str | None:
     return None
   return (f"{held} micro-batches of {payload_bytes / MIB:g} MiB held at once ({what}) need "
           f"{need / (1 << 30):.1f} GiB, more than the {available / (1 << 30):.1f} GiB available "
-          "(MemAvailable); accepted: a smaller payload")
+          f"(MemAvailable); accepted: at most {available / held / MIB:.0f} MiB per micro-batch "
+          "with these settings, or fewer micro-batches held")
 
 
 def _creatable_dir_problem(path: str) -> str | None:

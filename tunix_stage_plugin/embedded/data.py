@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from tunix_stage_plugin.core import buffers as buffers_lib
+
 MIB = 1 << 20
 
 PAYLOAD_DENSE = "dense"
@@ -127,35 +129,75 @@ def rl_lengths(sizes: Sizes, rng: np.random.Generator) -> np.ndarray:
   return np.clip(np.round(frac * sizes.seq), 2, sizes.seq).astype(np.int32)
 
 
-def make_rl_arrays(sizes: Sizes, rng: np.random.Generator) -> dict[str, np.ndarray]:
-  """An RL micro-batch as a trainer receives it (README "The rl payload"): every per-token field is
-  padded past each sequence's real length (ids 0, mask 0, log-probs 0.0, routed_experts -1)."""
+def _aligned_copy(array: np.ndarray) -> np.ndarray:
+  out = buffers_lib.aligned_empty(array.nbytes).view(array.dtype).reshape(array.shape)
+  np.copyto(out, array)
+  return out
+
+
+def _bulk(sizes: Sizes, seed: int, index: int) -> dict[str, np.ndarray]:
+  """A position's bulk array (and, for rl, the lengths that pad it), 64-byte aligned."""
+  rng = np.random.default_rng([seed, index])
   b, t = sizes.batch, sizes.seq
-  lengths = rl_lengths(sizes, rng)
-  live = np.arange(t)[None, :] < lengths[:, None]  # [b, t]
+  if sizes.payload == PAYLOAD_RL:
+    lengths = rl_lengths(sizes, rng)
+    live = np.arange(t)[None, :] < lengths[:, None]  # [b, t]
+    # Top-k routing per token and layer: expert ids of RL_EXPERTS with a skewed popularity (low
+    # ids more often: u**3), so ids repeat as real routers' do; -1 past each sequence's length.
+    draws = rng.random((b, t, sizes.routed_layers, sizes.top_k), dtype=np.float32)
+    routed = (draws * draws * draws * RL_EXPERTS).astype(np.int16)
+    del draws
+    routed[~live] = -1
+    return {"live": live, "routed_experts": _aligned_copy(routed)}
+  ballast = buffers_lib.aligned_empty(b * t * sizes.ballast * 4).view(np.float32)
+  rng.random(dtype=np.float32, out=ballast)
+  return {"ballast": ballast.reshape(b, t, sizes.ballast)}
+
+
+def _per_step(sizes: Sizes, bulk: dict[str, np.ndarray], rng: np.random.Generator
+              ) -> dict[str, np.ndarray]:
+  b, t = sizes.batch, sizes.seq
+  if sizes.payload != PAYLOAD_RL:
+    return {"tokens": rng.integers(0, sizes.vocab, (b, t), dtype=np.int32),
+            "ballast": bulk["ballast"]}
+  live = bulk["live"]
   tokens = np.where(live, rng.integers(1, sizes.vocab, (b, t), dtype=np.int32), 0).astype(np.int32)
   positions = np.where(live, np.arange(t, dtype=np.int32)[None, :], 0).astype(np.int32)
-  segment_ids = live.astype(np.int32)
   old = np.where(live, -rng.exponential(2.0, (b, t)), 0.0).astype(np.float32)
   ref = np.where(live, old + rng.normal(0.0, 0.05, (b, t)), 0.0).astype(np.float32)
-  # Top-k routing per token and layer: expert ids of RL_EXPERTS with a skewed popularity (low ids
-  # more often: u**3), so ids repeat as real routers' do; -1 past each sequence's length.
-  draws = rng.random((b, t, sizes.routed_layers, sizes.top_k), dtype=np.float32)
-  routed = (draws * draws * draws * RL_EXPERTS).astype(np.int16)
-  routed[~live] = -1
-  return {"tokens": tokens, "positions": positions, "segment_ids": segment_ids,
+  return {"tokens": tokens, "positions": positions, "segment_ids": live.astype(np.int32),
           "loss_mask": live.astype(np.int8),
           "advantages": rng.normal(0.0, 1.0, b).astype(np.float32),
-          "old_logprobs": old, "ref_logprobs": ref, "routed_experts": routed}
+          "old_logprobs": old, "ref_logprobs": ref, "routed_experts": bulk["routed_experts"]}
+
+
+class BatchMaker:
+  """Micro-batch (step, index) of `sizes` from `seed`: a pure function of the four.
+
+  A micro-batch's bulk array (the dense ballast; the rl routed_experts, with the lengths that pad
+  every per-token field) depends on (seed, index) only: it is made once per position of a step,
+  64-byte aligned, and shared by every step; its tokens and per-token values are new each step
+  (from (seed, step, index)), so every step trains different data. A job therefore holds one bulk
+  array per position, whatever its steps, and builds it once (a 1 GiB one takes over a second of
+  a core, longer than a micro-batch computes). Callers must not write into the arrays.
+  """
+
+  def __init__(self, sizes: Sizes, seed: int) -> None:
+    self.sizes = sizes
+    self.seed = seed
+    self._bulk: dict[int, dict[str, np.ndarray]] = {}
+
+  def __call__(self, step: int, index: int) -> Batch:
+    bulk = self._bulk.get(index)
+    if bulk is None:
+      bulk = self._bulk[index] = _bulk(self.sizes, self.seed, index)
+    rng = np.random.default_rng([self.seed, step, index])
+    return Batch(step, index, _per_step(self.sizes, bulk, rng))
 
 
 def make_batch(sizes: Sizes, seed: int, step: int, index: int) -> Batch:
-  rng = np.random.default_rng([seed, step, index])
-  if sizes.payload == PAYLOAD_RL:
-    return Batch(step, index, make_rl_arrays(sizes, rng))
-  tokens = rng.integers(0, sizes.vocab, (sizes.batch, sizes.seq), dtype=np.int32)
-  ballast = rng.random((sizes.batch, sizes.seq, sizes.ballast), dtype=np.float32)
-  return Batch(step, index, {"tokens": tokens, "ballast": ballast})
+  """One micro-batch, built from scratch (BatchMaker shares the bulk arrays across steps)."""
+  return BatchMaker(sizes, seed)(step, index)
 
 
 @dataclasses.dataclass

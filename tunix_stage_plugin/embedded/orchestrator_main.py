@@ -123,9 +123,9 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
   sizes = sizes.with_payload(args.payload)
   if payload is not None:
     sizes = sizes.with_payload_mib(payload)
-  # Batches are built as they are pulled: a step's, plus the next step's prestaged ones.
-  memory = inputs.memory_problem(sizes.payload_bytes, 2 * microbatches,
-                                 "a step's and the next step's")
+  # One bulk array per position of a step (data.BatchMaker), shared by every step.
+  memory = inputs.memory_problem(sizes.payload_bytes, microbatches,
+                                 "one per position of a step, --microbatches")
   if memory is not None:
     return None, [f"--payload_mib {args.payload_mib!r}: {memory}"]
   return Settings(args.trainer, steps, microbatches, sizes, wire, h2d, sync_s, seed, timeout,
@@ -142,12 +142,13 @@ async def run(settings: Settings) -> int:
     trainer_mode = (await client.call("info"))["mode"]
     await client.call("setup", sizes=sizes.as_dict(), seed=seed, h2d_mbps=settings.h2d_mbps,
                       record_timeline=False)
-    # Built when pulled and dropped once sent: memory does not grow with --steps.
+    # Built when pulled; the bulk arrays once per position (data.BatchMaker): memory does not grow
+    # with --steps.
     codec = codec_lib.parse(settings.cfg.codec) if plan.kind == "staged" else None
     engine = engine_lib.EmbeddedEngine(client, codec=codec)
     outcomes = await job_lib.run_job(
         engine, plan,
-        lambda s, i: data_lib.make_batch(sizes, seed, s, i),
+        data_lib.BatchMaker(sizes, seed),
         on_step=lambda o: print(f"{PROG}: {o.summary()}", flush=True))
     finish = await client.call("finish")
   expected = data_lib.expected_order(plan.steps, plan.microbatches)

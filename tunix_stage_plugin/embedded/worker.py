@@ -124,8 +124,9 @@ class TrainerWorker:
   def place_resident(self, ids: list[tuple[int, int]]) -> int:
     """Builds these micro-batches here and places them: the benchmark's no-transfer ceiling."""
     trainer = self._require_trainer()
+    make = data_lib.BatchMaker(trainer.sizes, self._seed)  # on CPU, placements alias its arrays
     for step, index in ids:
-      batch = data_lib.make_batch(trainer.sizes, self._seed, step, index)
+      batch = make(step, index)
       self._resident[batch.mb_id] = _Staged(step, batch.mb_id, trainer.place(batch.arrays))
     return len(self._resident)
 
