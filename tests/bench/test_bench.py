@@ -60,15 +60,22 @@ def test_the_step_limit_is_the_device_never_waiting():
   assert metrics.step_limit(9, 0.5, 0.03, 0.25) == pytest.approx(4.78)
 
 
+MIB = 1 << 20
+
+
 def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, round_=0,
-         stage_call_s=()):
+         stage_call_s=(), grown_mib=None):
   timings = [metrics.StepTiming(1, seconds, 0.1, 0.2, seconds - 0.3)]
+  if grown_mib is None:  # what each mode may hold, in 1 MiB payloads (README "Memory")
+    grown_mib = {"inline": 2, "resident": 3}.get(mode, 4)
   return runner.ModeRun(
       mode=mode, round=round_, timings=timings, fwd_bwd_s=[[1.7]], update_s=[0.1],
       stage_call_s=list(stage_call_s), fallbacks=0, fallback_reasons=[],
       peak_device_batches=peak, max_device_batches=2, peak_host_batches=1,
       trained_order=order or data_lib.expected_order(2, 2), param_digest=digest,
-      step_foreign_cores=[foreign], spans=[], origin=0.0)
+      step_foreign_cores=[foreign], spans=[], origin=0.0,
+      trainer_rss={"baseline": 900 * MIB, "peak": (900 + grown_mib) * MIB},
+      orchestrator_rss={"baseline": 100 * MIB, "peak": 120 * MIB})
 
 
 def _result(**overrides):
@@ -90,7 +97,7 @@ def test_criteria_pass_on_a_good_result_and_the_table_shows_every_mode():
   result = _result()
   summary = report.summarize(result)
   checks = report.criteria(result, summary)
-  assert [c.passed for c in checks] == [True] * 6
+  assert [c.passed for c in checks] == [True] * 8
   pre = summary["depth2_prestage"]
   assert pre.hidden_fraction == pytest.approx(5.9 / 6)
   # limit = 2 x 1.7 fwd_bwd + 0.1 update + 0.5 weight sync = 4.0 s
@@ -100,7 +107,9 @@ def test_criteria_pass_on_a_good_result_and_the_table_shows_every_mode():
     assert mode in table
   assert "limit" in table.splitlines()[0] and "1.025" in table
   text = report.format_report(result, summary, checks)
-  assert text.count("PASS") == 6 and "FAIL" not in text
+  assert text.count("PASS") == 8 and "FAIL" not in text
+  inline = table.splitlines()[2].split()
+  assert inline[-2:] == ["0.88", "0.12"]  # trainer and orchestrator peaks, GiB
   assert "stage calls:" not in text  # no stage call was recorded
 
 
@@ -121,6 +130,10 @@ def test_the_report_states_the_stage_calls_against_compute():
     ({"depth2": _run("depth2", 7.0, order=["s0-m1", "s0-m0", "s1-m0", "s1-m1"])},
      "expected trained_order"),
     ({"depth2": _run("depth2", 7.0, peak=3)}, "peak staged"),
+    # payload 1 MiB: inline may grow 2 x 1 MiB + the 64 MiB runtime allowance; a staged mode
+    # (inline's 2 MiB + 2 bounds x 1 MiB) x 1.1 + 64 MiB = 68.4 MiB
+    ({"inline": _run("inline", 10.0, grown_mib=67)}, "trainer memory: inline"),
+    ({"depth1": _run("depth1", 7.0, grown_mib=69)}, "trainer memory: staged"),
 ])
 def test_each_criterion_fails_on_its_own(override, failing):
   failed = _failing(_result(**override))
@@ -220,7 +233,7 @@ def test_tiny_marks_the_timing_checks_not_applicable():
   result.options = dataclasses.replace(result.options, tiny=True)
   summary = report.summarize(result)
   checks = report.criteria(result, summary)
-  assert [c.verdict for c in checks] == ["n/a (tiny)"] * 3 + ["PASS"] * 3
+  assert [c.verdict for c in checks] == ["n/a (tiny)"] * 3 + ["PASS"] * 5
   assert [c.passed for c in checks if c.kind == report.TIMING] == [None] * 3
   assert checks[2].detail == f"{10 / 11:.3f}"  # the figure is still shown
   table = report.format_table(result, summary)
@@ -238,13 +251,13 @@ def test_a_partial_result_summarizes_the_runs_that_finished():
       result, report.summarize(result)), {"json": "x"})
   assert as_json["interrupted"] is True and as_json["interrupted_by"] == "SIGTERM"
   assert as_json["calibration"] is None and as_json["runs"] == [] and as_json["modes"] == {}
-  assert [c["passed"] for c in as_json["criteria"]] == [None] * 6
+  assert [c["passed"] for c in as_json["criteria"]] == [None] * 8
   result.calibration = _result().calibration
   result.runs = [_run("inline", 10.0), _run("depth1", 7.0)]
   summary = report.summarize(result)
   assert list(summary) == ["inline", "depth1"]
   assert [c.passed for c in report.criteria(result, summary)] == [None, None, None, True, True,
-                                                                  True]
+                                                                  True, True, True]
 
 
 @pytest.fixture(name="tiny_run", scope="module")
@@ -449,7 +462,11 @@ def test_criteria_hold_their_figures_as_numbers_and_the_table_is_unchanged():
       (pytest.approx(5.85 / 6), ">=", 0.97, True),
       (pytest.approx(4.15 / 4.0), "<=", 1.03, False),
       (pytest.approx(10 / 7), ">=", 1.3, True),
-      (1, "<=", 1, True), (0, "<=", 0, True), (1, "<=", 2, True)]
+      (1, "<=", 1, True), (0, "<=", 0, True), (1, "<=", 2, True),
+      # memory: inline 2 MiB above baseline <= 2 x 1 MiB + 64 MiB; staged 4 MiB <= (2 + 2 x 1)
+      # x 1.1 + 64 MiB
+      (2 * MIB, "<=", 66 * MIB, True),
+      (4 * MIB, "<=", pytest.approx(4 * MIB * 1.1 + 64 * MIB), True)]
   assert [c["detail"] for c in as_json][:3] == [f"{5.85 / 6:.3f}", "1.038", f"{10 / 7:.3f}"]
   text = report.format_report(result, summary, checks)
   assert "FAIL  depth2_prestage step <= 1.03 x limit: 1.038" in text
@@ -616,3 +633,10 @@ def test_one_run_compares_staging_with_and_without_the_codec(tmp_path):
   assert wire["depth2_prestage_codec"]["stage_ratio"] > 2
   assert all(m["fallbacks"] == 0 for m in modes.values())
   assert "stage calls with the codec (blosc2-zstd:1, depth2_prestage_codec)" in result.stdout
+
+
+def test_the_inline_memory_bound_counts_the_compute_working_set_measured_at_calibration():
+  result = _result(inline=_run("inline", 10.0, grown_mib=120))
+  assert "trainer memory: inline" in _failing(result)[0]
+  result.calibration = dataclasses.replace(result.calibration, compute_memory_bytes=100 * MIB)
+  assert not _failing(result)  # 120 MiB <= 2 x 1 MiB + 100 MiB + 64 MiB

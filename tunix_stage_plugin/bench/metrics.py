@@ -83,3 +83,28 @@ def hidden_fraction(t_inline: float | None, t_mode: float | None,
   if t_inline is None or t_mode is None or t_resident is None or t_inline - t_resident <= 0:
     return None
   return (t_inline - t_mode) / (t_inline - t_resident)
+
+
+# The two host paths a micro-batch can take: its receive (the method that carried it) and the
+# lane its placement ran on.
+HOST_PATHS = {"staged": ("stage_batch", "staging"), "inline": ("fwd_bwd", "inline")}
+
+
+def host_path(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
+              ) -> dict[str, dict[str, float | int | None]]:
+  """Per path: the median receive and placement seconds of one micro-batch, and its bytes over
+  their sum (GiB/s), over the spans that end after `since` (the warm-up's end). Emulated links
+  count: with near-zero ones this is the real host path."""
+  spans = [s for s in spans if s.end >= since]
+  out = {}
+  for path, (method, lane) in HOST_PATHS.items():
+    receives = [s for s in spans if s.track == tracks.TRAINER_RECEIVE and s.name == method]
+    places = [s for s in spans if s.track == tracks.TRAINER_H2D and dict(s.args)["lane"] == lane]
+    receive_s = median([s.duration for s in receives])
+    place_s = median([s.duration for s in places])
+    nbytes = median([dict(s.args)["bytes"] for s in places])
+    rate = (nbytes / (receive_s + place_s) / (1 << 30)
+            if receive_s is not None and place_s is not None and receive_s + place_s > 0 else None)
+    out[path] = {"microbatches": len(places), "receive_s": receive_s, "place_s": place_s,
+                 "bytes": nbytes, "gib_per_s": rate}
+  return out

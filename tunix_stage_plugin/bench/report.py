@@ -14,7 +14,14 @@ from tunix_stage_plugin.embedded import data as data_lib
 HIDDEN_MIN = 0.97  # depth2_prestage must hide at least this much of the inline transfer time
 LIMIT_MAX = 1.03  # and its step be at most this much above the device's limit
 RATIO_MIN = 1.3  # inline / depth2 median step time
-TIMING, CORRECTNESS = "timing", "correctness"
+TIMING, CORRECTNESS, MEMORY = "timing", "correctness", "memory"
+# Trainer memory (README "Memory"): inline's peak at most its baseline + INLINE_PAYLOADS payloads,
+# a staged mode's at most inline's + (device bound + host bound) payloads + STAGED_SLACK; both
+# also allow RUNTIME_SLACK_BYTES for what the runtime allocates on its own (XLA, gRPC, Python).
+INLINE_PAYLOADS = 2
+STAGED_SLACK = 0.10
+RUNTIME_SLACK_BYTES = 64 << 20
+GIB = 1 << 30
 
 
 @dataclasses.dataclass
@@ -41,6 +48,12 @@ class ModeSummary:
   param_digest: str
   digests: list[str]  # one per run (round)
   orders_match: bool  # every run trained the expected order
+  # Peak resident bytes above the run's baseline, the most of any run (None: not measured), and
+  # the absolute peaks; the host path of the mode's micro-batches (metrics.host_path).
+  trainer_growth: int | None = None
+  trainer_peak: int | None = None
+  orchestrator_peak: int | None = None
+  host_path: dict | None = None
 
   @property
   def step_over_limit(self) -> float:
@@ -67,6 +80,10 @@ class ModeSummary:
         "param_digest": self.param_digest,
         "param_digests_per_round": self.digests,
         "trained_order_as_expected_every_round": self.orders_match,
+        "memory": {"trainer_peak_bytes": self.trainer_peak,
+                   "trainer_peak_above_baseline_bytes": self.trainer_growth,
+                   "orchestrator_peak_bytes": self.orchestrator_peak},
+        "host_path": self.host_path,
     }
 
 
@@ -150,11 +167,74 @@ def summarize(result: runner.BenchResult) -> dict[str, ModeSummary]:
         max_device_batches=runs[-1].max_device_batches,
         trained_order=runs[-1].trained_order, param_digest=runs[-1].param_digest,
         digests=[r.param_digest for r in runs],
-        orders_match=all(r.trained_order == expected for r in runs))
+        orders_match=all(r.trained_order == expected for r in runs),
+        trainer_growth=_most([_growth(r.trainer_rss) for r in runs]),
+        trainer_peak=_most([r.trainer_rss.get("peak") for r in runs]),
+        orchestrator_peak=_most([r.orchestrator_rss.get("peak") for r in runs]),
+        host_path=_host_path(mode, runs))
   t_inline, t_resident = (out[m].median_step_s if m in out else None
                           for m in ("inline", "resident"))
   for summary in out.values():
     summary.hidden_fraction = metrics.hidden_fraction(t_inline, summary.median_step_s, t_resident)
+  return out
+
+
+def _growth(rss: dict) -> int | None:
+  peak, baseline = rss.get("peak"), rss.get("baseline")
+  return None if peak is None or baseline is None else peak - baseline
+
+
+def _most(values: list[int | None]) -> int | None:
+  known = [v for v in values if v is not None]
+  return max(known) if known else None
+
+
+def _host_path(mode: str, runs: list[runner.ModeRun]) -> dict | None:
+  """The mode's own path (staged or inline) over its runs: medians of the runs' medians."""
+  path = "inline" if mode == "inline" else None if mode == "resident" else "staged"
+  if path is None:
+    return None
+  per_run = [r.host_path[path] for r in runs if r.host_path and r.host_path[path]["microbatches"]]
+  if not per_run:
+    return None
+  receive = metrics.median([p["receive_s"] for p in per_run if p["receive_s"] is not None])
+  place = metrics.median([p["place_s"] for p in per_run if p["place_s"] is not None])
+  rate = metrics.median([p["gib_per_s"] for p in per_run if p["gib_per_s"] is not None])
+  return {"path": path, "receive_s": receive, "place_s": place, "gib_per_s": rate,
+          "microbatches": sum(p["microbatches"] for p in per_run)}
+
+
+def memory_criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]
+                    ) -> list[Criterion]:
+  """The trainer's peak memory against the documented bounds (README "Memory")."""
+  o, c = result.options, result.calibration
+  inline = summary.get("inline")
+  payload = c.payload_bytes if c is not None else None
+  growth = inline.trainer_growth if inline else None
+  out = []
+  name = f"trainer memory: inline peak <= baseline + compute + {INLINE_PAYLOADS} x payload"
+  if growth is None or payload is None:
+    out.append(Criterion(name, MEMORY, None, "needs inline, measured on Linux"))
+  else:
+    working = c.compute_memory_bytes or 0
+    bound = INLINE_PAYLOADS * payload + working + RUNTIME_SLACK_BYTES
+    out.append(Criterion(name, MEMORY, growth <= bound,
+                         f"{growth / GIB:.2f} GiB above baseline, bound {bound / GIB:.2f} GiB "
+                         f"(with the compute's own {working / GIB:.2f} GiB, measured at "
+                         "calibration)", value=growth, threshold=bound, comparison="<="))
+  staged = {m: s for m, s in summary.items() if m not in ("inline", "resident")}
+  bounds = o.max_device_batches + o.max_host_batches
+  name = (f"trainer memory: staged peak <= inline peak + (device + host bound = {bounds}) x "
+          f"payload + {STAGED_SLACK:.0%}")
+  measured = {m: s.trainer_growth for m, s in staged.items() if s.trainer_growth is not None}
+  if growth is None or payload is None or not measured:
+    out.append(Criterion(name, MEMORY, None, "needs inline and a staged mode, measured on Linux"))
+  else:
+    bound = (growth + bounds * payload) * (1 + STAGED_SLACK) + RUNTIME_SLACK_BYTES
+    worst = max(measured.values())
+    out.append(Criterion(name, MEMORY, worst <= bound, ", ".join(
+        f"{m} {g / GIB:.2f}" for m, g in measured.items()) + f" GiB above baseline, bound "
+        f"{bound / GIB:.2f} GiB", value=worst, threshold=bound, comparison="<="))
   return out
 
 
@@ -201,7 +281,7 @@ def criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> lis
       value=max((s.peak_device_batches for s in staged.values()), default=None),
       threshold=min((s.max_device_batches for s in staged.values()), default=None),
       comparison="<="))
-  return out
+  return out + memory_criteria(result, summary)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -226,7 +306,8 @@ def wire_summary(result: runner.BenchResult, mode: str) -> dict[str, Any]:
 
 def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> str:
   header = ("mode", "step s", "mid-step idle s", "boundary idle s", "hidden", "limit",
-            "fwd_bwd s", "fallbacks", "peak device batches", "wire MiB/mb", "ratio")
+            "fwd_bwd s", "fallbacks", "peak device batches", "wire MiB/mb", "ratio",
+            "host GiB/s", "trainer GiB", "orch. GiB")
   rows = []
   for mode, s in summary.items():
     if mode == "resident":
@@ -245,7 +326,10 @@ def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) ->
                  _fmt(s.boundary_idle_s, ".2f"), hidden, _fmt(s.step_over_limit, ".3f"),
                  _fmt(s.fwd_bwd_s, ".3f"), str(s.fallbacks), peak,
                  _fmt(None if per_mb is None else per_mb / data_lib.MIB, ".2f"),
-                 _fmt(wire["stage_ratio"], ".2f")))
+                 _fmt(wire["stage_ratio"], ".2f"),
+                 _fmt(s.host_path["gib_per_s"] if s.host_path else None, ".2f"),
+                 _fmt(None if s.trainer_peak is None else s.trainer_peak / GIB, ".2f"),
+                 _fmt(None if s.orchestrator_peak is None else s.orchestrator_peak / GIB, ".2f")))
   widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
   lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
                      for i, (cell, w) in enumerate(zip(row, widths)))
@@ -296,6 +380,14 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
         f"stage calls with the codec ({wire['codec']}, depth2_prestage_codec): "
         f"{packed.stage_call_s:.3f} s each (median), {side} the {c.compute_s:.3f} s of compute; "
         f"staged payloads {ratio}x smaller on the wire")
+  paths = [(m, s.host_path) for m, s in summary.items() if s.host_path]
+  if paths and c.memcpy_warm_bytes_per_s:
+    lines.append(
+        "host path (received + placed, per micro-batch, emulated links included): " + "; ".join(
+            f"{m} {_fmt(p['gib_per_s'], '.2f')} GiB/s ({_fmt(p['receive_s'], '.3f')} s receive + "
+            f"{_fmt(p['place_s'], '.3f')} s place)" for m, p in paths)
+        + f"; one memcpy of a micro-batch here: {c.memcpy_fresh_bytes_per_s / GIB:.2f} GiB/s "
+        f"into fresh memory, {c.memcpy_warm_bytes_per_s / GIB:.2f} GiB/s warm")
   dropped = sum(not q for s in summary.values() for q in s.step_quiet)
   if dropped:
     lines.append(f"note: {dropped} step(s) ran while other processes used more than "

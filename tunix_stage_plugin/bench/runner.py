@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import statistics
 import time
@@ -23,7 +24,9 @@ import numpy as np
 from tunix_stage_plugin.bench import cpu
 from tunix_stage_plugin.bench import metrics
 from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core import rss
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.embedded import client as client_lib
@@ -140,6 +143,13 @@ class Calibration:
   sync_s: float
   clock_offset_s: float  # trainer perf_counter + offset = orchestrator perf_counter
   clock_uncertainty_s: float
+  # One payload-sized copy on this machine, in this run: into fresh memory (its page faults
+  # included) and into the same memory again (warm): the host path's physical limit.
+  memcpy_fresh_bytes_per_s: float | None = None
+  memcpy_warm_bytes_per_s: float | None = None
+  # The trainer's compute working set (activations, XLA's buffers): its peak during the resident
+  # calibration steps above its baseline and the resident payloads (None where not measured).
+  compute_memory_bytes: int | None = None
 
   @property
   def wire_s(self) -> float:
@@ -170,6 +180,11 @@ class ModeRun:
   origin: float  # orchestrator time the run started
   # engine.WireStats.as_dict() of the run: micro-batch bytes as arrays and as sent (all steps)
   wire: dict = dataclasses.field(default_factory=dict)
+  # Each process's resident bytes when the run started and its peak during the run (None where
+  # /proc cannot tell), and metrics.host_path of the trainer's spans.
+  trainer_rss: dict = dataclasses.field(default_factory=dict)
+  orchestrator_rss: dict = dataclasses.field(default_factory=dict)
+  host_path: dict = dataclasses.field(default_factory=dict)
 
   @property
   def step_quiet(self) -> list[bool]:
@@ -239,11 +254,15 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
         f"building the {options.microbatches} bulk arrays every step shares")
     make = data_lib.BatchMaker(sizes, options.seed)
     await asyncio.to_thread(lambda: [make(0, i) for i in range(options.microbatches)])
-    calibration = result.calibration = await _calibrate(client, engine, options, sizes)
+    memcpy = await asyncio.to_thread(measure_memcpy, make(0, 0))
+    calibration = result.calibration = dataclasses.replace(
+        await _calibrate(client, engine, options, sizes), memcpy_fresh_bytes_per_s=memcpy[0],
+        memcpy_warm_bytes_per_s=memcpy[1])
     c = calibration
     say(f"calibrated: compute {c.compute_s:.3f} s/micro-batch, update {c.update_s:.3f} s -> wire "
         f"{c.wire_bytes_per_s / 1e6:.1f} MB/s ({c.wire_s:.3f} s), H2D "
-        f"{c.h2d_bytes_per_s / 1e6:.1f} MB/s ({c.h2d_s:.3f} s), weight sync {c.sync_s:.3f} s")
+        f"{c.h2d_bytes_per_s / 1e6:.1f} MB/s ({c.h2d_s:.3f} s), weight sync {c.sync_s:.3f} s; "
+        f"memcpy of a micro-batch {memcpy[0] / GIB:.2f} GiB/s fresh, {memcpy[1] / GIB:.2f} warm")
     client.pacer.set_rate(c.wire_bytes_per_s)
     retries = options.retries
     total = options.rounds * len(options.modes)  # grows by one per re-run
@@ -265,6 +284,22 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
               f"every timed step ({retries} re-run(s) left)")
 
 
+GIB = 1 << 30
+
+
+def measure_memcpy(batch: data_lib.Batch) -> tuple[float, float]:
+  """Bytes per second of one copy of `batch`'s arrays into fresh memory, then into that memory
+  again (its pages already faulted): the best a host path could do with one copy."""
+  rates = []
+  targets = [buffers_lib.aligned_empty(a.nbytes) for a in batch.arrays.values()]
+  for _ in range(2):
+    start = time.perf_counter()
+    for target, array in zip(targets, batch.arrays.values()):
+      np.copyto(target, array.reshape(-1).view(np.uint8))
+    rates.append(batch.nbytes / max(time.perf_counter() - start, 1e-9))
+  return rates[0], rates[1]
+
+
 async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
                      options: BenchOptions, sizes: data_lib.Sizes) -> Calibration:
   """Compiles, then measures compute on resident data (every step but the compiling first)."""
@@ -272,6 +307,7 @@ async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.Embedde
   await client.call("setup", sizes=sizes.as_dict(), seed=options.seed)
   plan = job_lib.JobPlan(CALIBRATION_STEPS, options.microbatches, kind="resident")
   await job_lib.run_job(engine, plan, lambda s, i: data_lib.Batch(s, i, {}))
+  memory = (await client.call("finish"))["rss"]
   spans = await client.call("timeline")
   warm = range(1, CALIBRATION_STEPS)
   compute = statistics.median(d for step in warm for d in metrics.fwd_bwd_durations(spans, step))
@@ -283,7 +319,9 @@ async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.Embedde
       wire_bytes_per_s=payload / (options.wire_ratio * compute),
       h2d_bytes_per_s=payload / (options.h2d_ratio * compute),
       sync_s=options.sync_ratio * compute, clock_offset_s=offset,
-      clock_uncertainty_s=uncertainty)
+      clock_uncertainty_s=uncertainty,
+      compute_memory_bytes=None if memory["peak"] is None or memory["baseline"] is None else max(
+          0, memory["peak"] - memory["baseline"] - options.microbatches * payload))
 
 
 async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
@@ -301,6 +339,8 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
     batch_for = make
   engine.wire = engine_lib.WireStats()
   engine.codec = options.codec_for(mode)
+  gc.collect()  # the previous run's garbage is not this run's memory
+  orchestrator_baseline = rss.reset_peak()
   origin = time.perf_counter()
   load.start()
   outcomes = await job_lib.run_job(engine, plan, batch_for, timeline=recorder,
@@ -321,7 +361,15 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
       peak_host_batches=finish["store"]["peak_host"],
       trained_order=finish["trained_order"], param_digest=finish["param_digest"],
       step_foreign_cores=step_loads[WARMUP_STEPS:], spans=spans, origin=origin,
-      wire=engine.wire.as_dict())
+      wire=engine.wire.as_dict(), trainer_rss=finish["rss"],
+      orchestrator_rss={"baseline": orchestrator_baseline, "peak": rss.peak()},
+      host_path=metrics.host_path(trainer_spans, since=_warmed_up(trainer_spans)))
+
+
+def _warmed_up(spans: list[timeline_lib.Span]) -> float:
+  """When the warm-up steps ended (their last update): the receive buffers are faulted by then."""
+  return max(s.end for s in spans if s.track == tracks.DEVICE_COMPUTE
+             and dict(s.args)["step"] == WARMUP_STEPS - 1)
 
 
 def _progress_line(options: BenchOptions, run: ModeRun) -> str:

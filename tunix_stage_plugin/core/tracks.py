@@ -33,7 +33,8 @@ TRACKS = (
           "time (args step, lane, bytes)", "host-to-device"),
     Track(TRAINER_DECODE, "embedded trainer: one compressed staged payload decoded on the staging "
           "lane, before its placement (args step, bytes, wire_bytes)", "decode (trainer)"),
-    Track(TRAINER_RECEIVE, "embedded server: one streamed call's payload arriving (args bytes)",
+    Track(TRAINER_RECEIVE, "embedded server: one large call's bytes arriving on the bulk channel, "
+          "from its frame header to its last byte (name: the method; args bytes)",
           "wire in (trainer)"),
     Track(ORCHESTRATOR_STAGE, "core.pipeline: one engine.stage call, as the orchestrator saw it",
           "stage call"),

@@ -53,14 +53,15 @@ class WorkerServer:
 
   def __init__(self, worker: ServedWorker, executor: executor_lib.MethodExecutor, *,
                timeline: timeline_lib.Timeline | None = None,
-               max_call_bytes: int = DEFAULT_MAX_CALL_BYTES) -> None:
+               max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
+               pool: buffers_lib.HostBufferPool | None = None) -> None:
     if not max_call_bytes > 0:
       raise ValueError(f"max_call_bytes must be > 0; got {max_call_bytes!r}")
     self._worker = worker
     self.max_call_bytes = max_call_bytes
     self._executor = executor
     self._timeline = timeline or timeline_lib.Timeline(enabled=False)
-    self.pool = buffers_lib.HostBufferPool()  # where large calls' bytes are received
+    self.pool = pool or buffers_lib.HostBufferPool()  # where large calls' bytes are received
     self._transfers = bulk_lib.Transfers()
     self._bulk = bulk_lib.BulkListener(self.pool, self._transfers, host=BIND_HOST)
     self._server: grpc.aio.Server | None = None

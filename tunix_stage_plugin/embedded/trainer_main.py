@@ -125,7 +125,7 @@ async def serve(port: int, cfg: config_lib.StageConfig, fail_stage: frozenset[st
   worker = worker_lib.TrainerWorker(cfg, fail_stage=fail_stage)
   executor = worker_lib.make_executor(cfg)
   server = server_lib.WorkerServer(worker, executor, timeline=worker.recorder,
-                                   max_call_bytes=max_call_bytes)
+                                   max_call_bytes=max_call_bytes, pool=worker.pool)
   stopping = asyncio.Event()
   loop = asyncio.get_running_loop()
 

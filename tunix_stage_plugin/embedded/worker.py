@@ -9,15 +9,18 @@ the compute lane and refuses, so an inline-only trainer never starts a staging t
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import threading
 import time
 from typing import Any, Iterable
 
+from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import rss
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
@@ -59,6 +62,8 @@ class TrainerWorker:
     self.recorder = timeline or timeline_lib.Timeline()
     self.store = store_lib.StagedBatchStore(cfg.max_device_batches,
                                             max_host_batches=cfg.max_host_batches)
+    self.pool = buffers_lib.HostBufferPool()  # where the server receives large calls' bytes
+    self._rss_baseline: int | None = None
     self._trainer: Any = None
     self._seed = 0
     self._h2d = pacing.SharedLink(None)  # the emulated host-to-device link, one per trainer
@@ -118,6 +123,10 @@ class TrainerWorker:
     self._last_step = -1
     self.recorder.clear()
     self.recorder.enabled = record_timeline
+    # The memory this run starts from: the previous run's buffers given back, the peak restarted.
+    gc.collect()  # JAX may hold the last placed batch in a reference cycle
+    self.pool.trim()
+    self._rss_baseline = rss.reset_peak()
     return {"max_device_batches": bound, "max_host_batches": host_bound,
             "payload_bytes": self._trainer.sizes.payload_bytes}
 
@@ -195,6 +204,10 @@ class TrainerWorker:
         "store": dataclasses.asdict(self.store.stats),
         "max_device_batches": self.store.max_device_batches,
         "max_host_batches": self.store.max_host_batches,
+        # Resident bytes since setup (None where /proc cannot tell), and the receive buffers.
+        "rss": {"baseline": self._rss_baseline, "peak": rss.peak()},
+        "pool": {"made": self.pool.made, "reused": self.pool.reused,
+                 "held_bytes": self.pool.held_bytes()},
     }
 
   # --- staging lane -----------------------------------------------------------------------------

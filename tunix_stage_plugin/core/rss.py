@@ -1,0 +1,41 @@
+"""This process's resident memory and its peak, with the peak reset between jobs (Linux).
+
+The bench reports each process's peak per mode (README "Memory"), so the peak must start again at
+each mode: writing 5 to /proc/self/clear_refs resets VmHWM to the current VmRSS (Linux >= 4.0).
+Elsewhere every reading is None.
+"""
+
+from __future__ import annotations
+
+_STATUS = "/proc/self/status"
+
+
+def _status_bytes(field: str) -> int | None:
+  try:
+    with open(_STATUS, encoding="ascii") as f:
+      for line in f:
+        if line.startswith(f"{field}:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def current() -> int | None:
+  """Resident bytes now (VmRSS)."""
+  return _status_bytes("VmRSS")
+
+
+def peak() -> int | None:
+  """The most resident bytes since start, or since the last reset (VmHWM)."""
+  return _status_bytes("VmHWM")
+
+
+def reset_peak() -> int | None:
+  """Starts the peak again from the current resident bytes; returns them (None: not here)."""
+  try:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+      f.write("5")
+  except OSError:
+    return None
+  return current()
