@@ -462,20 +462,57 @@ def test_a_staged_batch_is_prepared_once_like_inline(staging):
   assert [c[1] for c in staged.calls if c[0] == "fwd"] == [n + 100 for n in numbers]
 
 
-class OverridingTrainer(RecordingTrainer):
+class OwnPreparingTrainer(RecordingTrainer):
+  """A PeftTrainer subclass overriding `_prepare_payload` (a real tunix extension point),
+  non-idempotently: it adds 1000 before PeftTrainer's own preparation, so preparing a staged
+  batch again at consume time would train other numbers. It records every call."""
+
+  def __init__(self):
+    super().__init__()
+    self.own_prepared = []
 
   def _prepare_payload(self, payload):
-    return super()._prepare_payload(payload)
+    self.own_prepared.append(int(np.asarray(payload["mb"]).ravel()[0]))
+    return super()._prepare_payload({"mb": np.asarray(payload["mb"]) + 1000})
+
+
+def test_a_subclass_overriding_prepare_payload_is_staged_through_its_override_once(staging):
+  original = vars(OwnPreparingTrainer)["_prepare_payload"]
+  staged, worker, reports = run_program(steps=2, trainer_cls=OwnPreparingTrainer)
+  assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 4  # the staged path ran
+  assert installation.current().staging_of(worker).unsupported is None
+  assert vars(OwnPreparingTrainer)["_prepare_payload"] is not original  # now a seam
+  manager.uninstall("tunix", quiet=True)
+  assert vars(OwnPreparingTrainer)["_prepare_payload"] is original  # restored exactly
+  inline, _, _ = run_program(steps=2, trainer_cls=OwnPreparingTrainer)  # no plugin at all
+  numbers = list(range(2 * MB_PER_STEP))
+  assert inline.own_prepared == numbers
+  # Each micro-batch went through the override exactly once (staged ones on the staging thread).
+  assert sorted(staged.own_prepared) == numbers
+  assert [c[:2] for c in staged.calls] == [c[:2] for c in inline.calls]
+  assert [c[1] for c in staged.calls if c[0] == "fwd"] == [n + 1000 for n in numbers]
+  assert any(c[0] == "fwd" and c[2] for c in staged.calls)  # some arrived placed on the device
+
+
+class InstancePreparingTrainer(RecordingTrainer):
+  """Sets its preparation on the instance: no class method for a staged batch to pass through."""
+
+  def __init__(self):
+    super().__init__()
+    self._prepare_payload = self._prepare_on_the_side
+
+  def _prepare_on_the_side(self, payload):
+    return peft_trainer_v2.PeftTrainer._prepare_payload(self, payload)  # pylint: disable=protected-access
 
 
 def test_a_trainer_that_cannot_stage_is_asked_once(staging, caplog):
   with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
-    trainer, worker, reports = run_program(steps=3, trainer_cls=OverridingTrainer)
+    trainer, worker, reports = run_program(steps=3, trainer_cls=InstancePreparingTrainer)
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
   assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [1, 0, 0]
   assert all(r.stage_metrics["stage/staged"] == 0 for r in reports)
   assert installation.current().staging_of(worker).unsupported.startswith(
-      "OverridingTrainer overrides _prepare_payload")
+      "InstancePreparingTrainer sets _prepare_payload on the instance")
   lines = [r.message for r in caplog.records if "cannot stage" in r.message]
   assert len(lines) == 1, lines
 
