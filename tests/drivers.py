@@ -111,6 +111,24 @@ def main(argv, context=None):
 '''
 
 
+# One process as tunix's runtime main runs it (`python -m tunix.experimental.distributed.runtime.
+# main ...`), with tunix's own `prepare_process` (its flag split and --process_main import), but no
+# process executor: tunix's executors and contexts import the discovery service's generated
+# protobuf module (discovery_service_pb2), which the c7d8950 checkout does not have (it is built
+# from discovery_service.proto at packaging time; grpcio-tools is not installed to build it), so
+# tunix's runtime cannot start a process in this environment. The context is None: the stand-in
+# mains register with no discovery service.
+RUNTIME = '''
+"""tunix's runtime main for one process, without its executor (tests/drivers.py says why)."""
+import sys
+
+from tunix.experimental.distributed.runtime import main as runtime
+
+prepared = runtime.prepare_process(sys.argv[1:])
+prepared.main_fn(prepared.argv, None)
+'''
+
+
 def source(*, tunix: bool) -> str:
   return _SOURCE.format(tunix_imports=_TUNIX_IMPORTS if tunix else "",
                         tunix_report=_TUNIX_REPORT if tunix else "")

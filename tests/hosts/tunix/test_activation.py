@@ -1,4 +1,6 @@
-"""Activation against the real tunix classes: exact reversal, probes, the bootstrap, routing, flags.
+"""Activation against the real tunix classes: exact reversal, probes, the bootstrap, routing.
+
+(tunix's drivers taking the staging flags: test_drivers.py.)
 
 Subprocess tests run a fresh interpreter (the patches are process-global) with the installed
 .pth bootstrap.
@@ -6,7 +8,6 @@ Subprocess tests run a fresh interpreter (the patches are process-global) with t
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import subprocess
@@ -27,7 +28,6 @@ from tunix.experimental.worker import trainer_worker
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import flags as flags_lib
 
 pytestmark = pytest.mark.tunix
 HOST_CLASSES = (remote_execution.RemoteExecutionServer, remote_execution.GrpcRemoteExecutionServer,
@@ -138,25 +138,3 @@ def test_only_trainer_workers_are_routed(clean):
   assert where == threading.current_thread().name  # unchanged: on the loop's thread
   assert worker._trainer.thread.startswith("trainer-compute")  # pylint: disable=protected-access
   assert health.state == datatypes.WorkerState.READY
-
-
-def test_staging_flags_register_on_tunixs_own_driver(monkeypatch):
-  grpo = pytest.importorskip(
-      "tunix.experimental.examples.math_gsm8k_dist.run_gsm8k_dist_grpo",
-      reason="the GSM8K driver's dependencies (transformers) are not importable")
-  parse_args = argparse.ArgumentParser.parse_args
-
-  def with_staging_flags(self, args=None, namespace=None):
-    flags_lib.add_argparse_flags(self, flags_lib.ORCHESTRATOR_FIELDS)
-    return parse_args(self, args, namespace)
-
-  # The driver builds its parser inside _parse_args; add our flags to it right before parsing.
-  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", with_staging_flags)
-  monkeypatch.setenv("TUNIX_STAGE_BATCH", "off")
-  monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "5")
-  args = grpo._parse_args(["--max_steps", "3", "--stage_train_batches", "--max_staged_batches",
-                           "2"])  # pylint: disable=protected-access
-  cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
-  assert args.max_steps == 3 and args.rpc_timeout_s == 1800.0  # the driver's own flags intact
-  assert (cfg.mode, cfg.max_staged_batches) == ("stage", 2)  # flags beat env
-  assert cfg.sources["mode"] == cfg.sources["max_staged_batches"] == "flag"
