@@ -157,3 +157,17 @@ def test_the_known_drivers_are_the_upstream_ones_and_the_embedded_orchestrator()
       ("tunix.experimental.examples.math_gsm8k_dist.run_gsm8k_dist_grpo", "tunix", "_parse_args"),
       ("tunix_stage_plugin.embedded.orchestrator_main", "embedded", None),
   ]
+
+
+def test_a_driver_that_defines_the_flags_itself_is_left_alone(driver_path):
+  """The upstream change merged: the driver's own --stage_train_batches, no second one."""
+  path = driver_path.joinpath(*drivers.MODULE.split(".")).with_suffix(".py")
+  path.write_text(path.read_text().replace(
+      "  return parser.parse_args(argv)",
+      "  parser.add_argument('--stage_train_batches', default='native')\n"
+      "  return parser.parse_args(argv)"))
+  proc = run_driver(driver_path, "--stage_train_batches=stage", TUNIX_STAGE_BATCH="stage")
+  assert proc.returncode == 0, proc.stderr
+  report = drivers.report(proc.stdout)
+  assert not report["parse_wrapped"] and report["args"]["stage_train_batches"] == "stage"
+  assert "max_staged_batches" not in report["args"] and proc.stderr == ""

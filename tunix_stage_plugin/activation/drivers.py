@@ -63,8 +63,11 @@ def problem(module: types.ModuleType, driver: Driver) -> str | None:
 def defines_flags(module: types.ModuleType, driver: Driver) -> bool:
   """Whether the driver's parse function defines the staging flags itself (the upstream change
   merged): then it needs nothing from the plugin."""
+  parse = vars(module).get(driver.parse)
+  if not isinstance(parse, types.FunctionType):
+    return False
   try:
-    return f"--{NATIVE_MARK}" in inspect.getsource(vars(module)[driver.parse])
+    return f"--{NATIVE_MARK}" in inspect.getsource(parse)
   except OSError:  # no source to read (e.g. bytecode only): not known to define them
     return False
 

@@ -58,6 +58,7 @@ _active: dict[str, _Active] = {}
 # Driver module -> (its host, the registry that set its parse function).
 _driver_hooks: dict[str, tuple[str, patching.PatchRegistry]] = {}
 _watched_drivers: set[str] = set()  # driver modules a post-import watch waits for
+_left_drivers: set[str] = set()  # driver modules left as they are (said once)
 
 
 def _say(line: str, quiet: bool) -> None:
@@ -231,13 +232,16 @@ def hook_driver(driver: host_triggers.Driver) -> None:
   (once; a driver of another shape gets nothing and one line saying so)."""
   from tunix_stage_plugin.activation import drivers  # pylint: disable=import-outside-toplevel
   with _lock:
-    if driver.module in _driver_hooks or not _requested(driver.host):
+    if (driver.module in _driver_hooks or driver.module in _left_drivers
+        or not _requested(driver.host)):
       return
     module = sys.modules[driver.module]
     if drivers.defines_flags(module, driver):
+      _left_drivers.add(driver.module)
       return  # the driver defines them itself (the upstream change): nothing to add
     problem = drivers.problem(module, driver)
     if problem is not None:
+      _left_drivers.add(driver.module)
       print(f"tunix-stage: {problem}; the driver takes no staging flag and reads the staging "
             "settings from the environment only", file=sys.stderr, flush=True)
       return

@@ -106,3 +106,18 @@ def test_the_deepswe_shaped_driver_takes_the_flags_next_to_real_tunix(tmp_path):
   report = drivers.report(off.stdout)
   assert not report["parse_wrapped"] and report["seams"] == [False, False]
   assert plugin_lines(off) == []
+
+
+def test_a_deepswe_shaped_driver_of_another_shape_is_said_once_next_to_real_tunix(tmp_path):
+  """Both watches fire on its import (the hooks' install, then the driver's): one line."""
+  shim = drivers.write_for_tunix(tmp_path / "driver")
+  path = tmp_path / "driver" / "deepswe_dist" / "run_deepswe_dist.py"
+  path.write_text(path.read_text().replace("def _parse_args(argv):",
+                                           "def _parse_args(argv, defaults=None):"))
+  proc = run_fresh(RUN_STAND_IN, "--batch_size=8", pythonpath=[shim], TUNIX_STAGE_BATCH="stage")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert not drivers.report(proc.stdout)["parse_wrapped"]
+  lines = plugin_lines(proc)
+  assert len(lines) == 2 and "staging on for tunix" in lines[0], lines
+  assert lines[1].endswith("is not _parse_args(argv); the driver takes no staging flag and reads "
+                           "the staging settings from the environment only")
