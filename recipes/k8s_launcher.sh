@@ -8,7 +8,8 @@
 # the containers through each container's `env`:
 #   orchestrator: TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES, TUNIX_STAGE_CODEC
 #                 (+ --stage_train_batches=stage --max_staged_batches=N when on,
-#                 --stage_codec=C when a codec is set)
+#                 --stage_codec=C when a codec is set, if ORCHESTRATOR_MAIN is a driver known
+#                 to take them: `tunix-stage config --driver MAIN`; any other gets the env only)
 #   trainer:      TUNIX_STAGE_BATCH, TUNIX_STAGE_MAX_DEVICE_BATCHES, TUNIX_STAGE_MAX_HOST_BATCHES
 # (the plugin's settings table decides which: `tunix-stage config --env_for ROLE`)
 #   rollout:      none

@@ -441,8 +441,13 @@ if [[ "${HOST}" == embedded ]]; then
   [[ -z "${STEPS}" ]] || ORCH_ARGS+=(--steps "${STEPS}")
   [[ -z "${MICROBATCHES}" ]] || ORCH_ARGS+=(--microbatches "${MICROBATCHES}")
   ((TINY == 0)) || ORCH_ARGS+=(--tiny)
-  # The same staging flags as the orchestrator's container (none when staging is off).
-  mapfile -t stage_flags < <(mlperf_stage_flags orchestrator)
+  # The embedded orchestrator is a driver known to take the staging flags (none when staging is
+  # off), as tunix's known drivers are in the orchestrator's container.
+  stage_flags=()
+  if ! embedded_flags="$(mlperf_driver_flags "${EMBEDDED_ORCHESTRATOR}")"; then
+    die "could not read the orchestrator's flags from 'tunix-stage config --flags_for'"
+  fi
+  [[ -z "${embedded_flags}" ]] || mapfile -t stage_flags <<<"${embedded_flags}"
   start_process orchestrator orchestrator "${PYTHON}" -m "${EMBEDDED_ORCHESTRATOR}" \
     "${ORCH_ARGS[@]}" ${stage_flags[@]+"${stage_flags[@]}"} \
     ${EXTRA_ORCH_ARGS[@]+"${EXTRA_ORCH_ARGS[@]}"}

@@ -191,11 +191,18 @@ mlperf_check_staging() {
       MLPERF_ENV_TRAINER="${names}"
     fi
   done
-  if ! MLPERF_ORCHESTRATOR_FLAGS="$("${PYTHON}" -m tunix_stage_plugin.cli.main config \
-    --flags_for orchestrator)"; then
+  if ! MLPERF_ORCHESTRATOR_FLAGS="$(mlperf_driver_flags "${ORCHESTRATOR_MAIN}")"; then
     mlperf_error "could not read the orchestrator's flags from 'tunix-stage config --flags_for'"
     return 2
   fi
+}
+
+# The staging flags for the orchestrator driver $1 (a module, or its main as --process_main names
+# it), one per line: only when staging is on and $1 is a driver the plugin knows takes them
+# (`tunix-stage config --flags_for orchestrator --driver MAIN`). Any other driver gets none and
+# reads the staging variables only, so no launch stops at "unrecognized arguments".
+mlperf_driver_flags() {
+  "${PYTHON}" -m tunix_stage_plugin.cli.main config --flags_for orchestrator --driver "$1"
 }
 
 # The staging variables a role's container/process receives, space-separated (the plugin's
@@ -214,8 +221,9 @@ mlperf_stage_env_names() {
 }
 
 # The staging driver flags for a role, one per line; none when staging is off.
-# Only the orchestrator's driver takes them; the trainer reads its bounds from the environment
-# (tunix's trainer node rejects flags it does not define).
+# Only the orchestrator's driver (ORCHESTRATOR_MAIN) takes them, and only a driver known to take
+# them (mlperf_driver_flags); the trainer reads its bounds from the environment (tunix's trainer
+# node rejects flags it does not define).
 mlperf_stage_flags() {
   case "$1" in
     orchestrator) [[ -z "${MLPERF_ORCHESTRATOR_FLAGS}" ]] || echo "${MLPERF_ORCHESTRATOR_FLAGS}" ;;
@@ -304,6 +312,8 @@ fi
 
 if ((MLPERF_BASE_RUN_DIRECTLY)); then
   "${PYTHON}" -m tunix_stage_plugin.cli.main config
+  echo "orchestrator driver: $("${PYTHON}" -m tunix_stage_plugin.cli.main config --driver \
+    "${ORCHESTRATOR_MAIN}")"
   for role in orchestrator trainer rollout; do
     echo "${role}: env [$(mlperf_stage_env_names "${role}")]" \
       "flags [$(mlperf_stage_flags "${role}" | tr '\n' ' ' | sed 's/ $//')]"

@@ -379,3 +379,68 @@ def test_prestaged_counts_only_stages_started_during_the_boundary(engine_factory
       lambda s: source_of([f"s{s}m{i}" for i in range(3)]), steps=2, after_step=after_step))
   assert engine.trained == ["s0m0", "s0m1", "s0m2", "s1m0", "s1m1", "s1m2"]
   assert reports[1].prestaged == 1 and reports[1].staged >= 2
+
+
+def test_the_hosts_depth_is_asked_once_per_step_and_bounds_what_is_staged(engine_factory):
+  """`depth_for` (tunix: StandardRLProgram._stage_ahead_while_pending): depth 1 in step 0, none
+  in step 1 (it trains inline, and nothing of it is staged during the boundary before it), 3 in
+  step 2; the pipeline's own depth is 2."""
+  engine = engine_factory(3)
+  asked, reports = [], []
+
+  def depth_for(step, depth):
+    asked.append((step, depth))
+    return {0: 1, 1: 0, 2: 3}[step]
+
+  async def after_step(step, report):
+    reports.append(report)
+
+  run(StagePipeline(engine, 2, depth_for=depth_for).run_steps(
+      lambda s: source_of([f"s{s}m{i}" for i in range(4)]), steps=3, after_step=after_step))
+  assert engine.trained == [f"s{s}m{i}" for s in range(3) for i in range(4)]
+  assert engine.updates == [4, 8, 12]
+  assert asked == [(0, 2), (1, 2), (2, 2)]  # once per step, when its staging starts
+  assert [r.peak_staged <= d for r, d in zip(reports, (1, 0, 3))] == [True] * 3
+  assert not any(e.startswith("stage-start s1") for e in engine.events)  # step 1: none staged
+  assert reports[1].staged == reports[1].prestaged == 0 and reports[1].inline == 4
+  assert all(r.fallbacks == 0 and r.staged + r.inline == 4 for r in reports)
+  assert len(engine.store) == 0
+
+
+def test_the_hosts_prestage_rule_is_asked_at_each_boundary_with_a_next_step(engine_factory):
+  """`prestage_next` (tunix: StandardRLProgram._prestage_across_boundary) saying no: nothing is
+  staged during any boundary; it is asked once per boundary that has a next step."""
+  engine = engine_factory(2)
+  asked, reports = [], []
+
+  async def after_step(step, report):
+    reports.append(report)
+
+  def no(next_step):
+    asked.append(next_step)
+    return False
+
+  run(StagePipeline(engine, 2).run_steps(lambda s: source_of([f"s{s}m{i}" for i in range(3)]),
+                                         steps=3, prestage_next=no, after_step=after_step))
+  assert engine.trained == [f"s{s}m{i}" for s in range(3) for i in range(3)]
+  assert asked == [1, 2]
+  assert [r.prestaged for r in reports] == [0, 0, 0]
+  # Each step's head was dispatched with nothing pending before it: inline, never staged.
+  assert not any(e.startswith(("stage-start s1m0", "stage-start s2m0")) for e in engine.events)
+
+
+@pytest.mark.parametrize("hook,answer,match", [
+    ("depth_for", -1, r"depth_for\(0, 2\) returned -1; accepted: an int >= 0"),
+    ("depth_for", True, r"depth_for\(0, 2\) returned True; accepted: an int >= 0"),
+    ("prestage_next", 1, r"prestage_next\(1\) returned 1; accepted: a bool"),
+])
+def test_a_hook_answering_outside_its_type_is_a_contract_error(engine_factory, hook, answer,
+                                                               match):
+  engine = engine_factory(2)
+  pipeline = StagePipeline(engine, 2, **({"depth_for": lambda s, d: answer}
+                                         if hook == "depth_for" else {}))
+  kwargs = {"prestage_next": lambda n: answer} if hook == "prestage_next" else {}
+  with pytest.raises(PipelineContractError, match=match):
+    run(pipeline.run_steps(lambda s: source_of([f"s{s}m{i}" for i in range(3)]), steps=2,
+                           **kwargs))
+  assert len(engine.store) == 0  # whatever the first step staged was reset

@@ -1,5 +1,6 @@
 """Property: whatever the stage latencies, refusals, failures, train failures and cancellations,
-one-call or two-phase stages (placements failing, reset or closed while placing), every
+one-call or two-phase stages (placements failing, reset or closed while placing), and whatever
+depth and prestage rule the host's seams give each step, every
 micro-batch is trained at most once and in order (exactly once when nothing fails), the device
 and host bounds hold, fallbacks are counted exactly, and nothing stays staged or running.
 
@@ -37,7 +38,15 @@ def scenarios(draw):
       slot_wait_s=draw(st.sampled_from([0.0, 5.0])), prestage=draw(st.booleans()),
       split=draw(st.booleans()), host_bound=draw(st.integers(1, 2)),
       pull_delay_s=draw(st.sampled_from([0.0, 0.001])),
+      # The host's seams: a depth per step (None: the pipeline's own), and its prestage rule.
+      step_depths=draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=steps,
+                                                    max_size=steps))),
+      prestage_rule=draw(st.sampled_from([None, "odd_only", "never"])),
   )
+
+
+def depth_of(sc: dict, step: int) -> int:
+  return sc["depth"] if sc["step_depths"] is None else sc["step_depths"][step]
 
 
 class Cancelled(Exception):
@@ -45,7 +54,10 @@ class Cancelled(Exception):
 
 
 async def drive(engine: ThreadedEngine, sc: dict, armed: dict) -> list:
-  pipeline = StagePipeline(engine, sc["depth"])
+  depth_for = None if sc["step_depths"] is None else (lambda step, depth: depth_of(sc, step))
+  pipeline = StagePipeline(engine, sc["depth"], depth_for=depth_for)
+  prestage_next = {None: None, "odd_only": lambda step: step % 2 == 1,
+                   "never": lambda step: False}[sc["prestage_rule"]]
   reports = []
 
   async def after_step(step, report):
@@ -53,7 +65,8 @@ async def drive(engine: ThreadedEngine, sc: dict, armed: dict) -> list:
 
   task = asyncio.create_task(pipeline.run_steps(
       lambda step: source_of(sc["payloads"][step], sc["pull_delay_s"]),
-      steps=len(sc["payloads"]), prestage=sc["prestage"], after_step=after_step))
+      steps=len(sc["payloads"]), prestage=sc["prestage"], prestage_next=prestage_next,
+      after_step=after_step))
   armed["loop"], armed["task"] = asyncio.get_running_loop(), task
   try:
     await task
@@ -107,10 +120,12 @@ def test_exactly_once_in_order_bounded_counted_and_nothing_left(sc):
     failed = [p for p, outcome in engine.attempts if outcome != OK]
     assert sum(r.fallbacks for r in reports) == len(failed)
     unplaced = sum(outcome == "unplaced" for _, outcome in engine.attempts)
-    for r, step in zip(reports, sc["payloads"]):
+    for n, (r, step) in enumerate(zip(reports, sc["payloads"])):
       assert r.trained == r.staged + r.inline == len(step)
-      assert r.peak_staged <= sc["depth"]
+      assert r.peak_staged <= depth_of(sc, n)  # the host's depth for the step bounds it
       assert r.prestaged <= r.staged
+      if sc["prestage_rule"] == "never" or (sc["prestage_rule"] == "odd_only" and n % 2 == 0):
+        assert r.prestaged == 0
     # Every batch staged and answered reached training by key; nothing else did.
     assert sum(engine.trained_staged) == sum(r.staged for r in reports) == \
         len([a for a in engine.attempts if a[1] == OK]) - unplaced

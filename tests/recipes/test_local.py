@@ -309,3 +309,49 @@ def test_sigkill_to_the_launcher_leaves_no_process_behind(launch, tmp_path: Path
       processes_with(launch.marker) or any(pid_alive(p) for p in pids.values())):
     time.sleep(0.1)
   assert_nothing_left(launch, out)
+
+
+@pytest.mark.tunix
+@pytest.mark.parametrize("known", [True, False])
+def test_local_host_tunix_gives_the_staging_flags_to_a_known_driver_only(launch, tmp_path: Path,
+                                                                        known: bool):
+  """`--host tunix`: the orchestrator, trainer and rollout processes with the containers'
+  arguments (mlperf_base.sh), staging on. The orchestrator's main is the DeepSWE-shaped stand-in
+  (tests/drivers.py says why it is not tunix's file): under its real name (a known driver: the
+  recipes pass the staging flags, the plugin makes its parser take them), or the same file under
+  a name the plugin does not know (no staging flag, the environment only). The trainer's and
+  rollout's mains idle until the launcher stops them. RUNTIME_MAIN is tunix's runtime main
+  without its process executor (drivers.RUNTIME: tunix's runtime cannot start a process here,
+  its discovery protobuf module is not generated in this checkout)."""
+  if not _importable(TUNIX_RUNTIME):
+    pytest.skip("tunix's distributed runtime is not importable")
+  from tests import drivers  # pylint: disable=import-outside-toplevel
+
+  shim = drivers.write_for_tunix(tmp_path / "driver")
+  mods = drivers.write_module(tmp_path / "mods", "idle_main", drivers.IDLE)
+  drivers.write_module(mods, "my_rl_driver", drivers.source(tunix=True))
+  drivers.write_module(mods, "tunix_runtime_one_process", drivers.RUNTIME)
+  main = drivers.MAIN if known else "my_rl_driver.main"
+  logs = tmp_path / "logs"
+  pythonpath = os.pathsep.join([str(shim), str(mods), os.environ.get("PYTHONPATH", "")])
+  proc = launch("--host", "tunix", "--steps", "3", "--log_dir", str(logs), "--timeout", "240",
+                timeout=300, TUNIX_STAGE_BATCH="stage", TUNIX_MAX_STAGED_BATCHES="3",
+                ORCHESTRATOR_MAIN=main, TRAINER_MAIN="idle_main.main",
+                ROLLOUT_MAIN="idle_main.main", RUNTIME_MAIN="tunix_runtime_one_process",
+                PYTHONPATH=pythonpath)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert set(reported_pids(proc.stdout)) == {"orchestrator", "trainer", "rollout"}
+  log = (logs / "orchestrator.log").read_text()
+  report = drivers.report(log)
+  args = report["args"]
+  # mlperf_base.sh's orchestrator arguments reached the driver's own parser.
+  assert (args["max_steps"], args["batch_size"], args["stop_workers_on_exit"]) == (3, 8, True)
+  assert report["seams"] == [True, True]  # the hooks installed from the environment either way
+  assert "tunix-stage: staging on for tunix" in log
+  if known:
+    assert report["parse_wrapped"]
+    assert (args["stage_train_batches"], args["max_staged_batches"]) == ("stage", 3)
+  else:  # never an "unrecognized arguments" stop: no flag, the environment only
+    assert not report["parse_wrapped"] and "stage_train_batches" not in args
+  assert "idle" in (logs / "trainer.log").read_text()
+  assert_nothing_left(launch, proc.stdout)

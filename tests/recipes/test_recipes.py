@@ -229,6 +229,24 @@ def test_base_run_directly_prints_the_effective_settings(tmp_path: Path):
   assert "rollout: env [] flags []" in proc.stdout
 
 
+@pytest.mark.parametrize("main, takes_flags", [
+    ("tunix.experimental.examples.deepswe_dist.run_deepswe_dist.main", True),  # the default
+    ("tunix.experimental.examples.math_gsm8k_dist.run_gsm8k_dist_grpo.main", True),
+    ("my_team.rl.run_my_driver.main", False),
+])
+def test_base_gives_the_staging_flags_only_to_a_known_driver(tmp_path: Path, main: str,
+                                                              takes_flags: bool):
+  proc = run(BASE, env=base_env(tmp_path, TUNIX_STAGE_BATCH="stage", ORCHESTRATOR_MAIN=main))
+  assert proc.returncode == 0, proc.stderr
+  flags = "--stage_train_batches=stage --max_staged_batches=2" if takes_flags else ""
+  assert ("orchestrator: env [TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_CODEC] "
+          f"flags [{flags}]") in proc.stdout
+  verdict = ("takes the staging flags" if takes_flags else
+             "not a driver known to take the staging flags; it reads the staging settings from "
+             "the environment only")
+  assert f"orchestrator driver: {main}: {verdict}" in proc.stdout
+
+
 BAD_VALUES = [
     ("TUNIX_STAGE_BATCH", "on"),
     ("TUNIX_STAGE_BATCH", "STAGE"),
@@ -384,6 +402,18 @@ def test_dry_run_staging_on(tmp_path: Path, fake_bin: Path, depth: str, bound: s
   command = orch["command"]
   assert command.index("--stage_train_batches=stage") > next(
       i for i, a in enumerate(command) if a.startswith("--process_main="))
+
+
+def test_dry_run_an_unknown_driver_gets_the_environment_and_no_flag(tmp_path: Path,
+                                                                   fake_bin: Path):
+  main = "my_team.rl.run_my_driver.main"
+  (orch,) = by_role(dry_run(tmp_path, fake_bin, "--role", "orchestrator",
+                            TUNIX_STAGE_BATCH="stage", TUNIX_MAX_STAGED_BATCHES="3",
+                            ORCHESTRATOR_MAIN=main))["orchestrator"]
+  assert f"--process_main={main}" in orch["command"]
+  assert staging_flags(orch) == []  # it could stop at "unrecognized arguments"
+  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", "3"),
+                          ("TUNIX_STAGE_CODEC", "off")]
 
 
 def test_dry_run_staging_off_carries_off_and_no_flags(tmp_path: Path, fake_bin: Path):

@@ -46,6 +46,11 @@ def _start() -> None:
     return
   for host, modules in host_triggers.HOST_TRIGGERS.items():
     importhook.when_imported(modules, lambda host=host: _activate(host))
+  # A known driver takes the staging flags once imported (after its host's hooks, when they fire
+  # on the same import), even where the host's hooks are refused (activation/drivers.py).
+  for driver in host_triggers.KNOWN_DRIVERS:
+    if driver.parse is not None:
+      importhook.when_imported((driver.module,), lambda driver=driver: _hook_driver(driver))
 
 
 def _activate(host: str) -> None:
@@ -53,6 +58,12 @@ def _activate(host: str) -> None:
   from tunix_stage_plugin.activation import manager  # pylint: disable=import-outside-toplevel
 
   manager.activate_from_env(host)
+
+
+def _hook_driver(driver: host_triggers.Driver) -> None:
+  from tunix_stage_plugin.activation import manager  # pylint: disable=import-outside-toplevel
+
+  manager.hook_driver(driver)
 
 
 PTH_NAME = "tunix_stage_plugin.pth"

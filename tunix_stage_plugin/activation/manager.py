@@ -8,17 +8,26 @@ to stderr, because a pod's stdout is often the training log that users grep.
 
 An invalid setting is never a refusal: `install` raises ConfigError, and the automatic paths (the
 .pth bootstrap, the tunix.plugins entry point) stop the process through `activate_from_env`.
+
+Known drivers (host_triggers.KNOWN_DRIVERS) take the staging flags while staging is requested for
+their host (its hooks installed, or TUNIX_STAGE_BATCH=stage, even where the host's hooks were
+refused: a launch must not stop at "unrecognized arguments"); `hook_driver` sets the parse
+function of one imported driver (activation/drivers.py), and uninstall removes it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import sys
 import threading
 from typing import Any
 
 from tunix_stage_plugin import hosts
 from tunix_stage_plugin.activation import entry_points
+from tunix_stage_plugin.activation import host_triggers
+from tunix_stage_plugin.activation import importhook
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
 
@@ -46,6 +55,10 @@ class _Active:
 
 _lock = threading.RLock()  # re-entrant: install imports host modules, which may fire the bootstrap
 _active: dict[str, _Active] = {}
+# Driver module -> (its host, the registry that set its parse function).
+_driver_hooks: dict[str, tuple[str, patching.PatchRegistry]] = {}
+_watched_drivers: set[str] = set()  # driver modules a post-import watch waits for
+_left_drivers: set[str] = set()  # driver modules left as they are (said once)
 
 
 def _say(line: str, quiet: bool) -> None:
@@ -109,6 +122,7 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
             f"max_host_batches={config.max_host_batches} [{_mode_origin(config)}]")
     _active[host] = _Active(adapter, registry, live, line)
     _say(line, quiet)
+    accept_driver_flags(host)
     return Activation(host, True, line, registry.names(), config)
 
 
@@ -180,13 +194,65 @@ def _keep_install_settings(config: config_lib.StageConfig, host: str) -> config_
 
 
 def uninstall(host: str | None = None, *, quiet: bool = False) -> list[str]:
-  """Removes the hooks of `host` (all hosts when None); returns the hosts it uninstalled."""
+  """Removes the hooks of `host` (all hosts when None), its drivers' flags included; returns the
+  hosts it uninstalled."""
   with _lock:
+    for module, (driver_host, registry) in list(_driver_hooks.items()):
+      if host in (None, driver_host):
+        del _driver_hooks[module]
+        patching.report_problems(registry.undo())
     hosts = list(_active) if host is None else [h for h in (host,) if h in _active]
     for h in hosts:
       patching.report_problems(_active.pop(h).registry.undo())
       _say(f"tunix-stage: staging hooks removed from {h}", quiet)
     return hosts
+
+
+def _requested(host: str) -> bool:
+  """Staging is requested for `host` in this process: its hooks are installed, or the environment
+  asks for it (the host's hooks may still have been refused)."""
+  setting = config_lib.SETTINGS_BY_FIELD["mode"]
+  return host in _active or os.environ.get(setting.env, "").strip() == config_lib.MODE_STAGE
+
+
+def accept_driver_flags(host: str) -> None:
+  """`host`'s known drivers take the staging flags: one imported already at once, the others when
+  they are imported (one post-import watch per driver and process)."""
+  from tunix_stage_plugin.activation import drivers  # pylint: disable=import-outside-toplevel
+  for driver in drivers.hooked(host):
+    if driver.module in sys.modules:
+      hook_driver(driver)
+    elif driver.module not in _watched_drivers:
+      _watched_drivers.add(driver.module)
+      importhook.when_imported((driver.module,), functools.partial(hook_driver, driver))
+
+
+def hook_driver(driver: host_triggers.Driver) -> None:
+  """Makes the imported `driver` take the staging flags, while staging is requested for its host
+  (once; a driver of another shape gets nothing and one line saying so)."""
+  from tunix_stage_plugin.activation import drivers  # pylint: disable=import-outside-toplevel
+  with _lock:
+    if (driver.module in _driver_hooks or driver.module in _left_drivers
+        or not _requested(driver.host)):
+      return
+    module = sys.modules[driver.module]
+    if drivers.defines_flags(module, driver):
+      _left_drivers.add(driver.module)
+      return  # the driver defines them itself (the upstream change): nothing to add
+    problem = drivers.problem(module, driver)
+    if problem is not None:
+      _left_drivers.add(driver.module)
+      print(f"tunix-stage: {problem}; the driver takes no staging flag and reads the staging "
+            "settings from the environment only", file=sys.stderr, flush=True)
+      return
+    registry = patching.PatchRegistry()
+    registry.set(module, driver.parse, drivers.accepting_flags(vars(module)[driver.parse], driver))
+    _driver_hooks[driver.module] = (driver.host, registry)
+
+
+def hooked_drivers() -> list[str]:
+  """The driver modules whose parse function takes the staging flags in this process."""
+  return sorted(_driver_hooks)
 
 
 def current_config(host: str = DEFAULT_HOST) -> config_lib.StageConfig:

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from tunix_stage_plugin.activation import drivers
+from tunix_stage_plugin.activation.host_triggers import KNOWN_DRIVERS
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 
@@ -30,7 +32,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser.add_argument("--flags_for", choices=config_lib.ROLES, metavar="ROLE",
                       help="print --flag=value, one per line, for ROLE's settings when staging is "
                       "on (nothing when it is off; the codec only when set)")
+  parser.add_argument("--driver", metavar="MAIN",
+                      help="the driver that gets the flags (a module, or its main as a runtime's "
+                      "--process_main names it): with --flags_for, print them only when MAIN is "
+                      "a driver known to take them (the launch recipes pass them to no other); "
+                      "alone, say whether it takes them")
   parser.set_defaults(run=run)
+
+
+def driver_line(main: str) -> str:
+  """One line: whether the driver `main` names takes the staging flags, and how."""
+  driver = drivers.find(main)
+  if driver is None:
+    return (f"{main}: not a driver known to take the staging flags; it reads the staging "
+            "settings from the environment only (known: "
+            + ", ".join(d.module for d in KNOWN_DRIVERS) + ")")
+  how = ("its own flags" if driver.parse is None else
+         f"the plugin adds them to its {driver.parse} when staging is on")
+  return f"{main}: takes the staging flags: {driver.about}, {how}"
 
 
 def print_config_error(command: str, error: config_lib.ConfigError) -> int:
@@ -47,8 +66,13 @@ def run(args: argparse.Namespace) -> int:
     return print_config_error("config", e)
   if args.check:
     return 0
+  if args.driver is not None and not args.flags_for:
+    print(driver_line(args.driver))
+    return 0
   if args.env_for or args.flags_for:
     role = args.env_for or args.flags_for
+    if args.flags_for and args.driver is not None and drivers.find(args.driver) is None:
+      return 0  # a driver the plugin does not know: the environment only
     for field in config_lib.fields_for(role):
       setting, value = config_lib.SETTINGS_BY_FIELD[field], getattr(cfg, field)
       if args.env_for:

@@ -2,15 +2,17 @@
 
 Reports: the effective configuration; whether the bootstrap .pth and the entry points are
 installed; whether tunix is importable, its version and commit; MaxText's state next to it
-(importable or not, whether or not tunix is); every capability probe; which
-hooks are installed in this process (the bootstrap installs them while doctor imports tunix when
-TUNIX_STAGE_BATCH=stage). Exit status: 0 when staging is off or can work, 1 when staging is
-requested but cannot work, 2 when a setting is invalid.
+(importable or not, whether or not tunix is); every capability probe; which trainers staging
+serves and which it refuses; which hooks are installed in this process (the bootstrap installs
+them while doctor imports tunix when TUNIX_STAGE_BATCH=stage); which drivers take the staging
+flags (the recipes pass them to no other). Exit status: 0 when staging is off or can work, 1 when
+staging is requested but cannot work, 2 when a setting is invalid.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import sys
@@ -19,6 +21,7 @@ from typing import Any
 from tunix_stage_plugin import __version__
 from tunix_stage_plugin.activation import bootstrap
 from tunix_stage_plugin.activation import entry_points
+from tunix_stage_plugin.activation import host_triggers
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.cli import config_cmd
 from tunix_stage_plugin.core import config as config_lib
@@ -26,6 +29,12 @@ from tunix_stage_plugin.core import flags as flags_lib
 
 HOST = "tunix"
 ENGINES = ("maxtext",)  # optional engines behind tunix's TrainerWorker, reported next to tunix
+# Which trainers the worker hook stages (hosts/tunix/worker.py, hosts/maxtext/), and the one case
+# it refuses (with one line, to the orchestrator, which then stops offering).
+TRAINERS = ("tunix PeftTrainer and its subclasses (a subclass's own _prepare_payload included: it "
+            "runs once per micro-batch, on the staging thread), MaxText's training engine; "
+            "refused with one line: a _prepare_payload set on the trainer instance, or one that "
+            "is not a function defined in its class (nothing to hand a staged batch through)")
 TUNIX_HINT = ("tunix's experimental distributed stack is on google/tunix main (c7d8950, "
               "2026-08-21, or newer), not in the registry's google-tunix releases: install a "
               "checkout of it (pip install -e TUNIX_CHECKOUT) into this environment")
@@ -58,6 +67,7 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   if not report["bootstrap_pth"]:
     problems.append(f"{bootstrap.PTH_NAME} is not installed: TUNIX_STAGE_BATCH=stage cannot "
                     "activate on its own (reinstall the package, or call install())")
+  report["drivers"] = [_driver(d) for d in host_triggers.KNOWN_DRIVERS]
   _host(report, problems)
   # MaxText is reported whether or not tunix is importable: a user setting up the trainer's image
   # needs both answers.
@@ -67,7 +77,7 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
 
 
 def _host(report: dict[str, Any], problems: list[str]) -> None:
-  """tunix: importable, its probes, the hooks installed in this process."""
+  """tunix: importable, its probes, the trainers it serves, the hooks installed here."""
   if HOST not in report["entry_points"]:
     problems.append(f"no {HOST!r} adapter in entry-point group {entry_points.ENTRY_POINT_GROUP!r}")
     return
@@ -88,6 +98,19 @@ def _host(report: dict[str, Any], problems: list[str]) -> None:
   problems += [f"probe failed: {c['name']}: {c['detail']}" for c in checks if not c["ok"]]
   report["installed_hooks"] = manager.installed_hooks(HOST)
   report["hook_groups"] = list(adapter.hook_groups)
+  report["trainers"] = TRAINERS
+
+
+def _driver(driver: host_triggers.Driver) -> dict[str, Any]:
+  """A known driver: how it takes the staging flags, and whether this environment has it."""
+  try:
+    present = importlib.util.find_spec(driver.module) is not None  # imports its parents only
+  except ImportError:  # a parent package is missing
+    present = False
+  return {"module": driver.module, "about": driver.about,
+          "how": ("its own flags" if driver.parse is None
+                  else f"the plugin adds them to its {driver.parse} when staging is on"),
+          "installed": present, "hooked_here": driver.module in manager.hooked_drivers()}
 
 
 def _engine(name: str, problems: list[str]) -> dict[str, Any]:
@@ -130,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
   for check in report.get("probes", []):
     print(f"  [{'ok' if check['ok'] else 'FAIL'}] {check['name']}"
           + ("" if check["ok"] else f": {check['detail']}"))
+  if "trainers" in report:
+    print(f"trainers staged: {report['trainers']}")
   if "installed_hooks" in report:
     hooks = report["installed_hooks"]
     print(f"hooks installed in this process: {len(hooks) or 'none'}")
@@ -142,6 +167,11 @@ def run(args: argparse.Namespace) -> int:
     for check in engine.get("probes", []):
       print(f"  [{'ok' if check['ok'] else 'FAIL'}] {check['name']}"
             + ("" if check["ok"] else f": {check['detail']}"))
+  print("drivers that take the staging flags (the launch recipes pass them to no other; any "
+        "other driver reads the staging settings from the environment only):")
+  for driver in report["drivers"]:
+    where = "in this environment" if driver["installed"] else "not in this environment"
+    print(f"  {driver['module']}: {driver['about']}, {driver['how']} [{where}]")
   for problem in problems:
     print(f"{'error' if enabled else 'note'}: {problem}")
   if enabled and not problems:

@@ -3,13 +3,15 @@
 `undo` puts each owner's `__dict__` back exactly (an inherited attribute we shadowed is deleted
 again, an own one restored to the very same object) and runs the installation's cleanups (close
 executors, drop staged batches) first. A sentinel attribute on each touched class lets a second
-copy of the plugin see that the class is taken.
+copy of the plugin see that the class is taken. An owner is a class, or a module (a driver's
+parse function: activation/drivers.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 from typing import Any, Callable
 
 SENTINEL = "__tunix_stage_patched__"
@@ -25,15 +27,20 @@ class _Absent:
 ABSENT = _Absent()
 
 
+Owner = type | types.ModuleType
+
+
 @dataclasses.dataclass(frozen=True)
 class Patch:
-  owner: type
+  owner: Owner
   attr: str
   original: Any  # the owner's own __dict__ value before we set ours, or ABSENT
   value: Any  # what we set
 
   @property
   def name(self) -> str:
+    if isinstance(self.owner, types.ModuleType):
+      return f"{self.owner.__name__}.{self.attr}"
     return f"{self.owner.__module__}.{self.owner.__qualname__}.{self.attr}"
 
 
@@ -50,14 +57,15 @@ class PatchRegistry:
   def names(self) -> list[str]:
     return [p.name for p in self._patches if p.attr != SENTINEL]
 
-  def set(self, owner: type, attr: str, value: Any) -> None:
+  def set(self, owner: Owner, attr: str, value: Any) -> None:
     if any(p.owner is owner and p.attr == attr for p in self._patches):
-      raise RuntimeError(f"{owner.__qualname__}.{attr} is already patched by this registry")
+      raise RuntimeError(f"{Patch(owner, attr, None, None).name} is already patched by this "
+                         "registry")
     if SENTINEL not in owner.__dict__:
       self._set(owner, SENTINEL, True)
     self._set(owner, attr, value)
 
-  def _set(self, owner: type, attr: str, value: Any) -> None:
+  def _set(self, owner: Owner, attr: str, value: Any) -> None:
     original = owner.__dict__.get(attr, ABSENT)
     setattr(owner, attr, value)
     self._patches.append(Patch(owner, attr, original, value))

@@ -4,6 +4,12 @@ One step loop for every host (`run_steps`): pulls each step's micro-batches in o
 ahead (at most one stage call in flight, at most N staged or staging), trains each exactly once,
 prestages the next step's first micro-batches during the boundary, and releases every staged key
 on every path out of a step. Semantics and invariants: README, "Core semantics".
+
+The host gets its say at exactly two points, through two typed hooks (`DepthFor`, given to the
+pipeline; `PrestageNext`, given to `run_steps`): how many of a step's micro-batches to keep staged
+ahead of the pending train call, and whether to prestage the next step during this boundary. The
+pipeline keeps the logic and the invariants either way; tunix's program adapts them onto its
+`_stage_ahead_while_pending` / `_prestage_across_boundary` methods (docs/tunix.md).
 """
 
 from __future__ import annotations
@@ -52,6 +58,17 @@ class StageEngine(Protocol):
 
 class PipelineContractError(RuntimeError):
   """The source or caller broke the pipeline's contract (fail loud: training order is at stake)."""
+
+
+DepthFor = Callable[[int, int], int]
+"""`depth_for(step, depth)`: how many of `step`'s micro-batches to keep staged or staging ahead of
+the pending train call (`depth` is the pipeline's own, TUNIX_MAX_STAGED_BATCHES; 0 stages none, the
+step trains inline). Asked once per step, when its staging starts: at the step's start, or at the
+previous step's boundary when the step is prestaged."""
+
+PrestageNext = Callable[[int], bool]
+"""`prestage_next(next_step)`: whether `next_step`'s first micro-batches start staging as soon as
+this step's optimizer-applying call is sent (never one that closes its own step)."""
 
 
 class _Status(enum.Enum):
@@ -136,6 +153,7 @@ class _Window:
     self.pulled = 0
     self.orphan_resets: list[asyncio.Task] = []
     self.report = StepReport(step)
+    self.depth = pipeline.depth_of(step)  # the step's stage-ahead depth (the host may set it)
 
   def staged_count(self) -> int:
     return sum(e.status in (_Status.STAGING, _Status.STAGED) for e in self.entries)
@@ -145,8 +163,8 @@ class _Window:
 
   def advance(self) -> None:
     """Starts the next pull and the next stage when the window has room for them."""
-    depth = self.pipeline.depth
-    if not self.exhausted and self.pull is None and len(self.entries) < depth:
+    depth = self.depth
+    if not self.exhausted and self.pull is None and len(self.entries) < max(depth, 1):
       self.pull = asyncio.create_task(_next_or_end(self.source))
     if (self.stage is None and self.pipeline.staging and self.pipeline.unsupported is None
         and self.staged_count() < depth):
@@ -267,7 +285,8 @@ class StagePipeline:
   micro-batch inline through the same loop (the unstaged baseline)."""
 
   def __init__(self, engine: StageEngine, depth: int, *, key_prefix: str | None = None,
-               timeline: timeline_lib.Timeline | None = None, staging: bool = True) -> None:
+               timeline: timeline_lib.Timeline | None = None, staging: bool = True,
+               depth_for: DepthFor | None = None) -> None:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
     # A per-pipeline prefix keeps keys unique across orchestrator restarts on one trainer.
@@ -281,8 +300,19 @@ class StagePipeline:
     self.key_prefix = key_prefix
     self.timeline = timeline or timeline_lib.Timeline(enabled=False)
     self.staging = staging
+    self.depth_for = depth_for
     self.unsupported: str | None = None  # why staging stopped for good (the trainer cannot stage)
     self.pending_resets: list[str] = []  # keys whose reset failed: retried before the next step
+
+  def depth_of(self, step: int) -> int:
+    """`step`'s stage-ahead depth: `depth`, or what the host's `depth_for` says for it."""
+    if self.depth_for is None:
+      return self.depth
+    depth = self.depth_for(step, self.depth)
+    if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+      raise PipelineContractError(f"depth_for({step}, {self.depth}) returned {depth!r}; "
+                                  "accepted: an int >= 0")
+    return depth
 
   def stop_staging(self, reason: str) -> None:
     """The trainer said it can never stage: every later micro-batch trains inline, no offer."""
@@ -310,6 +340,8 @@ class StagePipeline:
     window = _Window(self, step, source, stage_closing=False)
 
     async def drive() -> None:
+      if window.depth == 0:
+        return  # the host stages none of this step ahead: nothing to pull during the boundary
       while True:
         window.advance()
         tasks = window.tasks()
@@ -330,17 +362,18 @@ class StagePipeline:
       *,
       steps: int | None,
       prestage: bool = True,
-      prestage_next: Callable[[int], bool] | None = None,
+      prestage_next: PrestageNext | None = None,
       before_step: Callable[[int], None] | None = None,
       after_step: Callable[[int, StepReport], Awaitable[None]] | None = None,
   ) -> int:
     """The step loop: steps 0, 1, ... (`steps` of them; None: until cancelled or a raise).
 
     `source_for(step)` gives a step's micro-batches (called once per step, when the step starts
-    or when it is prestaged). When `prestage` is on and `prestage_next(next_step)` agrees, the
-    next step starts staging as soon as this step's optimizer-applying call is sent; the next
-    step adopts it, and a prestage no step adopts (an error, the end) is discarded. The host's
-    bookkeeping goes in `before_step` / `after_step`. Returns the number of steps run.
+    or when it is prestaged). When `prestage` is on and `prestage_next(next_step)` agrees (asked
+    only where a prestage could start: staging on, a next step to run), the next step starts
+    staging as soon as this step's optimizer-applying call is sent; the next step adopts it, and
+    a prestage no step adopts (an error, the end) is discarded. The host's bookkeeping goes in
+    `before_step` / `after_step`. Returns the number of steps run.
     """
     upcoming: Prestage | None = None
     step = 0
@@ -355,7 +388,7 @@ class StagePipeline:
           nonlocal upcoming
           if (prestage and self.staging and self.unsupported is None
               and (steps is None or next_step < steps)
-              and (prestage_next is None or prestage_next(next_step))):
+              and (prestage_next is None or _agreed(prestage_next, next_step))):
             upcoming = self.prestage(next_step, source_for(next_step))
 
         report = await self.run_step(step, source, prestaged=current,
@@ -463,6 +496,13 @@ class StagePipeline:
     else:
       report.inline += 1
     return trained.result
+
+
+def _agreed(prestage_next: PrestageNext, next_step: int) -> bool:
+  answer = prestage_next(next_step)
+  if not isinstance(answer, bool):
+    raise PipelineContractError(f"prestage_next({next_step}) returned {answer!r}; accepted: a bool")
+  return answer
 
 
 def _checked(trained: Any) -> outcome_lib.Trained:

@@ -1,4 +1,6 @@
-"""Activation against the real tunix classes: exact reversal, probes, the bootstrap, routing, flags.
+"""Activation against the real tunix classes: exact reversal, probes, the bootstrap, routing.
+
+(tunix's drivers taking the staging flags: test_drivers.py.)
 
 Subprocess tests run a fresh interpreter (the patches are process-global) with the installed
 .pth bootstrap.
@@ -6,7 +8,6 @@ Subprocess tests run a fresh interpreter (the patches are process-global) with t
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import subprocess
@@ -27,7 +28,6 @@ from tunix.experimental.worker import trainer_worker
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import flags as flags_lib
 
 pytestmark = pytest.mark.tunix
 HOST_CLASSES = (remote_execution.RemoteExecutionServer, remote_execution.GrpcRemoteExecutionServer,
@@ -50,15 +50,22 @@ def clean():
 
 def test_install_uninstall_reinstall_leaves_classes_exactly_as_they_were(clean):
   before = snapshot()
+  seams = ("_stage_ahead_while_pending", "_prestage_across_boundary")
+  assert not any(hasattr(rl_program.StandardRLProgram, name) for name in seams)
   for _ in range(2):
     activation = manager.install(STAGE, quiet=True)
-    assert activation.installed and len(activation.hooks) == 9
+    assert activation.installed and len(activation.hooks) == 11
     assert trainer_worker.TrainerWorker.__dict__[patching.SENTINEL] is True
+    for name in seams:  # the upstream change's seams: real methods, there while installed
+      assert callable(vars(rl_program.StandardRLProgram)[name])
+      assert f"tunix.experimental.orchestrator.rl_program.StandardRLProgram.{name}" in \
+          activation.hooks
     assert manager.install(STAGE, quiet=True).installed  # idempotent
     assert snapshot() != before
     manager.uninstall("tunix", quiet=True)
     assert snapshot() == before
   assert not hasattr(trainer_worker.TrainerWorker, "stage_batch")
+  assert not any(hasattr(rl_program.StandardRLProgram, name) for name in seams)
 
 
 def test_host_that_has_its_own_stage_batch_gets_nothing(clean, monkeypatch, capsys):
@@ -92,7 +99,7 @@ def test_bootstrap_installs_on_first_tunix_import_only_when_stage():
   lines = [l for l in on.stderr.splitlines() if l.startswith("tunix-stage:")]
   # The commit is named only where pip recorded one (a checkout, not an archive install).
   assert len(lines) == 1 and "staging on for tunix 0.1.8" in lines[0]
-  assert "9 hooks" in lines[0] and "max_staged_batches=3" in lines[0]
+  assert "11 hooks" in lines[0] and "max_staged_batches=3" in lines[0]
   off = run_fresh(PROBE_PATCHED, TUNIX_STAGE_BATCH="off")
   assert off.stdout.split() == ["False", "False"]
   assert "tunix-stage" not in off.stderr
@@ -131,25 +138,3 @@ def test_only_trainer_workers_are_routed(clean):
   assert where == threading.current_thread().name  # unchanged: on the loop's thread
   assert worker._trainer.thread.startswith("trainer-compute")  # pylint: disable=protected-access
   assert health.state == datatypes.WorkerState.READY
-
-
-def test_staging_flags_register_on_tunixs_own_driver(monkeypatch):
-  grpo = pytest.importorskip(
-      "tunix.experimental.examples.math_gsm8k_dist.run_gsm8k_dist_grpo",
-      reason="the GSM8K driver's dependencies (transformers) are not importable")
-  parse_args = argparse.ArgumentParser.parse_args
-
-  def with_staging_flags(self, args=None, namespace=None):
-    flags_lib.add_argparse_flags(self, flags_lib.ORCHESTRATOR_FIELDS)
-    return parse_args(self, args, namespace)
-
-  # The driver builds its parser inside _parse_args; add our flags to it right before parsing.
-  monkeypatch.setattr(argparse.ArgumentParser, "parse_args", with_staging_flags)
-  monkeypatch.setenv("TUNIX_STAGE_BATCH", "off")
-  monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "5")
-  args = grpo._parse_args(["--max_steps", "3", "--stage_train_batches", "--max_staged_batches",
-                           "2"])  # pylint: disable=protected-access
-  cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
-  assert args.max_steps == 3 and args.rpc_timeout_s == 1800.0  # the driver's own flags intact
-  assert (cfg.mode, cfg.max_staged_batches) == ("stage", 2)  # flags beat env
-  assert cfg.sources["mode"] == cfg.sources["max_staged_batches"] == "flag"

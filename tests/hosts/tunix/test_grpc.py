@@ -7,7 +7,8 @@ trains a worker of its own from the same initial parameters. Each worker wraps a
 a tiny flax nnx language model and a non-idempotent `_prepare_inputs` (it shifts the tokens, so
 preparing twice trains other numbers), bound to the mesh the way tunix's trainer node binds it (a
 small wrapper of our own, which also adds an optional delay before fwd_bwd so a call can be kept
-running). A micro-batch also carries routed-expert ids (int16, -1 past each sequence's length)
+running). Two workers' trainers (OWN_PREPARE) also override `_prepare_payload` itself,
+non-idempotently (it shifts the tokens again before PeftTrainer's own). A micro-batch also carries routed-expert ids (int16, -1 past each sequence's length)
 that weight the loss, so a compressed payload decoded wrongly trains other numbers. The node
 without the plugin raises tunix's message cap (its private `_MAX_MESSAGE_BYTES`, as the
 orchestrator does for its channel to it) only so it can train an over-the-cap micro-batch inline
@@ -18,6 +19,7 @@ as the reference; the plugin's node keeps the upstream cap. Run
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -32,8 +34,10 @@ import pytest
 
 TOKENS, SEQ, BATCH = 64, 16, 8  # batch 8 splits over fsdp=2: staged arrays are sharded
 STEPS, MICRO = 2, 4
-PLUGIN_WORKERS = ("staged", "timing", "compressed", "corrupted", "over_cap")
-PLAIN_WORKERS = ("plain", "plain_over_cap")
+PLUGIN_WORKERS = ("staged", "timing", "compressed", "corrupted", "over_cap", "no_prestage",
+                  "own_depth", "own_prepare")
+PLAIN_WORKERS = ("plain", "plain_over_cap", "plain_own_prepare")
+OWN_PREPARE = ("own_prepare", "plain_own_prepare")  # workers whose trainer overrides _prepare_payload
 LAYERS, TOP_K = 64, 8  # 128 KiB of routed-expert ids: packed by the codec (>= MIN_PACK_BYTES)
 # 140 MiB of ids, over tunix's 128 MiB message cap; routed in the first 8 layers only, -1 past
 # them, so it compresses far below the cap.
@@ -129,6 +133,9 @@ def serve(kind: str) -> None:
     def inputs_seen(self):
       return list(self._trainer.inputs)
 
+    def prepare_calls(self):
+      return self._trainer.prepare_calls  # an OwnPreparingTrainer's count
+
     def parameters(self):
       state = nnx.state(self._trainer.model, nnx.Param)
       return {jax.tree_util.keystr(path): np.asarray(leaf).tobytes()
@@ -140,12 +147,21 @@ def serve(kind: str) -> None:
     def _prepare_inputs(self, input_data):
       return {**input_data, "tokens": (input_data["tokens"] + 1) % TOKENS}
 
-  def make_trainer():
+  class OwnPreparingTrainer(ShiftingTrainer):
+    """Overrides `_prepare_payload` (a tunix extension point), non-idempotently, and counts."""
+
+    prepare_calls = 0
+
+    def _prepare_payload(self, payload):
+      self.prepare_calls += 1
+      return super()._prepare_payload({**payload, "tokens": (payload["tokens"] + 2) % TOKENS})
+
+  def make_trainer(trainer_cls=ShiftingTrainer):
     with mesh:
       model = TinyLM(nnx.Rngs(0))
       nnx.update(model, jax.tree.map(
           lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec())), nnx.state(model)))
-      trainer = ShiftingTrainer(
+      trainer = trainer_cls(
           model, optax.adamw(1e-2),
           peft_trainer_v2.TrainingConfig(eval_every_n_steps=1000,
                                          gradient_accumulation_steps=MICRO,
@@ -156,7 +172,8 @@ def serve(kind: str) -> None:
   async def main():
     servers, ports = [], {}
     for name in PLUGIN_WORKERS if kind == "plugin" else PLAIN_WORKERS:
-      worker = NodeWorker(make_trainer, worker_id=name)
+      trainer_cls = OwnPreparingTrainer if name in OWN_PREPARE else ShiftingTrainer
+      worker = NodeWorker(functools.partial(make_trainer, trainer_cls), worker_id=name)
       worker.initialize()
       port = portpicker.pick_unused_port()
       server = remote_execution.GrpcRemoteExecutionServer(worker)
@@ -263,9 +280,11 @@ class OnePerItem:
     return list(payloads)
 
 
-def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=None):
+def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=None,
+                program_cls=rl_program.StandardRLProgram):
   """Trains `payloads` (default: STEPS x MICRO small micro-batches) through a real
-  StandardRLProgram and engine; `cap` raises this process's message cap for the run."""
+  StandardRLProgram (or `program_cls`, a subclass) and engine; `cap` raises this process's
+  message cap for the run."""
   payloads = [batch(n) for n in range(steps * MICRO)] if payloads is None else payloads
   assert len(payloads) == steps * MICRO
   reports = []
@@ -273,7 +292,7 @@ def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=No
   async def main():
     handle = connect(port)
     engine = distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
-    program = rl_program.StandardRLProgram(
+    program = program_cls(
         algo=types.SimpleNamespace(group_size=2, mini_batch_size=MICRO // 2,
                                    requires_reference_kl=False),
         assembler=OnePerItem(), max_staleness=1, sync_weights=False,
@@ -327,6 +346,60 @@ def test_staged_training_is_bit_identical_to_a_trainer_without_the_plugin(node, 
     return params
 
   assert all(staged_params[k] != v for k, v in asyncio.run(untrained()).items())  # it trained
+
+
+class NoPrestageProgram(rl_program.StandardRLProgram):
+  """Overrides the upstream change's seam to skip the prestage at every step boundary."""
+
+  def _prestage_across_boundary(self, next_step):
+    return False
+
+
+class OwnDepthProgram(rl_program.StandardRLProgram):
+  """Overrides the upstream change's seam: one micro-batch ahead in step 0, none in step 1."""
+
+  def _stage_ahead_while_pending(self, step, max_staged_batches):
+    return 1 if step == 0 else 0
+
+
+def test_a_program_subclass_skipping_the_prestage_trains_the_same_parameters(node, inline):
+  params, inputs, reports = run_program(node["no_prestage"], staged=True,
+                                        program_cls=NoPrestageProgram)
+  assert [r.stage_metrics["stage/prestaged"] for r in reports] == [0] * STEPS
+  assert inputs[MICRO] == "host"  # step 1's head: nothing was staged for it during the boundary
+  staged_count = sum(r.stage_metrics["stage/staged"] for r in reports)
+  assert inputs.count("P('fsdp',)") == staged_count >= STEPS, inputs  # staging within the steps
+  assert params == inline  # byte for byte
+
+
+def test_a_program_subclass_with_its_own_depth_trains_the_same_parameters(node, inline):
+  params, inputs, reports = run_program(node["own_depth"], staged=True,
+                                        program_cls=OwnDepthProgram)
+  assert reports[0].stage_metrics["stage/peak_staged"] == 1
+  assert inputs.count("P('fsdp',)") == reports[0].stage_metrics["stage/staged"] >= 1, inputs
+  assert inputs[MICRO:] == ["host"] * MICRO  # step 1 trained inline, nothing staged for it
+  assert reports[1].stage_metrics["stage/staged"] == 0
+  assert params == inline  # byte for byte
+
+
+def test_a_trainer_overriding_prepare_payload_stages_once_to_the_same_parameters(node, inline):
+  reference, ref_inputs, _ = run_program(node["plain_own_prepare"], staged=False)
+  params, inputs, reports = run_program(node["own_prepare"], staged=True)
+  staged_count = sum(r.stage_metrics["stage/staged"] for r in reports)
+  assert inputs.count("P('fsdp',)") == staged_count >= STEPS * MICRO // 2, inputs
+  assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [0] * STEPS
+  assert params == reference  # byte for byte
+  assert params != inline  # the override's own preparation trained other numbers
+
+  async def prepare_calls(port):
+    handle = connect(port)
+    calls = await handle.asubmit("prepare_calls")
+    await handle.close()
+    return calls
+
+  # The override ran exactly once per micro-batch on both nodes (staged ones at stage time).
+  assert asyncio.run(prepare_calls(node["own_prepare"])) == STEPS * MICRO
+  assert asyncio.run(prepare_calls(node["plain_own_prepare"])) == STEPS * MICRO
 
 
 needs_codec = pytest.mark.skipif(not codec_lib.installed(codec_lib.DEFAULT_CODEC),

@@ -125,11 +125,11 @@ async def fill_queue(program, steps):
       n += 1
 
 
-def run_program(steps=3, max_staleness=None, trainer_cls=None):
+def run_program(steps=3, max_staleness=None, trainer_cls=None, program_cls=None):
   trainer = (trainer_cls or RecordingTrainer)()
   worker = trainer_worker.TrainerWorker(lambda: trainer)
   reports = []
-  program = rl_program.StandardRLProgram(
+  program = (program_cls or rl_program.StandardRLProgram)(
       algo=ALGO, assembler=OnePerItem(), max_staleness=max_staleness, sync_weights=False,
       on_step_end=lambda step, result: reports.append(program.last_step_result))
 
@@ -175,6 +175,81 @@ def test_no_cross_step_prestage_at_max_staleness_0_logged_once(staging, caplog, 
   assert [r.stage_metrics["stage/prestaged"] for r in reports] == [0, 0, 0]
   lines = [r.message for r in caplog.records if "max_staleness" in r.message]
   assert len(lines) == 1 and "needs max_staleness >= 1" in lines[0]
+
+
+class NoPrestageProgram(rl_program.StandardRLProgram):
+  """Skips the prestage across every step boundary (e.g. at its own checkpoint boundaries)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.asked = []
+
+  def _prestage_across_boundary(self, next_step):
+    self.asked.append(next_step)
+    return False
+
+
+class OwnDepthProgram(rl_program.StandardRLProgram):
+  """One micro-batch ahead, and none in step 1 (e.g. a step it evaluates in)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.asked = []
+
+  def _stage_ahead_while_pending(self, step, max_staged_batches):
+    self.asked.append((step, max_staged_batches))
+    return 0 if step == 1 else super()._stage_ahead_while_pending(step, 1)
+
+
+def run_subclass(program_cls, steps=3):
+  """run_program for a StandardRLProgram subclass; also returns the program."""
+  trainer = RecordingTrainer()
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  reports = []
+  program = program_cls(algo=ALGO, assembler=OnePerItem(), max_staleness=None,
+                        sync_weights=False,
+                        on_step_end=lambda step, result: reports.append(program.last_step_result))
+
+  async def main():
+    await fill_queue(program, steps)
+    await program.train_stage(make_engine(worker), num_steps=steps)
+
+  asyncio.run(main())
+  return program, trainer, worker, reports
+
+
+def test_the_seams_exist_only_while_staging_is_installed(staging):
+  program = rl_program.StandardRLProgram(algo=ALGO, assembler=OnePerItem(), max_staleness=None)
+  assert program._stage_ahead_while_pending(3, 2) == 2  # pylint: disable=protected-access
+  assert program._prestage_across_boundary(1) is True  # pylint: disable=protected-access
+  manager.uninstall("tunix", quiet=True)
+  assert not hasattr(rl_program.StandardRLProgram, "_stage_ahead_while_pending")
+  assert not hasattr(rl_program.StandardRLProgram, "_prestage_across_boundary")
+
+
+def test_a_subclass_that_skips_the_prestage_is_honoured(staging):
+  program, trainer, _, reports = run_subclass(NoPrestageProgram)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)  # the same micro-batches, in order
+  assert program.asked == [1, 2]  # at each boundary that has a next step
+  assert [r.stage_metrics["stage/prestaged"] for r in reports] == [0, 0, 0]
+  fwd = [c for c in trainer.calls if c[0] == "fwd"]
+  # Each step's head found nothing staged for it: it was dispatched inline.
+  assert [fwd[s * MB_PER_STEP][2] for s in range(3)] == [False] * 3
+  assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 3  # staging went on in steps
+
+
+def test_a_subclass_with_its_own_depth_is_honoured(staging):
+  program, trainer, worker, reports = run_subclass(OwnDepthProgram)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)
+  assert program.asked == [(0, 2), (1, 2), (2, 2)]  # once per step, with the configured depth
+  assert [r.stage_metrics["stage/peak_staged"] <= 1 for r in reports] == [True] * 3
+  fwd = [c for c in trainer.calls if c[0] == "fwd"]
+  assert [c[2] for c in fwd[MB_PER_STEP:2 * MB_PER_STEP]] == [False] * MB_PER_STEP  # step 1
+  assert reports[1].stage_metrics["stage/staged"] == reports[1].stage_metrics["stage/prestaged"] \
+      == 0
+  assert reports[0].stage_metrics["stage/staged"] >= 1  # staging went on, one ahead
+  assert installation.current().staging_of(worker).store.stats.staged == sum(
+      r.stage_metrics["stage/staged"] for r in reports)
 
 
 def test_failing_stage_falls_back_inline_and_is_counted(staging):
@@ -387,20 +462,57 @@ def test_a_staged_batch_is_prepared_once_like_inline(staging):
   assert [c[1] for c in staged.calls if c[0] == "fwd"] == [n + 100 for n in numbers]
 
 
-class OverridingTrainer(RecordingTrainer):
+class OwnPreparingTrainer(RecordingTrainer):
+  """A PeftTrainer subclass overriding `_prepare_payload` (a real tunix extension point),
+  non-idempotently: it adds 1000 before PeftTrainer's own preparation, so preparing a staged
+  batch again at consume time would train other numbers. It records every call."""
+
+  def __init__(self):
+    super().__init__()
+    self.own_prepared = []
 
   def _prepare_payload(self, payload):
-    return super()._prepare_payload(payload)
+    self.own_prepared.append(int(np.asarray(payload["mb"]).ravel()[0]))
+    return super()._prepare_payload({"mb": np.asarray(payload["mb"]) + 1000})
+
+
+def test_a_subclass_overriding_prepare_payload_is_staged_through_its_override_once(staging):
+  original = vars(OwnPreparingTrainer)["_prepare_payload"]
+  staged, worker, reports = run_program(steps=2, trainer_cls=OwnPreparingTrainer)
+  assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 4  # the staged path ran
+  assert installation.current().staging_of(worker).unsupported is None
+  assert vars(OwnPreparingTrainer)["_prepare_payload"] is not original  # now a seam
+  manager.uninstall("tunix", quiet=True)
+  assert vars(OwnPreparingTrainer)["_prepare_payload"] is original  # restored exactly
+  inline, _, _ = run_program(steps=2, trainer_cls=OwnPreparingTrainer)  # no plugin at all
+  numbers = list(range(2 * MB_PER_STEP))
+  assert inline.own_prepared == numbers
+  # Each micro-batch went through the override exactly once (staged ones on the staging thread).
+  assert sorted(staged.own_prepared) == numbers
+  assert [c[:2] for c in staged.calls] == [c[:2] for c in inline.calls]
+  assert [c[1] for c in staged.calls if c[0] == "fwd"] == [n + 1000 for n in numbers]
+  assert any(c[0] == "fwd" and c[2] for c in staged.calls)  # some arrived placed on the device
+
+
+class InstancePreparingTrainer(RecordingTrainer):
+  """Sets its preparation on the instance: no class method for a staged batch to pass through."""
+
+  def __init__(self):
+    super().__init__()
+    self._prepare_payload = self._prepare_on_the_side
+
+  def _prepare_on_the_side(self, payload):
+    return peft_trainer_v2.PeftTrainer._prepare_payload(self, payload)  # pylint: disable=protected-access
 
 
 def test_a_trainer_that_cannot_stage_is_asked_once(staging, caplog):
   with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
-    trainer, worker, reports = run_program(steps=3, trainer_cls=OverridingTrainer)
+    trainer, worker, reports = run_program(steps=3, trainer_cls=InstancePreparingTrainer)
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
   assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [1, 0, 0]
   assert all(r.stage_metrics["stage/staged"] == 0 for r in reports)
   assert installation.current().staging_of(worker).unsupported.startswith(
-      "OverridingTrainer overrides _prepare_payload")
+      "InstancePreparingTrainer sets _prepare_payload on the instance")
   lines = [r.message for r in caplog.records if "cannot stage" in r.message]
   assert len(lines) == 1, lines
 

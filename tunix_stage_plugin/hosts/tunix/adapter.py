@@ -38,7 +38,7 @@ class TunixAdapter:
       "server: trainer methods off the event loop",
       "worker: stage_batch/reset_staged/fwd_bwd(stage_key)",
       "engine: stage_train_batch/reset_staged_batches",
-      "program: staged train loop",
+      "program: staged train loop, _stage_ahead_while_pending/_prestage_across_boundary",
   )
 
   def __init__(self) -> None:

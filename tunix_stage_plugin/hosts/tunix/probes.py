@@ -84,7 +84,7 @@ def run(m: Any) -> list[Probe]:
             or (f"StandardRLProgram.__init__ lacks {missing_init}" if missing_init else None)
             or (f"RLStepResult lacks {sorted(step_fields - fields)}"
                 if step_fields - fields else None)
-            or _free(program))
+            or _free(program, "_stage_ahead_while_pending", "_prestage_across_boundary"))
 
   return [
       _check("server: RemoteExecutionServer.execute_request routing", server_routing),

@@ -5,8 +5,14 @@
 loop (StagePipeline.run_steps) is fed from the program's scored queue in the host's order (one
 group at a time, `assembler.pack`, optional reference log-probs per micro-batch; the step's last
 micro-batch applies the optimizer), and the step's bookkeeping (callbacks, weight sync, policy
-version, commit, RLStepResult) is the host's, plus `stage/*` metrics. Prestage rules:
-docs/tunix.md.
+version, commit, RLStepResult) is the host's, plus `stage/*` metrics.
+
+The loop asks the program at the upstream change's two seams, methods this module adds to
+StandardRLProgram (removed exactly on uninstall) so that a subclass can override them:
+`_stage_ahead_while_pending(step, max_staged_batches)`, how many micro-batches to keep staged
+while a train call is pending (the pipeline's `depth_for`), and `_prestage_across_boundary(
+next_step)`, whether to stage the next step's first micro-batches during the boundary (its
+`prestage_next`). Prestage rules and the seams: docs/tunix.md.
 """
 
 from __future__ import annotations
@@ -151,7 +157,9 @@ def _codec_note(engine: StageEngine) -> str:
 async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,
                               config: Any) -> None:
   stage_engine = StageEngine(engine, codec_lib.parse(config.codec))
-  pipeline = pipeline_lib.StagePipeline(stage_engine, config.max_staged_batches)
+  # The program's seams (its subclass's overrides included) decide depth and prestage.
+  pipeline = pipeline_lib.StagePipeline(stage_engine, config.max_staged_batches,
+                                        depth_for=program._stage_ahead_while_pending)  # pylint: disable=protected-access
   feeds: dict[int, _StepFeed] = {}  # a prestaged step keeps its own feed
 
   def source_for(step: int) -> AsyncIterator[pipeline_lib.MicroBatch]:
@@ -187,8 +195,34 @@ async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,
       program.on_step_end(program.step, report.result)
 
   await pipeline.run_steps(source_for, steps=num_steps,
-                           prestage_next=lambda step: _may_prestage(program),
+                           prestage_next=program._prestage_across_boundary,  # pylint: disable=protected-access
                            before_step=before_step, after_step=after_step)
+
+
+def _stage_ahead_while_pending(self: Any, step: int, max_staged_batches: int) -> int:
+  """How many of step `step`'s micro-batches to keep staged ahead while a train call is pending.
+
+  Added by tunix-stage-plugin while staging is installed (the upstream change's name). Default:
+  `max_staged_batches` (TUNIX_MAX_STAGED_BATCHES / --max_staged_batches). Asked once per step, when
+  its staging starts (at the step's start, or at the previous boundary when it is prestaged). 0
+  stages none of the step (it trains inline); more than the trainer's device bound is refused
+  there and trained inline. Override in a subclass, e.g. a smaller depth while it evaluates.
+  """
+  del self, step
+  return max_staged_batches
+
+
+def _prestage_across_boundary(self: Any, next_step: int) -> bool:
+  """Whether to stage step `next_step`'s first micro-batches while this step's boundary (update,
+  weight sync) runs.
+
+  Added by tunix-stage-plugin while staging is installed (the upstream change's name). Default:
+  yes, unless `max_staleness=0` (the next step's rollouts then wait for the weight sync). Asked
+  once per step boundary that has a next step. Override in a subclass, e.g. to skip the prestage
+  at its own checkpoint boundaries.
+  """
+  del next_step
+  return _may_prestage(self)
 
 
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
@@ -204,3 +238,5 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     return await _staged_train_stage(self, engine, num_steps, inst.live.config)
 
   registry.set(program_cls, "train_stage", train_stage)
+  registry.set(program_cls, "_stage_ahead_while_pending", _stage_ahead_while_pending)
+  registry.set(program_cls, "_prestage_across_boundary", _prestage_across_boundary)

@@ -3,13 +3,18 @@ PeftTrainer's placement (its `_prepare_payload` seam).
 
 A staged batch is prepared once, on the staging thread, through the hosted trainer's own
 preparation step, and handed through that step at consume time (hosts/placements.py). Which
-step depends on the trainer: docs/tunix.md, "What it hooks". A compressed payload
-(compression.py) is decoded first, on the same thread.
+step depends on the trainer: docs/tunix.md, "What it hooks". A PeftTrainer subclass that
+overrides `_prepare_payload` is staged through its own override: the first time such a trainer
+stages, the override becomes a seam too (through the installation's patch registry, so
+uninstall restores it), so the override runs once per micro-batch, on the staging thread. A
+compressed payload (compression.py) is decoded first, on the same thread.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import types
 from typing import Any
 
 import jax
@@ -40,14 +45,24 @@ def model_mesh(model: Any) -> jax.sharding.Mesh:
                      "(NamedSharding); staging places a payload on the trainer's mesh")
 
 
+def _hand_through(trainer: Any, staged: Any) -> Any:
+  """At consume time the seam returns the batch prepared at stage time, as it is."""
+  del trainer
+  return staged
+
+
 class PeftPlacement:
-  """tunix's PeftTrainer: `_prepare_payload` (`_prepare_inputs`, then sharding on the mesh)."""
+  """tunix's PeftTrainer and its subclasses: `_prepare_payload` (`_prepare_inputs`, then sharding
+  on the mesh), or a subclass's own override of it."""
 
   name = "tunix PeftTrainer"
   SEAM = "_prepare_payload"
 
-  def __init__(self, peft_cls: type) -> None:
+  def __init__(self, peft_cls: type, registry: patching.PatchRegistry) -> None:
     self.peft_cls = peft_cls
+    self._registry = registry  # where a subclass's override becomes a seam (undone on uninstall)
+    self._lock = threading.Lock()  # stages of several workers may find the same class at once
+    self._seams: set[type] = {peft_cls}  # the classes whose own _prepare_payload is a seam
 
   def find(self, trainer: Any) -> tuple[Any, str | None]:
     # The hosted trainer, or the PeftTrainer a mesh-binding proxy (tunix's _MeshBoundTrainer)
@@ -55,11 +70,29 @@ class PeftPlacement:
     owner = getattr(getattr(trainer, self.SEAM, None), "__self__", None)
     if not isinstance(owner, self.peft_cls):
       return None, None
-    if getattr(type(owner), self.SEAM) is not self.peft_cls.__dict__[self.SEAM]:
-      return None, (f"{type(owner).__qualname__} overrides {self.SEAM}; staging prepares "
-                    f"through PeftTrainer.{self.SEAM} once per micro-batch and cannot keep that "
-                    "promise here")
-    return owner, None
+    reason = self._seam_for(owner)
+    return (None, reason) if reason is not None else (owner, None)
+
+  def _seam_for(self, owner: Any) -> str | None:
+    """Makes the `_prepare_payload` that `owner`'s fwd_bwd reaches a seam (None), or says why it
+    cannot be one: then staging could not keep its one-preparation promise."""
+    if self.SEAM in vars(owner):
+      return (f"{type(owner).__qualname__} sets {self.SEAM} on the instance; staging hands a "
+              f"staged batch through the class's {self.SEAM}, so it cannot keep its "
+              "one-preparation promise here")
+    cls = next(c for c in type(owner).__mro__ if self.SEAM in vars(c))
+    with self._lock:
+      if cls in self._seams:
+        return None
+      override = vars(cls)[self.SEAM]
+      if not isinstance(override, types.FunctionType):
+        return (f"{cls.__qualname__}.{self.SEAM} is a {type(override).__name__}, not a method "
+                "defined in the class; staging prepares through the trainer's own method once "
+                "per micro-batch and cannot keep that promise here")
+      self._registry.set(cls, self.SEAM, placements.seam(override, _hand_through,
+                                                         f"{cls.__qualname__}.{self.SEAM}"))
+      self._seams.add(cls)
+    return None
 
   def check(self, payload: Any) -> None:
     if isinstance(payload, datatypes.TrainerPayload):
@@ -75,11 +108,11 @@ class PeftPlacement:
     # Finish the host-to-device copy here, on the staging thread, never in fwd_bwd.
     return jax.block_until_ready(placed)
 
-  def apply(self, registry: patching.PatchRegistry) -> None:
+  def apply(self) -> None:
     original = self.peft_cls.__dict__[self.SEAM]
-    registry.set(self.peft_cls, self.SEAM,
-                 placements.seam(original, lambda trainer, staged: staged, self.SEAM))
-    registry.on_undo(placements.register(self))
+    self._registry.set(self.peft_cls, self.SEAM,
+                       placements.seam(original, _hand_through, self.SEAM))
+    self._registry.on_undo(placements.register(self))
 
 
 def _check(state: installation_lib.WorkerStaging, payload: Any) -> None:
@@ -153,7 +186,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     response.metadata[PLACEMENT_FALLBACK] = consumed.fallback
     return response
 
-  PeftPlacement(peft_cls).apply(registry)
+  PeftPlacement(peft_cls, registry).apply()
   registry.set(worker_cls, "stage_batch", stage_batch)
   registry.set(worker_cls, "reset_staged", reset_staged)
   registry.set(worker_cls, "fwd_bwd", fwd_bwd)
