@@ -59,3 +59,11 @@ def test_sizes_are_matched_exactly_and_trim_gives_back_only_idle_buffers():
 def test_a_bad_size_is_refused():
   with pytest.raises(ValueError, match="buffer size must be an int >= 0; got -1"):
     buffers_lib.HostBufferPool().take(-1)
+
+
+def test_reserve_makes_the_missing_buffers_once_and_take_reuses_them():
+  pool = buffers_lib.HostBufferPool()
+  assert pool.reserve(2 * MIB, 3) == 3 and pool.reserve(2 * MIB, 3) == 0
+  assert pool.reserve(MIB - 1, 5) == 0  # too small to pool
+  held = [pool.take(2 * MIB) for _ in range(3)]
+  assert pool.made == 3 and pool.reused == 3 and all(not b.any() for b in held)

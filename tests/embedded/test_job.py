@@ -102,3 +102,10 @@ def test_a_trainer_with_staging_off_refuses_every_stage_without_a_staging_thread
   assert all(o.report.inline == MB for o in result.outcomes)
   assert result.finish["store"]["staged"] == 0
   assert result.finish["param_digest"] == inline_digest
+
+
+def test_the_array_layout_is_what_a_micro_batch_holds():
+  for payload in data_lib.PAYLOADS:
+    sizes = data_lib.TINY_SIZES.with_payload(payload)
+    batch = data_lib.make_batch(sizes, 0, 1, 2)
+    assert {k: (a.shape, str(a.dtype)) for k, a in batch.arrays.items()} == sizes.array_layout()

@@ -99,6 +99,28 @@ def test_link_pacer_absorbs_the_senders_own_hand_over_time_but_not_idle_gaps():
   asyncio.run(go())
 
 
+def test_link_pacer_sleeps_only_once_the_sender_is_a_few_milliseconds_ahead():
+  """The loop sleeps in whole milliseconds: a fast link paced per chunk would lose a millisecond
+  per chunk. Small leads accumulate instead, and the total sleep is still the link's time."""
+  now = [0.0]
+  slept = []
+
+  async def fake_sleep(seconds):
+    slept.append(seconds)
+    now[0] += seconds
+
+  pacer = pacing.LinkPacer(1e9, clock=lambda: now[0], sleep=fake_sleep)
+
+  async def go():
+    for _ in range(100):
+      await pacer.transmit(100_000)  # 0.1 ms each
+
+  asyncio.run(go())
+  assert all(s >= pacing.MIN_SLEEP_S for s in slept) and 4 <= len(slept) <= 5
+  # 10 ms of link time in all: slept, but for a last lead shorter than MIN_SLEEP_S.
+  assert 0.01 - pacing.MIN_SLEEP_S <= sum(slept) <= 0.01 + 1e-9
+
+
 def test_link_pacer_shares_the_link_between_concurrent_senders():
   now = [0.0]
   waits = []

@@ -36,6 +36,7 @@ from tunix_stage_plugin.embedded import job as job_lib
 from tunix_stage_plugin.embedded import process as process_lib
 
 MODE_TABLE, MODES, SCENARIOS = modes_lib.MODE_TABLE, modes_lib.MODES, modes_lib.SCENARIOS
+BY_NAME = modes_lib.BY_NAME
 BURSTY_HEAD, BURSTY_HEAD_SLOWDOWN = 1 / 3, 1.6  # the first third of a step's transfers
 BURSTY_SPIKE_P, BURSTY_SPIKE_SLOWDOWN = 0.2, 2.0  # and a fifth of all, at random
 CALIBRATION_STEPS = 3  # the first compiles; the medians use the others
@@ -324,11 +325,22 @@ async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.Embedde
           0, memory["peak"] - memory["baseline"] - options.microbatches * payload))
 
 
+def receive_buffers(options: BenchOptions, mode: str) -> int:
+  """The receive buffers a mode's steady state reuses (measured): inline the one arriving and the
+  last one placed (JAX may hold it until its next placement); staged also the device and host
+  bounds' batches; resident none."""
+  kind = BY_NAME[mode].plan["kind"]
+  if kind == "resident":
+    return 0
+  return 2 + (options.max_device_batches + options.max_host_batches if kind == "staged" else 0)
+
+
 async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
                     options: BenchOptions, calibration: Calibration, mode: str, round_: int,
                     trainer_pid: int, make: data_lib.BatchMaker) -> ModeRun:
   await client.call("setup", sizes=options.sizes().as_dict(), seed=options.seed,
-                    h2d_mbps=calibration.h2d_bytes_per_s / 1e6)
+                    h2d_mbps=calibration.h2d_bytes_per_s / 1e6,
+                    receive_buffers=receive_buffers(options, mode))
   plan = plan_for(mode, options.total_steps, options.microbatches, calibration.sync_s)
   recorder = timeline_lib.Timeline()
   load = cpu.ForeignLoad([os.getpid(), trainer_pid])

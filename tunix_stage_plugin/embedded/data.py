@@ -94,6 +94,16 @@ class Sizes:
               "routed_experts": (b, t, self.routed_layers, self.top_k)}
     return {"tokens": (b, t), "ballast": (b, t, self.ballast)}
 
+  def array_layout(self) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each array of a micro-batch: its shape and dtype."""
+    if self.payload == PAYLOAD_RL:
+      dtypes = {"tokens": "int32", "positions": "int32", "segment_ids": "int32",
+                "loss_mask": "int8", "advantages": "float32", "old_logprobs": "float32",
+                "ref_logprobs": "float32", "routed_experts": "int16"}
+    else:
+      dtypes = {"tokens": "int32", "ballast": "float32"}
+    return {name: (shape, dtypes[name]) for name, shape in self.array_shapes().items()}
+
   def as_dict(self) -> dict[str, int]:
     return dataclasses.asdict(self)
 

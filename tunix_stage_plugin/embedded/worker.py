@@ -15,6 +15,8 @@ import threading
 import time
 from typing import Any, Iterable
 
+import numpy as np
+
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
@@ -97,13 +99,17 @@ class TrainerWorker:
 
   def setup(self, *, sizes: dict[str, int], seed: int = 0, h2d_mbps: float | None = None,
             max_device_batches: int | None = None, max_host_batches: int | None = None,
-            fail_stage: Iterable[str] | None = None, record_timeline: bool = True) -> dict:
+            fail_stage: Iterable[str] | None = None, record_timeline: bool = True,
+            receive_buffers: int = 0) -> dict:
     """Fresh parameters, optimizer state, store and records; the same seed gives the same run.
 
     None keeps the trainer's configuration: its bounds (TUNIX_STAGE_MAX_DEVICE_BATCHES,
     TUNIX_STAGE_MAX_HOST_BATCHES) and the
     micro-batch ids whose stage it fails on purpose (trainer_main --fail_stage_ids).
     `record_timeline=False` records no spans (a long job would otherwise grow them forever).
+    `receive_buffers`: that many receive buffers of each large array of a micro-batch are made
+    (and faulted) now, counted in this run's memory: a long job reaches them on its own after a
+    few micro-batches (the pool reuses them), a short benchmark run starts from them.
     """
     # pylint: disable-next=import-outside-toplevel  (JAX loads with the first setup, not at import)
     from tunix_stage_plugin.embedded import trainer as trainer_lib
@@ -127,6 +133,8 @@ class TrainerWorker:
     gc.collect()  # JAX may hold the last placed batch in a reference cycle
     self.pool.trim()
     self._rss_baseline = rss.reset_peak()
+    for shape, dtype in self._trainer.sizes.array_layout().values():
+      self.pool.reserve(int(np.prod(shape)) * np.dtype(dtype).itemsize, receive_buffers)
     return {"max_device_batches": bound, "max_host_batches": host_bound,
             "payload_bytes": self._trainer.sizes.payload_bytes}
 
