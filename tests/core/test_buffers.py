@@ -67,3 +67,29 @@ def test_reserve_makes_the_missing_buffers_once_and_take_reuses_them():
   assert pool.reserve(MIB - 1, 5) == 0  # too small to pool
   held = [pool.take(2 * MIB) for _ in range(3)]
   assert pool.made == 3 and pool.reused == 3 and all(not b.any() for b in held)
+
+
+def test_a_chunk_sink_fills_each_buffer_in_order_with_one_copy():
+  pool = buffers_lib.HostBufferPool()
+  parts = [np.arange(3 * MIB, dtype=np.uint8), np.arange(5, dtype=np.uint8)]
+  sink = buffers_lib.ChunkSink([p.nbytes for p in parts], pool)
+  for part in parts:
+    for start in range(0, part.nbytes, 2 * MIB):
+      sink.write(part[start:start + 2 * MIB].tobytes())
+  got = sink.finish()
+  for buffer, part in zip(got, parts):
+    np.testing.assert_array_equal(buffer, part)
+    assert buffer.ctypes.data % buffers_lib.ALIGNMENT == 0
+
+
+@pytest.mark.parametrize("chunks, message", [
+    ([b"\0" * 10], "ended after 10 of the 16 bytes"),
+    ([b"\0" * 12, b"\0" * 8], "carried more than the 16 bytes it announced"),
+    ([b"\0" * 8, b"\0" * 8], "overruns buffer 0"),
+])
+def test_a_chunk_sink_refuses_streams_that_break_their_sizes(chunks, message):
+  sink = buffers_lib.ChunkSink([12, 4], buffers_lib.HostBufferPool())
+  with pytest.raises(ValueError, match=message):
+    for chunk in chunks:
+      sink.write(chunk)
+    sink.finish()

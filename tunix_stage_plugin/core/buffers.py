@@ -111,3 +111,45 @@ class HostBufferPool:
           kept.append(slot)
       self._slots = kept
     return idle
+
+
+class ChunkSink:
+  """Receives a stream of chunks into aligned buffers of announced sizes, one copy per byte.
+
+  For transports that hand over their bytes in messages (a gRPC client stream): each chunk is
+  copied into the buffer it belongs to as it arrives, so nothing payload-sized is held but the
+  buffers themselves; a chunk never spans two buffers. A stream that carries more than it
+  announced is refused at the first chunk past the total, one that ends early at `finish`.
+  """
+
+  def __init__(self, sizes: Sequence[int], pool: HostBufferPool) -> None:
+    self.sizes = list(sizes)
+    self.announced = sum(self.sizes)
+    self.buffers = pool.take_all(self.sizes)
+    self.received = 0
+    self._index = 0
+    self._filled = 0
+
+  def write(self, chunk: bytes | memoryview) -> None:
+    data = memoryview(chunk).cast("B")
+    if self.received + data.nbytes > self.announced:
+      raise ValueError(f"the stream carried more than the {self.announced} bytes it announced "
+                       f"(refused at {self.received + data.nbytes} bytes)")
+    while self._index < len(self.sizes) and self._filled == self.sizes[self._index]:
+      self._index, self._filled = self._index + 1, 0
+    room = self.sizes[self._index] - self._filled
+    if data.nbytes > room:
+      raise ValueError(f"a chunk of {data.nbytes} bytes overruns buffer {self._index} "
+                       f"({self._filled} of {self.sizes[self._index]} bytes filled); chunks never "
+                       "span buffers")
+    target = self.buffers[self._index]
+    target[self._filled:self._filled + data.nbytes] = np.frombuffer(data, np.uint8)
+    self._filled += data.nbytes
+    self.received += data.nbytes
+
+  def finish(self) -> list[np.ndarray]:
+    if self.received != self.announced:
+      raise ValueError(f"the stream ended after {self.received} of the {self.announced} bytes "
+                       "it announced")
+    buffers, self.buffers = self.buffers, []
+    return buffers
