@@ -39,3 +39,21 @@ def reset_peak() -> int | None:
   except OSError:
     return None
   return current()
+
+
+def report(reset: bool = False, top: int = 5) -> dict[str, object]:
+  """Memory facts of this process: resident now and at peak, and, when tracemalloc is tracing
+  (PYTHONTRACEMALLOC=1), Python's traced bytes and largest allocation sites. `reset` starts both
+  peaks again afterwards (tools/profile_host_path.py)."""
+  import tracemalloc  # pylint: disable=import-outside-toplevel  (only when asked)
+  out: dict[str, object] = {"rss": current(), "peak": peak(), "traced": None, "top": []}
+  if tracemalloc.is_tracing():
+    traced, traced_peak = tracemalloc.get_traced_memory()
+    out["traced"] = {"current": traced, "peak": traced_peak}
+    stats = tracemalloc.take_snapshot().statistics("lineno")[:top]
+    out["top"] = [(str(s.traceback[0]), s.size, s.count) for s in stats]
+    if reset:
+      tracemalloc.reset_peak()
+  if reset:
+    reset_peak()
+  return out

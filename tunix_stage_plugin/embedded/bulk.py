@@ -280,6 +280,7 @@ class BulkSender:
     self._address = (host, port)
     self._pacer = pacer
     self._idle: list[socket.socket] = []
+    self.sent_bytes = 0  # the buffers' bytes handed to the kernel, frames' headers excluded
 
   async def _connection(self) -> socket.socket:
     if self._idle:
@@ -307,6 +308,7 @@ class BulkSender:
       for chunk in wire.iter_chunks(buffers):
         await self._pacer.transmit(round(chunk.nbytes * pace))
         await loop.sock_sendall(sock, chunk)
+        self.sent_bytes += chunk.nbytes
       sent = True
     finally:
       if sent:

@@ -121,6 +121,11 @@ class WorkerClient:
   async def __aexit__(self, *exc: Any) -> None:
     await self.close()
 
+  @property
+  def bulk_sent_bytes(self) -> int:
+    """Array bytes this client handed to the bulk channel's sockets so far."""
+    return 0 if self._sender is None else self._sender.sent_bytes
+
   async def close(self) -> None:
     if self._sender is not None:
       self._sender.close()

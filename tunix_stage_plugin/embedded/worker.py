@@ -2,7 +2,7 @@
 
 Lanes (core.executor): fwd_bwd / update / weight_sync / setup / place_resident / finish on the
 compute lane in arrival order; stage_batch on the staging lane, so a stage overlaps a running
-fwd_bwd; heartbeat / info / timeline / reset_staged inline. With staging off, stage_batch runs on
+fwd_bwd; heartbeat / info / timeline / memory / reset_staged inline. With staging off, stage_batch runs on
 the compute lane and refuses, so an inline-only trainer never starts a staging thread.
 """
 
@@ -29,7 +29,7 @@ from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.embedded import data as data_lib
 from tunix_stage_plugin.embedded import pacing
 
-LIGHT_METHODS = executor_lib.LIGHT_METHODS | {"timeline"}
+LIGHT_METHODS = executor_lib.LIGHT_METHODS | {"timeline", "memory"}
 
 
 def make_executor(cfg: config_lib.StageConfig) -> executor_lib.MethodExecutor:
@@ -52,7 +52,7 @@ class TrainerWorker:
   """Serves one JAX trainer; `setup` (re)builds it, so one process can run many benchmark modes."""
 
   METHODS = frozenset({
-      "heartbeat", "info", "timeline", "setup", "place_resident", "fwd_bwd", "update",
+      "heartbeat", "info", "timeline", "memory", "setup", "place_resident", "fwd_bwd", "update",
       "weight_sync", "finish", "stage_batch", "reset_staged",
   })
 
@@ -90,6 +90,11 @@ class TrainerWorker:
         "threads": sorted(t.name for t in threading.enumerate()),
         "staged_keys": self.store.keys(),
     }
+
+  def memory(self, reset: bool = False) -> dict[str, Any]:
+    """This process's memory (core.rss.report): resident and peak bytes, socket bytes moved,
+    tracemalloc's figures when tracing; `reset` restarts the peaks. For tools/profile_host_path."""
+    return {**rss.report(reset=reset), "pool_held_bytes": self.pool.held_bytes()}
 
   def timeline(self) -> list[timeline_lib.Span]:
     """The spans recorded since the last setup, on this process's perf_counter clock."""
