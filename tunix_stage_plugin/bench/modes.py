@@ -47,11 +47,21 @@ SCENARIOS = {
 }
 
 
+# How a micro-batch's host-to-device copy is done (--h2d).
+H2D = {
+    "auto": "real on a machine whose JAX backend is an accelerator, emulated on CPU (the default)",
+    "real": "the trainer's own jax.device_put onto its devices, measured; nothing emulated",
+    "emulated": "on CPU devices, the real device_put (zero-copy for an aligned buffer) plus a "
+                "sleep of --h2d_ratio x compute on one shared link",
+}
+
+
 def epilog() -> str:
   """The modes and scenarios as `tunix-stage bench --help` lists them."""
   width = max(len(m.name) for m in MODE_TABLE) + 2
   lines = ["modes:"] + [f"  {m.name:<{width}}{m.help}" for m in MODE_TABLE]
   lines += ["", "scenarios (--scenario):"] + [f"  {k:<{width}}{v}" for k, v in SCENARIOS.items()]
+  lines += ["", "host-to-device copies (--h2d):"] + [f"  {k:<{width}}{v}" for k, v in H2D.items()]
   lines += ["", "hidden fraction = (T_inline - T_mode) / (T_inline - T_resident)",
             "limit = step / (M x fwd_bwd + update + weight sync), all measured: 1.00 is the "
             "device never waiting"]

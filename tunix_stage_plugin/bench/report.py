@@ -54,6 +54,9 @@ class ModeSummary:
   trainer_peak: int | None = None
   orchestrator_peak: int | None = None
   host_path: dict | None = None
+  h2d_s: float | None = None  # measured median placement seconds of one micro-batch
+  h2d_overlap: float | None = None  # share of the staged placements' time the device computed
+  device_memory: dict | None = None  # device bytes: baseline, sampled and allocator peaks
 
   @property
   def step_over_limit(self) -> float:
@@ -84,6 +87,9 @@ class ModeSummary:
                    "trainer_peak_above_baseline_bytes": self.trainer_growth,
                    "orchestrator_peak_bytes": self.orchestrator_peak},
         "host_path": self.host_path,
+        "median_h2d_s": self.h2d_s,
+        "placement_overlapped_compute": self.h2d_overlap,
+        "device_memory": self.device_memory,
     }
 
 
@@ -171,7 +177,10 @@ def summarize(result: runner.BenchResult) -> dict[str, ModeSummary]:
         trainer_growth=_most([_growth(r.trainer_rss) for r in runs]),
         trainer_peak=_most([r.trainer_rss.get("peak") for r in runs]),
         orchestrator_peak=_most([r.orchestrator_rss.get("peak") for r in runs]),
-        host_path=_host_path(mode, runs))
+        host_path=_host_path(mode, runs),
+        h2d_s=metrics.median([r.h2d_s for r in runs if r.h2d_s is not None]),
+        h2d_overlap=metrics.median([r.h2d_overlap for r in runs if r.h2d_overlap is not None]),
+        device_memory=_device_memory(runs))
   t_inline, t_resident = (out[m].median_step_s if m in out else None
                           for m in ("inline", "resident"))
   for summary in out.values():
@@ -187,6 +196,16 @@ def _growth(rss: dict) -> int | None:
 def _most(values: list[int | None]) -> int | None:
   known = [v for v in values if v is not None]
   return max(known) if known else None
+
+
+def _device_memory(runs: list[runner.ModeRun]) -> dict | None:
+  """The trainer's device bytes over a mode's runs (None on a backend that keeps no figures)."""
+  known = [r.device_memory for r in runs if r.device_memory.get("sampled_peak") is not None]
+  if not known:
+    return None
+  return {"baseline_bytes": min(d["baseline"] for d in known),
+          "sampled_peak_bytes": max(d["sampled_peak"] for d in known),
+          "allocator_peak_bytes": _most([d["allocator_peak"] for d in known])}
 
 
 def _host_path(mode: str, runs: list[runner.ModeRun]) -> dict | None:
@@ -307,7 +326,7 @@ def wire_summary(result: runner.BenchResult, mode: str) -> dict[str, Any]:
 def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> str:
   header = ("mode", "step s", "mid-step idle s", "boundary idle s", "hidden", "limit",
             "fwd_bwd s", "fallbacks", "peak device batches", "wire MiB/mb", "ratio",
-            "host GiB/s", "trainer GiB", "orch. GiB")
+            "H2D s", "host GiB/s", "trainer GiB", "orch. GiB")
   rows = []
   for mode, s in summary.items():
     if mode == "resident":
@@ -326,7 +345,7 @@ def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) ->
                  _fmt(s.boundary_idle_s, ".2f"), hidden, _fmt(s.step_over_limit, ".3f"),
                  _fmt(s.fwd_bwd_s, ".3f"), str(s.fallbacks), peak,
                  _fmt(None if per_mb is None else per_mb / data_lib.MIB, ".2f"),
-                 _fmt(wire["stage_ratio"], ".2f"),
+                 _fmt(wire["stage_ratio"], ".2f"), _fmt(s.h2d_s, ".3f"),
                  _fmt(s.host_path["gib_per_s"] if s.host_path else None, ".2f"),
                  _fmt(None if s.trainer_peak is None else s.trainer_peak / GIB, ".2f"),
                  _fmt(None if s.orchestrator_peak is None else s.orchestrator_peak / GIB, ".2f")))
@@ -341,10 +360,12 @@ def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) ->
 def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
                   checks: list[Criterion]) -> str:
   o, c = result.options, result.calibration
+  h2d = (f"H2D real on {c.platform} ({', '.join(c.devices)})" if c.h2d_s is None
+         else f"H2D {c.h2d_s:.3f} s ({o.h2d_ratio:g} x, emulated)")
   lines = [
       f"tunix-stage bench: {o.microbatches} micro-batches/step of "
       f"{c.payload_bytes / data_lib.MIB:.1f} MiB; per micro-batch compute {c.compute_s:.3f} s, "
-      f"wire {c.wire_s:.3f} s ({o.wire_ratio:g} x), H2D {c.h2d_s:.3f} s ({o.h2d_ratio:g} x), "
+      f"wire {c.wire_s:.3f} s ({o.wire_ratio:g} x), {h2d}, "
       f"weight sync {c.sync_s:.3f} s ({o.sync_ratio:g} x); device bound {o.max_device_batches}, "
       f"host bound {o.max_host_batches}; scenario {o.scenario}",
       f"medians over {o.rounds} round(s) x {o.steps} timed step(s) per mode (each run after "
@@ -361,6 +382,8 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
                  "so the timing checks and hidden fractions (even negative ones) judge nothing")
   pre = summary.get("depth2_prestage")
   if pre and pre.stage_call_s:
+    copy = (f"{c.h2d_s:.3f} s" if c.h2d_s is not None
+            else f"{_fmt(pre.h2d_s, '.3f')} s measured")
     verdict = (f"Each is under the {c.compute_s:.3f} s of compute it hides behind, so the step "
                "can reach its limit" if pre.stage_call_s < c.compute_s else
                f"That is more than the {c.compute_s:.3f} s of compute it hides behind: the "
@@ -368,7 +391,7 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
     lines.append(
         f"stage calls: {pre.stage_call_s:.3f} s each (median, measured; the wire alone is "
         f"{c.wire_s:.3f} s emulated), answered once the trainer received the payload; its "
-        f"host-to-device copy ({c.h2d_s:.3f} s) then runs on the trainer's staging lane while "
+        f"host-to-device copy ({copy}) then runs on the trainer's staging lane while "
         f"the next payload is on the wire. {verdict}; peak received host buffers "
         f"{pre.peak_host_batches} of {o.max_host_batches}")
   packed = summary.get("depth2_prestage_codec")
@@ -388,6 +411,19 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
             f"{_fmt(p['place_s'], '.3f')} s place)" for m, p in paths)
         + f"; one memcpy of a micro-batch here: {c.memcpy_fresh_bytes_per_s / GIB:.2f} GiB/s "
         f"into fresh memory, {c.memcpy_warm_bytes_per_s / GIB:.2f} GiB/s warm")
+  overlaps = [(m, s.h2d_overlap) for m, s in summary.items() if s.h2d_overlap is not None]
+  if overlaps:
+    lines.append("staged placements overlapped compute for " + ", ".join(
+        f"{m} {v:.0%}" for m, v in overlaps) + " of their time (H2D s: measured median per "
+        "micro-batch, emulated time included)")
+  devices = [(m, s.device_memory) for m, s in summary.items() if s.device_memory]
+  bound = (o.max_device_batches + 1) * c.payload_bytes
+  if devices:
+    lines.append("device memory above the setup's, most after a placement: " + ", ".join(
+        f"{m} {(d['sampled_peak_bytes'] - d['baseline_bytes']) / GIB:.2f} GiB" for m, d in devices)
+        + f" (the device bound + the batch computing: {bound / GIB:.2f} GiB)")
+  else:
+    lines.append(f"device memory: n/a (the {c.platform} backend keeps no allocator figures)")
   dropped = sum(not q for s in summary.values() for q in s.step_quiet)
   if dropped:
     lines.append(f"note: {dropped} step(s) ran while other processes used more than "
@@ -397,6 +433,15 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
     lines.append(f"WARNING: * no quiet step at all for {', '.join(noisy)}: its figures are noise "
                  "from other processes; rerun on a quiet machine")
   return "\n".join(lines)
+
+
+def _h2d_s(c: runner.Calibration, summary: dict[str, ModeSummary]) -> float | None:
+  """One micro-batch's host-to-device seconds: the emulated time, or with real copies the median
+  measured in the inline mode (what `tunix-stage simulate` reads from a bench JSON)."""
+  if c.h2d_s is not None:
+    return c.h2d_s
+  inline = summary.get("inline")
+  return inline.h2d_s if inline else None
 
 
 def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
@@ -409,7 +454,7 @@ def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
       "options": {**dataclasses.asdict(result.options), "modes": list(result.options.modes),
                   "warmup_steps": runner.WARMUP_STEPS, "sizes": result.options.sizes().as_dict()},
       "calibration": None if c is None else {**dataclasses.asdict(c), "wire_s": c.wire_s,
-                                             "h2d_s": c.h2d_s},
+                                             "h2d_s": _h2d_s(c, summary)},
       "expected_trained_order": expected_order(result),
       "modes": {m: s.to_json() for m, s in summary.items()},
       "wire": {m: wire_summary(result, m) for m in summary},
@@ -419,6 +464,8 @@ def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
                 "boundary_idle_s": [t.boundary_idle for t in r.timings],
                 "fwd_bwd_s": r.fwd_bwd_s, "update_s": r.update_s,
                 "fallbacks": r.fallbacks, "fallback_reasons": r.fallback_reasons,
+                "h2d_s": r.h2d_s, "placement_overlapped_compute": r.h2d_overlap,
+                "device_memory": r.device_memory,
                 "other_processes_cores": r.step_foreign_cores, "step_quiet": r.step_quiet,
                 "wire": r.wire}
                for r in result.runs],

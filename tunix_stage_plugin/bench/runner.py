@@ -39,7 +39,7 @@ MODE_TABLE, MODES, SCENARIOS = modes_lib.MODE_TABLE, modes_lib.MODES, modes_lib.
 BY_NAME = modes_lib.BY_NAME
 BURSTY_HEAD, BURSTY_HEAD_SLOWDOWN = 1 / 3, 1.6  # the first third of a step's transfers
 BURSTY_SPIKE_P, BURSTY_SPIKE_SLOWDOWN = 0.2, 2.0  # and a fifth of all, at random
-CALIBRATION_STEPS = 3  # the first compiles; the medians use the others
+CALIBRATION_STEPS = 3  # the first compiles; the medians and the compute's memory use the others
 WARMUP_STEPS = 1
 
 
@@ -96,6 +96,7 @@ class BenchOptions:
   retries: int = 3  # re-runs of mode runs with no quiet step, for the whole benchmark
   payload: str = "dense"  # data.PAYLOADS
   codec: str = "off"  # TUNIX_STAGE_CODEC's values: staged payloads compressed (core.codec)
+  h2d: str = "auto"  # modes.H2D
 
   def __post_init__(self) -> None:
     if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
@@ -118,6 +119,8 @@ class BenchOptions:
                        f"got {self.payload!r}")
     if self.scenario not in SCENARIOS:
       raise ValueError(f"scenario must be one of {', '.join(SCENARIOS)}; got {self.scenario!r}")
+    if self.h2d not in modes_lib.H2D:
+      raise ValueError(f"h2d must be one of {', '.join(modes_lib.H2D)}; got {self.h2d!r}")
     unknown = [m for m in self.modes if m not in MODES]
     if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
       raise ValueError(f"modes must be distinct names from {', '.join(MODES)}; got {self.modes}")
@@ -140,7 +143,7 @@ class Calibration:
   update_s: float
   payload_bytes: int
   wire_bytes_per_s: float
-  h2d_bytes_per_s: float
+  h2d_bytes_per_s: float | None  # None: --h2d real, the trainer's own copies (measured per run)
   sync_s: float
   clock_offset_s: float  # trainer perf_counter + offset = orchestrator perf_counter
   clock_uncertainty_s: float
@@ -151,14 +154,18 @@ class Calibration:
   # The trainer's compute working set (activations, XLA's buffers): its peak during the resident
   # calibration steps above its baseline and the resident payloads (None where not measured).
   compute_memory_bytes: int | None = None
+  h2d: str = "emulated"  # what --h2d resolved to: real or emulated
+  platform: str = "cpu"  # the trainer's JAX backend
+  devices: tuple[str, ...] = ()  # the trainer's devices, as JAX names them
 
   @property
   def wire_s(self) -> float:
     return self.payload_bytes / self.wire_bytes_per_s
 
   @property
-  def h2d_s(self) -> float:
-    return self.payload_bytes / self.h2d_bytes_per_s
+  def h2d_s(self) -> float | None:
+    """The emulated host-to-device time of one micro-batch (None when the copies are real)."""
+    return None if self.h2d_bytes_per_s is None else self.payload_bytes / self.h2d_bytes_per_s
 
 
 @dataclasses.dataclass
@@ -186,6 +193,12 @@ class ModeRun:
   trainer_rss: dict = dataclasses.field(default_factory=dict)
   orchestrator_rss: dict = dataclasses.field(default_factory=dict)
   host_path: dict = dataclasses.field(default_factory=dict)
+  # The trainer's device memory (worker.finish: baseline, sampled_peak, allocator_peak; None each
+  # on CPU), its placements' median seconds after the warm-up, and the share of the staging
+  # lane's placement time that ran while the device computed.
+  device_memory: dict = dataclasses.field(default_factory=dict)
+  h2d_s: float | None = None
+  h2d_overlap: float | None = None
 
   @property
   def step_quiet(self) -> list[bool]:
@@ -232,8 +245,10 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _:
   trainer = None
   try:
     say("starting the trainer process (JAX, 2-device CPU mesh, gRPC on 127.0.0.1)")
-    trainer = process_lib.TrainerProcess(max_device_batches=options.max_device_batches,
-                                         max_host_batches=options.max_host_batches)
+    # '' lets JAX choose: an accelerator when there is one (--h2d auto and real).
+    trainer = process_lib.TrainerProcess(
+        max_device_batches=options.max_device_batches, max_host_batches=options.max_host_batches,
+        jax_platforms="cpu" if options.h2d == "emulated" else "")
     with trainer:
       asyncio.run(_run(options, trainer, say, result))
   finally:
@@ -260,9 +275,12 @@ async def _run(options: BenchOptions, trainer: process_lib.TrainerProcess,
         await _calibrate(client, engine, options, sizes), memcpy_fresh_bytes_per_s=memcpy[0],
         memcpy_warm_bytes_per_s=memcpy[1])
     c = calibration
+    h2d = ("real (the trainer's own copies onto " + ", ".join(c.devices) + ")"
+           if c.h2d_bytes_per_s is None else
+           f"{c.h2d_bytes_per_s / 1e6:.1f} MB/s ({c.h2d_s:.3f} s) emulated")
     say(f"calibrated: compute {c.compute_s:.3f} s/micro-batch, update {c.update_s:.3f} s -> wire "
-        f"{c.wire_bytes_per_s / 1e6:.1f} MB/s ({c.wire_s:.3f} s), H2D "
-        f"{c.h2d_bytes_per_s / 1e6:.1f} MB/s ({c.h2d_s:.3f} s), weight sync {c.sync_s:.3f} s; "
+        f"{c.wire_bytes_per_s / 1e6:.1f} MB/s ({c.wire_s:.3f} s), H2D {h2d}, "
+        f"weight sync {c.sync_s:.3f} s; "
         f"memcpy of a micro-batch {memcpy[0] / GIB:.2f} GiB/s fresh, {memcpy[1] / GIB:.2f} warm")
     client.pacer.set_rate(c.wire_bytes_per_s)
     retries = options.retries
@@ -303,22 +321,28 @@ def measure_memcpy(batch: data_lib.Batch) -> tuple[float, float]:
 
 async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,
                      options: BenchOptions, sizes: data_lib.Sizes) -> Calibration:
-  """Compiles, then measures compute on resident data (every step but the compiling first)."""
+  """Compiles (one resident step), then measures compute and its memory on resident data over
+  the other steps (a fresh setup in between: compiled functions are kept, the peak restarts)."""
   offset, uncertainty = await client.clock_offset()
-  await client.call("setup", sizes=sizes.as_dict(), seed=options.seed)
-  plan = job_lib.JobPlan(CALIBRATION_STEPS, options.microbatches, kind="resident")
-  await job_lib.run_job(engine, plan, lambda s, i: data_lib.Batch(s, i, {}))
+  for steps in (1, CALIBRATION_STEPS - 1):
+    await client.call("setup", sizes=sizes.as_dict(), seed=options.seed)
+    plan = job_lib.JobPlan(steps, options.microbatches, kind="resident")
+    await job_lib.run_job(engine, plan, lambda s, i: data_lib.Batch(s, i, {}))
   memory = (await client.call("finish"))["rss"]
   spans = await client.call("timeline")
-  warm = range(1, CALIBRATION_STEPS)
+  warm = range(CALIBRATION_STEPS - 1)
   compute = statistics.median(d for step in warm for d in metrics.fwd_bwd_durations(spans, step))
   update = statistics.median(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE
-                             and dict(s.args)["kind"] == "update" and dict(s.args)["step"] > 0)
+                             and dict(s.args)["kind"] == "update")
   payload = sizes.payload_bytes
+  info = await client.call("info")
+  real = options.h2d == "real" or (options.h2d == "auto" and info["platform"] != "cpu")
   return Calibration(
       compute_s=compute, update_s=update, payload_bytes=payload,
       wire_bytes_per_s=payload / (options.wire_ratio * compute),
-      h2d_bytes_per_s=payload / (options.h2d_ratio * compute),
+      h2d_bytes_per_s=None if real else payload / (options.h2d_ratio * compute),
+      h2d="real" if real else "emulated", platform=info["platform"],
+      devices=tuple(info["devices"]),
       sync_s=options.sync_ratio * compute, clock_offset_s=offset,
       clock_uncertainty_s=uncertainty,
       compute_memory_bytes=None if memory["peak"] is None or memory["baseline"] is None else max(
@@ -339,7 +363,8 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
                     options: BenchOptions, calibration: Calibration, mode: str, round_: int,
                     trainer_pid: int, make: data_lib.BatchMaker) -> ModeRun:
   await client.call("setup", sizes=options.sizes().as_dict(), seed=options.seed,
-                    h2d_mbps=calibration.h2d_bytes_per_s / 1e6,
+                    h2d_mbps=(None if calibration.h2d_bytes_per_s is None
+                              else calibration.h2d_bytes_per_s / 1e6),
                     receive_buffers=receive_buffers(options, mode))
   plan = plan_for(mode, options.total_steps, options.microbatches, calibration.sync_s)
   recorder = timeline_lib.Timeline()
@@ -375,7 +400,11 @@ async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.Embedded
       step_foreign_cores=step_loads[WARMUP_STEPS:], spans=spans, origin=origin,
       wire=engine.wire.as_dict(), trainer_rss=finish["rss"],
       orchestrator_rss={"baseline": orchestrator_baseline, "peak": rss.peak()},
-      host_path=metrics.host_path(trainer_spans, since=_warmed_up(trainer_spans)))
+      host_path=metrics.host_path(trainer_spans, since=_warmed_up(trainer_spans)),
+      device_memory=finish["device_memory"],
+      h2d_s=metrics.median([s.duration for s in trainer_spans if s.track == tracks.TRAINER_H2D
+                            and dict(s.args)["step"] >= WARMUP_STEPS]),
+      h2d_overlap=metrics.placement_overlap(trainer_spans, since=_warmed_up(trainer_spans)))
 
 
 def _warmed_up(spans: list[timeline_lib.Span]) -> float:

@@ -97,8 +97,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      "'tunix-stage-plugin[codec]'); inline calls are never compressed")
   shape.add_argument("--wire_ratio", default="0.8", metavar="X",
                      help="wire time of one micro-batch as a multiple of its compute (default 0.8)")
+  shape.add_argument("--h2d", default="auto", metavar="HOW",
+                     help="host-to-device copies: " + "; ".join(
+                         f"{k}: {v}" for k, v in modes_lib.H2D.items()))
   shape.add_argument("--h2d_ratio", default="0.4", metavar="X",
-                     help="host-to-device time as a multiple of compute (default 0.4)")
+                     help="emulated host-to-device time as a multiple of compute (default 0.4; "
+                     "--h2d emulated only)")
   shape.add_argument("--sync_ratio", default="0.5", metavar="X",
                      help="the step boundary's weight sync as a multiple of compute (default 0.5)")
   shape.add_argument("--stage_max_device_batches", dest="max_device_batches", default="1", metavar="N",
@@ -142,6 +146,12 @@ def _scenario(text: str) -> str:
   return text
 
 
+def _h2d(text: str) -> str:
+  if text not in modes_lib.H2D:
+    raise ValueError(f"accepted: {' | '.join(modes_lib.H2D)}")
+  return text
+
+
 def _payload(text: str) -> str:
   # pylint: disable-next=import-outside-toplevel
   from tunix_stage_plugin.embedded import data as data_lib
@@ -180,6 +190,7 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
       "payload_mib": p.take("--payload_mib", args.payload_mib, inputs.payload_mib),
       "wire_ratio": p.take("--wire_ratio", args.wire_ratio, inputs.positive),
       "h2d_ratio": p.take("--h2d_ratio", args.h2d_ratio, inputs.positive),
+      "h2d": p.take("--h2d", args.h2d, _h2d),
       "sync_ratio": p.take("--sync_ratio", args.sync_ratio, inputs.nonnegative),
       "max_device_batches": p.take("--stage_max_device_batches", args.max_device_batches,
                                    inputs.count),

@@ -39,7 +39,7 @@ class TrainerProcess:
                max_host_batches: int | None = None, mode: str = "stage",
                extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                ready_timeout_s: float = 120.0, exit_with_parent: str | None = None,
-               stderr: IO | None = None) -> None:
+               stderr: IO | None = None, jax_platforms: str | None = None) -> None:
     if exit_with_parent is None:
       on_main = threading.current_thread() is threading.main_thread()
       exit_with_parent = "both" if on_main else "pipe"
@@ -54,6 +54,8 @@ class TrainerProcess:
     for setting in config_lib.SETTINGS:
       if config_lib.TRAINER in setting.roles:
         child_env.pop(setting.env, None)
+    if jax_platforms is not None:  # '' lets JAX choose (an accelerator when there is one)
+      child_env["JAX_PLATFORMS"] = jax_platforms
     self.cmd = cmd
     self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=stderr, env=child_env, text=True,

@@ -120,6 +120,26 @@ class Trainer:
     self.accumulated = 0
     self.updates = 0
 
+  @property
+  def platform(self) -> str:
+    """The devices' backend: cpu, gpu, tpu."""
+    return self.mesh.devices.flat[0].platform
+
+  def device_bytes_in_use(self) -> int | None:
+    """Bytes the mesh's devices hold now (the allocator's figure; None where the backend does not
+    keep one, as on CPU)."""
+    stats = [d.memory_stats() for d in self.mesh.devices.flat]
+    if any(s is None or "bytes_in_use" not in s for s in stats):
+      return None
+    return sum(s["bytes_in_use"] for s in stats)
+
+  def device_peak_bytes(self) -> int | None:
+    """The allocator's peak since the process started (None where not kept)."""
+    stats = [d.memory_stats() for d in self.mesh.devices.flat]
+    if any(s is None or "peak_bytes_in_use" not in s for s in stats):
+      return None
+    return sum(s["peak_bytes_in_use"] for s in stats)
+
   def place(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Host to device (the real part; the emulated bandwidth is the caller's). Blocks until done."""
     expected = self.sizes.array_shapes()

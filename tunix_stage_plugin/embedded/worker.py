@@ -66,6 +66,9 @@ class TrainerWorker:
                                             max_host_batches=cfg.max_host_batches)
     self.pool = buffers_lib.HostBufferPool()  # where the server receives large calls' bytes
     self._rss_baseline: int | None = None
+    # Device memory since setup: at setup, and the most after any placement (None on CPU).
+    self._device_baseline: int | None = None
+    self._device_sampled_peak: int | None = None
     self._trainer: Any = None
     self._seed = 0
     self._h2d = pacing.SharedLink(None)  # the emulated host-to-device link, one per trainer
@@ -87,6 +90,8 @@ class TrainerWorker:
         "max_device_batches": self.store.max_device_batches,
         "max_host_batches": self.store.max_host_batches,
         "devices": [] if trainer is None else [str(d) for d in trainer.mesh.devices.flat],
+        "platform": None if trainer is None else trainer.platform,
+        "device_kind": None if trainer is None else trainer.mesh.devices.flat[0].device_kind,
         "threads": sorted(t.name for t in threading.enumerate()),
         "staged_keys": self.store.keys(),
     }
@@ -140,6 +145,7 @@ class TrainerWorker:
     self._rss_baseline = rss.reset_peak()
     for shape, dtype in self._trainer.sizes.array_layout().values():
       self.pool.reserve(int(np.prod(shape)) * np.dtype(dtype).itemsize, receive_buffers)
+    self._device_baseline = self._device_sampled_peak = self._trainer.device_bytes_in_use()
     return {"max_device_batches": bound, "max_host_batches": host_bound,
             "payload_bytes": self._trainer.sizes.payload_bytes}
 
@@ -221,6 +227,12 @@ class TrainerWorker:
         "rss": {"baseline": self._rss_baseline, "peak": rss.peak()},
         "pool": {"made": self.pool.made, "reused": self.pool.reused,
                  "held_bytes": self.pool.held_bytes()},
+        # Device bytes at setup, the most held after any placement since, and the allocator's
+        # peak since the process started (None each on a backend that keeps no figures: CPU).
+        "device_memory": {"baseline": self._device_baseline,
+                          "sampled_peak": self._device_sampled_peak,
+                          "allocator_peak": trainer.device_peak_bytes()},
+        "platform": trainer.platform,
     }
 
   # --- staging lane -----------------------------------------------------------------------------
@@ -265,9 +277,14 @@ class TrainerWorker:
     return self._trainer
 
   def _place(self, batch: data_lib.Batch, lane: str) -> Any:
-    """Real placement plus the emulated host-to-device time, on the calling lane's thread."""
+    """Real placement (with --h2d real the only host-to-device time) plus the emulated time, on
+    the calling lane's thread."""
     start = time.perf_counter()
-    placed = self._require_trainer().place(batch.arrays)
+    trainer = self._require_trainer()
+    placed = trainer.place(batch.arrays)
+    held = trainer.device_bytes_in_use()
+    if held is not None:
+      self._device_sampled_peak = max(held, self._device_sampled_peak or 0)
     self._h2d.transfer(batch.nbytes, start)
     self.recorder.add(tracks.TRAINER_H2D, batch.mb_id, start, time.perf_counter(), step=batch.step,
                       lane=lane, bytes=batch.nbytes)
