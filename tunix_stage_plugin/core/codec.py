@@ -175,10 +175,12 @@ def check_decodable(codec_name: str) -> None:
     raise CodecError(f"codec {codec_name} is not installed on the trainer: {EXTRA}")
 
 
-def unpack_array(p: PackedArray, *, threads: int = 0, name: str = "array") -> np.ndarray:
-  """The array, decoded into an aligned buffer and checked; raises CodecError otherwise."""
+def unpack_array(p: PackedArray, *, threads: int = 0, name: str = "array",
+                 pool: buffers_lib.HostBufferPool | None = None) -> np.ndarray:
+  """The array, decoded into an aligned buffer (from `pool` when given) and checked; raises
+  CodecError otherwise."""
   check_decodable(p.codec)
-  buf = buffers_lib.aligned_empty(p.nbytes)
+  buf = buffers_lib.aligned_empty(p.nbytes) if pool is None else pool.take(p.nbytes)
   starts = range(0, p.nbytes, CHUNK_BYTES)
   if len(p.chunks) != len(starts):
     raise CodecError(f"{name}: {len(p.chunks)} chunk(s) where {len(starts)} were expected")
@@ -213,8 +215,9 @@ def pack(codec: Codec, arrays: dict[str, np.ndarray]) -> Packed:
                              for name, a in arrays.items()})
 
 
-def unpack(packed: Packed, *, threads: int = 0) -> dict[str, np.ndarray]:
+def unpack(packed: Packed, *, threads: int = 0, pool: buffers_lib.HostBufferPool | None = None
+           ) -> dict[str, np.ndarray]:
   """The arrays, decoded and checked; raises CodecError otherwise."""
   check_decodable(packed.codec)
-  return {name: unpack_array(a, threads=threads, name=name) if isinstance(a, PackedArray) else a
-          for name, a in packed.arrays.items()}
+  return {name: unpack_array(a, threads=threads, name=name, pool=pool)
+          if isinstance(a, PackedArray) else a for name, a in packed.arrays.items()}

@@ -238,11 +238,12 @@ def pack_batch(codec: Any, batch: Batch) -> PackedBatch:
   return PackedBatch(batch.step, batch.index, codec_lib.pack(codec, batch.arrays))
 
 
-def unpack_batch(packed: PackedBatch) -> Batch:
-  """Raises core.codec.CodecError for a payload that does not decode to what it announced."""
+def unpack_batch(packed: PackedBatch, pool: Any = None) -> Batch:
+  """Decoded into buffers from `pool` (a core.buffers.HostBufferPool) when given; raises
+  core.codec.CodecError for a payload that does not decode to what it announced."""
   # pylint: disable-next=import-outside-toplevel
   from tunix_stage_plugin.core import codec as codec_lib
-  return Batch(packed.step, packed.index, codec_lib.unpack(packed.packed))
+  return Batch(packed.step, packed.index, codec_lib.unpack(packed.packed, pool=pool))
 
 
 def expected_order(steps: int, microbatches: int) -> list[str]:

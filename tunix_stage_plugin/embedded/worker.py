@@ -174,7 +174,7 @@ class TrainerWorker:
         payload = e.payload
         if isinstance(payload, data_lib.PackedBatch):
           try:
-            payload = data_lib.unpack_batch(payload)
+            payload = data_lib.unpack_batch(payload, self.pool)
           except codec_lib.CodecError as decode:
             raise outcome_lib.StagedPayloadUnreadable(
                 f"staged micro-batch {payload.mb_id} did not decode ({decode}); "
@@ -249,7 +249,7 @@ class TrainerWorker:
         raise InjectedStageFailure(f"injected stage failure for micro-batch {b.mb_id}")
       if isinstance(b, data_lib.PackedBatch):  # decoded here, on the staging lane
         start = time.perf_counter()
-        b, wire_bytes = data_lib.unpack_batch(b), b.wire_bytes
+        b, wire_bytes = data_lib.unpack_batch(b, self.pool), b.wire_bytes
         self.recorder.add(tracks.TRAINER_DECODE, b.mb_id, start, time.perf_counter(),
                           step=b.step, bytes=b.nbytes, wire_bytes=wire_bytes)
       return _Staged(b.step, b.mb_id, self._place(b, "staging"))
