@@ -132,17 +132,54 @@ def test_a_pickle_for_another_method_than_the_header_names_is_refused():
     receive(Messages([header]))
 
 
-def test_a_payload_far_over_a_grpc_channels_cap_crosses_it_as_a_client_stream():
-  """A real grpc.aio server and channel on 127.0.0.1, both capped at 8 MiB a message (as tunix
-  caps at 128 MiB): 64 MiB cannot go as one message, and goes as the chunked stream."""
-  cap = 8 * MIB
+class Sent:
+  """What a client's stream yielded (header and chunks), counted as grpc pulls it."""
+
+  def __init__(self, encoded, accepted):
+    self._stream = encoded.send(accepted)
+    self.messages = 0
+
+  def __aiter__(self):
+    return self
+
+  async def __anext__(self):
+    message = await anext(self._stream)
+    self.messages += 1
+    return message
+
+
+async def send_chunked(rpc, encoded):
+  """Sends `encoded` as the trainer's client does (chunks only once the header is accepted);
+  answers the reply (or the AioRpcError's code) and how many messages were sent."""
+  calls = []
+
+  async def accepted():
+    metadata = await calls[0].initial_metadata()
+    return metadata.get(chunked.READY_KEY) == chunked.READY
+
+  sent = Sent(encoded, accepted)
+  calls.append(rpc(sent, timeout=60))
+  try:
+    return pickle.loads(await calls[0]), sent.messages
+  except grpc.aio.AioRpcError as e:
+    return e.code(), sent.messages
+
+
+async def serve_and_send(payload, cap, max_bytes):
+  """A real grpc.aio server and channel on 127.0.0.1, both capped at `cap` bytes a message (as
+  tunix caps at 128 MiB), serving the chunked method as the trainer's hook does (header accepted
+  with READY_KEY, then the chunks). Sends `payload` whole (unary), chunked, and chunked to a
+  method the server does not have."""
   options = [("grpc.max_send_message_length", cap), ("grpc.max_receive_message_length", cap)]
-  sent = np.random.default_rng(1).integers(0, 255, 64 * MIB, dtype=np.uint8)
   pool = buffers_lib.HostBufferPool()
 
   async def execute(request_iterator, context):
-    del context
-    _, method, _, kwargs = await chunked.receive(request_iterator, pool, 1 << 30)
+    async def accept():
+      await context.send_initial_metadata(((chunked.READY_KEY, chunked.READY),))
+    try:
+      _, method, _, kwargs = await chunked.receive(request_iterator, pool, max_bytes, accept)
+    except chunked.StreamError as e:
+      return pickle.dumps(("refused", str(e)))
     array = kwargs["payload"]
     return pickle.dumps((method, array.nbytes, int(array[::4096].astype(np.int64).sum()),
                          array.ctypes.data % buffers_lib.ALIGNMENT))
@@ -150,26 +187,39 @@ def test_a_payload_far_over_a_grpc_channels_cap_crosses_it_as_a_client_stream():
   async def unary(request, context):
     return b"unreachable"
 
-  async def main():
-    server = grpc.aio.server(options=options)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(chunked.SERVICE, {
-        chunked.METHOD_NAME: grpc.stream_unary_rpc_method_handler(execute),
-        "Unary": grpc.unary_unary_rpc_method_handler(unary)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-      async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
-        encoded = chunked.encode(None, "stage_batch", (), {"payload": sent})
-        assert encoded.over(cap)
-        with pytest.raises(grpc.aio.AioRpcError) as whole:
-          await channel.unary_unary(f"/{chunked.SERVICE}/Unary")(
-              pickle.dumps(sent), timeout=30)
-        reply = await channel.stream_unary(chunked.METHOD)(encoded.messages(), timeout=60)
-    finally:
-      await server.stop(0)
-    return whole.value.code(), pickle.loads(reply)
+  server = grpc.aio.server(options=options)
+  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(chunked.SERVICE, {
+      chunked.METHOD_NAME: grpc.stream_unary_rpc_method_handler(execute),
+      "Unary": grpc.unary_unary_rpc_method_handler(unary)}),))
+  port = server.add_insecure_port("127.0.0.1:0")
+  await server.start()
+  try:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+      with pytest.raises(grpc.aio.AioRpcError) as whole:
+        await channel.unary_unary(f"/{chunked.SERVICE}/Unary")(pickle.dumps(payload), timeout=30)
+      encoded = chunked.encode(None, "stage_batch", (), {"payload": payload})
+      chunks = await send_chunked(channel.stream_unary(chunked.METHOD), encoded)
+      missing = await send_chunked(channel.stream_unary(f"/{chunked.SERVICE}/Missing"), encoded)
+  finally:
+    await server.stop(0)
+  return encoded, whole.value.code(), chunks, missing
 
-  code, (method, nbytes, checksum, misalignment) = asyncio.run(main())
-  assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+def test_a_payload_far_over_a_grpc_channels_cap_crosses_it_as_a_client_stream():
+  sent = np.random.default_rng(1).integers(0, 255, 64 * MIB, dtype=np.uint8)
+  encoded, whole, (reply, messages), missing = asyncio.run(
+      serve_and_send(sent, 8 * MIB, 1 << 30))
+  assert encoded.over(8 * MIB) and whole == grpc.StatusCode.RESOURCE_EXHAUSTED
+  method, nbytes, checksum, misalignment = reply
   assert (method, nbytes, misalignment) == ("stage_batch", sent.nbytes, 0)
   assert checksum == int(sent[::4096].astype(np.int64).sum())
+  assert messages == 1 + 64 * MIB // CHUNK
+  # A server without the method: UNIMPLEMENTED (never a failed write), and no chunk was sent.
+  assert missing == (grpc.StatusCode.UNIMPLEMENTED, 1)
+
+
+def test_a_refused_header_is_answered_before_any_chunk_is_sent():
+  sent = np.zeros(64 * MIB, dtype=np.uint8)
+  _, _, (reply, messages), _ = asyncio.run(serve_and_send(sent, 8 * MIB, 16 * MIB))
+  assert reply[0] == "refused" and "refused before reading any of its bytes" in reply[1]
+  assert messages == 1  # the header only: the client never sent a chunk

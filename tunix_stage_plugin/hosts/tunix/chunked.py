@@ -8,6 +8,8 @@ trainer's own server port (stream.py registers the method there):
 - message 0, the header: the method name, the request pickled with cloudpickle protocol 5 and a
   `buffer_callback` (so every array travels out of band and the pickle stays small), and the
   out-of-band buffers' sizes;
+- the trainer accepts the header by sending its initial metadata with READY_KEY (a trainer
+  without the method, or one refusing the header, answers without it, and no chunk is sent);
 - then each buffer's bytes in chunks of at most CHUNK_BYTES, in order, never spanning two buffers.
 
 The trainer receives the chunks with core.buffers.ChunkSink into pooled aligned buffers (one copy
@@ -26,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import pickle
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import cloudpickle
 
@@ -43,6 +45,10 @@ HEADER_BODY_MAX = 1 << 20
 # buffer's opcode and length, the gRPC message's framing): a call this close to the cap streams.
 CAP_MARGIN = 64 << 10
 HEADER_KEYS = frozenset({"method", "body", "sizes"})
+# The trainer's initial metadata once it accepted a header: the client sends the chunks only then
+# (so a refusal or a missing method is answered before any chunk is sent, never lost to a write
+# failing on a call the trainer already ended).
+READY_KEY, READY = "tunix-stage-chunks", "send"
 MIB = 1 << 20
 
 
@@ -88,6 +94,15 @@ class EncodedRequest:
     for part in self.parts():  # PickleBuffer.raw() and the body: flat views of bytes
       for start in range(0, part.nbytes, CHUNK_BYTES):
         yield bytes(part[start:start + CHUNK_BYTES])
+
+  async def send(self, accepted: Callable[[], Awaitable[bool]]) -> AsyncIterator[bytes]:
+    """The stream as a client sends it: the header, then the chunks only if `accepted()` (the
+    trainer's answer to the header) says so."""
+    messages = self.messages()
+    yield next(messages)
+    if await accepted():
+      for message in messages:
+        yield message
 
 
 def encode(request_id: str | None, method_name: str, args: tuple, kwargs: dict[str, Any]
@@ -142,9 +157,11 @@ def decode_header(message: bytes, max_bytes: int) -> Header:
 
 
 async def receive(messages: AsyncIterator[bytes], pool: buffers_lib.HostBufferPool,
-                  max_bytes: int) -> tuple[Any, ...]:
+                  max_bytes: int, accept: Callable[[], Awaitable[None]] | None = None
+                  ) -> tuple[Any, ...]:
   """Reads one chunked call from `messages` into buffers from `pool`; answers the request tuple
-  (request_id, method_name, args, kwargs), its arrays over those buffers.
+  (request_id, method_name, args, kwargs), its arrays over those buffers. `accept()` runs once
+  the header passed (the server sends READY_KEY there).
 
   Runs on the server's event loop: each chunk costs one copy of at most CHUNK_BYTES there; a
   large pickle is unpickled on a worker thread."""
@@ -155,6 +172,8 @@ async def receive(messages: AsyncIterator[bytes], pool: buffers_lib.HostBufferPo
     raise StreamError("a chunked call ended before its header") from None
   header = decode_header(first, max_bytes)
   sink = buffers_lib.ChunkSink(header.sizes, pool)
+  if accept is not None:
+    await accept()
   async for chunk in stream:
     if len(chunk) > CHUNK_BYTES:
       raise StreamError(f"{header.method}: a chunk of {len(chunk)} bytes is larger than the "
