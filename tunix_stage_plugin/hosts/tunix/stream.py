@@ -15,10 +15,10 @@ fallback. With staging installed:
   and sends one over the cap through the stream on a grpc.aio channel of its own to the trainer
   handle's address, with tunix's channel options and the handle's deadline; any other call is the
   host's own `_invoke_worker`, byte for byte. `train_step` is the host's train_step unless its
-  fwd_bwd is over the cap; `per_token_logps` (a micro-batch to the reference worker, whose server
-  serves the stream too) likewise. A trainer without the stream (no plugin there, or staging off there)
-  answers UNIMPLEMENTED, which becomes one line (PayloadOverCap) naming the cap, the size and
-  the setting that helps.
+  fwd_bwd is over the cap; `per_token_logps` (a micro-batch to the reference worker, whose
+  server serves the stream too) likewise. A trainer without the stream (no plugin there, or
+  staging off there) answers UNIMPLEMENTED, which becomes one line (PayloadOverCap) naming the
+  cap, the size and the setting that helps.
 
 docs/tunix.md, "Micro-batches over tunix's message cap".
 """
