@@ -632,8 +632,8 @@ def test_every_micro_batch_over_the_cap_trains_through_the_stream(node, big_payl
   pool = {k: v - pool_before[k] for k, v in pool_stats(port).items()}
   assert pool["made"] + pool["reused"] == STEPS * MICRO and pool["reused"] >= 1, pool
   print(f"\n256 MiB x {STEPS * MICRO} micro-batches staged, through the stream: {wall:.1f} s, "
-        f"trainer node peak RSS {gib(peak)} (from {gib(baseline)}); receive buffers: "
-        f"{pool['made']} made, {pool['reused']} reused")
+        f"trainer node peak RSS {gib(peak)} (from {gib(baseline)}); {staged} staged, {inline} "
+        f"inline; receive buffers: {pool['made']} made, {pool['reused']} reused")
 
 
 def test_an_over_cap_fallback_trains_inline_through_the_stream(node, big_payloads,
