@@ -14,7 +14,6 @@ import types
 from unittest import mock
 
 import numpy as np
-import portpicker
 import pytest
 
 pytest.importorskip("tunix.experimental.orchestrator.rl_program",
@@ -28,6 +27,7 @@ from tunix.experimental.worker import trainer_worker
 
 import grpc  # pylint: disable=wrong-import-position
 import jax
+import portpicker  # tunix's own test dependency
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
