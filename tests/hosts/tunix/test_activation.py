@@ -54,7 +54,7 @@ def test_install_uninstall_reinstall_leaves_classes_exactly_as_they_were(clean):
   assert not any(hasattr(rl_program.StandardRLProgram, name) for name in seams)
   for _ in range(2):
     activation = manager.install(STAGE, quiet=True)
-    assert activation.installed and len(activation.hooks) == 11
+    assert activation.installed and len(activation.hooks) == 13
     assert trainer_worker.TrainerWorker.__dict__[patching.SENTINEL] is True
     for name in seams:  # the upstream change's seams: real methods, there while installed
       assert callable(vars(rl_program.StandardRLProgram)[name])
@@ -99,7 +99,7 @@ def test_bootstrap_installs_on_first_tunix_import_only_when_stage():
   lines = [l for l in on.stderr.splitlines() if l.startswith("tunix-stage:")]
   # The commit is named only where pip recorded one (a checkout, not an archive install).
   assert len(lines) == 1 and "staging on for tunix 0.1.8" in lines[0]
-  assert "11 hooks" in lines[0] and "max_staged_batches=3" in lines[0]
+  assert "13 hooks" in lines[0] and "max_staged_batches=3" in lines[0]
   off = run_fresh(PROBE_PATCHED, TUNIX_STAGE_BATCH="off")
   assert off.stdout.split() == ["False", "False"]
   assert "tunix-stage" not in off.stderr

@@ -69,7 +69,7 @@ def test_tunixs_gsm8k_driver_takes_the_staging_flags_with_staging_on(gsm8k):
   assert (args["stage_train_batches"], args["max_staged_batches"]) == ("stage", 2)  # flags win
   assert report["seams"] is True
   (line,) = plugin_lines(proc)
-  assert "staging on for tunix" in line and "11 hooks" in line
+  assert "staging on for tunix" in line and "13 hooks" in line
 
 
 def test_tunixs_gsm8k_driver_flag_off_removes_the_hooks(gsm8k):

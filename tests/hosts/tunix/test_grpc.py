@@ -12,13 +12,16 @@ non-idempotently (it shifts the tokens again before PeftTrainer's own). A micro-
 that weight the loss, so a compressed payload decoded wrongly trains other numbers. The node
 without the plugin raises tunix's message cap (its private `_MAX_MESSAGE_BYTES`, as the
 orchestrator does for its channel to it) only so it can train an over-the-cap micro-batch inline
-as the reference; the plugin's node keeps the upstream cap. Run
+as the reference; the plugin's node keeps the upstream cap. Micro-batches of 256 MiB (routed-expert
+ids, every one over the cap) train through the chunked stream on the trainer's own port, and stop
+with one line on a node without the plugin. Run
 `python tests/hosts/tunix/test_grpc.py serve plugin|plain` to start a node by hand.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import time
 import types
+import zlib
 
 import numpy as np
 import pytest
@@ -35,14 +39,18 @@ import pytest
 TOKENS, SEQ, BATCH = 64, 16, 8  # batch 8 splits over fsdp=2: staged arrays are sharded
 STEPS, MICRO = 2, 4
 PLUGIN_WORKERS = ("staged", "timing", "compressed", "corrupted", "over_cap", "no_prestage",
-                  "own_depth", "own_prepare")
-PLAIN_WORKERS = ("plain", "plain_over_cap", "plain_own_prepare")
+                  "own_depth", "own_prepare", "all_over_cap", "over_cap_fallback")
+PLAIN_WORKERS = ("plain", "plain_over_cap", "plain_own_prepare", "plain_all_over_cap",
+                 "plain_no_stream")
 OWN_PREPARE = ("own_prepare", "plain_own_prepare")  # workers whose trainer overrides _prepare_payload
 LAYERS, TOP_K = 64, 8  # 128 KiB of routed-expert ids: packed by the codec (>= MIN_PACK_BYTES)
 # 140 MiB of ids, over tunix's 128 MiB message cap; routed in the first 8 layers only, -1 past
 # them, so it compresses far below the cap.
 OVER_CAP_LAYERS, OVER_CAP_TOP_K, OVER_CAP_ROUTED = 1120, 512, 8
 TEST_CAP = 512 << 20  # the reference node's raised cap
+# 256 MiB of ids per micro-batch (8 x 16 x 2048 x 512 int16), twice tunix's cap; routed in the
+# first 8 layers (different in every micro-batch, spread over all 256 MiB), -1 past them.
+BIG_LAYERS, BIG_TOP_K, BIG_ROUTED = 2048, 512, 8
 
 
 def batch(seed, layers=LAYERS, top_k=TOP_K, routed=None):
@@ -55,6 +63,11 @@ def batch(seed, layers=LAYERS, top_k=TOP_K, routed=None):
   experts[mask == 0] = -1
   return {"tokens": rng.integers(0, TOKENS, (BATCH, SEQ), dtype=np.int32), "mask": mask,
           "experts": experts}
+
+
+def fingerprint(experts):
+  """Which micro-batch this is (its routed ids at one position), staged or inline alike."""
+  return zlib.crc32(np.asarray(experts[0, :, :2]).tobytes())
 
 
 # ---------------------------------------------------------------- the trainer node (subprocess)
@@ -72,6 +85,8 @@ def serve(kind: str) -> None:
 
   import tunix_stage_plugin
   from tunix_stage_plugin.core import config as config_lib
+  from tunix_stage_plugin.core import rss
+  from tunix_stage_plugin.hosts.tunix import installation
 
   if kind == "plugin":
     assert tunix_stage_plugin.install(
@@ -104,6 +119,7 @@ def serve(kind: str) -> None:
       self._trainer = trainer
       self.delay = 0.0
       self.inputs = []
+      self.trained = []  # each fwd_bwd's micro-batch, by fingerprint
 
     def __getattr__(self, name):
       return getattr(self._trainer, name)
@@ -113,6 +129,7 @@ def serve(kind: str) -> None:
         time.sleep(self.delay)
       leaf = payload["tokens"]
       self.inputs.append(str(leaf.sharding.spec) if isinstance(leaf, jax.Array) else "host")
+      self.trained.append(fingerprint(payload["experts"]))
       with mesh:
         self._trainer.fwd_bwd(payload, **kwargs)
 
@@ -135,6 +152,22 @@ def serve(kind: str) -> None:
 
     def prepare_calls(self):
       return self._trainer.prepare_calls  # an OwnPreparingTrainer's count
+
+    def trained(self):
+      return list(self._trainer.trained)
+
+    def chunked_calls(self):  # the plugin's node only: calls received through the stream
+      return dict(installation.current().chunked_calls)
+
+    def peak_rss(self):
+      return rss.peak()
+
+    def pool_stats(self):  # the plugin's node only: its chunked calls' receive buffers
+      pool = installation.current().pool
+      return {"made": pool.made, "reused": pool.reused, "held": pool.held_bytes()}
+
+    def reset_peak_rss(self):
+      return rss.reset_peak()
 
     def parameters(self):
       state = nnx.state(self._trainer.model, nnx.Param)
@@ -209,7 +242,10 @@ import jax
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.hosts.tunix import program as program_hooks
+from tunix_stage_plugin.hosts.tunix import stream as stream_hooks
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -449,11 +485,22 @@ def test_a_damaged_compressed_payload_is_trained_inline_and_counted(node, inline
   assert params == inline
 
 
+def chunked_calls(port):
+  """The plugin node's count of calls received through the chunked stream, per method."""
+  async def ask():
+    handle = connect(port)
+    calls = await handle.asubmit("chunked_calls")
+    await handle.close()
+    return calls
+  return collections.Counter(asyncio.run(ask()))
+
+
 @needs_codec
-def test_a_micro_batch_over_tunix_message_cap_stages_only_compressed(node):
+def test_a_micro_batch_over_tunix_message_cap_stages_raw_in_chunks_and_compressed_unary(node):
   """Micro-batch 1 of the step carries 140 MiB (tunix refuses messages over 128 MiB); the
-  others are small. Raw, its stage cannot leave the orchestrator; compressed it stages and trains
-  by key, to the parameters the raised-cap reference node trains it to inline."""
+  others are small. Raw, its stage goes through the chunked stream; compressed it stages in one
+  unary message; either way it trains by key to the parameters the raised-cap reference node
+  trains it to inline."""
   over = batch(1, OVER_CAP_LAYERS, OVER_CAP_TOP_K, OVER_CAP_ROUTED)
   cap = remote_execution._MAX_MESSAGE_BYTES  # pylint: disable=protected-access
   assert over["experts"].nbytes > cap
@@ -462,24 +509,181 @@ def test_a_micro_batch_over_tunix_message_cap_stages_only_compressed(node):
     handle = connect(node["over_cap"])
     engine = distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
     try:
-      await engine.stage_train_batch(over, key="over-raw")
+      outcome = await engine.stage_train_batch(over, key="over-raw")
+      dropped = await engine.reset_staged_batches(["over-raw"])
     finally:
+      await stream_hooks.close_streams(engine)
       await handle.close()
+    return outcome, dropped
 
+  before = chunked_calls(node["over_cap"])
   manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True)
   try:
-    with pytest.raises(grpc.aio.AioRpcError) as raw:
-      asyncio.run(stage_raw())
+    outcome, dropped = asyncio.run(stage_raw())
   finally:
     manager.uninstall("tunix", quiet=True)
-  assert raw.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, raw.value
+  assert outcome.staged and dropped == ["over-raw"], outcome
+  assert chunked_calls(node["over_cap"]) - before == collections.Counter(stage_batch=1)
 
   payloads = [batch(0), over, batch(2), batch(3)]
   params, inputs, reports = run_program(node["over_cap"], staged=True, codec="on",
                                         payloads=payloads, steps=1)
   assert inputs[1] == "P('fsdp',)", inputs  # the over-cap micro-batch arrived placed
   assert reports[0].stage_metrics["stage/fallbacks"] == 0
+  # Compressed, it travelled unary: no chunked call.
+  assert chunked_calls(node["over_cap"]) - before == collections.Counter(stage_batch=1)
   reference, ref_inputs, _ = run_program(node["plain_over_cap"], staged=False,
                                          payloads=payloads, steps=1, cap=TEST_CAP)
   assert ref_inputs == ["host"] * MICRO
   assert params == reference
+
+
+# ---------------------------------------------------------------- every micro-batch over the cap
+
+@pytest.fixture(scope="module")
+def big_payloads():
+  """STEPS x MICRO micro-batches of 256 MiB each (2 GiB in this process, made once)."""
+  payloads = [batch(n, BIG_LAYERS, BIG_TOP_K, BIG_ROUTED) for n in range(STEPS * MICRO)]
+  assert all(p["experts"].nbytes == 256 << 20 for p in payloads)
+  assert len({fingerprint(p["experts"]) for p in payloads}) == len(payloads)
+  return payloads
+
+
+def trained(port):
+  """What the trainer trained (fingerprints, in order) and its node's peak RSS since the reset."""
+  async def ask():
+    handle = connect(port)
+    seen, peak = await handle.asubmit("trained"), await handle.asubmit("peak_rss")
+    await handle.close()
+    return seen, peak
+  return asyncio.run(ask())
+
+
+def pool_stats(port):
+  """The plugin node's receive-buffer pool: buffers made, reused, bytes held."""
+  async def ask():
+    handle = connect(port)
+    stats = await handle.asubmit("pool_stats")
+    await handle.close()
+    return stats
+  return asyncio.run(ask())
+
+
+def reset_peak_rss(port):
+  """Starts the trainer node's peak RSS again; answers its RSS now."""
+  async def ask():
+    handle = connect(port)
+    now = await handle.asubmit("reset_peak_rss")
+    await handle.close()
+    return now
+  return asyncio.run(ask())
+
+
+def gib(nbytes):
+  return f"{nbytes / (1 << 30):.2f} GiB" if nbytes is not None else "n/a"
+
+
+@pytest.fixture(scope="module")
+def big_reference(node, big_payloads):
+  """The 256 MiB job trained by tunix's own loop inline, with tunix's cap raised in both
+  processes (the plain node raises it at start, this process for the run)."""
+  baseline = reset_peak_rss(node["plain_all_over_cap"])
+  start = time.perf_counter()
+  params, inputs, _ = run_program(node["plain_all_over_cap"], staged=False,
+                                  payloads=big_payloads, cap=TEST_CAP)
+  wall = time.perf_counter() - start
+  assert inputs == ["host"] * (STEPS * MICRO)
+  print(f"\n256 MiB x {STEPS * MICRO} micro-batches inline, tunix's loop with the cap raised: "
+        f"{wall:.1f} s, trainer node peak RSS {gib(trained(node['plain_all_over_cap'])[1])} "
+        f"(from {gib(baseline)})")
+  return params
+
+
+def test_every_micro_batch_over_the_cap_trains_through_the_stream(node, big_payloads,
+                                                                  big_reference, caplog):
+  """Every micro-batch is 256 MiB, twice tunix's cap, and the cap is the upstream one in both
+  processes: each stage and each inline train call (the step's first, not staged) goes through
+  the chunked stream; each micro-batch trains exactly once, in order, to the parameters of the
+  raised-cap inline job."""
+  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
+  port = node["all_over_cap"]
+  before, pool_before = chunked_calls(port), pool_stats(port)
+  baseline = reset_peak_rss(port)
+  start = time.perf_counter()
+  params, inputs, reports = run_program(port, staged=True, payloads=big_payloads)
+  wall = time.perf_counter() - start
+  seen, peak = trained(port)
+  assert seen == [fingerprint(p["experts"]) for p in big_payloads]  # once each, in order
+  assert params == big_reference  # byte for byte
+  metrics = [r.stage_metrics for r in reports]
+  assert [m["stage/fallbacks"] for m in metrics] == [0] * STEPS
+  staged = sum(m["stage/staged"] for m in metrics)
+  inline = sum(m["stage/inline"] for m in metrics)
+  assert staged + inline == STEPS * MICRO and staged >= STEPS * MICRO // 2, metrics
+  assert inputs.count("P('fsdp',)") == staged
+  # Every micro-batch reached the trainer through the stream: staged ones by stage_batch, the
+  # inline ones by fwd_bwd (update and the resets stayed unary).
+  assert chunked_calls(port) - before == collections.Counter(stage_batch=staged,
+                                                             fwd_bwd=inline)
+  notes = re.findall(r"over the 128 MiB message cap: (\d+) calls", caplog.text)
+  assert [int(n) for n in notes][-1] == STEPS * MICRO, caplog.text
+  # Each call's 256 MiB went into a pooled buffer (its small arrays are not pooled), and buffers
+  # nothing referenced any more were reused.
+  pool = {k: v - pool_before[k] for k, v in pool_stats(port).items()}
+  assert pool["made"] + pool["reused"] == STEPS * MICRO and pool["reused"] >= 1, pool
+  print(f"\n256 MiB x {STEPS * MICRO} micro-batches staged, through the stream: {wall:.1f} s, "
+        f"trainer node peak RSS {gib(peak)} (from {gib(baseline)}); {staged} staged, {inline} "
+        f"inline; receive buffers: {pool['made']} made, {pool['reused']} reused")
+
+
+def test_an_over_cap_fallback_trains_inline_through_the_stream(node, big_payloads,
+                                                               big_reference, monkeypatch):
+  """The 2nd and 5th stages are answered refused and failed by the orchestrator's StageEngine
+  itself, without sending (a real refusal needs the trainer's 30 s slot wait; a real failure,
+  a broken trainer): the pipeline trains each of those micro-batches inline, and that inline
+  call, 256 MiB, goes through the chunked stream like any other."""
+  stage, calls = program_hooks.StageEngine.stage, []
+
+  async def stage_or_fall_back(self, payload, *, key):
+    calls.append(key)
+    if len(calls) == 2:
+      return outcome_lib.refused(key, "injected refusal")
+    if len(calls) == 5:
+      return outcome_lib.failed(key, "injected failure")
+    return await stage(self, payload, key=key)
+
+  monkeypatch.setattr(program_hooks.StageEngine, "stage", stage_or_fall_back)
+  port = node["over_cap_fallback"]
+  before = chunked_calls(port)
+  params, _, reports = run_program(port, staged=True, payloads=big_payloads)
+  seen, _ = trained(port)
+  assert seen == [fingerprint(p["experts"]) for p in big_payloads]
+  assert params == big_reference
+  assert sum(r.stage_metrics["stage/fallbacks"] for r in reports) == 2
+  inline = sum(r.stage_metrics["stage/inline"] for r in reports)
+  staged = sum(r.stage_metrics["stage/staged"] for r in reports)
+  assert chunked_calls(port) - before == collections.Counter(stage_batch=staged,
+                                                             fwd_bwd=inline)
+  assert inline >= 3  # step 0's first and the two fallbacks, each sent once, in chunks
+
+
+def test_over_the_cap_with_no_stream_on_the_trainer_stops_with_one_line(node, big_payloads):
+  """The node without the plugin has no chunked stream (UNIMPLEMENTED): the job stops at its
+  first train call, having trained nothing, with one line naming the cap, the size and the
+  setting. With staging off on the orchestrator the plugin is not installed: tunix's own
+  RESOURCE_EXHAUSTED."""
+  port = node["plain_no_stream"]
+  payloads = big_payloads[:MICRO]
+  with pytest.raises(stream_hooks.PayloadOverCap) as stopped:
+    run_program(port, staged=True, payloads=payloads, steps=1)
+  line = str(stopped.value)
+  assert "\n" not in line and stopped.value.__cause__ is None, line
+  assert re.fullmatch(
+      r"tunix-stage: a fwd_bwd call carrying 256\.0 MiB is over tunix's 128 MiB message cap "
+      r"\(remote_execution\._MAX_MESSAGE_BYTES\) and the trainer at 127\.0\.0\.1:\d+ cannot take "
+      r"it in chunks \(tunix-stage-plugin is not installed there, or staging is off there\); set "
+      r"TUNIX_STAGE_BATCH=stage on both the orchestrator and the trainer", line), line
+  with pytest.raises(grpc.aio.AioRpcError) as off:
+    run_program(port, staged=False, payloads=payloads, steps=1)
+  assert off.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+  assert trained(port)[0] == []  # nothing was trained either way

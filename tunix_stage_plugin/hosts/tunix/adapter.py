@@ -35,7 +35,8 @@ class TunixAdapter:
   name = "tunix"
   trigger_modules = (REMOTE_EXECUTION, TRAINER_WORKER, ENGINE, PROGRAM)
   hook_groups = (
-      "server: trainer methods off the event loop",
+      "server: trainer methods off the event loop, a chunked stream for calls over the "
+      "message cap",
       "worker: stage_batch/reset_staged/fwd_bwd(stage_key)",
       "engine: stage_train_batch/reset_staged_batches",
       "program: staged train loop, _stage_ahead_while_pending/_prestage_across_boundary",
@@ -69,14 +70,15 @@ class TunixAdapter:
 
   def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
     # pylint: disable=import-outside-toplevel
-    from tunix_stage_plugin.hosts.tunix import engine, installation, program, server, worker
+    from tunix_stage_plugin.hosts.tunix import engine, installation, program, server, stream, worker
     m = self.modules
     inst = installation.start(live)
     registry.on_undo(lambda: installation.stop(inst))  # executors closed, staged batches dropped
     server.apply(registry, inst, m.remote_execution.RemoteExecutionServer,
                  m.remote_execution.GrpcRemoteExecutionServer, m.trainer_worker.TrainerWorker)
+    stream.apply_server(registry, inst, m.remote_execution.GrpcRemoteExecutionServer)
     worker.apply(registry, inst, m.trainer_worker.TrainerWorker, m.peft_trainer.PeftTrainer)
-    engine.apply(registry, m.engine.DistributedRLEngine)
+    engine.apply(registry, inst, m.engine.DistributedRLEngine)
     program.apply(registry, inst, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
 
 

@@ -3,6 +3,8 @@
 stage_train_batch answers a typed StageOutcome (core.outcome): the trainer's own answer, or
 UNSUPPORTED when the trainer has no stage_batch at all (no plugin there, or staging off), so the
 pipeline asks once instead of sending every payload twice. A malformed or reused key raises.
+A stage over tunix's message cap goes through the trainer's chunked stream (stream.py); one the
+trainer cannot take that way (no stream there) is UNSUPPORTED too.
 train_step itself is not touched: `train_step(None, stage_key=k, ...)` already reaches the
 worker's fwd_bwd through the host's **kwargs, with no payload on the wire.
 """
@@ -16,7 +18,9 @@ from tunix.experimental.common import datatypes
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.hosts.tunix import stream
 
 
 def _trainer(engine: Any, role: datatypes.Role) -> Any:
@@ -26,13 +30,14 @@ def _trainer(engine: Any, role: datatypes.Role) -> Any:
   return worker
 
 
-async def stage_train_batch(self: Any, payload: Any, *, key: str,
-                            role: datatypes.Role = datatypes.Role.ACTOR
-                            ) -> outcome_lib.StageOutcome:
-  """Sends stage_batch to the trainer; the outcome says whether to train by key or inline."""
-  worker = _trainer(self, role)
+async def _stage(engine: Any, streams: stream.Streams, payload: Any, key: str,
+                 role: datatypes.Role) -> outcome_lib.StageOutcome:
+  worker = _trainer(engine, role)
   try:
-    response = await self._invoke_worker(worker, "stage_batch", payload=payload, key=key)  # pylint: disable=protected-access
+    response = await stream.invoke(engine, streams, worker, "stage_batch", payload=payload,
+                                   key=key)
+  except stream.PayloadOverCap as e:  # no chunked stream on that trainer: it cannot stage this
+    return outcome_lib.unsupported(key, str(e))
   except RuntimeError as e:  # the host's remote-error envelope
     remote = probes.remote_error_type(e)
     if remote == store_lib.StageKeyError.__name__:
@@ -55,6 +60,15 @@ async def reset_staged_batches(self: Any, keys: list[str] | None = None, *,
   return response.metadata["dropped"]
 
 
-def apply(registry: patching.PatchRegistry, engine_cls: type) -> None:
+def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+          engine_cls: type) -> None:
+
+  async def stage_train_batch(self: Any, payload: Any, *, key: str,
+                              role: datatypes.Role = datatypes.Role.ACTOR
+                              ) -> outcome_lib.StageOutcome:
+    """Sends stage_batch to the trainer (through its chunked stream when over tunix's message
+    cap); the outcome says whether to train by key or inline."""
+    return await _stage(self, inst.streams_of(self), payload, key, role)
+
   registry.set(engine_cls, "stage_train_batch", stage_train_batch)
   registry.set(engine_cls, "reset_staged_batches", reset_staged_batches)

@@ -1,21 +1,28 @@
 """The per-object state of one tunix installation: each worker's staged batches and each server's
-method executor, kept outside the host objects. The installation owns it: a re-install with new
-depths applies them to live workers, and uninstall closes every executor and drops every staged
-batch (README, "Using it with tunix").
+method executor, kept outside the host objects; the receive buffers of calls over tunix's message
+cap (trainer) and each engine's streams for them (orchestrator). The installation owns it: a
+re-install with new depths applies them to live workers, and uninstall closes every executor,
+drops every staged batch and gives back the idle receive buffers (README, "Using it with tunix").
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from typing import Any
 
+from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import store as store_lib
 
 # How long uninstall waits for a lane's running call before leaving its daemon thread behind.
 CLOSE_TIMEOUT_S = 10.0
+# The most one chunked call (a call over tunix's message cap, hosts/tunix/stream.py) may announce;
+# a header announcing more is refused before any of its bytes is read. Far above a production
+# micro-batch (5 GB), far below what a corrupt header could claim.
+MAX_STREAM_BYTES = 64 << 30
 
 
 class WorkerStaging:
@@ -38,6 +45,14 @@ class Installation:
     self._workers: "weakref.WeakKeyDictionary[Any, WorkerStaging]" = weakref.WeakKeyDictionary()
     self._executors: "weakref.WeakKeyDictionary[Any, executor_lib.MethodExecutor]" = (
         weakref.WeakKeyDictionary())
+    # Trainer side: where chunked calls are received (buffers reused once nothing references
+    # them), the servers serving the stream, and the chunked calls run per method.
+    self.pool = buffers_lib.HostBufferPool()
+    self.max_stream_bytes = MAX_STREAM_BYTES
+    self.streaming_servers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+    self.chunked_calls: collections.Counter[str] = collections.Counter()
+    # Orchestrator side: each engine's stream clients (hosts.tunix.stream.Streams).
+    self._streams: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
     live.on_update(self._reconfigure)
 
   def staging_of(self, worker: Any) -> WorkerStaging:
@@ -58,6 +73,15 @@ class Installation:
         weakref.finalize(server, executor.close, timeout=0)
       return executor
 
+  def streams_of(self, engine: Any) -> Any:
+    """The engine's chunked-stream clients (hosts.tunix.stream.Streams), made on first use."""
+    from tunix_stage_plugin.hosts.tunix import stream  # pylint: disable=import-outside-toplevel
+    with self._lock:
+      streams = self._streams.get(engine)
+      if streams is None:
+        streams = self._streams[engine] = stream.Streams()
+      return streams
+
   def pop_executor(self, server: Any) -> executor_lib.MethodExecutor | None:
     with self._lock:
       return self._executors.pop(server, None)
@@ -69,14 +93,18 @@ class Installation:
       state.store.set_bounds(config.max_device_batches, config.max_host_batches)
 
   def close(self) -> None:
-    """Drops every staged batch and closes every executor (bounded); the hooks are going away."""
+    """Drops every staged batch, closes every executor (bounded) and gives back the idle receive
+    buffers; the hooks are going away. Stream channels are closed by the loops that own them
+    (the program's train loop); any left are dropped here."""
     with self._lock:
       states, self._workers = list(self._workers.values()), weakref.WeakKeyDictionary()
       executors, self._executors = list(self._executors.values()), weakref.WeakKeyDictionary()
+      self._streams = weakref.WeakKeyDictionary()
     for state in states:
       state.store.reset()
     for executor in executors:
       executor.close(timeout=CLOSE_TIMEOUT_S)
+    self.pool.trim()
 
 
 _current: Installation | None = None

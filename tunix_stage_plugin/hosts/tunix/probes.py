@@ -42,6 +42,30 @@ def run(m: Any) -> list[Probe]:
             or _method(server, "stop_serving", params=(), coroutine=True, own=True)
             or _free(base_server) or _free(server))
 
+  def server_stream() -> str | None:
+    # The stream's handler joins the grpc server start_serving_async assigns to self._server
+    # (before it starts); the orchestrator dials a handle's address with tunix's options and cap.
+    # pylint: disable=protected-access
+    remote = m.remote_execution
+    handle = remote.GrpcRemoteActorHandle("grpc://127.0.0.1:1", rpc_timeout_s=1.5)  # dials nothing
+    request_params = {"request_id", "method_name", "args", "kwargs"}
+    return (_method(server, "start_serving_async", params=("port",), coroutine=True, own=True)
+            or (None if "self._server = " in inspect.getsource(server.start_serving_async)
+                else "GrpcRemoteExecutionServer.start_serving_async does not assign self._server")
+            or (None if "_server" not in vars(server) else
+                "GrpcRemoteExecutionServer has a class attribute _server")
+            or (None if isinstance(remote._MAX_MESSAGE_BYTES, int) else
+                "remote_execution._MAX_MESSAGE_BYTES is not an int")
+            or (None if callable(remote._grpc_options) else
+                "remote_execution._grpc_options is missing")
+            or (None if (handle.target_address, handle._rpc_timeout_s) ==
+                ("grpc://127.0.0.1:1", 1.5) else
+                "GrpcRemoteActorHandle keeps no target_address / _rpc_timeout_s")
+            or (None if "payload" in _params(remote.ExecutionResponse.deserialize) else
+                "ExecutionResponse.deserialize(payload) is missing")
+            or (None if request_params <= set(_params(remote.ExecutionRequest.__init__)) else
+                "ExecutionRequest.__init__ lacks request_id/method_name/args/kwargs"))
+
   def worker_api() -> str | None:
     return (_method(worker, "fwd_bwd", params=("payload",), coroutine=False, var_kwargs=True,
                     own=True)
@@ -88,6 +112,8 @@ def run(m: Any) -> list[Probe]:
 
   return [
       _check("server: RemoteExecutionServer.execute_request routing", server_routing),
+      _check("server: a chunked stream beside GrpcRemoteExecutionServer's methods",
+             server_stream),
       _check("worker: TrainerWorker.fwd_bwd(payload, **kwargs)", worker_api),
       _check("trainer: PeftTrainer.fwd_bwd prepares through _prepare_payload(payload)",
              trainer_seam),

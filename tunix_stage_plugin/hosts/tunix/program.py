@@ -13,6 +13,10 @@ StandardRLProgram (removed exactly on uninstall) so that a subclass can override
 while a train call is pending (the pipeline's `depth_for`), and `_prestage_across_boundary(
 next_step)`, whether to stage the next step's first micro-batches during the boundary (its
 `prestage_next`). Prestage rules and the seams: docs/tunix.md.
+
+Every call that carries a micro-batch over tunix's message cap (a stage, an inline train call, a
+fallback, the reference log-probs request) goes through the worker's chunked stream (stream.py);
+below the cap each is the host's own call.
 """
 
 from __future__ import annotations
@@ -33,9 +37,11 @@ from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.hosts.tunix import stream
 from tunix_stage_plugin.hosts.tunix import worker
 
 log = logging.getLogger("tunix_stage_plugin")
@@ -63,11 +69,14 @@ class StageEngine:
   """core.pipeline.StageEngine over a DistributedRLEngine; inline calls are the host's calls.
 
   With a codec (TUNIX_STAGE_CODEC) a stage's payload is compressed on a worker thread, never on
-  the event loop; `raw_bytes` / `sent_bytes` count its array bytes before and after.
+  the event loop; `raw_bytes` / `sent_bytes` count its array bytes before and after. A call over
+  tunix's message cap travels on `streams` (the engine's chunked streams, stream.py).
   """
 
-  def __init__(self, engine: Any, codec: codec_lib.Codec | None = None) -> None:
+  def __init__(self, engine: Any, streams: stream.Streams,
+               codec: codec_lib.Codec | None = None) -> None:
     self._engine = engine
+    self.streams = streams
     self.codec = codec
     self.raw_bytes = self.sent_bytes = 0
 
@@ -80,9 +89,10 @@ class StageEngine:
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
                   ) -> outcome_lib.Trained:
-    if stage_key is None:  # byte-for-byte the host's own train_step call
-      return outcome_lib.Trained(await self._engine.train_step(
-          payload, role=ACTOR, accumulate_gradients=True, apply_optimizer=apply_optimizer))
+    if stage_key is None:  # the host's own train_step call, unless over tunix's message cap
+      return outcome_lib.Trained(await stream.train_step(
+          self._engine, self.streams, payload, role=ACTOR, accumulate_gradients=True,
+          apply_optimizer=apply_optimizer))
     try:
       result = await self._engine.train_step(None, role=ACTOR, accumulate_gradients=True,
                                              apply_optimizer=apply_optimizer, stage_key=stage_key)
@@ -98,7 +108,7 @@ class StageEngine:
     await self._engine.reset_staged_batches(keys, role=ACTOR)
 
 
-async def _microbatches(program: Any, engine: Any, feed: _StepFeed
+async def _microbatches(program: Any, engine: Any, streams: stream.Streams, feed: _StepFeed
                         ) -> AsyncIterator[pipeline_lib.MicroBatch]:
   for group_idx in range(program.mini_batch_size):
     items = await program.scored_q.get_batch(num_groups=1)
@@ -112,21 +122,22 @@ async def _microbatches(program: Any, engine: Any, feed: _StepFeed
     closing_group = group_idx == program.mini_batch_size - 1
     for i, batch in enumerate(batches):
       if program.algo.requires_reference_kl:
-        batch = await _with_reference_logps(engine, batch)
+        batch = await _with_reference_logps(engine, streams, batch)
       yield pipeline_lib.MicroBatch(batch, closes_step=closing_group and i == len(batches) - 1)
 
 
-def _new_feed(program: Any, engine: Any) -> _StepFeed:
+def _new_feed(program: Any, engine: Any, streams: stream.Streams) -> _StepFeed:
   feed = _StepFeed()
-  feed.source = _microbatches(program, engine, feed)  # the source records into its own feed
+  feed.source = _microbatches(program, engine, streams, feed)  # it records into its own feed
   return feed
 
 
-async def _with_reference_logps(engine: Any, batch: Any) -> Any:
+async def _with_reference_logps(engine: Any, streams: stream.Streams, batch: Any) -> Any:
   if not isinstance(batch, rl_common.TrainExample):
     raise TypeError("Reference KL requires an assembler that returns rl_common.TrainExample "
                     f"microbatches; got {type(batch).__name__}.")
-  logps = await engine.per_token_logps(datatypes.Role.REFERENCE, items=batch)
+  # The host's call, or the chunked stream when the micro-batch is over tunix's message cap.
+  logps = await stream.per_token_logps(engine, streams, datatypes.Role.REFERENCE, batch)
   return batch_assembly.with_ref_per_token_logps(batch, logps)
 
 
@@ -154,16 +165,25 @@ def _codec_note(engine: StageEngine) -> str:
           f"{engine.sent_bytes / mib:.1f} MiB (ratio {engine.raw_bytes / engine.sent_bytes:.2f})")
 
 
+def _stream_note(engine: StageEngine) -> str:
+  """The calls sent in chunks so far, for the step's log line ("" when none was)."""
+  if not engine.streams.calls:
+    return ""
+  return (f"; over the {stream.message_cap() / chunked.MIB:.0f} MiB message cap: "
+          f"{engine.streams.calls} calls, {engine.streams.bytes / chunked.MIB:.1f} MiB sent in "
+          f"{chunked.CHUNK_BYTES // chunked.MIB} MiB chunks")
+
+
 async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,
-                              config: Any) -> None:
-  stage_engine = StageEngine(engine, codec_lib.parse(config.codec))
+                              config: Any, streams: stream.Streams) -> None:
+  stage_engine = StageEngine(engine, streams, codec_lib.parse(config.codec))
   # The program's seams (its subclass's overrides included) decide depth and prestage.
   pipeline = pipeline_lib.StagePipeline(stage_engine, config.max_staged_batches,
                                         depth_for=program._stage_ahead_while_pending)  # pylint: disable=protected-access
   feeds: dict[int, _StepFeed] = {}  # a prestaged step keeps its own feed
 
   def source_for(step: int) -> AsyncIterator[pipeline_lib.MicroBatch]:
-    feeds[step] = _new_feed(program, engine)
+    feeds[step] = _new_feed(program, engine, streams)
     return feeds[step].source
 
   def before_step(step: int) -> None:
@@ -190,7 +210,8 @@ async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,
         train_result=report.result,
         stage_metrics=metrics,
     )
-    log.info("tunix-stage: step %d %s%s", step, metrics, _codec_note(stage_engine))
+    log.info("tunix-stage: step %d %s%s%s", step, metrics, _codec_note(stage_engine),
+             _stream_note(stage_engine))
     if program.on_step_end:
       program.on_step_end(program.step, report.result)
 
@@ -235,7 +256,11 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     # stage_train_batch with a mock; the host's loop is the right one for it.
     if not issubclass(type(engine), engine_cls):
       return await original_train_stage(self, engine, num_steps)
-    return await _staged_train_stage(self, engine, num_steps, inst.live.config)
+    streams = inst.streams_of(engine)
+    try:
+      return await _staged_train_stage(self, engine, num_steps, inst.live.config, streams)
+    finally:
+      await streams.close()  # the stream channels belong to this loop
 
   registry.set(program_cls, "train_stage", train_stage)
   registry.set(program_cls, "_stage_ahead_while_pending", _stage_ahead_while_pending)
