@@ -7,7 +7,8 @@ import threading
 
 import pytest
 
-from tunix_stage_plugin.core.executor import ExecutorClosedError, Lane, MethodExecutor
+from tunix_stage_plugin.core.executor import (ExecutorClosedError, Lane, MethodExecutor,
+                                              defer_on_current_lane)
 
 
 def test_lanes():
@@ -128,3 +129,24 @@ def test_close_from_one_of_its_own_lanes_does_not_join_itself():
     t.join(10)
     assert not t.is_alive(), t.name
   assert ex.close() == []
+
+
+def test_a_job_deferred_on_a_lane_runs_before_the_calls_already_queued():
+  ex = MethodExecutor()
+  order, go = [], threading.Event()
+
+  def first():
+    assert go.wait(10)
+    order.append("first")
+    defer = defer_on_current_lane()
+    defer(lambda: order.append("deferred 1"))
+    defer(lambda: order.append("deferred 2"))  # deferred jobs keep their own order
+
+  futures = [ex.submit("stage_batch", first)]
+  futures += [ex.submit("stage_batch", order.append, f"queued {i}") for i in range(3)]
+  go.set()
+  for f in futures:
+    f.result(10)
+  ex.close()
+  assert order == ["first", "deferred 1", "deferred 2", "queued 0", "queued 1", "queued 2"]
+  assert defer_on_current_lane() is None  # off a lane

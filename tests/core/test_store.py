@@ -7,6 +7,8 @@ import threading
 
 import pytest
 
+from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core.executor import MethodExecutor
 from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.core.store import PlacementFailed, StagedBatchStore, StageKeyError
 
@@ -372,6 +374,24 @@ def test_a_placement_that_never_gets_a_device_slot_becomes_an_inline_train():
   assert e.value.payload == 2
 
 
+def test_a_take_of_a_batch_whose_placement_waits_for_a_held_slot_trains_its_payload_at_once():
+  """b's placement waits for the device slot a holds; b's train call comes first (another
+  client's, or a's queued behind it on the compute lane): waiting would only stall that lane."""
+  store, jobs = StagedBatchStore(1, max_host_batches=1, slot_wait_s=60), Jobs()
+  assert store.stage("a", 1, place, defer=jobs).staged
+  jobs.run_next()  # a: placed, holds the one device slot
+  assert store.stage("b", 2, place, defer=jobs).staged
+  with concurrent.futures.ThreadPoolExecutor(1) as lane:
+    placing = lane.submit(jobs.run_next)  # b's placement: waiting for a's slot
+    with pytest.raises(PlacementFailed, match=r"its train call came while it waited for a "
+                       r"device slot \(1 of 1 held by other batches") as e:
+      store.take("b", timeout=0)  # answered without waiting for the placement
+    assert e.value.payload == 2
+    placing.result(10)  # the placement saw it and gave up
+  assert store.take("a") == ("placed", 1)
+  assert len(store) == 0 and store.stats.unplaced == 1 and store.stats.staged == 1
+
+
 @pytest.mark.parametrize("when", ["received", "placing"])
 def test_reset_of_a_split_stage_frees_its_slots(when):
   store, jobs = StagedBatchStore(1, slot_wait_s=0), Jobs()
@@ -396,3 +416,42 @@ def test_reset_of_a_split_stage_frees_its_slots(when):
       release.set()
       placing.result(10)
   assert len(store) == 0 and store.stage("c", 3, place).staged
+
+
+def test_a_received_batch_is_placed_before_the_stages_queued_behind_it_on_a_real_lane():
+  """Issue 22's repro on a real staging lane: stages b and c arrive while a is being received
+  (host bound 1, device bound 1). a's placement runs next on the lane, before b and c: b then
+  finds the host buffer free. (Queued behind them, a waited for both to be refused after their
+  slot waits, since the unplaced a held the one host buffer.)"""
+  store = StagedBatchStore(1, max_host_batches=1, slot_wait_s=5)
+  events, receiving, release = [], threading.Event(), threading.Event()
+
+  def check_of(key):
+    def check(payload):
+      events.append(f"receive {key}")
+      if key == "a":
+        receiving.set()
+        assert release.wait(10)
+    return check
+
+  def prepare(payload):
+    events.append(f"place {payload}")
+    return ("placed", payload)
+
+  def stage(key):
+    return store.stage(key, key, prepare, check=check_of(key),
+                       defer=executor_lib.defer_on_current_lane())
+
+  with MethodExecutor() as ex:
+    a = ex.submit("stage_batch", stage, "a")
+    assert receiving.wait(10)
+    b, c = ex.submit("stage_batch", stage, "b"), ex.submit("stage_batch", stage, "c")
+    release.set()
+    assert a.result(10).staged
+    assert store.take("a") == ("placed", "a")
+    assert b.result(10).staged, b.result()
+    assert store.take("b") == ("placed", "b")
+    assert c.result(10).staged, c.result()
+    assert store.take("c") == ("placed", "c")
+  assert events == ["receive a", "place a", "receive b", "place b", "receive c", "place c"]
+  assert store.stats.refused == 0 and store.stats.unplaced == 0 and len(store) == 0

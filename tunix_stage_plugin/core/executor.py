@@ -19,6 +19,7 @@ Lane threads are daemon threads, so a process that gives up on a lane still stuc
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import enum
 import functools
@@ -50,16 +51,23 @@ _current = _Current()
 
 
 def defer_on_current_lane() -> Callable[[Callable[[], None]], None] | None:
-  """For code running on a lane: a `defer(job)` that queues `job` next on that same lane (the
-  store's two-phase stage places there); None off a lane, or once the lane is shutting down."""
+  """For code running on a lane: a `defer(job)` that runs `job` next on that same lane, before
+  the calls already queued there (the store's two-phase stage places there: a stage queued
+  ahead of its placement would wait for the host buffer the unplaced batch holds); None off a
+  lane, or once the lane is shutting down."""
   lane = _current.lane
   if lane is None or lane.shut:
     return None
-  return lane.submit
+  return lane.submit_next
+
+
+_WAKE = object()  # queued with a submit_next job: the thread looks at the front slot again
 
 
 class _LaneThread(concurrent.futures.Executor):
   """One daemon thread running its calls in arrival order (a 1-thread pool that can be abandoned).
+
+  Jobs given to `submit_next` run before every call already queued, in their own arrival order.
 
   concurrent.futures.ThreadPoolExecutor joins its threads at interpreter exit, so one call stuck
   in a 60 s weight sync would hold a stopping process for its whole length.
@@ -67,6 +75,7 @@ class _LaneThread(concurrent.futures.Executor):
 
   def __init__(self, name: str) -> None:
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._next: collections.deque = collections.deque()  # submit_next's jobs, taken first
     self._lock = threading.Lock()
     self._shut = False
     self._pending = 0  # calls queued or running
@@ -74,11 +83,24 @@ class _LaneThread(concurrent.futures.Executor):
 
   def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
              ) -> concurrent.futures.Future:
+    return self._submit(False, fn, args, kwargs)
+
+  def submit_next(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
+                  ) -> concurrent.futures.Future:
+    """Like submit, but `fn` runs before the calls already queued (after earlier such jobs)."""
+    return self._submit(True, fn, args, kwargs)
+
+  def _submit(self, first: bool, fn: Callable[..., Any], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> concurrent.futures.Future:
     with self._lock:
       if self._shut:
         raise ExecutorClosedError(f"lane {self._thread.name} is shut down")
       future: concurrent.futures.Future = concurrent.futures.Future()
-      self._queue.put((future, fn, args, kwargs))
+      if first:
+        self._next.append((future, fn, args, kwargs))
+        self._queue.put(_WAKE)  # a thread waiting for a call wakes and takes it first
+      else:
+        self._queue.put((future, fn, args, kwargs))
       self._pending += 1
       if self._thread.ident is None:
         # Started with its first call queued, as ThreadPoolExecutor does: the new thread takes
@@ -93,7 +115,11 @@ class _LaneThread(concurrent.futures.Executor):
   def _work(self) -> None:
     _current.lane = self
     while True:
-      item = self._queue.get()
+      # The front slot first. A stop marker (None) is only reached once every submit_next
+      # job is taken: each is in the slot before its _WAKE is queued, and both before the stop.
+      item = self._next.popleft() if self._next else self._queue.get()
+      if item is _WAKE:
+        continue
       if item is None:
         return
       future, fn, args, kwargs = item

@@ -234,8 +234,8 @@ class StagedBatchStore:
     """The deferred phase: waits for a device slot, then places (on the caller's thread)."""
     with self._cond:
       room = lambda: self._held() < self.max_device_batches
-      if not self._wait_for(room, lambda: entry.dropped):
-        if not entry.dropped:
+      if not self._wait_for(room, lambda: entry.dropped or entry.state is not _State.RECEIVED):
+        if not entry.dropped and entry.state is _State.RECEIVED:
           self._unplaced(entry, self._device_bound())
         return
       entry.state = _State.PLACING
@@ -289,6 +289,13 @@ class StagedBatchStore:
     check_key(key)
     with self._cond:
       entry = self._entries.get(key)
+      if (entry is not None and entry.state is _State.RECEIVED
+          and self._held() - self._draining >= self.max_device_batches):
+        # Its placement waits for a device slot that only a take or a reset frees, and takes
+        # queue on the caller's lane behind this one: train it from its payload now.
+        self._unplaced(entry, f"its train call came while it waited for a device slot "
+                       f"({self._held()} of {self.max_device_batches} held by other batches, "
+                       f"TUNIX_STAGE_MAX_DEVICE_BATCHES)")
     if entry is None:
       raise StageKeyError(f"stage key {key!r} is not staged (never staged, consumed or reset)")
     if not entry.done.wait(timeout):
