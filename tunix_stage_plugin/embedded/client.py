@@ -4,10 +4,15 @@ Concurrent calls share one HTTP/2 connection and one emulated link (`LinkPacer`)
 and an inline train stream queue for the same bandwidth, as on a real NIC. Only payload bytes are
 paced (the streamed bytes); headers and small unary calls are not.
 
-Liveness (README "Liveness bound"): the channel pings the trainer (HTTP/2 keepalive) so a trainer
-that stops answering (SIGSTOP, a hung host) fails every call in flight within the liveness bound,
-however long the call was expected to take; each call also gets a deadline of what it is expected
-to take (its bytes over the link's bandwidth, a weight sync's announced seconds) plus that bound.
+Liveness (README "Liveness bound"): a watchdog per client asks the trainer for a heartbeat (answered
+at once, off every lane) whenever calls are in flight and nothing has been heard from it for a
+quarter of the liveness bound; a heartbeat unanswered within another quarter fails every call in
+flight at once (their bulk sends included), so a trainer that stops answering (SIGSTOP, a hung
+host) is reported within about half the bound, however long the calls were expected to take.
+Calls made after that get a short deadline of their own (DEAD_PEER_DEADLINE_S: the cleanup after
+a dead peer, e.g. a reset), until the trainer is heard from again. Each call also keeps a deadline
+of what it is expected to take (its bytes over the link's bandwidth, a weight sync's announced
+seconds) plus the bound, for a trainer that answers heartbeats but never answers the call.
 Either way the caller gets one TrainerUnresponsiveError naming the trainer and the call.
 """
 
@@ -37,13 +42,20 @@ ANNOUNCED_SECONDS = frozenset({"weight_sync"})
 # How grpc words a connection the keepalive pings found silent (it sets TCP_USER_TIMEOUT to the
 # keepalive timeout, so the socket itself times out).
 _TIMEOUT_WORDS = ("timed out", "keepalive", "ping timeout")
+# Once the trainer was found unresponsive, calls get at most this deadline until it is heard from
+# again: a reset answers in milliseconds on a live trainer, and cleanup after a dead peer must not
+# spend another bound.
+DEAD_PEER_DEADLINE_S = 1.0
+# The shortest wait for a watchdog heartbeat (a quarter bound, but not less on a loaded machine).
+MIN_PROBE_S = 0.5
 # A bulk send that failed leaves the call this long to bring its own answer (e.g. a refusal by its
 # header, after which the trainer drops the bytes' connection) before the send's error is reported.
 SEND_FAILURE_GRACE_S = 1.0
 
 
 class TrainerUnresponsiveError(ConnectionError):
-  """The trainer stopped answering: a call got no reply within its expected time + the bound."""
+  """The trainer stopped answering: a call got no reply and a heartbeat none either (the
+  watchdog), or a call got none within its expected time + the bound (its deadline)."""
 
 
 class TrainerGoneError(ConnectionError):
@@ -93,13 +105,25 @@ def check_liveness(liveness_s: float) -> float:
   return float(liveness_s)
 
 
+class _Flight:
+  """A call in flight: what the watchdog needs to fail it."""
+
+  __slots__ = ("method", "started", "verdict")
+
+  def __init__(self, method: str, verdict: asyncio.Future) -> None:
+    self.method = method
+    self.started = time.monotonic()
+    self.verdict = verdict  # set to an exception by the watchdog: the call fails with it
+
+
 class WorkerClient:
   """Calls the trainer's methods; `async with` closes the channel.
 
-  `liveness_s`: how long past its expected time a call may go without a reply before the trainer
-  is reported as stopped answering (orchestrator_main --liveness_s). Keep it well above the
-  longest a healthy trainer holds a call beyond its bytes: a stage waits up to 30 s for a device
-  slot, a train by key up to 60 s for its stage to land.
+  `liveness_s` (orchestrator_main --liveness_s): a trainer that answers nothing, heartbeats
+  included, is reported within half of it (the watchdog); a call may also go this long past its
+  expected time without a reply before it fails. Keep it well above the longest a healthy trainer
+  holds a call beyond its bytes: a stage waits up to 30 s for a device slot, a train by key up to
+  60 s for its stage to land.
   """
 
   def __init__(self, address: str, *, wire_bytes_per_s: float | None = None,
@@ -114,6 +138,14 @@ class WorkerClient:
     self._bulk_header = self._channel.unary_unary(wire.CALL_BULK)
     self._bulk_port = self._channel.unary_unary(wire.BULK_PORT)
     self._sender: bulk_lib.BulkSender | None = None
+    # The watchdog (README "Liveness bound"): quiet for silence_s with calls in flight -> a
+    # heartbeat with probe_s to answer; none -> every call in flight fails.
+    self.silence_s = self.liveness_s / 4
+    self.probe_s = max(MIN_PROBE_S, self.liveness_s / 4)
+    self._flights: set[_Flight] = set()
+    self._heard = time.monotonic()  # the last reply of any kind from the trainer
+    self._watchdog: asyncio.Task | None = None
+    self.unresponsive: TrainerUnresponsiveError | None = None  # until heard from again
 
   async def __aenter__(self) -> "WorkerClient":
     return self
@@ -127,6 +159,10 @@ class WorkerClient:
     return 0 if self._sender is None else self._sender.sent_bytes
 
   async def close(self) -> None:
+    if self._watchdog is not None:
+      self._watchdog.cancel()
+      await asyncio.gather(self._watchdog, return_exceptions=True)
+      self._watchdog = None
     if self._sender is not None:
       self._sender.close()
     await self._channel.close()
@@ -174,19 +210,89 @@ class WorkerClient:
     encoded = wire.encode_call(method, args, kwargs)
     expected = self.expected_s(encoded, args) * _pace
     timeout = _timeout_s if _timeout_s is not None else expected + self.liveness_s
+    after_dead_peer = self.unresponsive is not None
+    if after_dead_peer:
+      timeout = min(timeout, DEAD_PEER_DEADLINE_S)
     start = time.monotonic()
+    flight = _Flight(method, asyncio.get_running_loop().create_future())
+    work = asyncio.ensure_future(self._send(encoded, timeout, _pace))
+    self._flights.add(flight)
+    self._watch()
     try:
-      if encoded.unary is not None:
-        # Small messages are not paced: HTTP/2 interleaves them with a stream's frames, so a
-        # train-by-key call never queues behind a stage's payload.
-        reply = await self._unary(encoded.unary, timeout=timeout)
+      try:
+        await asyncio.wait({work, flight.verdict}, return_when=asyncio.FIRST_COMPLETED)
+      finally:
+        if not work.done():  # the watchdog's verdict (or this task's cancellation)
+          work.cancel()
+          await asyncio.gather(work, return_exceptions=True)
+      if work.cancelled():
+        if not flight.verdict.done() or flight.verdict.cancelled():
+          raise asyncio.CancelledError  # cancelled from inside grpc, not by the watchdog
+        verdict = flight.verdict.exception()
       else:
-        reply = await self._call_bulk(encoded, timeout, _pace)
+        verdict = None
+        reply = work.result()
     except grpc.aio.AioRpcError as e:
+      if after_dead_peer and e.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        raise self._unresponsive(method, f"got no reply within {timeout:g} s, the deadline of a "
+                                 "call made after the trainer was found unresponsive") from e
       raise await self._diagnose(e, method, time.monotonic() - start, timeout, expected) from e
     except OSError as e:  # the bulk connection failed (refused, reset) and the call did not answer
       raise await self._diagnose_bulk(e, method, time.monotonic() - start) from e
+    finally:
+      self._flights.discard(flight)
+      if not flight.verdict.done():
+        flight.verdict.cancel()
+      elif not flight.verdict.cancelled():
+        flight.verdict.exception()  # retrieved (the call may have had its answer meanwhile)
+    if verdict is not None:
+      raise verdict  # the trainer stopped answering: a heartbeat got no reply either
+    self._heard_from()
     return wire.decode_reply(method, reply)
+
+  async def _send(self, encoded: wire.EncodedCall, timeout: float, pace: float) -> bytes:
+    if encoded.unary is not None:
+      # Small messages are not paced: HTTP/2 interleaves them with a stream's frames, so a
+      # train-by-key call never queues behind a stage's payload.
+      return await self._unary(encoded.unary, timeout=timeout)
+    return await self._call_bulk(encoded, timeout, pace)
+
+  def _heard_from(self) -> None:
+    self._heard = time.monotonic()
+    self.unresponsive = None
+
+  def _watch(self) -> None:
+    if self._watchdog is None or self._watchdog.done():
+      self._watchdog = asyncio.ensure_future(self._watch_calls())
+
+  async def _watch_calls(self) -> None:
+    """While calls are in flight: quiet for silence_s -> a heartbeat; none within probe_s ->
+    every call in flight fails with TrainerUnresponsiveError."""
+    while self._flights:
+      quiet_since = max(self._heard, min(f.started for f in self._flights))
+      wait = quiet_since + self.silence_s - time.monotonic()
+      if wait > 0:
+        await asyncio.sleep(wait)  # a timer: the watchdog's period, nothing waits on it
+        continue
+      try:
+        await self._unary(wire.encode_call("heartbeat", (), {}).unary, timeout=self.probe_s)
+      except grpc.aio.AioRpcError as e:
+        if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(e):
+          self._fail_flights()
+        else:  # refused or reset: the calls fail on their own (the trainer went away)
+          await asyncio.sleep(self.probe_s)
+        continue
+      self._heard_from()
+
+  def _fail_flights(self) -> None:
+    now = time.monotonic()
+    for flight in list(self._flights):
+      error = self._unresponsive(flight.method, f"got no reply within {now - flight.started:.1f} s "
+                                 f"and a heartbeat then got none within {self.probe_s:g} s")
+      if not flight.verdict.done():
+        flight.verdict.set_exception(error)
+      self.unresponsive = error
+    self._flights.clear()
 
   async def _call_bulk(self, encoded: wire.EncodedCall, timeout: float, pace: float) -> bytes:
     """The header on gRPC and the bytes on the bulk channel, at once; the call's answer wins."""

@@ -56,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--connect_timeout_s", default="60", metavar="S",
                       help="how long to wait for the trainer to answer, seconds > 0 (default 60)")
   parser.add_argument("--liveness_s", default=f"{client_lib.DEFAULT_LIVENESS_S:g}", metavar="S",
-                      help="report the trainer as stopped answering when a call goes this long "
-                      "past its expected time without a reply, or its connection's keepalive "
-                      f"pings go unanswered (>= 1; default {client_lib.DEFAULT_LIVENESS_S:g})")
+                      help="report the trainer as stopped answering within half this bound "
+                      "(calls in flight and a heartbeat unanswered), or when a call goes this "
+                      "long past its expected time without a reply "
+                      f"(>= 1; default {client_lib.DEFAULT_LIVENESS_S:g})")
   flags_lib.add_argparse_flags(parser, flags_lib.ORCHESTRATOR_FIELDS)
   return parser
 
