@@ -1,5 +1,9 @@
 """DistributedRLEngine: stage_train_batch / reset_staged_batches.
 
+RESET_TIMEOUT_S bounds the staged loop's resets (cleanup, often after a failed call): a trainer
+answers a reset at once, off its lanes, so a reset that waited tunix's whole call deadline on a
+stopped trainer would only delay the job's failure (~20 s on tunix's 60 s default).
+
 stage_train_batch answers a typed StageOutcome (core.outcome): the trainer's own answer, or
 UNSUPPORTED when the trainer has no stage_batch at all (no plugin there, or staging off), so the
 pipeline asks once instead of sending every payload twice. A malformed or reused key raises.
@@ -11,6 +15,7 @@ worker's fwd_bwd through the host's **kwargs, with no payload on the wire.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from tunix.experimental.common import datatypes
@@ -21,6 +26,9 @@ from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
 from tunix_stage_plugin.hosts.tunix import stream
+
+# The staged loop's reset deadline: a failed reset is kept and retried before the next step.
+RESET_TIMEOUT_S = 3.0
 
 
 def _trainer(engine: Any, role: datatypes.Role) -> Any:
@@ -54,9 +62,20 @@ async def _stage(engine: Any, streams: stream.Streams, payload: Any, key: str,
 
 
 async def reset_staged_batches(self: Any, keys: list[str] | None = None, *,
-                               role: datatypes.Role = datatypes.Role.ACTOR) -> list[str]:
-  """Drops staged batches on the trainer (all when `keys` is None); returns the dropped keys."""
-  response = await self._invoke_worker(_trainer(self, role), "reset_staged", keys=keys)  # pylint: disable=protected-access
+                               role: datatypes.Role = datatypes.Role.ACTOR,
+                               timeout_s: float | None = None) -> list[str]:
+  """Drops staged batches on the trainer (all when `keys` is None); returns the dropped keys.
+
+  `timeout_s` bounds the call (TimeoutError after it); None leaves the handle's own deadline.
+  """
+  call = self._invoke_worker(_trainer(self, role), "reset_staged", keys=keys)  # pylint: disable=protected-access
+  if timeout_s is None:
+    response = await call
+  else:
+    try:
+      response = await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+      raise TimeoutError(f"reset_staged got no answer within {timeout_s:g} s") from None
   return response.metadata["dropped"]
 
 

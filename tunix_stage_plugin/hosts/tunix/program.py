@@ -39,6 +39,7 @@ from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
 from tunix_stage_plugin.hosts.tunix import stream
@@ -105,7 +106,10 @@ class StageEngine:
     return outcome_lib.Trained(result, fallback=response.metadata.get(worker.PLACEMENT_FALLBACK))
 
   async def reset(self, keys: list[str]) -> None:
-    await self._engine.reset_staged_batches(keys, role=ACTOR)
+    # Cleanup, often after a failed call: bounded by a short deadline of its own, never another
+    # whole call deadline on a stopped trainer (a failed reset is kept and retried).
+    await self._engine.reset_staged_batches(keys, role=ACTOR,
+                                            timeout_s=engine_lib.RESET_TIMEOUT_S)
 
 
 async def _microbatches(program: Any, engine: Any, streams: stream.Streams, feed: _StepFeed
