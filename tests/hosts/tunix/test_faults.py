@@ -91,6 +91,7 @@ from tests.hosts.tunix import test_grpc
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
+from tunix_stage_plugin.hosts.tunix import sessions
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -229,7 +230,57 @@ def test_a_sigstopped_trainer_fails_the_job_within_the_call_deadline_plus_a_shor
   assert "could not reset staged keys" in caplog.text, caplog.text
   assert f"reset_staged got no answer within {engine_lib.RESET_TIMEOUT_S:g} s" in caplog.text
   assert took < deadline_s + engine_lib.RESET_TIMEOUT_S + 2.5, took  # margin: a loaded machine
-  # The trainer, resumed, answers again and holds what the failed step left; clean it for the
-  # next test.
+  # The trainer, resumed, answers again and holds what the failed step left (nothing is lost:
+  # the next orchestrator's first stage drops it, see the next test); clean it for the next test.
   _call(port, "reset_staged", keys=None)
   assert _staging_state(port)["keys"] == []
+
+
+def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
+  """An orchestrator SIGKILLed mid-step with two micro-batches staged on the trainer (device
+  bound 2: both slots held); the next one, against the same TrainerWorker, stages from its first
+  step with 0 fallbacks and no slot wait, and nothing is left staged."""
+  port = node.ports["staged"]
+  # The first micro-batch's train holds the step (tunix trains it inline: nothing is staged
+  # yet) while the pipeline stages the next two, one per device slot.
+  _call(port, "set_fwd_bwd_delay", 8.0)
+  first = subprocess.Popen([sys.executable, __file__, "orchestrate", str(port)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+  try:
+    staged = []
+    while len(staged) < 2:  # bounded by the pipe: the orchestrator prints each stage, or ends
+      line = first.stdout.readline()
+      if not line:
+        raise AssertionError(f"the first orchestrator ended: {first.stderr.read()[-3000:]}")
+      if line.startswith("staged "):
+        staged.append(line.split()[1])
+    first.kill()  # SIGKILL, mid-step: no cleanup runs
+    assert first.wait(30) == -signal.SIGKILL
+  finally:
+    if first.poll() is None:
+      first.kill()
+      first.wait()
+    first.stdout.close()
+    first.stderr.close()
+  held = _staging_state(port)
+  assert sorted(held["keys"]) == sorted(staged), held  # the dead orchestrator's, both slots
+  _call(port, "set_fwd_bwd_delay", 0.0)  # after the dead orchestrator's train (FIFO lane)
+
+  params, inputs, reports = test_grpc.run_program(port, staged=True)
+  after = _staging_state(port)
+  assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [0] * test_grpc.STEPS
+  assert reports[0].stage_metrics["stage/staged"] >= 1  # staged from its first step
+  assert after["stats"]["slot_waits"] == held["stats"]["slot_waits"], (held, after)
+  assert after["keys"] == []
+  del params, inputs
+  # The trainer said so, in one line naming the count and the dead session.
+  dead = sessions.session_of(staged[0])
+  assert dead is not None and dead != sessions.SESSION
+  line = (f"staging on this trainer: dropped 2 staged batch(es) of 1 older session(s) (ts{dead})")
+  _wait_for(lambda: line in _read(node.log.name), 10, "the trainer's log line")
+  assert _read(node.log.name).count("older session(s)") == 1
+
+
+def _read(path):
+  with open(path, encoding="utf-8", errors="replace") as f:
+    return f.read()

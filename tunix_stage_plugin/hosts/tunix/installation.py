@@ -16,6 +16,7 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.hosts.tunix import sessions as sessions_lib
 
 # How long uninstall waits for a lane's running call before leaving its daemon thread behind.
 CLOSE_TIMEOUT_S = 10.0
@@ -35,6 +36,7 @@ class WorkerStaging:
     self.placement: Any = None  # how this worker's trainer stages (hosts.tunix.worker.Placement)
     self.target: Any = None  # the object whose preparation seam stages
     self.unsupported: str | None = None  # why this worker's trainer can never stage
+    self.sessions = sessions_lib.Sessions()  # a new orchestrator drops its predecessors' batches
 
 
 class Installation:

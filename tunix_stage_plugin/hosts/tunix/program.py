@@ -42,6 +42,7 @@ from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.hosts.tunix import sessions
 from tunix_stage_plugin.hosts.tunix import stream
 from tunix_stage_plugin.hosts.tunix import worker
 
@@ -183,6 +184,7 @@ async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,
   stage_engine = StageEngine(engine, streams, codec_lib.parse(config.codec))
   # The program's seams (its subclass's overrides included) decide depth and prestage.
   pipeline = pipeline_lib.StagePipeline(stage_engine, config.max_staged_batches,
+                                        key_prefix=sessions.key_prefix(),  # this process's session
                                         depth_for=program._stage_ahead_while_pending)  # pylint: disable=protected-access
   feeds: dict[int, _StepFeed] = {}  # a prestaged step keeps its own feed
 

@@ -152,6 +152,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     if state.unsupported is not None:
       result = outcome_lib.unsupported(store_lib.check_key(key), state.unsupported)
     else:
+      state.sessions.admit(state.store, key)  # a new orchestrator: its predecessors' go
       # Two phases on the server's staging lane: answered once received, placed next there.
       result = state.store.stage(key, payload, functools.partial(_place, state),
                                  check=functools.partial(_check, state),

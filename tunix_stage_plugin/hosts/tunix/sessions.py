@@ -1,0 +1,75 @@
+"""Orchestrator sessions on tunix's host: a restarted orchestrator does not pay for its predecessor.
+
+An orchestrator that dies without its cleanup (SIGKILL, OOM, a preempted pod, while the trainer
+pods keep running) leaves the keys it staged holding the trainer's slots, and tunix has no call
+that tells a trainer a new orchestrator started. So each staged train loop's keys carry the
+orchestrator process's session (`key_prefix()`: `ts<session>.<n>`, n counting the loops of that
+process), and a worker that sees a session for the first time drops every staged batch of the
+sessions before it, logged on the trainer in one line and counted (`Sessions.dropped`).
+
+The assumption: one orchestrator per trainer at a time. Loops of one orchestrator process share
+its session and never drop each other's batches; a second orchestrator process staging on the
+same trainer drops the first one's staged batches once, at its first stage (docs/tunix.md, "One
+orchestrator per trainer"). Keys without a session (staged by hand, another tool's) are never
+dropped and never start one.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import re
+import secrets
+import threading
+
+from tunix_stage_plugin.core import store as store_lib
+
+log = logging.getLogger("tunix_stage_plugin")
+
+SESSION = secrets.token_hex(4)  # this orchestrator process's session
+_loops = itertools.count()
+_SESSION_KEY = re.compile(r"ts([0-9a-f]{8})\.[0-9]+-s[0-9]+-m[0-9]+")
+REMEMBERED_SESSIONS = 64  # a worker remembers the last these many sessions it saw
+
+
+def key_prefix() -> str:
+  """The key prefix of one staged train loop of this orchestrator process."""
+  return f"ts{SESSION}.{next(_loops)}"
+
+
+def session_of(key: str) -> str | None:
+  """The session a pipeline key carries (None for a key that carries none)."""
+  match = _SESSION_KEY.fullmatch(key) if isinstance(key, str) else None
+  return match.group(1) if match else None
+
+
+class Sessions:
+  """One worker's sessions: the first stage of a new one drops the older ones' batches."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+    self.dropped = 0  # staged batches dropped because a newer session started
+
+  def admit(self, store: store_lib.StagedBatchStore, key: str) -> list[str]:
+    """Called before `key` is staged; returns the keys dropped (a new session's first stage)."""
+    session = session_of(key)
+    if session is None:
+      return []
+    with self._lock:
+      if session in self._seen:
+        return []
+      self._seen[session] = None
+      while len(self._seen) > REMEMBERED_SESSIONS:
+        self._seen.popitem(last=False)
+      older = [k for k in store.keys() if session_of(k) not in (None, session)]
+      dropped = store.reset(older) if older else []
+      self.dropped += len(dropped)
+    if dropped:
+      sessions = sorted({session_of(k) for k in dropped})
+      log.warning("tunix-stage: orchestrator session ts%s started staging on this trainer: "
+                  "dropped %d staged batch(es) of %d older session(s) (%s) that no one will "
+                  "train (one orchestrator per trainer at a time; docs/tunix.md)", session,
+                  len(dropped), len(sessions), ", ".join(f"ts{s}" for s in sessions))
+    return dropped
