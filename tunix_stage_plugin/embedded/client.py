@@ -1,8 +1,8 @@
 """Async client for the trainer's generic method-call service, with an emulated wire.
 
-Concurrent calls share one HTTP/2 connection and one emulated link (`LinkPacer`): a stage stream
-and an inline train stream queue for the same bandwidth, as on a real NIC. Only payload bytes are
-paced (the streamed bytes); headers and small unary calls are not.
+Concurrent calls share one HTTP/2 connection and one emulated link (`LinkPacer`): a stage's bytes
+and an inline train's bytes on the bulk channel (bulk.py) queue for the same bandwidth, as on a
+real NIC. Only payload bytes are paced (the bulk bytes); headers and small unary calls are not.
 
 Liveness (README "Liveness bound"): a watchdog per client asks the trainer for a heartbeat (answered
 at once, off every lane) whenever calls are in flight and nothing has been heard from it for a
@@ -252,8 +252,8 @@ class WorkerClient:
 
   async def _send(self, encoded: wire.EncodedCall, timeout: float, pace: float) -> bytes:
     if encoded.unary is not None:
-      # Small messages are not paced: HTTP/2 interleaves them with a stream's frames, so a
-      # train-by-key call never queues behind a stage's payload.
+      # Small messages are not paced: a train-by-key call never queues behind a stage's
+      # payload on the emulated link.
       return await self._unary(encoded.unary, timeout=timeout)
     return await self._call_bulk(encoded, timeout, pace)
 
@@ -317,7 +317,7 @@ class WorkerClient:
                       expected: float) -> BaseException:
     """One line for a trainer that stopped answering or went away; other errors pass unchanged.
 
-    A connection that broke without saying why (a stream's send fails as INTERNAL) is told
+    A connection that broke without saying why (a call fails as INTERNAL or UNAVAILABLE) is told
     apart by a heartbeat within what is left of the bound: no answer means stopped answering,
     a refused connection means the trainer went away, an answer means the call's own failure.
     """

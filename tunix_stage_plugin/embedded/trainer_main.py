@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "before the process exits anyway (exit code 3; default 2)")
   parser.add_argument("--max_call_mib", type=_mib,
                       default=server_lib.DEFAULT_MAX_CALL_BYTES >> 20, metavar="MIB",
-                      help="refuse a streamed call announcing or carrying more than this "
+                      help="refuse a large call whose header announces more than this "
                       f"(default {server_lib.DEFAULT_MAX_CALL_BYTES >> 20})")
   parser.add_argument("--exit_with_parent", choices=PARENT_WATCHES, default="off",
                       help="stop when the process that started this one dies: 'pipe' watches "

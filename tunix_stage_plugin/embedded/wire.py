@@ -111,7 +111,7 @@ def decode_header(message: bytes) -> dict[str, Any]:
 
 
 def announced_bytes(header: dict[str, Any], max_call_bytes: int) -> int:
-  """The bytes a streamed call's header announces; refuses more than `max_call_bytes`."""
+  """The bytes a bulk call's header announces; refuses more than `max_call_bytes`."""
   total = sum(header["sizes"])
   if total > max_call_bytes:
     raise WireError(f"{header['method']} announces {total} bytes, above this trainer's "
