@@ -9,6 +9,7 @@ code, bash blocks) must parse with the real command-line parser. The examples th
 stack are skipped when it is not importable (one-line reason); the bench's full run is parsed
 only (the bench has its own tests). Every sample bench table the pages show has the columns the
 bench's report prints today (bench/report.format_table), one cell per column in each row.
+Links and the README's length: test_links.py.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ BENCH_TABLES = _bench_tables()
 
 
 def test_the_pages_show_bench_tables():
-  assert len(BENCH_TABLES) >= 2  # the README's two sample runs, at least
+  assert len(BENCH_TABLES) >= 2  # docs/bench.md's two sample runs, at least
 
 
 @pytest.mark.parametrize("where,table", BENCH_TABLES, ids=[w for w, _ in BENCH_TABLES])
