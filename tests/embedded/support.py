@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
+import time
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -79,3 +80,21 @@ def inline_digest_of(address: str, steps: int, microbatches: int, **kwargs: Any)
   result = run_plan(address, job_lib.JobPlan(steps, microbatches, kind="inline"), **kwargs)
   assert result.finish["trained_order"] == data_lib.expected_order(steps, microbatches)
   return result.finish["param_digest"]
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+  """Polls `predicate` until it is true (returns its value) or `timeout_s` passes (fails)."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    value = predicate()
+    if value:
+      return value
+    if time.monotonic() > deadline:
+      raise AssertionError(f"{what}: not within {timeout_s:g} s")
+    time.sleep(0.05)  # a polling interval, not a synchronisation
+
+
+def process_state(pid: int) -> str:
+  """The process's state letter from /proc (R, S, T for stopped, Z, ...)."""
+  with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+    return f.read().rsplit(")", 1)[1].split()[0]

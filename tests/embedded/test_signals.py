@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.embedded.support import call
+from tests.embedded.support import call, process_state, wait_for
 from tunix_stage_plugin.embedded import bulk
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import process as process_lib
@@ -39,17 +39,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 MIB = 1 << 20
 _PR_SET_CHILD_SUBREAPER = 36
 COMPUTE_THREAD = "trainer-compute_0"
-
-
-def _wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-  deadline = time.monotonic() + timeout_s
-  while True:
-    value = predicate()
-    if value:
-      return value
-    if time.monotonic() > deadline:
-      raise AssertionError(f"{what}: not within {timeout_s:g} s")
-    time.sleep(0.05)  # a polling interval, not a synchronisation
 
 
 def _running(pid: int) -> bool:
@@ -106,7 +95,7 @@ def test_the_trainer_exits_when_its_parent_is_sigkilled(watch):
       parent.kill()  # SIGKILL: no cleanup runs in the parent
       parent.wait(20)
       # The orphaned trainer is now this process's child: reap it and read its exit status.
-      reaped = _wait_for(lambda: _reap(trainer_pid), 20,
+      reaped = wait_for(lambda: _reap(trainer_pid), 20,
                          f"trainer {trainer_pid} exiting after its parent ({watch}) was killed")
       assert os.waitstatus_to_exitcode(reaped[1]) == 0  # it stopped in order, as on SIGTERM
       trainer_pid = None
@@ -139,7 +128,7 @@ def _held_in_weight_sync(trainer: process_lib.TrainerProcess,
   thread = threading.Thread(target=run, name="weight-sync-caller")
   thread.start()
   try:
-    _wait_for(lambda: COMPUTE_THREAD in call(trainer.address, "info")["threads"], 20,
+    wait_for(lambda: COMPUTE_THREAD in call(trainer.address, "info")["threads"], 20,
               "the weight sync reaching the compute lane")
     yield errors
   finally:
@@ -160,7 +149,7 @@ def test_sigterm_during_a_long_weight_sync_exits_after_the_grace_and_says_so():
     with _held_in_weight_sync(trainer) as errors:
       start = time.monotonic()
       trainer.proc.send_signal(signal.SIGTERM)
-      _wait_for(lambda: trainer.proc.poll() is not None, 10, "exit after SIGTERM")
+      wait_for(lambda: trainer.proc.poll() is not None, 10, "exit after SIGTERM")
       took = time.monotonic() - start
     assert trainer.proc.returncode == 3, _log(log.name)
     assert "abandoned the calls still running on the compute lane(s) after the 2 s shutdown " \
@@ -178,9 +167,9 @@ def test_a_second_signal_while_stopping_exits_at_once():
         extra_args=["--shutdown_grace_s", "60", "--log_level", "INFO"], stderr=log)
     with _held_in_weight_sync(trainer):
       trainer.proc.send_signal(signal.SIGTERM)
-      _wait_for(lambda: "stopping: SIGTERM received" in _log(log.name), 10, "the first signal")
+      wait_for(lambda: "stopping: SIGTERM received" in _log(log.name), 10, "the first signal")
       trainer.proc.send_signal(signal.SIGINT)
-      _wait_for(lambda: trainer.proc.poll() is not None, 10, "exit after a second signal")
+      wait_for(lambda: trainer.proc.poll() is not None, 10, "exit after a second signal")
     assert trainer.proc.returncode == 128 + signal.SIGINT, _log(log.name)
     assert "second SIGINT while stopping: exiting now (130)" in _log(log.name)
 
@@ -207,7 +196,7 @@ def test_a_stopped_trainer_is_reported_within_the_liveness_bound():
     async with client_lib.WorkerClient(address, liveness_s=3) as client:
       await client.call("heartbeat")
       os.kill(trainer.pid, signal.SIGSTOP)
-      _wait_for(lambda: _stat_state(trainer.pid) == "T", 10, "the trainer stopping")
+      wait_for(lambda: process_state(trainer.pid) == "T", 10, "the trainer stopping")
       # An open connection: a unary call and a bulk call (its bytes' send blocked) in flight.
       start = time.monotonic()
       answers = await asyncio.wait_for(asyncio.gather(
@@ -244,11 +233,6 @@ def test_a_stopped_trainer_is_reported_within_the_liveness_bound():
   # second. The margins are for a loaded 2-core machine.
   assert took[0] < 1.5 + 1 and took[2] < 1.5 + 1, took
   assert took[1] < client_lib.DEAD_PEER_DEADLINE_S + 0.5, took
-
-
-def _stat_state(pid: int) -> str:
-  with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-    return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _header(method: str, sizes: list[int], transfer: bytes) -> bytes:
@@ -345,7 +329,7 @@ def test_orchestrator_main_reports_a_sigstopped_trainer_within_the_liveness_boun
       try:
         _read_steps(orch, 2, 60)
         os.kill(trainer.pid, signal.SIGSTOP)
-        _wait_for(lambda: _stat_state(trainer.pid) == "T", 10, "the trainer stopping")
+        wait_for(lambda: process_state(trainer.pid) == "T", 10, "the trainer stopping")
         start = time.monotonic()
         code = orch.wait(bound + 30)
         took = time.monotonic() - start

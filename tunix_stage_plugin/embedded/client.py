@@ -329,33 +329,29 @@ class WorkerClient:
     if _timed_out(e):
       return self._unresponsive(method, f"got no reply within {waited:.0f} s and the "
                                 f"connection's keepalive pings went unanswered")
-    try:
-      await self._unary(wire.encode_call("heartbeat", (), {}).unary,
-                        timeout=max(1.0, self.liveness_s - waited))
-    except grpc.aio.AioRpcError as probe:
-      if probe.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(probe):
-        return self._unresponsive(method, f"failed after {waited:.0f} s ({e.code().name}: "
-                                  f"{e.details()}) and a heartbeat then got no reply")
-      return TrainerGoneError(f"trainer at {self.address} went away during {method} "
-                              f"({e.code().name}: {e.details()}); a heartbeat then failed too "
-                              f"({probe.code().name})")
-    return e
+    return await self._probe(method, waited, f"{e.code().name}: {e.details()}") or e
 
   async def _diagnose_bulk(self, e: OSError, method: str, waited: float) -> BaseException:
     """A broken bulk connection: the trainer went away, stopped answering, or only the
     connection failed (a WireError naming it)."""
+    return await self._probe(method, waited, f"its bytes' connection: {e}") or wire.WireError(
+        f"{method}: the connection carrying its bytes to {self.address} failed: "
+        f"{type(e).__name__}: {e}")
+
+  async def _probe(self, method: str, waited: float, failure: str) -> BaseException | None:
+    """After `method` failed (`failure`): a heartbeat within what is left of the bound tells
+    a trainer that stopped answering or went away (the error to raise) from one that answers
+    (None: the call's own failure)."""
     try:
       await self._unary(wire.encode_call("heartbeat", (), {}).unary,
                         timeout=max(1.0, self.liveness_s - waited))
     except grpc.aio.AioRpcError as probe:
       if probe.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(probe):
-        return self._unresponsive(method, f"failed after {waited:.0f} s (its bytes' connection: "
-                                  f"{e}) and a heartbeat then got no reply")
-      return TrainerGoneError(f"trainer at {self.address} went away during {method} (its bytes' "
-                              f"connection: {e}); a heartbeat then failed too "
-                              f"({probe.code().name})")
-    return wire.WireError(f"{method}: the connection carrying its bytes to {self.address} "
-                          f"failed: {type(e).__name__}: {e}")
+        return self._unresponsive(method, f"failed after {waited:.0f} s ({failure}) and a "
+                                  "heartbeat then got no reply")
+      return TrainerGoneError(f"trainer at {self.address} went away during {method} "
+                              f"({failure}); a heartbeat then failed too ({probe.code().name})")
+    return None
 
   def _unresponsive(self, method: str, why: str) -> TrainerUnresponsiveError:
     return TrainerUnresponsiveError(

@@ -87,6 +87,7 @@ from tunix.experimental.orchestrator import distributed_rl_engine
 from tunix.experimental.orchestrator import rl_program
 from tunix.experimental.worker import remote_execution
 
+from tests.embedded.support import process_state, wait_for
 from tests.hosts.tunix import test_grpc
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
@@ -95,22 +96,6 @@ from tunix_stage_plugin.hosts.tunix import sessions
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
-
-
-def _wait_for(predicate, timeout_s, what):
-  deadline = time.monotonic() + timeout_s
-  while True:
-    value = predicate()
-    if value:
-      return value
-    if time.monotonic() > deadline:
-      raise AssertionError(f"{what}: not within {timeout_s:g} s")
-    time.sleep(0.05)  # a polling interval, not a synchronisation
-
-
-def _state(pid):
-  with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-    return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _env():
@@ -201,7 +186,7 @@ def test_a_sigstopped_trainer_fails_the_job_within_the_call_deadline_plus_a_shor
   def freeze(step, result):  # step: the program's policy version, 1 after step 0
     if not stopped:
       os.kill(pid, signal.SIGSTOP)
-      _wait_for(lambda: _state(pid) == "T", 10, "the trainer node stopping")
+      wait_for(lambda: process_state(pid) == "T", 10, "the trainer node stopping")
       stopped.append(time.monotonic())
 
   async def main():
@@ -277,7 +262,7 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   dead = sessions.session_of(staged[0])
   assert dead is not None and dead != sessions.SESSION
   line = (f"staging on this trainer: dropped 2 staged batch(es) of 1 older session(s) (ts{dead})")
-  _wait_for(lambda: line in _read(node.log.name), 10, "the trainer's log line")
+  wait_for(lambda: line in _read(node.log.name), 10, "the trainer's log line")
   assert _read(node.log.name).count("older session(s)") == 1
 
 
