@@ -317,3 +317,23 @@ def test_one_shared_link_queues_overlapping_copies():
   assert time.perf_counter() - started >= 0.2
   with pytest.raises(ValueError, match="bandwidth must be > 0"):
     pacing.SharedLink(0)
+
+
+def test_link_pacer_lets_a_sender_catch_up_after_one_slow_hand_over():
+  """A chunk that took longer than its slot to hand over (a few ms) does not put the link behind
+  for the rest of the transfer: the next chunks go at once until the sender is on schedule."""
+  now = [0.0]
+  slept = []
+
+  async def fake_sleep(seconds):
+    slept.append(seconds)
+    now[0] += seconds
+
+  pacer = pacing.LinkPacer(1e9, clock=lambda: now[0], sleep=fake_sleep)  # 4 ms per 4 MB
+
+  async def go():
+    for i in range(10):
+      await pacer.transmit(4_000_000)
+      now[0] += 0.010 if i == 2 else 0.001  # one hand-over of 10 ms, the others 1 ms
+  asyncio.run(go())
+  assert now[0] == pytest.approx(0.040 + 0.001, abs=1e-9)  # 10 slots, not 10 slots + 6 ms

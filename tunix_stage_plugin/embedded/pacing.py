@@ -18,6 +18,11 @@ from typing import Awaitable, Callable
 # less than this keeps sending and sleeps once its lead is this large: pacing stays exact on
 # average, and a fast link is not slowed by a millisecond per chunk.
 MIN_SLEEP_S = 0.002
+# A sender that fell behind its link's schedule by less than this (or one chunk's time, when
+# longer) continues on it and catches up: one slow hand-over of a chunk to the socket does not
+# put the link behind for the rest of the transfer. A longer gap is the link idle: the next chunk
+# starts when it is sent.
+CATCH_UP_S = 0.05
 
 
 class LinkPacer:
@@ -51,10 +56,10 @@ class LinkPacer:
       return
     now = self._clock()
     slot = nbytes / self.bytes_per_s
-    # A sender handing over its next chunk less than one slot after the link went free is sending
-    # back to back: the link holds one chunk, so the hand-over itself (copying the chunk into
-    # grpc, a few ms) overlaps the transmission instead of adding to it on every chunk.
-    start = self._free_at if now < self._free_at + slot else now
+    # A sender handing over its next chunk soon after the link went free is sending back to back:
+    # the hand-over itself (the chunk into the socket, a few ms) overlaps the transmission instead
+    # of adding to it on every chunk.
+    start = self._free_at if now < self._free_at + max(slot, CATCH_UP_S) else now
     self._free_at = start + slot
     delay = self._free_at - now
     if delay >= MIN_SLEEP_S:
