@@ -67,7 +67,7 @@ MIB = 1 << 20
 def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, round_=0,
          stage_call_s=(), grown_mib=None):
   timings = [metrics.StepTiming(1, seconds, 0.1, 0.2, seconds - 0.3)]
-  if grown_mib is None:  # what each mode may hold, in 1 MiB payloads (README "Memory")
+  if grown_mib is None:  # what each mode may hold, in 1 MiB payloads (docs/bench.md, the checks)
     grown_mib = {"inline": 2, "resident": 3}.get(mode, 4)
   return runner.ModeRun(
       mode=mode, round=round_, timings=timings, fwd_bwd_s=[[1.7]], update_s=[0.1],

@@ -1,7 +1,8 @@
 """The trainer process under signals, a dead parent, a frozen peer and oversized calls.
 
 Real trainer_main processes, real signals and real gRPC; every wait is a bounded poll on /proc, a
-pipe or an exit status. README "Stopping the trainer", "Liveness bound", "Limits of one call".
+pipe or an exit status. docs/embedded.md "Stopping the trainer", "Liveness bound", "Limits of one
+call".
 """
 
 from __future__ import annotations
@@ -229,8 +230,8 @@ def test_a_stopped_trainer_is_reported_within_the_liveness_bound():
   for answer in answers[:2] + answers[3:]:  # the watchdog: a quarter bound quiet, a quarter to answer
     assert "and a heartbeat then got none within 0.75 s" in str(answer), answer
   assert "got no reply within 1 s, the deadline of a call made after" in str(answers[2])
-  # The contract (README "Liveness bound"): within about half the bound, cleanup within its own
-  # second. The margins are for a loaded 2-core machine.
+  # The contract (docs/embedded.md "Liveness bound"): within about half the bound, cleanup within
+  # its own second. The margins are for a loaded 2-core machine.
   assert took[0] < 1.5 + 1 and took[2] < 1.5 + 1, took
   assert took[1] < client_lib.DEAD_PEER_DEADLINE_S + 0.5, took
 
@@ -317,9 +318,9 @@ def _read_steps(proc: subprocess.Popen, steps: int, timeout_s: float) -> None:
 
 def test_orchestrator_main_reports_a_sigstopped_trainer_within_the_liveness_bound():
   """A trainer frozen mid-job (SIGSTOP after two steps): the orchestrator exits 1 with one line
-  naming it within half the bound, plus a second for the cleanup reset (README "Liveness bound";
-  the default 60 s bound measured by hand there). Before: each call in flight waited its whole
-  deadline (2 s + the bound) and the cleanup reset another."""
+  naming it within half the bound, plus a second for the cleanup reset (docs/embedded.md "Liveness
+  bound"; the default 60 s bound measured by hand there). Before: each call in flight waited its
+  whole deadline (2 s + the bound) and the cleanup reset another."""
   with process_lib.TrainerProcess() as trainer:
     warm = _orchestrator(trainer.address, "--steps", "1")  # JAX compiles at the default bound
     out, err = warm.communicate(timeout=120)

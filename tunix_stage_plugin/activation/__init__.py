@@ -1,4 +1,4 @@
-"""Activation: install / uninstall the staging hooks into a host (README "Using it with tunix").
+"""Activation: install / uninstall the staging hooks into a host (docs/tunix.md "Activation").
 
 Three ways: the env-gated `.pth` bootstrap, `tunix-stage run -- <command>`, and explicit
 `install()` / `uninstall()` (drivers with staging flags: `configure(flags.config_from_argparse(

@@ -3,7 +3,7 @@
 The .pth line itself checks TUNIX_STAGE_BATCH before importing anything, so with staging unset
 or "off" (the default) interpreter start-up costs one dict lookup. With any other value, `start`
 registers each known host's install to run when that host's modules are first imported, and does
-nothing else: no validation, no entry points, no metadata (README "Activation: start-up cost").
+nothing else: no validation, no entry points, no metadata (docs/tunix.md "Activation, three ways").
 The configuration is resolved when the host is imported; an invalid value then stops that process
 with one line and exit code 2 (manager.activate_from_env), so a process that never imports the
 host prints nothing, and a typo such as TUNIX_STAGE_BATCH=on is never a silent no-op.

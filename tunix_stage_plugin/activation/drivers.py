@@ -10,8 +10,8 @@ the original back). It takes the orchestrator's staging flags off the command li
 other argument to the driver's own parser unchanged, puts the effective values on the namespace
 the driver gets back (flags > environment > default), and applies them (activation.configure).
 With staging off nothing is touched. The drivers the plugin knows: host_triggers.KNOWN_DRIVERS;
-any other driver gets no staging flag from the recipes, only the environment. README "The
-upstream change's names", docs/tunix.md "Driver flags".
+any other driver gets no staging flag from the recipes, only the environment. docs/tunix.md "The
+upstream change's names" and "Driver flags".
 """
 
 from __future__ import annotations

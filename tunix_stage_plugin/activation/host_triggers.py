@@ -4,7 +4,7 @@ Loading the host adapters through their entry points needs importlib.metadata to
 installed distribution (~40 ms per interpreter start), so the bootstrap watches these module names
 instead and loads the adapter only when one of them is imported. A test keeps the table equal to
 the registered adapters' `trigger_modules`. A host adapter that is not listed here is installed
-through `tunix_stage_plugin.install(host=...)` (README "Activation").
+through `tunix_stage_plugin.install(host=...)` (docs/tunix.md "Activation, three ways").
 
 The second table names the drivers known to take the staging flags: the bootstrap watches the
 modules of those whose flags the plugin adds (docs/tunix.md, "Driver flags").

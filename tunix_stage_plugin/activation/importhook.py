@@ -13,7 +13,7 @@ only wraps loaders of that package's modules, and leaves `sys.meta_path` once ev
 
 This module runs at interpreter start-up whenever staging is on, so it imports nothing beyond
 builtins (importlib.abc alone costs ~10 ms), and the finder answers any import outside the
-watched top-level packages with one set lookup (README "Activation: start-up cost").
+watched top-level packages with one set lookup (docs/tunix.md "Activation, three ways").
 """
 
 from __future__ import annotations

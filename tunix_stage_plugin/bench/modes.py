@@ -16,7 +16,7 @@ class Mode:
   codec: bool = False  # its stages compress (--stage_codec, or `on` when that is off)
 
 
-# The one table of benchmark modes: runner, --help, report and README all read it.
+# The one table of benchmark modes: runner, --help and report read it (docs/bench.md shows it).
 MODE_TABLE = (
     Mode("inline", dict(kind="inline"),
          "every micro-batch travels with its train call; nothing staged"),

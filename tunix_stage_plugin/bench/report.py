@@ -15,9 +15,9 @@ HIDDEN_MIN = 0.97  # depth2_prestage must hide at least this much of the inline 
 LIMIT_MAX = 1.03  # and its step be at most this much above the device's limit
 RATIO_MIN = 1.3  # inline / depth2 median step time
 TIMING, CORRECTNESS, MEMORY = "timing", "correctness", "memory"
-# Trainer memory (README "Memory"): inline's peak at most its baseline + INLINE_PAYLOADS payloads,
-# a staged mode's at most inline's + (device bound + host bound) payloads + STAGED_SLACK; both
-# also allow RUNTIME_SLACK_BYTES for what the runtime allocates on its own (XLA, gRPC, Python).
+# Trainer memory (docs/bench.md, the checks): inline's peak at most its baseline + INLINE_PAYLOADS
+# payloads, a staged mode's at most inline's + (device bound + host bound) payloads + STAGED_SLACK;
+# both also allow RUNTIME_SLACK_BYTES for what the runtime allocates on its own (XLA, gRPC, Python).
 INLINE_PAYLOADS = 2
 STAGED_SLACK = 0.10
 RUNTIME_SLACK_BYTES = 64 << 20
@@ -225,7 +225,7 @@ def _host_path(mode: str, runs: list[runner.ModeRun]) -> dict | None:
 
 def memory_criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]
                     ) -> list[Criterion]:
-  """The trainer's peak memory against the documented bounds (README "Memory")."""
+  """The trainer's peak memory against the documented bounds (docs/bench.md)."""
   o, c = result.options, result.calibration
   inline = summary.get("inline")
   payload = c.payload_bytes if c is not None else None

@@ -2,8 +2,8 @@
 
 One runner, so every mode gets the same trainer, data, calibration and machine. The modes, the
 links calibrated from the measured compute time c, the warm-up step, the rotating rounds and the
-re-runs of mode runs without a quiet step (bench.cpu): README "The main job: `tunix-stage bench`"
-and "Performance: what limits the figures". Each position's bulk array is built once, before the
+re-runs of mode runs without a quiet step (bench.cpu): docs/bench.md "What runs"
+and docs/performance.md. Each position's bulk array is built once, before the
 first mode run (data.BatchMaker: off the timed path; a 1 GiB one takes over a second of a core),
 and shared by every step and mode; only a micro-batch's small per-step arrays are built when the
 pipeline pulls it.

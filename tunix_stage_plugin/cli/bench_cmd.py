@@ -90,7 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   shape.add_argument("--payload", default="dense", metavar="KIND",
                      help="what a micro-batch carries: dense (tokens + float32 ballast, the "
                      "default) or rl (ids, masks, advantages, log-probs, routed_experts int16; "
-                     "README \"The rl payload\")")
+                     "docs/bench.md \"The rl payload\")")
   shape.add_argument("--stage_codec", default="off", metavar="CODEC",
                      help="compress staged payloads on the wire (TUNIX_STAGE_CODEC's values: off, "
                      "on, NAME[:LEVEL]; default off; needs pip install "

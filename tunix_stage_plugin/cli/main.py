@@ -1,5 +1,5 @@
-"""`tunix-stage`: one console script, a subcommand per job (README, "The main job" and
-"Configuration").
+"""`tunix-stage`: one console script, a subcommand per job (docs/bench.md,
+docs/configuration.md, docs/simulate.md, docs/tunix.md "Doctor").
 
 The top-level parser owns a few names in the parsed namespace (SUBCOMMAND_DEST and the keys it
 sets as defaults); a subcommand's own options and positionals may never reuse them, since a

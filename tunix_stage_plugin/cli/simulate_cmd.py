@@ -1,5 +1,5 @@
-"""`tunix-stage simulate`: what staging would do to a job, from its recorded times (README,
-"Predicting a job: tunix-stage simulate")."""
+"""`tunix-stage simulate`: what staging would do to a job, from its recorded times
+(docs/simulate.md)."""
 
 from __future__ import annotations
 

@@ -2,14 +2,14 @@
 
 A module of its own, without numpy, so that core.config (read by every `tunix-stage` command and
 by the bootstrap) can say what it accepts, levels included, without importing core/codec.py's
-numpy. core/codec.py re-exports every name here (`codec.LEVELS` is this table). README:
-"Compressed stage payloads" and "Configuration".
+numpy. core/codec.py re-exports every name here (`codec.LEVELS` is this table). docs/codec.md
+and docs/configuration.md.
 """
 
 from __future__ import annotations
 
 OFF = "off"
-ON = "on"  # the default codec at its default level (README "Compressed stage payloads")
+ON = "on"  # the default codec at its default level (docs/codec.md)
 DEFAULT_CODEC = "blosc2-zstd"
 CODECS = ("blosc2-zstd", "blosc2-lz4", "zstd", "lz4")
 DEFAULT_LEVELS = {"blosc2-zstd": 1, "blosc2-lz4": 5, "zstd": 1, "lz4": 0}

@@ -13,7 +13,7 @@ served object three lanes:
   (bounded) for a device slot: the reset is often what frees that slot.
 
 Lane threads are daemon threads, so a process that gives up on a lane still stuck in a long call
-(`close(timeout=...)` returns the busy lanes) can exit: see README "Stopping the trainer".
+(`close(timeout=...)` returns the busy lanes) can exit: see docs/embedded.md "Stopping the trainer".
 """
 
 from __future__ import annotations

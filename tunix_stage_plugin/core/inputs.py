@@ -6,7 +6,7 @@ before it spawns or connects to anything), trainer_main's argparse flags (`argpa
 core.config's settings. The parsers accept plain ASCII decimal only (int() alone would take "+2",
 " 2", "2_0" and "٢"), and bound what they accept so a typo such as 99999999999999999999999 is
 refused with the accepted range rather than taken as a depth. Light imports only: core.config and
-the embedded processes import it. README: "Inputs".
+the embedded processes import it. docs/bench.md: "Inputs, interrupts and memory".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Typed results from the trainer to the orchestrator's pipeline: one per stage attempt
-(StageOutcome) and one per train call (Trained). The pipeline acts on the status alone (README,
-"Core semantics"): it never reads a reason's text.
+(StageOutcome) and one per train call (Trained). The pipeline acts on the status alone
+(docs/design.md, "Core semantics"): it never reads a reason's text.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One step loop for every host (`run_steps`): pulls each step's micro-batches in order, stages them
 ahead (at most one stage call in flight, at most N staged or staging), trains each exactly once,
 prestages the next step's first micro-batches during the boundary, and releases every staged key
-on every path out of a step. Semantics and invariants: README, "Core semantics".
+on every path out of a step. Semantics and invariants: docs/design.md, "Core semantics".
 
 The host gets its say at exactly two points, through two typed hooks (`DepthFor`, given to the
 pipeline; `PrestageNext`, given to `run_steps`): how many of a step's micro-batches to keep staged

@@ -1,8 +1,8 @@
 """This process's resident memory and its peak, with the peak reset between jobs (Linux).
 
-The bench reports each process's peak per mode (README "Memory"), so the peak must start again at
-each mode: writing 5 to /proc/self/clear_refs resets VmHWM to the current VmRSS (Linux >= 4.0).
-Elsewhere every reading is None.
+The bench reports each process's peak per mode (docs/bench.md "How to read the figures"), so the
+peak must start again at each mode: writing 5 to /proc/self/clear_refs resets VmHWM to the current
+VmRSS (Linux >= 4.0). Elsewhere every reading is None.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Trainer-side store of staged micro-batches: keyed, bounded in device and host memory, consumed
 once. A stage is one call (receive and place) or two phases (receive now, place next on the
-staging lane). Why the slot waits, the tombstones and the phases: README, "Core semantics".
+staging lane). Why the slot waits, the tombstones and the phases: docs/design.md, "Core semantics".
 Contract breaks (a malformed, reused or unknown key) raise; a stage that fails or is refused
 returns a typed `StageOutcome`, because a failed stage degrades to the inline path.
 """

@@ -12,7 +12,7 @@ A frame is MAGIC, the transfer id (16 bytes), the buffer count (u32) and sizes (
 the buffers' bytes in order. The listener binds 127.0.0.1 only, never unpickles, and fills
 buffers only for a transfer a gRPC call has announced (and whose sizes passed that call's cap):
 a frame nobody announced waits at most CLAIM_WAIT_S, allocating nothing, then its connection is
-dropped. README "Limits of one call".
+dropped. docs/embedded.md "The bulk channel" and "Limits of one call".
 """
 
 from __future__ import annotations

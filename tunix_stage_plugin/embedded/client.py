@@ -4,16 +4,16 @@ Concurrent calls share one HTTP/2 connection and one emulated link (`LinkPacer`)
 and an inline train's bytes on the bulk channel (bulk.py) queue for the same bandwidth, as on a
 real NIC. Only payload bytes are paced (the bulk bytes); headers and small unary calls are not.
 
-Liveness (README "Liveness bound"): a watchdog per client asks the trainer for a heartbeat (answered
-at once, off every lane) whenever calls are in flight and nothing has been heard from it for a
-quarter of the liveness bound; a heartbeat unanswered within another quarter fails every call in
-flight at once (their bulk sends included), so a trainer that stops answering (SIGSTOP, a hung
-host) is reported within about half the bound, however long the calls were expected to take.
-Calls made after that get a short deadline of their own (DEAD_PEER_DEADLINE_S: the cleanup after
-a dead peer, e.g. a reset), until the trainer is heard from again. Each call also keeps a deadline
-of what it is expected to take (its bytes over the link's bandwidth, a weight sync's announced
-seconds) plus the bound, for a trainer that answers heartbeats but never answers the call.
-Either way the caller gets one TrainerUnresponsiveError naming the trainer and the call.
+Liveness (docs/embedded.md "Liveness bound"): a watchdog per client asks the trainer for a heartbeat
+(answered at once, off every lane) whenever calls are in flight and nothing has been heard from it
+for a quarter of the liveness bound; a heartbeat unanswered within another quarter fails every call
+in flight at once (their bulk sends included), so a trainer that stops answering (SIGSTOP, a hung
+host) is reported within about half the bound, however long the calls were expected to take. Calls
+made after that get a short deadline of their own (DEAD_PEER_DEADLINE_S: the cleanup after a dead
+peer, e.g. a reset), until the trainer is heard from again. Each call also keeps a deadline of what
+it is expected to take (its bytes over the link's bandwidth, a weight sync's announced seconds) plus
+the bound, for a trainer that answers heartbeats but never answers the call. Either way the caller
+gets one TrainerUnresponsiveError naming the trainer and the call.
 """
 
 from __future__ import annotations
@@ -138,8 +138,8 @@ class WorkerClient:
     self._bulk_header = self._channel.unary_unary(wire.CALL_BULK)
     self._bulk_port = self._channel.unary_unary(wire.BULK_PORT)
     self._sender: bulk_lib.BulkSender | None = None
-    # The watchdog (README "Liveness bound"): quiet for silence_s with calls in flight -> a
-    # heartbeat with probe_s to answer; none -> every call in flight fails.
+    # The watchdog (docs/embedded.md "Liveness bound"): quiet for silence_s with calls in flight
+    # -> a heartbeat with probe_s to answer; none -> every call in flight fails.
     self.silence_s = self.liveness_s / 4
     self.probe_s = max(MIN_PROBE_S, self.liveness_s / 4)
     self._flights: set[_Flight] = set()

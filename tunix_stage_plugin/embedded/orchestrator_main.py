@@ -5,7 +5,7 @@ plus a summary (stage/fallbacks per step, the parameters' digest, whether every 
 trained once and in order); exit 0, 1 (one-line error) or 2 (every bad flag or setting, a line
 each, before connecting). Micro-batches are built as they are pulled, so memory does not grow
 with --steps. Staging on runs the core stage pipeline at --max_staged_batches, prestaging the
-next step's first micro-batches at depth >= 2. README "Entry points for launch recipes".
+next step's first micro-batches at depth >= 2. docs/launching.md "Entry points for launch recipes".
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                       f"{inputs.MAX_PAYLOAD_MIB:g} (default: 16 MiB, or ~2 KiB with --tiny)")
   parser.add_argument("--payload", default=data_lib.PAYLOAD_DENSE, metavar="KIND",
                       help=f"what a micro-batch carries: {' | '.join(data_lib.PAYLOADS)} "
-                      "(default dense; README \"The rl payload\")")
+                      "(default dense; docs/bench.md \"The rl payload\")")
   parser.add_argument("--wire_mbps", default=None, metavar="MB/S",
                       help="emulated wire bandwidth in MB/s, > 0 (default: unpaced loopback)")
   parser.add_argument("--h2d_mbps", default=None, metavar="MB/S",

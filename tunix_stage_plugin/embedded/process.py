@@ -1,8 +1,8 @@
 """Starting and stopping a trainer process (trainer_main) from the benchmark and the tests.
 
-The child never outlives this process (README "Stopping the trainer"): it runs in its own session
-(a terminal's Ctrl-C reaches only this process, which then stops it in order), it is started with
-`--exit_with_parent`, so it stops when this process dies however it died (stdin is a pipe from
+The child never outlives this process (docs/embedded.md "Stopping the trainer"): it runs in its own
+session (a terminal's Ctrl-C reaches only this process, which then stops it in order), it is started
+with `--exit_with_parent`, so it stops when this process dies however it died (stdin is a pipe from
 here, and Linux sends it SIGTERM when the starting thread exits), and `stop()` ends with SIGKILL
 when SIGTERM was not enough.
 """

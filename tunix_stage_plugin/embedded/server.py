@@ -7,8 +7,8 @@ a 0.5 s handler on the loop). A large call's bytes arrive on the bulk channel (b
 by its own threads into pooled aligned buffers.
 
 A large call is refused by its header, before any of its bytes are read: more than
-`max_call_bytes` announced, or a bulk frame whose sizes differ from the header's (README "Limits of
-one call").
+`max_call_bytes` announced, or a bulk frame whose sizes differ from the header's (docs/embedded.md
+"Limits of one call").
 
 Binds 127.0.0.1 only: the calls are pickles, trusted because they come from this machine.
 """

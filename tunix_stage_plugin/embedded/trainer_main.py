@@ -3,8 +3,8 @@
 Serves the embedded trainer worker on 127.0.0.1:PORT, printing `READY 127.0.0.1:PORT` (flushed)
 once serving (`--port 0`: a free port, named in that line); logs go to stderr. A second
 SIGTERM/SIGINT while stopping exits at once with 128 + the signal number. Flags, settings and
-the stop sequence (exit 0, or 3 when calls were abandoned): README "Entry points for launch
-recipes" and "Stopping the trainer".
+the stop sequence (exit 0, or 3 when calls were abandoned): docs/launching.md "Entry points
+for launch recipes", docs/embedded.md "Stopping the trainer".
 """
 
 from __future__ import annotations

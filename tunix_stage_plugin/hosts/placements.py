@@ -4,7 +4,7 @@ A Placement prepares and places a payload on the staging thread through the trai
 preparation step, and at consume time that same step (its "seam") hands the staged batch through
 instead of preparing again, so a staged micro-batch is prepared exactly once, as inline. tunix's
 PeftTrainer has one (hosts/tunix/worker.py), MaxText's engine another (hosts/maxtext/). Adapters
-register theirs here; the worker hook asks each in order. README, "Using it with MaxText".
+register theirs here; the worker hook asks each in order. docs/maxtext.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Capability probes shared by the host adapters: does a host have what the hooks rely on, with
-the expected shape? Probing never changes the host (README, "Using it with tunix")."""
+the expected shape? Probing never changes the host (docs/tunix.md)."""
 
 from __future__ import annotations
 

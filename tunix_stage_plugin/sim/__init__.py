@@ -1,3 +1,3 @@
 """`tunix-stage simulate`: predict what staging does to a job from its recorded times, by running
-the real core StagePipeline in virtual time against a model of the trainer's resources (README,
-"Predicting a job: tunix-stage simulate")."""
+the real core StagePipeline in virtual time against a model of the trainer's resources
+(docs/simulate.md)."""

@@ -1,5 +1,5 @@
 """MaxText host adapter: stage micro-batches into MaxText's training engine behind tunix's
-TrainerWorker (README, "Using it with MaxText").
+TrainerWorker (docs/maxtext.md).
 
 Importing this package does not import MaxText: the activation layer calls `ADAPTER.load()`.
 """

@@ -4,7 +4,7 @@ traced half on exactly the engine's batch shardings, hand it back through that s
 The engine's fwd_bwd keeps everything after `_prepare_batch` (throttle, recompile, accumulate,
 metrics). A staged batch goes stale when the adapter is set again (`with_gen_model_input_fn`);
 it is then trained from its payload, as inline. `restore_checkpoint` and `close` drop every
-staged batch first. Never compiles at stage time. README, "Using it with MaxText".
+staged batch first. Never compiles at stage time. docs/maxtext.md.
 """
 
 from __future__ import annotations

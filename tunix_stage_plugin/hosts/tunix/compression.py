@@ -3,7 +3,7 @@
 The orchestrator packs each large array leaf of a payload's pytree (core.codec, on a worker
 thread); the trainer decodes them on its staging lane before placement, so a payload that
 compresses below tunix's 128 MiB message cap stages where it could not travel raw. Inline calls
-never carry one. README, "Compressed stage payloads".
+never carry one. docs/codec.md.
 """
 
 from __future__ import annotations

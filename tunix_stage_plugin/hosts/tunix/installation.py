@@ -2,7 +2,7 @@
 method executor, kept outside the host objects; the receive buffers of calls over tunix's message
 cap (trainer) and each engine's streams for them (orchestrator). The installation owns it: a
 re-install with new depths applies them to live workers, and uninstall closes every executor,
-drops every staged batch and gives back the idle receive buffers (README, "Using it with tunix").
+drops every staged batch and gives back the idle receive buffers (docs/tunix.md).
 """
 
 from __future__ import annotations
