@@ -216,7 +216,7 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
     (["--out", "/proc/x"], "--out '/proc/x': cannot create anything in /proc"),
     (["--seed", str(2**32)], "accepted: an integer from 0 to 4294967295"),
     (["--payload_mib", "65536"], "held at once (4 built once on the orchestrator (one per "
-     "position of a step), up to 5 on the trainer) need 576.0 GiB, more than the"),
+     "position of a step), up to 4 on the trainer) need 512.0 GiB, more than the"),
     (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
      "--modes 'inline,inline': accepted: a comma-separated subset of inline,depth1,depth2,"
      "depth2_prestage,resident,depth2_prestage_codec, each at most once"),

@@ -221,9 +221,9 @@ def payloads_held(options: BenchOptions) -> tuple[int, str]:
   """About how many payloads the two processes hold at once, and why (for the memory check)."""
   m = options.microbatches
   # On the trainer: a step's resident batches (calibration, resident), or what staging holds at
-  # once: the device and host bounds, the batch computing, the one arriving, and the last one
-  # placed (JAX may keep its last argument until the next placement).
-  staged = options.max_device_batches + options.max_host_batches + 3
+  # once: the device and host bounds, the batch computing and the one arriving (the pool gets
+  # the last one placed back from JAX before it makes another, core/buffers.py).
+  staged = options.max_device_batches + options.max_host_batches + 2
   on_trainer = max(m, staged)
   return m + on_trainer, (f"{m} built once on the orchestrator (one per position of a step), "
                           f"up to {on_trainer} on the trainer")
@@ -350,13 +350,13 @@ async def _calibrate(client: client_lib.WorkerClient, engine: engine_lib.Embedde
 
 
 def receive_buffers(options: BenchOptions, mode: str) -> int:
-  """The receive buffers a mode's steady state reuses (measured): inline the one arriving and the
-  last one placed (JAX may hold it until its next placement); staged also the device and host
-  bounds' batches; resident none."""
+  """The receive buffers a mode's steady state reuses (measured): inline the one arriving (the
+  pool gets the last one back from JAX, core/buffers.py); staged also the device and host bounds'
+  batches; resident none."""
   kind = BY_NAME[mode].plan["kind"]
   if kind == "resident":
     return 0
-  return 2 + (options.max_device_batches + options.max_host_batches if kind == "staged" else 0)
+  return 1 + (options.max_device_batches + options.max_host_batches if kind == "staged" else 0)
 
 
 async def _run_mode(client: client_lib.WorkerClient, engine: engine_lib.EmbeddedEngine,

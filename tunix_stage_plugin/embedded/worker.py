@@ -140,7 +140,7 @@ class TrainerWorker:
     self.recorder.clear()
     self.recorder.enabled = record_timeline
     # The memory this run starts from: the previous run's buffers given back, the peak restarted.
-    gc.collect()  # JAX may hold the last placed batch in a reference cycle
+    gc.collect()  # runs JAX's deferred releases of placed buffers (core/buffers.py)
     self.pool.trim()
     self._rss_baseline = rss.reset_peak()
     for shape, dtype in self._trainer.sizes.array_layout().values():
