@@ -60,41 +60,50 @@ def test_large_arrays_travel_out_of_band_and_come_back_aligned():
   assert wire.encode_call("m", (big,), {}).transfer != encoded.transfer  # fresh for every call
 
 
+class FakeClock:
+  """A pacer's clock and sleep with no real time: a sleep moves the clock (the code under test
+  only reads the clock and awaits the sleep)."""
+
+  def __init__(self) -> None:
+    self.now = 0.0
+    self.slept: list[float] = []
+
+  def __call__(self) -> float:
+    return self.now
+
+  async def sleep(self, seconds: float) -> None:
+    self.slept.append(seconds)
+    self.now += seconds
+
+
+def paced(rate: float) -> tuple[pacing.LinkPacer, FakeClock]:
+  clock = FakeClock()
+  return pacing.LinkPacer(rate, clock=clock, sleep=clock.sleep), clock
+
+
 def test_link_pacer_serialises_chunks_at_the_bandwidth():
-  now = [0.0]
-  slept = []
-
-  async def fake_sleep(seconds):
-    slept.append(seconds)
-    now[0] += seconds
-
-  pacer = pacing.LinkPacer(100.0, clock=lambda: now[0], sleep=fake_sleep)
+  pacer, clock = paced(100.0)
 
   async def go():
     for n in (50, 100, 50):
       await pacer.transmit(n)
 
   asyncio.run(go())
-  assert slept == [0.5, 1.0, 0.5]
-  assert now[0] == 2.0  # 200 bytes at 100 B/s
+  assert clock.slept == [0.5, 1.0, 0.5]
+  assert clock.now == 2.0  # 200 bytes at 100 B/s
 
 
 def test_link_pacer_absorbs_the_senders_own_hand_over_time_but_not_idle_gaps():
-  now = [0.0]
-
-  async def fake_sleep(seconds):
-    now[0] += seconds
-
-  pacer = pacing.LinkPacer(100.0, clock=lambda: now[0], sleep=fake_sleep)
+  pacer, clock = paced(100.0)
 
   async def go():
     for _ in range(4):
       await pacer.transmit(100)  # 1 s per chunk
-      now[0] += 0.25  # the sender spends 0.25 s handing the chunk over
-    assert now[0] == 4.25  # not 5.0: hand-overs overlap the link's next chunk
-    now[0] += 3.0  # idle: the next transfer starts when it is sent
+      clock.now += 0.25  # the sender spends 0.25 s handing the chunk over
+    assert clock.now == 4.25  # not 5.0: hand-overs overlap the link's next chunk
+    clock.now += 3.0  # idle: the next transfer starts when it is sent
     await pacer.transmit(100)
-    assert now[0] == 8.25
+    assert clock.now == 8.25
 
   asyncio.run(go())
 
@@ -102,20 +111,14 @@ def test_link_pacer_absorbs_the_senders_own_hand_over_time_but_not_idle_gaps():
 def test_link_pacer_sleeps_only_once_the_sender_is_a_few_milliseconds_ahead():
   """The loop sleeps in whole milliseconds: a fast link paced per chunk would lose a millisecond
   per chunk. Small leads accumulate instead, and the total sleep is still the link's time."""
-  now = [0.0]
-  slept = []
-
-  async def fake_sleep(seconds):
-    slept.append(seconds)
-    now[0] += seconds
-
-  pacer = pacing.LinkPacer(1e9, clock=lambda: now[0], sleep=fake_sleep)
+  pacer, clock = paced(1e9)
 
   async def go():
     for _ in range(100):
       await pacer.transmit(100_000)  # 0.1 ms each
 
   asyncio.run(go())
+  slept = clock.slept
   assert all(s >= pacing.MIN_SLEEP_S for s in slept) and 4 <= len(slept) <= 5
   # 10 ms of link time in all: slept, but for a last lead shorter than MIN_SLEEP_S.
   assert 0.01 - pacing.MIN_SLEEP_S <= sum(slept) <= 0.01 + 1e-9
@@ -322,18 +325,11 @@ def test_one_shared_link_queues_overlapping_copies():
 def test_link_pacer_lets_a_sender_catch_up_after_one_slow_hand_over():
   """A chunk that took longer than its slot to hand over (a few ms) does not put the link behind
   for the rest of the transfer: the next chunks go at once until the sender is on schedule."""
-  now = [0.0]
-  slept = []
-
-  async def fake_sleep(seconds):
-    slept.append(seconds)
-    now[0] += seconds
-
-  pacer = pacing.LinkPacer(1e9, clock=lambda: now[0], sleep=fake_sleep)  # 4 ms per 4 MB
+  pacer, clock = paced(1e9)  # 4 ms per 4 MB
 
   async def go():
     for i in range(10):
       await pacer.transmit(4_000_000)
-      now[0] += 0.010 if i == 2 else 0.001  # one hand-over of 10 ms, the others 1 ms
+      clock.now += 0.010 if i == 2 else 0.001  # one hand-over of 10 ms, the others 1 ms
   asyncio.run(go())
-  assert now[0] == pytest.approx(0.040 + 0.001, abs=1e-9)  # 10 slots, not 10 slots + 6 ms
+  assert clock.now == pytest.approx(0.040 + 0.001, abs=1e-9)  # 10 slots, not 10 slots + 6 ms

@@ -549,34 +549,30 @@ def big_payloads():
   return payloads
 
 
-def trained(port):
-  """What the trainer trained (fingerprints, in order) and its node's peak RSS since the reset."""
+def ask_node(port, method):
+  """Calls one of the test node's own methods over tunix's client."""
   async def ask():
     handle = connect(port)
-    seen, peak = await handle.asubmit("trained"), await handle.asubmit("peak_rss")
-    await handle.close()
-    return seen, peak
+    try:
+      return await handle.asubmit(method)
+    finally:
+      await handle.close()
   return asyncio.run(ask())
+
+
+def trained(port):
+  """What the trainer trained (fingerprints, in order) and its node's peak RSS since the reset."""
+  return ask_node(port, "trained"), ask_node(port, "peak_rss")
 
 
 def pool_stats(port):
   """The plugin node's receive-buffer pool: buffers made, reused, bytes held."""
-  async def ask():
-    handle = connect(port)
-    stats = await handle.asubmit("pool_stats")
-    await handle.close()
-    return stats
-  return asyncio.run(ask())
+  return ask_node(port, "pool_stats")
 
 
 def reset_peak_rss(port):
   """Starts the trainer node's peak RSS again; answers its RSS now."""
-  async def ask():
-    handle = connect(port)
-    now = await handle.asubmit("reset_peak_rss")
-    await handle.close()
-    return now
-  return asyncio.run(ask())
+  return ask_node(port, "reset_peak_rss")
 
 
 def gib(nbytes):
