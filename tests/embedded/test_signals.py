@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 from tests.embedded.support import call, process_state, wait_for
+from tunix_stage_plugin.core import rss
 from tunix_stage_plugin.embedded import bulk
 from tunix_stage_plugin.embedded import client as client_lib
 from tunix_stage_plugin.embedded import process as process_lib
@@ -51,12 +52,10 @@ def _running(pid: int) -> bool:
     return False
 
 
-def _status_kib(pid: int, field: str) -> int:
-  with open(f"/proc/{pid}/status", encoding="ascii") as f:
-    for line in f:
-      if line.startswith(f"{field}:"):
-        return int(line.split()[1])
-  raise AssertionError(f"no {field} in /proc/{pid}/status")
+def _peak_bytes(pid: int) -> int:
+  peak = rss.status_bytes("VmHWM", pid)
+  assert peak is not None, f"no VmHWM in /proc/{pid}/status"
+  return peak
 
 
 def _reap(pid: int) -> tuple[int, int] | None:
@@ -272,7 +271,7 @@ def test_an_oversized_or_mismatched_call_is_refused_before_its_bytes_are_read():
     reply = asyncio.run(_raw_bulk_call(trainer.address, _header("heartbeat", [MIB], warm),
                                        _frame(warm, [MIB], bytes(MIB))))
     assert reply["pid"] == trainer.pid
-    peak_before = _status_kib(trainer.pid, "VmHWM")
+    peak_before = _peak_bytes(trainer.pid)
     big = secrets.token_bytes(16)
     with pytest.raises(wire.RemoteCallError, match=r"heartbeat announces 9437184 bytes, above "
                        r"this trainer's 8388608-byte cap on one call \(trainer_main "
@@ -286,7 +285,7 @@ def test_an_oversized_or_mismatched_call_is_refused_before_its_bytes_are_read():
                        r"sizes \[268435456\] where the call's header announced \[1\]"):
       asyncio.run(_raw_bulk_call(trainer.address, _header("heartbeat", [1], lying),
                                  _frame(lying, [256 * MIB], bytes(16 * MIB))))
-    grown_mib = (_status_kib(trainer.pid, "VmHWM") - peak_before) / 1024
+    grown_mib = (_peak_bytes(trainer.pid) - peak_before) / (1 << 20)
     assert grown_mib < 16, f"peak RSS grew {grown_mib:.0f} MiB for refused calls"
     assert call(trainer.address, "heartbeat")["pid"] == trainer.pid  # still serving
   assert trainer.proc.returncode == 0

@@ -7,12 +7,12 @@ VmRSS (Linux >= 4.0). Elsewhere every reading is None.
 
 from __future__ import annotations
 
-_STATUS = "/proc/self/status"
 
-
-def _status_bytes(field: str) -> int | None:
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+  """A process's memory field from /proc/PID/status (VmRSS, VmHWM, ...) in bytes; None where
+  there is none (not Linux, no such process or field)."""
   try:
-    with open(_STATUS, encoding="ascii") as f:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
       for line in f:
         if line.startswith(f"{field}:"):
           return int(line.split()[1]) * 1024
@@ -23,12 +23,12 @@ def _status_bytes(field: str) -> int | None:
 
 def current() -> int | None:
   """Resident bytes now (VmRSS)."""
-  return _status_bytes("VmRSS")
+  return status_bytes("VmRSS")
 
 
 def peak() -> int | None:
   """The most resident bytes since start, or since the last reset (VmHWM)."""
-  return _status_bytes("VmHWM")
+  return status_bytes("VmHWM")
 
 
 def reset_peak() -> int | None:

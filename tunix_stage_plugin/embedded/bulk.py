@@ -37,8 +37,7 @@ from tunix_stage_plugin.embedded import wire
 log = logging.getLogger("tunix_stage_plugin.embedded")
 
 MAGIC = b"TSB1"
-HEADER = struct.Struct("<4s16sI")
-TRANSFER_ID_BYTES = 16
+HEADER = struct.Struct(f"<4s{wire.TRANSFER_ID_BYTES}sI")  # magic, transfer id, buffer count
 MAX_BUFFERS = 1 << 16
 # How long a frame waits for the gRPC header of its call (they are sent together: milliseconds).
 CLAIM_WAIT_S = 30.0
