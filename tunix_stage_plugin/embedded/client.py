@@ -67,6 +67,14 @@ def _timed_out(e: grpc.aio.AioRpcError) -> bool:
   return any(word in details for word in _TIMEOUT_WORDS)
 
 
+def _unanswered(e: grpc.aio.AioRpcError) -> bool:
+  """The call got no answer in time (its deadline, or the connection's keepalive)."""
+  return e.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(e)
+
+
+_HEARTBEAT = wire.encode_call("heartbeat", (), {}).unary  # one small unary message, made once
+
+
 # What a call to the trainer can fail with; a command reports each in one line and exits 1.
 CALL_ERRORS = (ConnectionError, wire.RemoteCallError, wire.WireError, grpc.aio.AioRpcError)
 
@@ -174,7 +182,7 @@ class WorkerClient:
     while time.monotonic() < deadline:
       try:
         return wire.decode_reply("heartbeat", await self._unary(
-            wire.encode_call("heartbeat", (), {}).unary, timeout=min(5.0, timeout_s)))
+            _HEARTBEAT, timeout=min(5.0, timeout_s)))
       except grpc.aio.AioRpcError as e:
         last = e
         try:
@@ -275,9 +283,9 @@ class WorkerClient:
         await asyncio.sleep(wait)  # a timer: the watchdog's period, nothing waits on it
         continue
       try:
-        await self._unary(wire.encode_call("heartbeat", (), {}).unary, timeout=self.probe_s)
+        await self._unary(_HEARTBEAT, timeout=self.probe_s)
       except grpc.aio.AioRpcError as e:
-        if e.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(e):
+        if _unanswered(e):
           self._fail_flights()
         else:  # refused or reset: the calls fail on their own (the trainer went away)
           await asyncio.sleep(self.probe_s)
@@ -343,10 +351,9 @@ class WorkerClient:
     a trainer that stopped answering or went away (the error to raise) from one that answers
     (None: the call's own failure)."""
     try:
-      await self._unary(wire.encode_call("heartbeat", (), {}).unary,
-                        timeout=max(1.0, self.liveness_s - waited))
+      await self._unary(_HEARTBEAT, timeout=max(1.0, self.liveness_s - waited))
     except grpc.aio.AioRpcError as probe:
-      if probe.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(probe):
+      if _unanswered(probe):
         return self._unresponsive(method, f"failed after {waited:.0f} s ({failure}) and a "
                                   "heartbeat then got no reply")
       return TrainerGoneError(f"trainer at {self.address} went away during {method} "
