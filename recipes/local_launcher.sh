@@ -7,8 +7,8 @@
 # each log is printed. Linux only (it reads /proc).
 #
 # Hosts:
-#   embedded  the plugin's embedded host: a trainer (tunix_stage_plugin.embedded.trainer_main)
-#             and an orchestrator (tunix_stage_plugin.embedded.orchestrator_main) that runs
+#   embedded  the plugin's embedded host: a trainer (tunix_stage_plugin.lab.embedded.trainer_main)
+#             and an orchestrator (tunix_stage_plugin.lab.embedded.orchestrator_main) that runs
 #             the job against it; the job is done when the orchestrator exits.
 #   tunix     tunix's distributed runtime (python -m tunix.experimental.distributed.runtime.main)
 #             running the orchestrator, trainer and rollout mains from mlperf_base.sh; needs
@@ -22,8 +22,8 @@ source "${RECIPES_DIR}/cli_lib.sh"
 PROG="local_launcher.sh"
 LOCALHOST="127.0.0.1"
 TUNIX_RUNTIME_MODULE="tunix.experimental.distributed.runtime.main"
-EMBEDDED_TRAINER="tunix_stage_plugin.embedded.trainer_main"
-EMBEDDED_ORCHESTRATOR="tunix_stage_plugin.embedded.orchestrator_main"
+EMBEDDED_TRAINER="tunix_stage_plugin.lab.embedded.trainer_main"
+EMBEDDED_ORCHESTRATOR="tunix_stage_plugin.lab.embedded.orchestrator_main"
 
 usage() {
   cat <<EOF

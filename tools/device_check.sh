@@ -27,7 +27,7 @@ if [ -z "$python" ]; then
   else
     echo "device_check: no JAX with an accelerator here; installing jax[cuda12] into .venv-device" >&2
     python3 -m venv .venv-device
-    .venv-device/bin/pip install -q 'jax[cuda12]' numpy grpcio cloudpickle absl-py optax
+    .venv-device/bin/pip install -q 'jax[cuda12]' numpy grpcio cloudpickle optax looptime
     python=.venv-device/bin/python
   fi
 fi

@@ -22,11 +22,11 @@ import os
 import sys
 import tracemalloc
 
-from tunix_stage_plugin.core import rss
+from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.embedded import client as client_lib
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import process as process_lib
+from tunix_stage_plugin.lab.embedded import client as client_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import process as process_lib
 
 GIB = 1 << 30
 

@@ -17,7 +17,7 @@ import pytest
 
 from tunix_stage_plugin.activation import bootstrap
 from tunix_stage_plugin.activation import entry_points
-from tunix_stage_plugin.activation import host_triggers
+from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.activation import importhook
 from tunix_stage_plugin.activation import manager
 
@@ -144,7 +144,7 @@ def test_bootstrap_start_activates_each_host_when_it_is_imported(fake_host, monk
   calls = []
   monkeypatch.setenv("TUNIX_STAGE_BATCH", "on")  # invalid, and still nothing at start
   monkeypatch.setattr(bootstrap, "_started", False)
-  monkeypatch.setattr(host_triggers, "HOST_TRIGGERS", {"fakehost": (f"{fake_host}.watched",)})
+  monkeypatch.setattr(triggers, "HOST_TRIGGERS", {"fakehost": (f"{fake_host}.watched",)})
   monkeypatch.setattr(entry_points, "load_adapters", lambda: pytest.fail("no metadata at start"))
   monkeypatch.setattr(manager, "activate_from_env", calls.append)
   bootstrap.start()
@@ -172,17 +172,18 @@ def test_host_triggers_match_the_registered_adapters():
   # each registered adapter's install is triggered by.
   adapters = entry_points.load_adapters()
   assert {name: tuple(a.trigger_modules) for name, a in adapters.items()} == (
-      host_triggers.HOST_TRIGGERS)
+      triggers.HOST_TRIGGERS)
 
 
 def test_bootstrap_start_loads_no_metadata_and_no_manager():
-  # With staging on, start-up imports the bootstrap, the trigger table and the import hook only.
+  # With staging on, start-up imports the bootstrap, the trigger table (and its import-free
+  # package) and the import hook only.
   code = "import sys; print(' '.join(sorted(sys.modules)))"
   off = set(run_python(code, {}).stdout.split())
   on = set(run_python(code, {"TUNIX_STAGE_BATCH": "stage"}).stdout.split())
   assert on - off == {"tunix_stage_plugin", "tunix_stage_plugin.activation",
                       "tunix_stage_plugin.activation.bootstrap",
-                      "tunix_stage_plugin.activation.host_triggers",
+                      "tunix_stage_plugin.hosts", "tunix_stage_plugin.hosts.triggers",
                       "tunix_stage_plugin.activation.importhook"}
 
 
@@ -190,7 +191,7 @@ def test_bootstrap_start_loads_no_metadata_and_no_manager():
 def fake_tunix(tmp_path):
   """A stand-in `tunix` package on disk with the watched modules and a runtime main module."""
   root = tmp_path / "fake_tunix"
-  for module in host_triggers.HOST_TRIGGERS["tunix"] + (
+  for module in triggers.HOST_TRIGGERS["tunix"] + (
       "tunix.experimental.distributed.runtime.main",):
     path = root.joinpath(*module.split("."))
     for parent in [path.parent, *path.parent.parents]:
@@ -202,7 +203,7 @@ def fake_tunix(tmp_path):
   main = root / "tunix" / "experimental" / "distributed" / "runtime" / "main.py"
   main.write_text(textwrap.dedent(f"""
       import sys
-      import {host_triggers.HOST_TRIGGERS["tunix"][0]}
+      import {triggers.HOST_TRIGGERS["tunix"][0]}
       print("main ran as", __name__, sys.argv[1:])
   """))
   return root

@@ -18,7 +18,7 @@ import types
 import pytest
 
 from tests import drivers
-from tunix_stage_plugin.activation import host_triggers
+from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import patching
 
@@ -31,7 +31,7 @@ DRIVER_ARGS = ["--model_id=Qwen/Qwen3-1.7B", "--tokenizer_path=Qwen/Qwen3-1.7B",
 STAGING_KEYS = {"stage_train_batches", "max_staged_batches", "stage_codec"}
 RUN_DRIVER = f"import sys; from {drivers.PACKAGE} import run_deepswe_dist; " \
              "run_deepswe_dist.main(sys.argv[1:])"
-(DEEPSWE,) = [d for d in host_triggers.KNOWN_DRIVERS if d.module == drivers.MODULE]
+(DEEPSWE,) = [d for d in triggers.KNOWN_DRIVERS if d.module == drivers.MODULE]
 
 
 @pytest.fixture
@@ -152,10 +152,10 @@ def test_the_parse_function_is_set_only_while_staging_is_requested_and_restored_
 
 
 def test_the_known_drivers_are_the_upstream_ones_and_the_embedded_orchestrator():
-  assert [(d.module, d.host, d.parse) for d in host_triggers.KNOWN_DRIVERS] == [
+  assert [(d.module, d.host, d.parse) for d in triggers.KNOWN_DRIVERS] == [
       (drivers.MODULE, "tunix", "_parse_args"),
       ("tunix.experimental.examples.math_gsm8k_dist.run_gsm8k_dist_grpo", "tunix", "_parse_args"),
-      ("tunix_stage_plugin.embedded.orchestrator_main", "embedded", None),
+      ("tunix_stage_plugin.lab.embedded.orchestrator_main", "embedded", None),
   ]
 
 

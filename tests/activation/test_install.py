@@ -15,7 +15,7 @@ from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.activation import native
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.hosts import Probe
+from tunix_stage_plugin.hosts.probing import Probe
 
 STAGE = {"TUNIX_STAGE_BATCH": "stage"}
 
@@ -72,9 +72,6 @@ class FakeAdapter:
   def probe(self):
     return [Probe("worker: FakeWorker.fwd_bwd", True),
             Probe("engine: FakeEngine.train_step", self.probe_ok, "train_step lacks **kwargs")]
-
-  def runtime_probes(self):
-    return []
 
   def apply(self, registry, config):
     self.applied += 1

@@ -18,17 +18,17 @@ import pytest
 
 import tunix_stage_plugin
 from tests.core.trace_check import partial_overlaps
-from tunix_stage_plugin.bench import meta as meta_lib
-from tunix_stage_plugin.bench import metrics
-from tunix_stage_plugin.bench import modes as modes_lib
-from tunix_stage_plugin.bench import report
-from tunix_stage_plugin.bench import runner
-from tunix_stage_plugin.cli import bench_cmd
+from tunix_stage_plugin.lab.bench import meta as meta_lib
+from tunix_stage_plugin.lab.bench import metrics
+from tunix_stage_plugin.lab.bench import modes as modes_lib
+from tunix_stage_plugin.lab.bench import report
+from tunix_stage_plugin.lab.bench import runner
+from tunix_stage_plugin.lab.bench import command as bench_cmd
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.timeline import Span, lane_track
-from tunix_stage_plugin.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
 
 
 def _compute(step, start, end, kind="fwd_bwd"):
@@ -486,7 +486,7 @@ def _trainer_children(pid: int) -> list[int]:
         cmdline = f.read()
     except (OSError, ValueError, IndexError):
       continue
-    if ppid == pid and b"tunix_stage_plugin.embedded.trainer_main" in cmdline:
+    if ppid == pid and b"tunix_stage_plugin.lab.embedded.trainer_main" in cmdline:
       found.append(int(entry))
   return found
 

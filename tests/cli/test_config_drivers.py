@@ -11,7 +11,7 @@ from tunix_stage_plugin.cli import main as cli_main
 
 DEEPSWE = "tunix.experimental.examples.deepswe_dist.run_deepswe_dist"
 GSM8K = "tunix.experimental.examples.math_gsm8k_dist.run_gsm8k_dist_grpo"
-EMBEDDED = "tunix_stage_plugin.embedded.orchestrator_main"
+EMBEDDED = "tunix_stage_plugin.lab.embedded.orchestrator_main"
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from tunix_stage_plugin.activation import entry_points
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.cli import run_cmd
 from tunix_stage_plugin.core import codec as codec_lib
-from tunix_stage_plugin.hosts import Probe
+from tunix_stage_plugin.hosts.probing import Probe
 
 ENV_NAMES = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES")
 
@@ -45,10 +45,8 @@ class Adapter:
     return "tunix 0.1.8 (commit c7d8950)"
 
   def probe(self):
-    return [Probe("worker: TrainerWorker.fwd_bwd", self.probes_ok, "fwd_bwd takes no **kwargs")]
-
-  def runtime_probes(self):
-    return [Probe("trainer: PeftTrainer._prepare_payload", True)]
+    return [Probe("worker: TrainerWorker.fwd_bwd", self.probes_ok, "fwd_bwd takes no **kwargs"),
+            Probe("trainer: PeftTrainer._prepare_payload", True)]
 
 
 @pytest.fixture

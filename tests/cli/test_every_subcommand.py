@@ -17,8 +17,8 @@ import pytest
 
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.embedded import orchestrator_main
-from tunix_stage_plugin.embedded import trainer_main
+from tunix_stage_plugin.lab.embedded import orchestrator_main
+from tunix_stage_plugin.lab.embedded import trainer_main
 
 SUBCOMMANDS = sorted(cli_main.subcommands())
 UNKNOWN = "--no_such_flag_xyz"

@@ -1,7 +1,7 @@
 """One flag spelling across `tunix-stage`, the process entry points and the recipes.
 
-Underscores are canonical (as the hosts' drivers spell their flags); the dashed spelling and the
-device bound's old names parse to the same option. Real parsers, real console script.
+Underscores are canonical (as the hosts' drivers spell their flags); the dashed spelling parses
+to the same option. Real parsers, real console script.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from tunix_stage_plugin.cli import main as cli_main
-from tunix_stage_plugin.embedded import orchestrator_main
-from tunix_stage_plugin.embedded import trainer_main
+from tunix_stage_plugin.lab.embedded import orchestrator_main
+from tunix_stage_plugin.lab.embedded import trainer_main
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
@@ -38,20 +38,19 @@ def test_every_long_flag_is_spelled_with_underscores(name: str, parser: argparse
 @pytest.mark.parametrize("argv", [
     ["bench", "--payload_mib", "8", "--stage_max_device_batches", "2"],
     ["bench", "--payload-mib", "8", "--stage-max-device-batches", "2"],
-    ["bench", "--payload-mib=8", "--max-device-batches=2"],
-    ["bench", "--payload_mib=8", "--max_device_batches", "2"],
+    ["bench", "--payload-mib=8", "--stage-max-device-batches=2"],
 ])
-def test_dashed_and_old_spellings_parse_to_the_same_options(argv: list[str]):
+def test_dashed_spellings_parse_to_the_same_options(argv: list[str]):
   args, unknown = cli_main.build_parser().parse_known_args(argv)
   assert unknown == []
   assert (args.payload_mib, args.max_device_batches) == ("8", "2")
 
 
-def test_the_trainer_entry_point_takes_the_old_device_bound_name():
+def test_the_trainer_entry_point_takes_the_dashed_device_bound():
   parser = trainer_main.build_parser()
   new = parser.parse_args(["--port", "0", "--stage_max_device_batches", "3"])
-  old = parser.parse_args(["--port", "0", "--max_device_batches", "3"])
-  assert vars(new) == vars(old)
+  dashed = parser.parse_args(["--port", "0", "--stage-max-device-batches", "3"])
+  assert vars(new) == vars(dashed)
   assert new.stage_max_device_batches == "3"
 
 

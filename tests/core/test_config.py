@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-from absl import flags as absl_flags
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
@@ -117,41 +116,12 @@ def test_argparse_flags_beat_env(monkeypatch):
   assert (cfg.mode, cfg.max_staged_batches) == ("off", 1)
 
 
-def test_absl_flags_beat_env_and_define_is_idempotent(monkeypatch):
-  monkeypatch.setenv("TUNIX_MAX_STAGED_BATCHES", "4")
-  fv = absl_flags.FlagValues()
-  flags_lib.define_absl_flags(flag_values=fv)
-  flags_lib.define_absl_flags(flag_values=fv)  # a second driver module registering again
-  fv(["prog", "--stage_train_batches=stage", "--stage_max_device_batches=3"])
-  cfg = flags_lib.config_from_absl(flag_values=fv)
-  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("stage", 4, 3)
-  assert cfg.sources == {"mode": "flag", "max_staged_batches": "env", "max_device_batches": "flag",
-                         "max_host_batches": "default", "codec": "default"}
-
-
 def test_roles_name_the_settings_each_process_reads():
   assert config_lib.fields_for("orchestrator") == ("mode", "max_staged_batches", "codec")
   assert config_lib.fields_for("trainer") == ("mode", "max_device_batches", "max_host_batches")
   assert flags_lib.TRAINER_FIELDS == config_lib.fields_for("trainer")
   with pytest.raises(ValueError, match="unknown role 'rollout'; accepted: orchestrator | trainer"):
     config_lib.fields_for("rollout")
-
-
-@pytest.mark.parametrize("value", ["0", "1025"])
-def test_absl_bounds_refuse_at_parse_time(value):
-  fv = absl_flags.FlagValues()
-  flags_lib.define_absl_flags(flag_values=fv)
-  with pytest.raises(absl_flags.IllegalFlagValueError, match="max_staged_batches"):
-    fv(["prog", f"--max_staged_batches={value}"])
-
-
-def test_absl_values_go_through_the_same_parser(monkeypatch):
-  monkeypatch.setenv("TUNIX_STAGE_BATCH", "on")
-  fv = absl_flags.FlagValues()
-  flags_lib.define_absl_flags(flag_values=fv)
-  fv(["prog", "--max_staged_batches=3"])
-  with pytest.raises(config_lib.ConfigError, match="TUNIX_STAGE_BATCH='on' is invalid"):
-    flags_lib.config_from_absl(flag_values=fv)
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tunix_stage_plugin.core import inputs
+from tunix_stage_plugin.lab import inputs
 
 
 @pytest.mark.parametrize("text, value", [("1", 1), ("007", 7), (" 12 ", 12), ("1000000", 10**6)])

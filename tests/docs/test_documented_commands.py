@@ -24,7 +24,7 @@ import sys
 
 import pytest
 
-from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,7 +173,7 @@ def test_the_pages_show_bench_tables():
 @pytest.mark.parametrize("where,table", BENCH_TABLES, ids=[w for w, _ in BENCH_TABLES])
 def test_a_sample_bench_table_has_the_columns_the_bench_prints(where: str, table: list[str]):
   # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.bench import report
+  from tunix_stage_plugin.lab.bench import report
   cells = lambda line: re.split(r"\s{2,}", line.strip())
   printed = cells(report.format_table(None, {}).splitlines()[0])  # the header alone
   assert cells(table[0]) == printed, f"{where}: the bench prints {printed}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tunix_stage_plugin.embedded import process as process_lib
+from tunix_stage_plugin.lab.embedded import process as process_lib
 
 
 @pytest.fixture(scope="module")

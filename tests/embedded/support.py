@@ -11,10 +11,10 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from tunix_stage_plugin.embedded import client as client_lib
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import engine as engine_lib
-from tunix_stage_plugin.embedded import job as job_lib
+from tunix_stage_plugin.lab.embedded import client as client_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import engine as engine_lib
+from tunix_stage_plugin.lab.embedded import job as job_lib
 
 TINY = data_lib.TINY_SIZES
 

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.embedded import bulk
-from tunix_stage_plugin.embedded import pacing
-from tunix_stage_plugin.embedded import wire
+from tunix_stage_plugin.lab.embedded import bulk
+from tunix_stage_plugin.lab.embedded import pacing
+from tunix_stage_plugin.lab.embedded import wire
 
 MIB = 1 << 20
 

@@ -16,10 +16,10 @@ from tests.embedded.support import TINY, call, inline_digest_of, run_plan
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import engine as engine_lib
-from tunix_stage_plugin.embedded import job as job_lib
-from tunix_stage_plugin.embedded import worker as worker_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import engine as engine_lib
+from tunix_stage_plugin.lab.embedded import job as job_lib
+from tunix_stage_plugin.lab.embedded import worker as worker_lib
 
 INSTALLED = [name for name in codec_lib.CODECS if codec_lib.installed(name)]
 needs_codec = pytest.mark.skipif(

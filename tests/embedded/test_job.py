@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from tests.embedded.support import TINY, call, inline_digest_of, no_new_threads, run_plan
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import job as job_lib
-from tunix_stage_plugin.embedded import process as process_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import job as job_lib
+from tunix_stage_plugin.lab.embedded import process as process_lib
 
 STEPS, MB = 3, 4
 EXPECTED = data_lib.expected_order(STEPS, MB)

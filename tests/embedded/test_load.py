@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tunix_stage_plugin.embedded import client as client_lib
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import process as process_lib
+from tunix_stage_plugin.lab.embedded import client as client_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import process as process_lib
 
 CLIENTS, ROUNDS = 24, 6
 GUARD_S = 120  # a hang guard, not a timing assertion: the load takes seconds when placement is first

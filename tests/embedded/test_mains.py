@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from tests.embedded.support import call
-from tunix_stage_plugin.embedded import process as process_lib
+from tunix_stage_plugin.lab.embedded import process as process_lib
 
-ORCH = [sys.executable, "-m", "tunix_stage_plugin.embedded.orchestrator_main"]
-TRAINER = [sys.executable, "-m", "tunix_stage_plugin.embedded.trainer_main"]
+ORCH = [sys.executable, "-m", "tunix_stage_plugin.lab.embedded.orchestrator_main"]
+TRAINER = [sys.executable, "-m", "tunix_stage_plugin.lab.embedded.trainer_main"]
 STAGING_ENV = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES")
 
 

@@ -29,11 +29,11 @@ import numpy as np
 import pytest
 
 from tests.embedded.support import call, process_state, wait_for
-from tunix_stage_plugin.core import rss
-from tunix_stage_plugin.embedded import bulk
-from tunix_stage_plugin.embedded import client as client_lib
-from tunix_stage_plugin.embedded import process as process_lib
-from tunix_stage_plugin.embedded import wire
+from tunix_stage_plugin.lab import rss
+from tunix_stage_plugin.lab.embedded import bulk
+from tunix_stage_plugin.lab.embedded import client as client_lib
+from tunix_stage_plugin.lab.embedded import process as process_lib
+from tunix_stage_plugin.lab.embedded import wire
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="needs Linux /proc and prctl")
@@ -76,7 +76,7 @@ def _subreaper() -> Iterator[None]:
 
 PARENT = """
 import sys
-from tunix_stage_plugin.embedded import process
+from tunix_stage_plugin.lab.embedded import process
 trainer = process.TrainerProcess(exit_with_parent=sys.argv[1])
 print(trainer.pid, flush=True)
 sys.stdin.read()  # until this process is killed
@@ -291,7 +291,7 @@ def test_an_oversized_or_mismatched_call_is_refused_before_its_bytes_are_read():
   assert trainer.proc.returncode == 0
 
 
-ORCHESTRATOR = [sys.executable, "-m", "tunix_stage_plugin.embedded.orchestrator_main"]
+ORCHESTRATOR = [sys.executable, "-m", "tunix_stage_plugin.lab.embedded.orchestrator_main"]
 
 
 def _orchestrator(address: str, *args: str) -> subprocess.Popen:

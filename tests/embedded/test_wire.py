@@ -16,10 +16,10 @@ import pytest
 from tests.embedded.support import no_new_threads
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.embedded import client as client_lib
-from tunix_stage_plugin.embedded import pacing
-from tunix_stage_plugin.embedded import server as server_lib
-from tunix_stage_plugin.embedded import wire
+from tunix_stage_plugin.lab.embedded import client as client_lib
+from tunix_stage_plugin.lab.embedded import pacing
+from tunix_stage_plugin.lab.embedded import server as server_lib
+from tunix_stage_plugin.lab.embedded import wire
 
 MIB = 1 << 20
 

@@ -276,7 +276,7 @@ def test_local_launcher_ctrl_c_is_one_clean_stop(launch, tmp_path: Path):
 # (as a trainer stuck in a C call would): the launcher must escalate to SIGKILL and say so.
 STUBBORN_PYTHON = """#!/bin/bash
 case " $* " in
-  *" -m tunix_stage_plugin.embedded.trainer_main "*)
+  *" -m tunix_stage_plugin.lab.embedded.trainer_main "*)
     (trap '' TERM; exec "{python}" -c 'import signal; signal.pause()') &
     ;;
 esac

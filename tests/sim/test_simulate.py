@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tunix_stage_plugin.cli import main as cli_main
-from tunix_stage_plugin.cli import simulate_cmd
+from tunix_stage_plugin.lab.sim import command as simulate_cmd
 from tunix_stage_plugin.core.timeline import Span, to_chrome_trace
-from tunix_stage_plugin.sim import run as run_lib
-from tunix_stage_plugin.sim import trace as trace_lib
+from tunix_stage_plugin.lab.sim import run as run_lib
+from tunix_stage_plugin.lab.sim import trace as trace_lib
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "upstream_pattern.json"
 
@@ -184,7 +184,7 @@ def test_check_judges_the_same_figures_when_the_bench_is_not_tiny(tmp_path, caps
 
 
 def test_the_tiny_label_is_the_bench_s():
-  from tunix_stage_plugin.bench import report  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.bench import report  # pylint: disable=import-outside-toplevel
   assert simulate_cmd.TINY_NA == report.TINY_NA
 
 

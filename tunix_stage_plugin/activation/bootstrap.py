@@ -39,16 +39,16 @@ def start() -> None:
 
 def _start() -> None:
   # Imported here, not at the top, so the module stays importable in a broken environment.
-  from tunix_stage_plugin.activation import host_triggers
+  from tunix_stage_plugin.hosts import triggers
   from tunix_stage_plugin.activation import importhook
 
   if os.environ.get(ENV, "").strip() in ("", "off"):
     return
-  for host, modules in host_triggers.HOST_TRIGGERS.items():
+  for host, modules in triggers.HOST_TRIGGERS.items():
     importhook.when_imported(modules, lambda host=host: _activate(host))
   # A known driver takes the staging flags once imported (after its host's hooks, when they fire
   # on the same import), even where the host's hooks are refused (activation/drivers.py).
-  for driver in host_triggers.KNOWN_DRIVERS:
+  for driver in triggers.KNOWN_DRIVERS:
     if driver.parse is not None:
       importhook.when_imported((driver.module,), lambda driver=driver: _hook_driver(driver))
 
@@ -60,7 +60,7 @@ def _activate(host: str) -> None:
   manager.activate_from_env(host)
 
 
-def _hook_driver(driver: host_triggers.Driver) -> None:
+def _hook_driver(driver: triggers.Driver) -> None:
   from tunix_stage_plugin.activation import manager  # pylint: disable=import-outside-toplevel
 
   manager.hook_driver(driver)

@@ -9,7 +9,7 @@ such a module is imported (the post-import hook that installs the host's hooks),
 the original back). It takes the orchestrator's staging flags off the command line, hands every
 other argument to the driver's own parser unchanged, puts the effective values on the namespace
 the driver gets back (flags > environment > default), and applies them (activation.configure).
-With staging off nothing is touched. The drivers the plugin knows: host_triggers.KNOWN_DRIVERS;
+With staging off nothing is touched. The drivers the plugin knows: triggers.KNOWN_DRIVERS;
 any other driver gets no staging flag from the recipes, only the environment. docs/tunix.md "The
 upstream change's names" and "Driver flags".
 """
@@ -22,11 +22,11 @@ import sys
 import types
 from typing import Any, Callable
 
-from tunix_stage_plugin.activation import host_triggers
+from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 
-Driver = host_triggers.Driver
+Driver = triggers.Driver
 FIELDS = flags_lib.ORCHESTRATOR_FIELDS  # the drivers are orchestrator drivers
 # A driver whose parse function mentions this flag defines the staging flags itself.
 NATIVE_MARK = config_lib.SETTINGS_BY_FIELD["mode"].flag
@@ -35,7 +35,7 @@ NATIVE_MARK = config_lib.SETTINGS_BY_FIELD["mode"].flag
 def find(main: str) -> Driver | None:
   """The known driver `main` names: its module, or something in it (`module.main`,
   `module:main`, as a runtime's --process_main names it); None when the plugin does not know it."""
-  for driver in host_triggers.KNOWN_DRIVERS:
+  for driver in triggers.KNOWN_DRIVERS:
     if main == driver.module or main.startswith((f"{driver.module}.", f"{driver.module}:")):
       return driver
   return None
@@ -43,7 +43,7 @@ def find(main: str) -> Driver | None:
 
 def hooked(host: str | None = None) -> tuple[Driver, ...]:
   """The known drivers whose flags the plugin adds (all hosts when `host` is None)."""
-  return tuple(d for d in host_triggers.KNOWN_DRIVERS
+  return tuple(d for d in triggers.KNOWN_DRIVERS
                if d.parse is not None and host in (None, d.host))
 
 
@@ -79,8 +79,10 @@ def staging_parser(driver: Driver) -> flags_lib.Parser:
   return flags_lib.add_argparse_flags(parser, FIELDS)
 
 
-def accepting_flags(parse: Callable[[Any], Any], driver: Driver) -> Callable[[Any], Any]:
-  """`parse` (the driver's own `_parse_args(argv)`), also taking the staging flags."""
+def accepting_flags(parse: Callable[[Any], Any], driver: Driver,
+                    configure: Callable[..., Any]) -> Callable[[Any], Any]:
+  """`parse` (the driver's own `_parse_args(argv)`), also taking the staging flags; the effective
+  configuration goes to `configure(config, host=...)` (the manager's)."""
 
   @functools.wraps(parse)
   def parse_with_staging_flags(argv: Any) -> Any:
@@ -101,8 +103,7 @@ def accepting_flags(parse: Callable[[Any], Any], driver: Driver) -> Callable[[An
       raise
     for field in FIELDS:  # the effective values, on the namespace the driver works from
       setattr(args, config_lib.SETTINGS_BY_FIELD[field].flag, getattr(config, field))
-    from tunix_stage_plugin.activation import manager  # pylint: disable=import-outside-toplevel
-    manager.configure(config, host=driver.host)
+    configure(config, host=driver.host)
     return args
 
   return parse_with_staging_flags

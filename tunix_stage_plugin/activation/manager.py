@@ -9,7 +9,7 @@ to stderr, because a pod's stdout is often the training log that users grep.
 An invalid setting is never a refusal: `install` raises ConfigError, and the automatic paths (the
 .pth bootstrap, the tunix.plugins entry point) stop the process through `activate_from_env`.
 
-Known drivers (host_triggers.KNOWN_DRIVERS) take the staging flags while staging is requested for
+Known drivers (triggers.KNOWN_DRIVERS) take the staging flags while staging is requested for
 their host (its hooks installed, or TUNIX_STAGE_BATCH=stage, even where the host's hooks were
 refused: a launch must not stop at "unrecognized arguments"); `hook_driver` sets the parse
 function of one imported driver (activation/drivers.py), and uninstall removes it.
@@ -24,9 +24,10 @@ import sys
 import threading
 from typing import Any
 
-from tunix_stage_plugin import hosts
+from tunix_stage_plugin.hosts import interface as hosts_lib
+from tunix_stage_plugin.activation import drivers
 from tunix_stage_plugin.activation import entry_points
-from tunix_stage_plugin.activation import host_triggers
+from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.activation import importhook
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
@@ -47,7 +48,7 @@ class Activation:
 
 @dataclasses.dataclass
 class _Active:
-  adapter: hosts.HostAdapter
+  adapter: hosts_lib.HostAdapter
   registry: patching.PatchRegistry
   live: config_lib.LiveConfig  # what the hooks read; handed down to them at apply
   line: str
@@ -218,7 +219,6 @@ def _requested(host: str) -> bool:
 def accept_driver_flags(host: str) -> None:
   """`host`'s known drivers take the staging flags: one imported already at once, the others when
   they are imported (one post-import watch per driver and process)."""
-  from tunix_stage_plugin.activation import drivers  # pylint: disable=import-outside-toplevel
   for driver in drivers.hooked(host):
     if driver.module in sys.modules:
       hook_driver(driver)
@@ -227,10 +227,9 @@ def accept_driver_flags(host: str) -> None:
       importhook.when_imported((driver.module,), functools.partial(hook_driver, driver))
 
 
-def hook_driver(driver: host_triggers.Driver) -> None:
+def hook_driver(driver: triggers.Driver) -> None:
   """Makes the imported `driver` take the staging flags, while staging is requested for its host
   (once; a driver of another shape gets nothing and one line saying so)."""
-  from tunix_stage_plugin.activation import drivers  # pylint: disable=import-outside-toplevel
   with _lock:
     if (driver.module in _driver_hooks or driver.module in _left_drivers
         or not _requested(driver.host)):
@@ -246,7 +245,8 @@ def hook_driver(driver: host_triggers.Driver) -> None:
             "settings from the environment only", file=sys.stderr, flush=True)
       return
     registry = patching.PatchRegistry()
-    registry.set(module, driver.parse, drivers.accepting_flags(vars(module)[driver.parse], driver))
+    registry.set(module, driver.parse, drivers.accepting_flags(vars(module)[driver.parse], driver,
+                                                         configure))
     _driver_hooks[driver.module] = (driver.host, registry)
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 from tunix_stage_plugin.activation import drivers
-from tunix_stage_plugin.activation.host_triggers import KNOWN_DRIVERS
+from tunix_stage_plugin.hosts.triggers import KNOWN_DRIVERS
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 

@@ -21,7 +21,7 @@ from typing import Any
 from tunix_stage_plugin import __version__
 from tunix_stage_plugin.activation import bootstrap
 from tunix_stage_plugin.activation import entry_points
-from tunix_stage_plugin.activation import host_triggers
+from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.cli import config_cmd
 from tunix_stage_plugin.core import config as config_lib
@@ -67,7 +67,7 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   if not report["bootstrap_pth"]:
     problems.append(f"{bootstrap.PTH_NAME} is not installed: TUNIX_STAGE_BATCH=stage cannot "
                     "activate on its own (reinstall the package, or call install())")
-  report["drivers"] = [_driver(d) for d in host_triggers.KNOWN_DRIVERS]
+  report["drivers"] = [_driver(d) for d in triggers.KNOWN_DRIVERS]
   _host(report, problems)
   # MaxText is reported whether or not tunix is importable: a user setting up the trainer's image
   # needs both answers.
@@ -93,7 +93,6 @@ def _host(report: dict[str, Any], problems: list[str]) -> None:
     checks = [{"name": "host probes (passed at install)", "ok": True, "detail": "ok"}]
   else:
     checks = [vars(p) for p in adapter.probe()]
-  checks += [vars(p) for p in adapter.runtime_probes()]
   report["probes"] = checks
   problems += [f"probe failed: {c['name']}: {c['detail']}" for c in checks if not c["ok"]]
   report["installed_hooks"] = manager.installed_hooks(HOST)
@@ -101,7 +100,7 @@ def _host(report: dict[str, Any], problems: list[str]) -> None:
   report["trainers"] = TRAINERS
 
 
-def _driver(driver: host_triggers.Driver) -> dict[str, Any]:
+def _driver(driver: triggers.Driver) -> dict[str, Any]:
   """A known driver: how it takes the staging flags, and whether this environment has it."""
   try:
     present = importlib.util.find_spec(driver.module) is not None  # imports its parents only

@@ -12,16 +12,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+import importlib
+
 from tunix_stage_plugin import __version__
-from tunix_stage_plugin.cli import bench_cmd
 from tunix_stage_plugin.cli import config_cmd
 from tunix_stage_plugin.cli import doctor_cmd
 from tunix_stage_plugin.cli import run_cmd
-from tunix_stage_plugin.cli import simulate_cmd
 from tunix_stage_plugin.core import flags as flags_lib
 
 # Each subcommand module offers add_parser(subparsers) and run(args) -> exit code.
-_COMMANDS = (config_cmd, doctor_cmd, run_cmd, bench_cmd, simulate_cmd)
+_COMMANDS = (config_cmd, doctor_cmd, run_cmd)
+# The lab's commands (bench, simulate), imported only to build the parser: the production
+# commands above never load the lab (tunix_stage_plugin.lab).
+_LAB_COMMANDS = ("tunix_stage_plugin.lab.bench.command", "tunix_stage_plugin.lab.sim.command")
 
 SUBCOMMAND_DEST = "subcommand"  # the subcommand's name in the parsed namespace
 RESERVED = (SUBCOMMAND_DEST, "subcommands", "run")  # names the top level sets or reads
@@ -34,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
   subparsers = parser.add_subparsers(dest=SUBCOMMAND_DEST, metavar="COMMAND", required=True)
-  for module in _COMMANDS:
+  for module in (*_COMMANDS, *map(importlib.import_module, _LAB_COMMANDS)):
     module.add_parser(subparsers)
   for name, subparser in subparsers.choices.items():
     # pylint: disable-next=protected-access  (argparse offers no public list of a parser's actions)

@@ -11,7 +11,7 @@ dtype, shape and the crc32 of its raw bytes. `unpack_array` decompresses into a 
 never yields a wrong array. `pack`/`unpack` do that for a dict of arrays (the embedded host);
 tunix's TrainerWorker host maps them over a payload's pytree (hosts/tunix/compression.py). The
 compressed chunks are numpy uint8 arrays, so they travel out of band through the embedded wire's
-pickle (embedded/wire.py) and in band through tunix's cloudpickle.
+pickle (lab/embedded/wire.py) and in band through tunix's cloudpickle.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ ROLES = (ORCHESTRATOR, TRAINER)
 
 # The largest depth or bound accepted: far above any useful value (each staged batch holds device
 # memory), and low enough that a typo such as an extra digit is caught.
-MAX_COUNT = 1024
+MAX_DEPTH = 1024
 # Longer raw values are refused before parsing (Python's int() has its own, far larger, limit).
 MAX_VALUE_CHARS = 64
 # How much of a bad value an error message repeats.
@@ -57,7 +57,7 @@ def _parse_mode(text: str) -> str:
 
 
 def _parse_count(text: str) -> int:
-  return inputs.integer(text, minimum=1, maximum=MAX_COUNT)  # its message gives way to `accepted`
+  return inputs.integer(text, minimum=1, maximum=MAX_DEPTH)  # its message gives way to `accepted`
 
 
 def _parse_codec(text: str) -> str:
@@ -111,7 +111,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="max_staged_batches",
         default=2,
         parse=_parse_count,
-        accepted=f"an integer >= 1 and <= {MAX_COUNT}",
+        accepted=f"an integer >= 1 and <= {MAX_DEPTH}",
         roles=(ORCHESTRATOR,),
         help="orchestrator: how many micro-batches to keep staged ahead of the pending train call.",
     ),
@@ -121,7 +121,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="stage_max_device_batches",
         default=1,
         parse=_parse_count,
-        accepted=f"an integer >= 1 and <= {MAX_COUNT}",
+        accepted=f"an integer >= 1 and <= {MAX_DEPTH}",
         roles=(TRAINER,),
         help="trainer: how many staged batches may sit in device memory (placed or being "
         "placed) at once; a placement over the bound waits for a slot.",
@@ -132,7 +132,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="stage_max_host_batches",
         default=1,
         parse=_parse_count,
-        accepted=f"an integer >= 1 and <= {MAX_COUNT}",
+        accepted=f"an integer >= 1 and <= {MAX_DEPTH}",
         roles=(TRAINER,),
         help="trainer: how many received micro-batches may wait in host memory for a device slot "
         "(a stage is answered once received; its placement follows on the staging lane); a "

@@ -1,15 +1,14 @@
-"""Driver flags for the staging settings, for argparse and absl drivers alike.
+"""Driver flags for the staging settings (argparse, as tunix's drivers parse theirs).
 
 Flags default to "not given" so the environment, then the default, applies when a flag is
-absent: flags beat env, env beats defaults (config.resolve). tunix's example drivers use
-argparse; MaxText's use absl.
+absent: flags beat env, env beats defaults (config.resolve). docs/configuration.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Iterable
+from typing import Iterable
 
 from tunix_stage_plugin.core import config as config_lib
 
@@ -54,46 +53,11 @@ def config_from_argparse(args: argparse.Namespace,
   return config_lib.resolve(explicit, explicit_source="flag")
 
 
-def define_absl_flags(fields: Iterable[str] = ALL_FIELDS, flag_values: Any = None) -> None:
-  """Registers the staging flags with absl (idempotent: already-defined flags are kept)."""
-  from absl import flags  # absl is a runtime dependency, but only absl drivers need it here
-
-  fv = flag_values if flag_values is not None else flags.FLAGS
-  for field in fields:
-    s = config_lib.SETTINGS_BY_FIELD[field]
-    if s.flag in fv:
-      continue
-    if field == "mode":
-      flags.DEFINE_enum(s.flag, None, list(config_lib.MODES), _flag_help(s), flag_values=fv)
-    else:
-      # The bounds refuse 0 (and a runaway value) when the command line is parsed; the value
-      # then goes through the same parser as every other source (config_from_absl).
-      flags.DEFINE_integer(s.flag, None, _flag_help(s), lower_bound=1,
-                           upper_bound=config_lib.MAX_COUNT, flag_values=fv)
-
-
-def config_from_absl(fields: Iterable[str] = ALL_FIELDS,
-                     flag_values: Any = None) -> config_lib.StageConfig:
-  """Resolves the configuration from parsed absl flags plus the environment (config.resolve)."""
-  from absl import flags
-
-  fv = flag_values if flag_values is not None else flags.FLAGS
-  explicit = {f: fv[config_lib.SETTINGS_BY_FIELD[f].flag].value for f in fields
-              if config_lib.SETTINGS_BY_FIELD[f].flag in fv}
-  return config_lib.resolve(explicit, explicit_source="flag")
-
-
-# One spelling for every flag of every command: underscores, as the hosts' drivers spell theirs
-# (tunix's argparse drivers and MaxText's absl flags: --stage_train_batches sits on their command
-# lines next to ours). The dashed spelling is accepted as an alias; so are the old names below.
-OLD_NAMES = {
-    "max_device_batches": "stage_max_device_batches",
-    "max_host_batches": "stage_max_host_batches",
-}
-
-
 class Parser(argparse.ArgumentParser):
-  """argparse with the plugin's flag spelling: --a_b canonical, --a-b and OLD_NAMES accepted.
+  """argparse with the plugin's flag spelling: --a_b canonical, --a-b accepted.
+
+  One spelling for every flag of every command: underscores, as the hosts' drivers spell theirs
+  (tunix's argparse drivers: --stage_train_batches sits on their command lines next to ours).
 
   Only this parser's own long options are rewritten, and nothing after a bare `--` (a command
   given to `tunix-stage run` keeps its flags as written). Subcommand parsers are Parsers too.
@@ -104,7 +68,6 @@ class Parser(argparse.ArgumentParser):
       return token
     name, sep, value = token[2:].partition("=")
     spelled = name.replace("-", "_")
-    spelled = OLD_NAMES.get(spelled, spelled)
     if f"--{name}" in self._option_string_actions or f"--{spelled}" not in self._option_string_actions:
       return token
     return f"--{spelled}{sep}{value}"

@@ -85,7 +85,7 @@ def serve(kind: str) -> None:
 
   import tunix_stage_plugin
   from tunix_stage_plugin.core import config as config_lib
-  from tunix_stage_plugin.core import rss
+  from tunix_stage_plugin.lab import rss
   from tunix_stage_plugin.hosts.tunix import installation
 
   if kind == "plugin":

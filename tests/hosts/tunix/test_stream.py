@@ -115,7 +115,7 @@ def test_an_inline_train_call_over_the_cap_goes_in_chunks_and_runs_on_the_comput
   async def main():
     server, handle, engine = await serve(worker)
     assert server in staging.streaming_servers
-    streams = staging.streams_of(engine)
+    streams = stream.streams_of(engine)
     try:
       with pytest.raises(grpc.aio.AioRpcError) as unary:  # tunix's own call cannot carry it
         await engine.train_step(sent, role=ACTOR)
@@ -148,7 +148,7 @@ def test_below_the_cap_the_inline_call_is_the_hosts_own_train_step(cap, staging)
 
   async def main():
     server, handle, engine = await serve(worker)
-    streams = staging.streams_of(engine)
+    streams = stream.streams_of(engine)
     stage_engine = program_hooks.StageEngine(engine, streams)
     host = distributed_rl_engine.DistributedRLEngine.train_step
     try:
@@ -197,7 +197,7 @@ def test_a_header_over_the_trainers_cap_is_refused_before_its_bytes(cap, staging
     server, handle, engine = await serve(worker)
     try:
       with pytest.raises(RuntimeError) as refused:
-        await stream.train_step(engine, staging.streams_of(engine), big(), role=ACTOR,
+        await stream.train_step(engine, stream.streams_of(engine), big(), role=ACTOR,
                                 accumulate_gradients=True, apply_optimizer=False)
     finally:
       await close(server, handle, engine)
@@ -222,7 +222,7 @@ def test_a_trainer_without_the_stream_stops_an_over_cap_call_with_one_line(cap):
     try:
       outcome = await engine.stage_train_batch(big(), key="big-1")
       with pytest.raises(stream.PayloadOverCap) as stopped:
-        await stream.train_step(engine, installation.current().streams_of(engine), big(),
+        await stream.train_step(engine, stream.streams_of(engine), big(),
                                 role=ACTOR, accumulate_gradients=True, apply_optimizer=True)
       await stream.close_streams(engine)
     finally:
@@ -285,7 +285,7 @@ def test_reference_log_probs_over_the_cap_go_in_chunks_to_the_reference_worker(c
                                                        rpc_timeout_s=30)
     engine = distributed_rl_engine.DistributedRLEngine(
         [], {}, inference_workers={datatypes.Role.REFERENCE: handle})
-    streams = staging.streams_of(engine)
+    streams = stream.streams_of(engine)
     try:
       small = await stream.per_token_logps(engine, streams, datatypes.Role.REFERENCE, big(1, 1))
       calls_small = streams.calls

@@ -7,6 +7,7 @@ import inspect
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.hosts import version
 from tunix_stage_plugin.hosts.probing import Probe, check, free, method
 
@@ -15,13 +16,13 @@ if TYPE_CHECKING:
   from tunix_stage_plugin.core import patching
 
 DIST = "maxtext"
-ENGINE = "maxtext.training_engine.maxtext_engine"
+ENGINE = triggers.MAXTEXT_ENGINE
 SEAM = "_prepare_batch"
 
 
 class MaxTextAdapter:
   name = "maxtext"
-  trigger_modules = (ENGINE,)
+  trigger_modules = triggers.HOST_TRIGGERS["maxtext"]
   hook_groups = (
       "engine: a staged micro-batch prepared once through MaxTextTrainingEngine._prepare_batch, "
       "placed on the engine's batch shardings; stale after with_gen_model_input_fn, dropped on "
@@ -79,9 +80,6 @@ class MaxTextAdapter:
         check("engine: _split_static_and_dynamic(batch)", split),
         check("engine: with_gen_model_input_fn / restore_checkpoint / close", lifecycle),
     ]
-
-  def runtime_probes(self) -> list[Probe]:
-    return []
 
   def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
     del live  # the bounds are the trainer worker's (the tunix adapter's installation)

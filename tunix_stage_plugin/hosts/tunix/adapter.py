@@ -7,18 +7,15 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.hosts import version
 
 if TYPE_CHECKING:
   from tunix_stage_plugin.core import patching
   from tunix_stage_plugin.core import config as config_lib
-  from tunix_stage_plugin.hosts import Probe
+  from tunix_stage_plugin.hosts.probing import Probe
 
 DIST = "google-tunix"
-REMOTE_EXECUTION = "tunix.experimental.worker.remote_execution"
-TRAINER_WORKER = "tunix.experimental.worker.trainer_worker"
-ENGINE = "tunix.experimental.orchestrator.distributed_rl_engine"
-PROGRAM = "tunix.experimental.orchestrator.rl_program"
 PEFT_TRAINER = "tunix.experimental.train.peft_trainer_v2"
 
 
@@ -33,7 +30,8 @@ class Modules:
 
 class TunixAdapter:
   name = "tunix"
-  trigger_modules = (REMOTE_EXECUTION, TRAINER_WORKER, ENGINE, PROGRAM)
+  # remote_execution, trainer_worker, distributed_rl_engine, rl_program: the order of Modules.
+  trigger_modules = triggers.HOST_TRIGGERS["tunix"]
   hook_groups = (
       "server: trainer methods off the event loop, a chunked stream for calls over the "
       "message cap",
@@ -65,15 +63,13 @@ class TunixAdapter:
     from tunix_stage_plugin.hosts.tunix import probes  # pylint: disable=import-outside-toplevel
     return probes.run(self.modules)
 
-  def runtime_probes(self) -> list[Probe]:
-    return []  # the trainer's seam is probed with the rest (load() imports the trainer module)
-
   def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
     # pylint: disable=import-outside-toplevel
     from tunix_stage_plugin.hosts.tunix import engine, installation, program, server, stream, worker
     m = self.modules
     inst = installation.start(live)
     registry.on_undo(lambda: installation.stop(inst))  # executors closed, staged batches dropped
+    registry.on_undo(stream.drop_streams)  # the orchestrator's stream clients a loop left
     server.apply(registry, inst, m.remote_execution.RemoteExecutionServer,
                  m.remote_execution.GrpcRemoteExecutionServer, m.trainer_worker.TrainerWorker)
     stream.apply_server(registry, inst, m.remote_execution.GrpcRemoteExecutionServer)

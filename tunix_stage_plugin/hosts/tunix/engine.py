@@ -87,7 +87,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
                               ) -> outcome_lib.StageOutcome:
     """Sends stage_batch to the trainer (through its chunked stream when over tunix's message
     cap); the outcome says whether to train by key or inline."""
-    return await _stage(self, inst.streams_of(self), payload, key, role)
+    return await _stage(self, stream.streams_of(self), payload, key, role)
 
   registry.set(engine_cls, "stage_train_batch", stage_train_batch)
   registry.set(engine_cls, "reset_staged_batches", reset_staged_batches)

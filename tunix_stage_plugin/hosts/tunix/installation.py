@@ -53,8 +53,6 @@ class Installation:
     self.max_stream_bytes = MAX_STREAM_BYTES
     self.streaming_servers: "weakref.WeakSet[Any]" = weakref.WeakSet()
     self.chunked_calls: collections.Counter[str] = collections.Counter()
-    # Orchestrator side: each engine's stream clients (hosts.tunix.stream.Streams).
-    self._streams: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
     live.on_update(self._reconfigure)
 
   def staging_of(self, worker: Any) -> WorkerStaging:
@@ -75,15 +73,6 @@ class Installation:
         weakref.finalize(server, executor.close, timeout=0)
       return executor
 
-  def streams_of(self, engine: Any) -> Any:
-    """The engine's chunked-stream clients (hosts.tunix.stream.Streams), made on first use."""
-    from tunix_stage_plugin.hosts.tunix import stream  # pylint: disable=import-outside-toplevel
-    with self._lock:
-      streams = self._streams.get(engine)
-      if streams is None:
-        streams = self._streams[engine] = stream.Streams()
-      return streams
-
   def pop_executor(self, server: Any) -> executor_lib.MethodExecutor | None:
     with self._lock:
       return self._executors.pop(server, None)
@@ -96,12 +85,10 @@ class Installation:
 
   def close(self) -> None:
     """Drops every staged batch, closes every executor (bounded) and gives back the idle receive
-    buffers; the hooks are going away. Stream channels are closed by the loops that own them
-    (the program's train loop); any left are dropped here."""
+    buffers; the hooks are going away."""
     with self._lock:
       states, self._workers = list(self._workers.values()), weakref.WeakKeyDictionary()
       executors, self._executors = list(self._executors.values()), weakref.WeakKeyDictionary()
-      self._streams = weakref.WeakKeyDictionary()
     for state in states:
       state.store.reset()
     for executor in executors:

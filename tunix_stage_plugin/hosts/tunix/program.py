@@ -262,7 +262,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     # stage_train_batch with a mock; the host's loop is the right one for it.
     if not issubclass(type(engine), engine_cls):
       return await original_train_stage(self, engine, num_steps)
-    streams = inst.streams_of(engine)
+    streams = stream.streams_of(engine)
     try:
       return await _staged_train_stage(self, engine, num_steps, inst.live.config, streams)
     finally:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import threading
 import traceback
 import weakref
 from typing import Any
@@ -196,10 +197,30 @@ class Streams:
       await client.close()
 
 
+# Orchestrator side: each engine's stream clients, made on first use. The staged train loop closes
+# its engine's channels when it ends; uninstall drops what is left (drop_streams).
+_streams: "weakref.WeakKeyDictionary[Any, Streams]" = weakref.WeakKeyDictionary()
+_streams_lock = threading.Lock()
+
+
+def streams_of(engine: Any) -> Streams:
+  """`engine`'s stream clients, one set per DistributedRLEngine."""
+  with _streams_lock:
+    streams = _streams.get(engine)
+    if streams is None:
+      streams = _streams[engine] = Streams()
+    return streams
+
+
+def drop_streams() -> None:
+  with _streams_lock:
+    _streams.clear()
+
+
 async def close_streams(engine: Any) -> None:
   """Closes `engine`'s stream channels. The staged train loop does it when it ends; a caller of
   `stage_train_batch` outside that loop calls it on the same event loop before the loop ends."""
-  await installation_lib.current().streams_of(engine).close()
+  await streams_of(engine).close()
 
 
 def over_cap(worker: Any, method: str, kwargs: dict[str, Any]) -> chunked.EncodedRequest | None:

@@ -9,9 +9,10 @@ import sys
 import textwrap
 from typing import Any
 
-from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin import lab
+from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.core import flags as flags_lib
-from tunix_stage_plugin.core import inputs
+from tunix_stage_plugin.lab import inputs
 
 CHECK_TOLERANCE = 0.05  # --check: a prediction within 5 % of the measured median step
 # --check on a --tiny bench: its steps last milliseconds, so its timings judge nothing (the label
@@ -65,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _what_if(text: str) -> tuple[str, float]:
   # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.sim import trace as trace_lib
+  from tunix_stage_plugin.lab.sim import trace as trace_lib
   resource, _, factor = text.partition("=")
   if resource not in trace_lib.RESOURCES:
     raise ValueError(f"accepted: RESOURCE=FACTOR with RESOURCE one of "
@@ -75,7 +76,7 @@ def _what_if(text: str) -> tuple[str, float]:
 
 def _modes(text: str) -> tuple[str, ...]:
   # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.sim import run as run_lib
+  from tunix_stage_plugin.lab.sim import run as run_lib
   modes = tuple(m.strip() for m in text.split(",") if m.strip())
   if not modes or len(set(modes)) != len(modes):
     raise ValueError("accepted: a comma-separated list of distinct modes")
@@ -85,9 +86,13 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
+  missing = lab.missing_line("simulate")
+  if missing is not None:
+    print(missing, file=sys.stderr)
+    return 2
   # pylint: disable=import-outside-toplevel
-  from tunix_stage_plugin.sim import run as run_lib
-  from tunix_stage_plugin.sim import trace as trace_lib
+  from tunix_stage_plugin.lab.sim import run as run_lib
+  from tunix_stage_plugin.lab.sim import trace as trace_lib
 
   p = inputs.Problems()
   modes = p.take("--modes", args.modes, _modes) or modes_lib.DEFAULT_MODES
@@ -141,7 +146,7 @@ def _figures(result: Any, hidden: float | None, inline_total: float | None) -> d
 
 
 def _predict(trace: Any, modes: tuple[str, ...], device: int, host: int) -> dict[str, Any]:
-  from tunix_stage_plugin.sim import run as run_lib  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.sim import run as run_lib  # pylint: disable=import-outside-toplevel
   results = {m: run_lib.simulate(trace, m, max_device_batches=device, max_host_batches=host)
              for m in modes}
   hidden = run_lib.hidden_fractions(results)
@@ -155,7 +160,7 @@ def _predict(trace: Any, modes: tuple[str, ...], device: int, host: int) -> dict
 
 def _check_step(step: int, traces: dict[str, Any]) -> None:
   """--step names a step after the fill (step 0) that every mode's trace has."""
-  from tunix_stage_plugin.sim import trace as trace_lib  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.sim import trace as trace_lib  # pylint: disable=import-outside-toplevel
   last = min(len(t.steps) for t in traces.values()) - 1
   if last >= 1 and step > last:  # (a trace of one step is refused by the simulator itself)
     raise trace_lib.TraceError(f"--step {step}: accepted: a step from 1 to {last} (the trace's "
@@ -165,7 +170,7 @@ def _check_step(step: int, traces: dict[str, Any]) -> None:
 def _bench_traces(path: str, modes: tuple[str, ...], factors: dict[str, float]
                   ) -> tuple[dict[str, Any], dict[str, Any]]:
   """--check's input: the bench JSON and, per mode it measured, that mode's recorded times."""
-  from tunix_stage_plugin.sim import trace as trace_lib  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.sim import trace as trace_lib  # pylint: disable=import-outside-toplevel
   bench = trace_lib.read_json(path)
   if not isinstance(bench, dict) or not isinstance(bench.get("modes"), dict):
     raise trace_lib.TraceError(f"{path}: not a tunix-stage bench JSON (no modes); accepted with "
@@ -183,7 +188,7 @@ def _bench_traces(path: str, modes: tuple[str, ...], factors: dict[str, float]
 
 def _check(path: str, bench: dict[str, Any], traces: dict[str, Any], device: int,
            host: int) -> dict[str, Any]:
-  from tunix_stage_plugin.sim import run as run_lib  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.sim import run as run_lib  # pylint: disable=import-outside-toplevel
   measured = bench["modes"]
   options = bench.get("options") or {}
   device = options.get("max_device_batches", device)
@@ -262,7 +267,7 @@ class _Picture:
 
 
 def _picture(path: str, results: dict[str, Any], step: int) -> None:
-  from tunix_stage_plugin.bench import plot  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.bench import plot  # pylint: disable=import-outside-toplevel
   assert step <= min(len(r.step_s) for r in results.values()), step  # run() checked it
   try:
     plot.write_timeline_png(path, [_Picture(m, r, step) for m, r in results.items()],

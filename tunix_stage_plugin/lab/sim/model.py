@@ -16,7 +16,7 @@ from typing import Any
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.sim import trace as trace_lib
+from tunix_stage_plugin.lab.sim import trace as trace_lib
 
 COMPUTE, SYNC = tracks.DEVICE_COMPUTE, tracks.DEVICE_SYNC
 H2D, RECEIVE = tracks.TRAINER_H2D, tracks.TRAINER_RECEIVE

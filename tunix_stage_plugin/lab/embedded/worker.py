@@ -22,12 +22,12 @@ from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.core import rss
+from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import pacing
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import pacing
 
 LIGHT_METHODS = executor_lib.LIGHT_METHODS | {"timeline", "memory"}
 
@@ -122,7 +122,7 @@ class TrainerWorker:
     few micro-batches (the pool reuses them), a short benchmark run starts from them.
     """
     # pylint: disable-next=import-outside-toplevel  (JAX loads with the first setup, not at import)
-    from tunix_stage_plugin.embedded import trainer as trainer_lib
+    from tunix_stage_plugin.lab.embedded import trainer as trainer_lib
 
     h2d = pacing.SharedLink(None if h2d_mbps is None else h2d_mbps * 1e6)  # checks the rate
     self.store.reset()

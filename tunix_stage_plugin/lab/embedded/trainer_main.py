@@ -1,4 +1,4 @@
-"""Trainer process: `python -m tunix_stage_plugin.embedded.trainer_main --port PORT`.
+"""Trainer process: `python -m tunix_stage_plugin.lab.embedded.trainer_main --port PORT`.
 
 Serves the embedded trainer worker on 127.0.0.1:PORT, printing `READY 127.0.0.1:PORT` (flushed)
 once serving (`--port 0`: a free port, named in that line); logs go to stderr. A second
@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
-from tunix_stage_plugin.core import inputs
-from tunix_stage_plugin.embedded import server as server_lib
-from tunix_stage_plugin.embedded import worker as worker_lib
+from tunix_stage_plugin.lab import inputs
+from tunix_stage_plugin.lab.embedded import server as server_lib
+from tunix_stage_plugin.lab.embedded import worker as worker_lib
 
-log = logging.getLogger("tunix_stage_plugin.embedded")
+log = logging.getLogger("tunix_stage_plugin.lab.embedded")
 
 EXIT_ABANDONED = 3  # stopped as asked, but calls still running after the grace were abandoned
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -52,7 +52,7 @@ _mib = inputs.argparse_type(lambda text: inputs.integer(text, minimum=1, maximum
 
 def build_parser() -> argparse.ArgumentParser:
   parser = flags_lib.Parser(
-      prog="python -m tunix_stage_plugin.embedded.trainer_main",
+      prog="python -m tunix_stage_plugin.lab.embedded.trainer_main",
       description="Serve the embedded JAX trainer over gRPC on 127.0.0.1 until SIGTERM/SIGINT.")
   parser.add_argument("--port", type=_port, required=True,
                       help="TCP port on 127.0.0.1 (0: any free port, named in the READY line)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tunix_stage_plugin.bench import runner
+from tunix_stage_plugin.lab.bench import runner
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
 
@@ -27,7 +27,7 @@ LEGEND = (
 
 
 class PlotUnavailable(RuntimeError):
-  """matplotlib is not installed (pip install 'tunix-stage-plugin[plot]')."""
+  """matplotlib is not installed (pip install 'tunix-stage-plugin[bench]')."""
 
 
 def _colour(span: timeline_lib.Span) -> str:
@@ -46,8 +46,8 @@ def write_timeline_png(path: str, runs: Sequence[runner.ModeRun], title: str = "
     from matplotlib import patches  # pylint: disable=import-outside-toplevel
     from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise PlotUnavailable(f"the timeline PNG needs matplotlib ({e}); install the 'plot' extra: "
-                          "pip install -e '.[plot]'") from None
+    raise PlotUnavailable(f"the timeline PNG needs matplotlib ({e}); install the 'bench' extra: "
+                          "pip install -e '.[bench]'") from None
   if not runs:
     raise ValueError("no mode runs to plot")
   end = max((s.end - r.origin for r in runs for s in r.spans), default=1.0)

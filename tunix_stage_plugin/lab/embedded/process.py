@@ -43,7 +43,7 @@ class TrainerProcess:
     if exit_with_parent is None:
       on_main = threading.current_thread() is threading.main_thread()
       exit_with_parent = "both" if on_main else "pipe"
-    cmd = [sys.executable, "-m", "tunix_stage_plugin.embedded.trainer_main", "--port", "0",
+    cmd = [sys.executable, "-m", "tunix_stage_plugin.lab.embedded.trainer_main", "--port", "0",
            "--stage_train_batches", mode, "--exit_with_parent", exit_with_parent, *extra_args]
     if max_device_batches is not None:
       cmd += ["--stage_max_device_batches", str(max_device_batches)]

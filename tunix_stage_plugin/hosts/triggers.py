@@ -1,23 +1,24 @@
-"""Which imports the env-gated bootstrap watches, per host: a static table, read at start-up.
+"""The built-in hosts' module names: what installs each one, and the drivers known to take flags.
 
-Loading the host adapters through their entry points needs importlib.metadata to scan every
-installed distribution (~40 ms per interpreter start), so the bootstrap watches these module names
-instead and loads the adapter only when one of them is imported. A test keeps the table equal to
-the registered adapters' `trigger_modules`. A host adapter that is not listed here is installed
-through `tunix_stage_plugin.install(host=...)` (docs/tunix.md "Activation, three ways").
+The one home of these names: each adapter takes its `trigger_modules` from HOST_TRIGGERS, and the
+env-gated bootstrap watches them at interpreter start. The bootstrap reads this module rather
+than the adapters because loading adapters (their entry points, importlib.metadata) costs ~100 ms
+per interpreter start; this module imports nothing. A host adapter that is not listed here is
+installed through `tunix_stage_plugin.install(host=...)` (docs/tunix.md "Activation, three ways").
 
-The second table names the drivers known to take the staging flags: the bootstrap watches the
+KNOWN_DRIVERS names the drivers known to take the staging flags: the bootstrap watches the
 modules of those whose flags the plugin adds (docs/tunix.md, "Driver flags").
 """
 
+TUNIX_REMOTE_EXECUTION = "tunix.experimental.worker.remote_execution"
+TUNIX_TRAINER_WORKER = "tunix.experimental.worker.trainer_worker"
+TUNIX_ENGINE = "tunix.experimental.orchestrator.distributed_rl_engine"
+TUNIX_PROGRAM = "tunix.experimental.orchestrator.rl_program"
+MAXTEXT_ENGINE = "maxtext.training_engine.maxtext_engine"
+
 HOST_TRIGGERS: dict[str, tuple[str, ...]] = {
-    "tunix": (
-        "tunix.experimental.worker.remote_execution",
-        "tunix.experimental.worker.trainer_worker",
-        "tunix.experimental.orchestrator.distributed_rl_engine",
-        "tunix.experimental.orchestrator.rl_program",
-    ),
-    "maxtext": ("maxtext.training_engine.maxtext_engine",),
+    "tunix": (TUNIX_REMOTE_EXECUTION, TUNIX_TRAINER_WORKER, TUNIX_ENGINE, TUNIX_PROGRAM),
+    "maxtext": (MAXTEXT_ENGINE,),
 }
 
 
@@ -48,6 +49,6 @@ KNOWN_DRIVERS: tuple[Driver, ...] = (
            "tunix's DeepSWE GRPO driver (newer tunix main)"),
     Driver("tunix.experimental.examples.math_gsm8k_dist.run_gsm8k_dist_grpo", "tunix",
            "_parse_args", "tunix's GSM8K GRPO driver"),
-    Driver("tunix_stage_plugin.embedded.orchestrator_main", "embedded", None,
+    Driver("tunix_stage_plugin.lab.embedded.orchestrator_main", "embedded", None,
            "the embedded host's orchestrator"),
 )

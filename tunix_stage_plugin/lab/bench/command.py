@@ -10,11 +10,12 @@ import sys
 import textwrap
 from typing import TYPE_CHECKING, Any
 
-from tunix_stage_plugin.bench import modes as modes_lib
-from tunix_stage_plugin.core import inputs
+from tunix_stage_plugin import lab
+from tunix_stage_plugin.lab.bench import modes as modes_lib
+from tunix_stage_plugin.lab import inputs
 
 if TYPE_CHECKING:  # the bench modules load grpc; `tunix-stage --help` should not wait for that
-  from tunix_stage_plugin.bench import runner
+  from tunix_stage_plugin.lab.bench import runner
 
 DEFAULT_OUT = "bench-out"
 QUICK = {"rounds": 1, "steps": 2}
@@ -33,7 +34,7 @@ def _modes(text: str) -> tuple[str, ...]:
 def _check_codec_modes(p: inputs.Problems, modes: tuple[str, ...], codec: str | None) -> None:
   """A codec mode with --stage_codec off compresses with `on`: its library must be installed."""
   # pylint: disable=import-outside-toplevel,redefined-outer-name
-  from tunix_stage_plugin.bench import runner
+  from tunix_stage_plugin.lab.bench import runner
   from tunix_stage_plugin.core import codec as codec_lib
   named = [m for m in modes if modes_lib.BY_NAME[m].codec]
   if named and codec == codec_lib.OFF:  # an invalid --stage_codec is reported on its own
@@ -154,7 +155,7 @@ def _h2d(text: str) -> str:
 
 def _payload(text: str) -> str:
   # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.embedded import data as data_lib
+  from tunix_stage_plugin.lab.embedded import data as data_lib
   if text not in data_lib.PAYLOADS:
     raise ValueError(f"accepted: {' | '.join(data_lib.PAYLOADS)}")
   return text
@@ -176,7 +177,7 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
                                                list[str]]:
   """Every option at once: (options, output files, []) or (None, {}, one line per problem)."""
   # pylint: disable-next=import-outside-toplevel,redefined-outer-name
-  from tunix_stage_plugin.bench import runner
+  from tunix_stage_plugin.lab.bench import runner
 
   p = inputs.Problems()
   length = QUICK if args.quick else FULL
@@ -269,6 +270,10 @@ class _Interrupts:
 def run(args: argparse.Namespace) -> int:
   if args.compare:
     return _compare(*args.compare)
+  missing = lab.missing_line("bench")
+  if missing is not None:
+    print(missing, file=sys.stderr)
+    return 2
   os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
   with _Interrupts() as caught:
     try:
@@ -280,10 +285,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
   # pylint: disable=import-outside-toplevel  (keep `tunix-stage --help` fast)
-  from tunix_stage_plugin.bench import report
-  from tunix_stage_plugin.bench import runner  # pylint: disable=redefined-outer-name
-  from tunix_stage_plugin.embedded import client
-  from tunix_stage_plugin.embedded import process
+  from tunix_stage_plugin.lab.bench import report
+  from tunix_stage_plugin.lab.bench import runner  # pylint: disable=redefined-outer-name
+  from tunix_stage_plugin.lab.embedded import client
+  from tunix_stage_plugin.lab.embedded import process
 
   options, files, problems = _check(args)
   if options is None:
@@ -334,7 +339,7 @@ def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
 
 
 def _compare(path_a: str, path_b: str) -> int:
-  from tunix_stage_plugin.bench import compare  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.bench import compare  # pylint: disable=import-outside-toplevel
 
   try:
     print(compare.compare(path_a, path_b))
@@ -349,7 +354,7 @@ def _say_overwrite(args: argparse.Namespace, files: dict[str, str]) -> None:
   old = os.path.join(DEFAULT_OUT, _FILES["json"])
   if args.out != DEFAULT_OUT or files.get("json") != old or not os.path.isfile(old):
     return
-  from tunix_stage_plugin.bench import meta  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.bench import meta  # pylint: disable=import-outside-toplevel
   print(f"tunix-stage bench: overwriting {DEFAULT_OUT}/ from {meta.run_date(old)}; "
         "use --out DIR to keep it", file=sys.stderr)
 
@@ -358,10 +363,10 @@ def _write(result: runner.BenchResult, files: dict[str, str],
            summary: dict[str, Any], checks: list[Any] | None = None) -> list[str]:
   """Writes the PNG and trace (when a run finished), then the JSON; returns the paths written."""
   # pylint: disable=import-outside-toplevel
-  from tunix_stage_plugin.bench import plot
-  from tunix_stage_plugin.bench import report
-  from tunix_stage_plugin.bench import runner  # pylint: disable=redefined-outer-name
-  from tunix_stage_plugin.bench import trace
+  from tunix_stage_plugin.lab.bench import plot
+  from tunix_stage_plugin.lab.bench import report
+  from tunix_stage_plugin.lab.bench import runner  # pylint: disable=redefined-outer-name
+  from tunix_stage_plugin.lab.bench import trace
 
   files = dict(files)
   if not result.runs:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tunix_stage_plugin.bench import cpu
-from tunix_stage_plugin.bench import meta
-from tunix_stage_plugin.bench import metrics
-from tunix_stage_plugin.bench import runner
-from tunix_stage_plugin.embedded import data as data_lib
+from tunix_stage_plugin.lab.bench import cpu
+from tunix_stage_plugin.lab.bench import meta
+from tunix_stage_plugin.lab.bench import metrics
+from tunix_stage_plugin.lab.bench import runner
+from tunix_stage_plugin.lab.embedded import data as data_lib
 
 HIDDEN_MIN = 0.97  # depth2_prestage must hide at least this much of the inline transfer time
 LIMIT_MAX = 1.03  # and its step be at most this much above the device's limit

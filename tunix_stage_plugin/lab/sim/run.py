@@ -14,12 +14,12 @@ from typing import AsyncIterator
 
 import looptime
 
-from tunix_stage_plugin.bench import metrics
-from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin.lab.bench import metrics
+from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
-from tunix_stage_plugin.sim import model
-from tunix_stage_plugin.sim import trace as trace_lib
+from tunix_stage_plugin.lab.sim import model
+from tunix_stage_plugin.lab.sim import trace as trace_lib
 
 _DEPTH_MODE = re.compile(r"depth(?P<depth>[1-9][0-9]?)(?P<prestage>_prestage)?")
 

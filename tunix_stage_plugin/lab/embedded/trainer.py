@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tunix_stage_plugin.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
 
 DATA_AXIS = "data"
 

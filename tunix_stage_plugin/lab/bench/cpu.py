@@ -1,8 +1,8 @@
 """CPU used by *other* processes while a benchmark mode runs (Linux /proc; None elsewhere).
 
-On a 2-core machine one foreign busy core can double the compute time (perf-limits.md §0), so a
+On a 2-core machine one foreign busy core can double the compute time, so a
 figure measured under outside load is noise. The benchmark samples the foreign load per step,
-takes its medians over the quiet steps (<= QUIET_CORES) and re-runs a mode run with no quiet step.
+takes its medians over the quiet steps (<= QUIET_CORES) and re-runs a mode run with no quiet step (docs/bench.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A call is (method name, args, kwargs) pickled with protocol 5 and `buffer_callback`, so every
 numpy array in it travels *out of band* as raw bytes and the pickle itself stays a few hundred
-bytes (perf-limits.md §3: in-band pickling costs a copy into fresh memory each way).
+bytes (in-band pickling costs a copy into fresh memory each way; docs/performance.md).
 
 - Small calls (out-of-band bytes <= STREAM_THRESHOLD) are re-pickled in band and sent as one unary
   gRPC message.

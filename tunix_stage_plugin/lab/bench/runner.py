@@ -21,19 +21,19 @@ from typing import Callable
 
 import numpy as np
 
-from tunix_stage_plugin.bench import cpu
-from tunix_stage_plugin.bench import metrics
-from tunix_stage_plugin.bench import modes as modes_lib
+from tunix_stage_plugin.lab.bench import cpu
+from tunix_stage_plugin.lab.bench import metrics
+from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import codec as codec_lib
-from tunix_stage_plugin.core import rss
+from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.embedded import client as client_lib
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import engine as engine_lib
-from tunix_stage_plugin.embedded import job as job_lib
-from tunix_stage_plugin.embedded import process as process_lib
+from tunix_stage_plugin.lab.embedded import client as client_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import engine as engine_lib
+from tunix_stage_plugin.lab.embedded import job as job_lib
+from tunix_stage_plugin.lab.embedded import process as process_lib
 
 MODE_TABLE, MODES, SCENARIOS = modes_lib.MODE_TABLE, modes_lib.MODES, modes_lib.SCENARIOS
 BY_NAME = modes_lib.BY_NAME

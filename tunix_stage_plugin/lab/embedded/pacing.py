@@ -3,7 +3,7 @@
 On a CPU machine, loopback gRPC runs at ~1 GB/s and `jax.device_put` of an aligned buffer is
 zero-copy, so neither resembles production (wire 8-10 s, host-to-device 3.9 s per micro-batch).
 Both are emulated by *sleeping* for the bytes' transmission time: the CPU stays free, as it would
-while a NIC or a DMA engine moves the bytes (perf-limits.md §9).
+while a NIC or a DMA engine moves the bytes (docs/embedded.md).
 """
 
 from __future__ import annotations

@@ -31,10 +31,10 @@ from typing import Sequence
 import numpy as np
 
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.embedded import pacing
-from tunix_stage_plugin.embedded import wire
+from tunix_stage_plugin.lab.embedded import pacing
+from tunix_stage_plugin.lab.embedded import wire
 
-log = logging.getLogger("tunix_stage_plugin.embedded")
+log = logging.getLogger("tunix_stage_plugin.lab.embedded")
 
 MAGIC = b"TSB1"
 HEADER = struct.Struct(f"<4s{wire.TRANSFER_ID_BYTES}sI")  # magic, transfer id, buffer count

@@ -7,10 +7,10 @@ import dataclasses
 from typing import Any, Callable
 
 from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.embedded import client as client_lib
+from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.core import store as store_lib
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import wire
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import wire
 
 
 @dataclasses.dataclass

@@ -2,8 +2,8 @@
 
 The server's event loop only moves messages: it never copies a payload, unpickles one, places it
 or waits for the device. Each method runs on its core.executor lane (compute, staging or inline),
-and a large call's unpickling runs on that lane too (perf-limits.md §5: a ping waits 452 ms behind
-a 0.5 s handler on the loop). A large call's bytes arrive on the bulk channel (bulk.py), received
+and a large call's unpickling runs on that lane too (work on the loop delays every other call:
+measured, a ping waits 452 ms behind a 0.5 s handler run there). A large call's bytes arrive on the bulk channel (bulk.py), received
 by its own threads into pooled aligned buffers.
 
 A large call is refused by its header, before any of its bytes are read: more than
@@ -25,10 +25,10 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.embedded import bulk as bulk_lib
-from tunix_stage_plugin.embedded import wire
+from tunix_stage_plugin.lab.embedded import bulk as bulk_lib
+from tunix_stage_plugin.lab.embedded import wire
 
-log = logging.getLogger("tunix_stage_plugin.embedded")
+log = logging.getLogger("tunix_stage_plugin.lab.embedded")
 
 BIND_HOST = "127.0.0.1"
 DEFAULT_MAX_CALL_BYTES = 4096 << 20

@@ -18,8 +18,8 @@ from typing import AsyncIterator, Callable
 
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import engine as engine_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import engine as engine_lib
 
 KINDS = ("inline", "staged", "resident")
 

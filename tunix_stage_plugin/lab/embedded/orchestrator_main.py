@@ -1,4 +1,4 @@
-"""Orchestrator process: `python -m tunix_stage_plugin.embedded.orchestrator_main --trainer ADDR`.
+"""Orchestrator process: `python -m tunix_stage_plugin.lab.embedded.orchestrator_main --trainer ADDR`.
 
 Trains `--steps` steps of `--microbatches` micro-batches against a trainer_main: a line per step
 plus a summary (stage/fallbacks per step, the parameters' digest, whether every micro-batch
@@ -19,18 +19,18 @@ import sys
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
-from tunix_stage_plugin.core import inputs
-from tunix_stage_plugin.embedded import client as client_lib
-from tunix_stage_plugin.embedded import data as data_lib
-from tunix_stage_plugin.embedded import engine as engine_lib
-from tunix_stage_plugin.embedded import job as job_lib
+from tunix_stage_plugin.lab import inputs
+from tunix_stage_plugin.lab.embedded import client as client_lib
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import engine as engine_lib
+from tunix_stage_plugin.lab.embedded import job as job_lib
 
 PROG = "orchestrator_main"
 
 
 def build_parser() -> argparse.ArgumentParser:
   parser = flags_lib.Parser(
-      prog=f"python -m tunix_stage_plugin.embedded.{PROG}",
+      prog=f"python -m tunix_stage_plugin.lab.embedded.{PROG}",
       description="Drive the embedded trainer: train steps of micro-batches, inline or staged.")
   parser.add_argument("--trainer", required=True, metavar="HOST:PORT",
                       help="the trainer_main address, e.g. 127.0.0.1:50051")

@@ -25,9 +25,9 @@ from typing import Any
 
 import grpc
 
-from tunix_stage_plugin.embedded import bulk as bulk_lib
-from tunix_stage_plugin.embedded import pacing
-from tunix_stage_plugin.embedded import wire
+from tunix_stage_plugin.lab.embedded import bulk as bulk_lib
+from tunix_stage_plugin.lab.embedded import pacing
+from tunix_stage_plugin.lab.embedded import wire
 
 _ADDRESS_RE = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tunix_stage_plugin.bench import runner
+from tunix_stage_plugin.lab.bench import runner
 from tunix_stage_plugin.core import timeline as timeline_lib
 
 

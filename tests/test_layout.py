@@ -1,0 +1,133 @@
+"""The package's layout: the production path apart from the lab, and no import cycle.
+
+The production path is what a tunix job loads (activation, core, hosts) plus the production
+commands (cli: config, doctor, run); the lab (tunix_stage_plugin.lab) is what only the bench and
+the simulator load. Read statically (every import statement, function-level ones included, so the
+tunix hook modules count although tunix is absent here) and at run time in a fresh interpreter
+with the lab and its libraries blocked.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import tunix_stage_plugin
+
+PACKAGE = pathlib.Path(tunix_stage_plugin.__file__).parent
+LAB = "tunix_stage_plugin.lab"
+PRODUCTION = ("activation", "core", "hosts", "cli/config_cmd.py", "cli/doctor_cmd.py",
+              "cli/run_cmd.py", "__init__.py", "__main__.py")
+LAB_LIBRARIES = ("optax", "looptime", "matplotlib")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  found = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return found
+
+
+def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+  """The package's modules `path` imports: `from pkg import mod` counts as mod, not pkg."""
+  names = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      subs = [f"{node.module}.{a.name}" for a in node.names]
+      names.update([n for n in subs if n in modules] or [node.module])
+  return {n for n in names if n.startswith("tunix_stage_plugin")}
+
+
+def _production_files() -> list[pathlib.Path]:
+  files = []
+  for part in PRODUCTION:
+    path = PACKAGE / part
+    files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+  return files
+
+
+def test_the_production_path_imports_nothing_from_the_lab():
+  modules = _modules()
+  files = _production_files()
+  assert len(files) > 30  # the folders above exist and hold the production modules
+  found = {str(f.relative_to(PACKAGE)): sorted(n for n in _imports(f, modules)
+                                               if n == LAB or n.startswith(LAB + "."))
+           for f in files}
+  assert {f: names for f, names in found.items() if names} == {}
+
+
+def test_no_import_cycle():
+  modules = _modules()
+  edges = {m: {n for n in _imports(p, modules) if n in modules and n != m}
+           for m, p in modules.items()}
+
+  def reaches(start: str, goal: str) -> bool:
+    seen, todo = set(), list(edges[start])
+    while todo:
+      m = todo.pop()
+      if m == goal:
+        return True
+      if m not in seen:
+        seen.add(m)
+        todo += edges[m]
+    return False
+
+  # A module importing its own package's __init__ is how Python loads it, not a cycle.
+  cycles = sorted((a, b) for a in edges for b in edges[a]
+                  if not a.startswith(b + ".") and reaches(b, a))
+  assert cycles == []
+
+
+def test_the_plugin_loads_and_refuses_with_the_lab_and_its_libraries_blocked():
+  blocked = (LAB, *LAB_LIBRARIES)
+  files = _production_files()
+  production = sorted(m for m, p in _modules().items() if p in files)
+  # Every production module is imported; the hook modules that need a host absent here (tunix,
+  # MaxText, flax) stop at that host's import, and only there.
+  code = textwrap.dedent(f"""
+      import importlib, sys
+
+      class Block:
+        def find_spec(self, name, path=None, target=None):
+          if any(name == b or name.startswith(b + ".") for b in {blocked!r}):
+            raise ImportError(f"blocked: {{name}}")
+          return None
+
+      sys.meta_path.insert(0, Block())
+      loaded = 0
+      for name in {production!r}:
+        try:
+          importlib.import_module(name)
+          loaded += 1
+        except ModuleNotFoundError as e:
+          if e.name.split(".")[0] not in ("tunix", "maxtext", "flax"):
+            raise
+      import tunix_stage_plugin
+      print(tunix_stage_plugin.install(mode="stage").line)
+      print(loaded, sorted(m for m in sys.modules if m.startswith({LAB!r})))
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, proc.stderr
+  refusal, loaded = proc.stdout.splitlines()
+  assert loaded.endswith(" []") and int(loaded.split()[0]) > 25, loaded
+  # tunix is absent from the plain suite's environment: the one refusal line, from the real code.
+  assert re.fullmatch(r"tunix-stage: tunix is not importable \(\w+Error: .+\)", refusal), refusal
+
+
+def test_installing_the_package_without_extras_pulls_no_lab_library():
+  requires = importlib.metadata.requires("tunix-stage-plugin") or []
+  runtime = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in requires
+             if "extra ==" not in r}
+  assert runtime == {"numpy", "jax", "grpcio", "cloudpickle"}
+  bench = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in requires
+           if re.search(r"""extra == ["']bench["']""", r)}
+  assert set(LAB_LIBRARIES) <= bench
