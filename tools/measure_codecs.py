@@ -21,8 +21,7 @@ import time
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 
-SPECS = ("blosc2-lz4:1", "blosc2-lz4:5", "blosc2-zstd:1", "blosc2-zstd:3", "zstd:1", "zstd:3",
-         "lz4:0", "lz4:9")
+SPECS = ("blosc2-lz4:1", "blosc2-lz4:5", "blosc2-zstd:1", "blosc2-zstd:3")
 
 
 def _best(fn, repeats: int) -> tuple[float, object]:

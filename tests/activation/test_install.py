@@ -124,7 +124,14 @@ def test_install_is_idempotent_and_updates_depths(adapter, capsys):
   assert again.installed and adapter.applied == 1
   assert snapshot() == patched
   assert manager.current_config("fake").max_staged_batches == 4
-  assert len(capsys.readouterr().err.splitlines()) == 1  # the second call prints nothing
+  err = capsys.readouterr().err.splitlines()
+  assert len(err) == 2 and err[0].startswith("tunix-stage: staging on for fakehost")
+  # The second call changed a depth: one line says what is in force now and where it came from.
+  assert err[1] == ("tunix-stage: staging settings now in force for fake: max_staged_batches=4 "
+                    "(--max_staged_batches), max_device_batches=1, max_host_batches=1, codec=off "
+                    "[--stage_train_batches=stage]")
+  manager.install(stage_config(max_staged_batches=4), host="fake")
+  assert capsys.readouterr().err == ""  # the same settings again: nothing to say
 
 
 def test_reinstall_after_uninstall_is_exact_again(adapter):

@@ -97,7 +97,11 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
       return _refuse(host, f"staging is off ({_mode_origin(config)}); nothing installed", quiet)
     current = _active.get(host)
     if current is not None:
+      changed = current.live.config != config  # values only: sources do not compare
       current.live.update(config)  # idempotent: same hooks, the new depths (live objects too)
+      if changed:
+        _say(f"tunix-stage: staging settings now in force for {host}: {_settings(config)}",
+             quiet)
       return Activation(host, True, current.line, current.registry.names(), config)
     try:
       adapter = entry_points.load_adapter(host)
@@ -118,9 +122,7 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
       patching.report_problems(registry.undo())
       return _refuse(host, f"applying hooks failed, all reverted: {type(e).__name__}: {e}", quiet)
     line = (f"tunix-stage: staging on for {adapter.describe()}: {len(registry.names())} hooks "
-            f"({', '.join(adapter.hook_groups)}); max_staged_batches={config.max_staged_batches}, "
-            f"max_device_batches={config.max_device_batches}, "
-            f"max_host_batches={config.max_host_batches} [{_mode_origin(config)}]")
+            f"({', '.join(adapter.hook_groups)}); {_settings(config, DEPTHS)}")
     _active[host] = _Active(adapter, registry, live, line)
     _say(line, quiet)
     accept_driver_flags(host)
@@ -146,15 +148,35 @@ def activate_from_env(host: str = DEFAULT_HOST) -> Activation | None:
     raise SystemExit(2) from None
   if not config.enabled:
     return None
+  _say_script_driver(host)  # said whether or not the host's hooks install
   return install(config, host=host)
 
 
+# The settings the activation line names (the codec has its own line where it is on).
+DEPTHS = ("max_staged_batches", "max_device_batches", "max_host_batches")
+
+
+def _origin(config: config_lib.StageConfig, field: str) -> str:
+  """Where `field`'s value came from: its variable, its flag, install() or the default."""
+  setting = config_lib.SETTINGS_BY_FIELD[field]
+  return {config_lib.SOURCE_ENV: setting.env, config_lib.SOURCE_DEFAULT: "default",
+          config_lib.SOURCE_INSTALL: f"install({field})"}.get(config.sources[field],
+                                                              f"--{setting.flag}")
+
+
 def _mode_origin(config: config_lib.StageConfig) -> str:
-  setting = config_lib.SETTINGS_BY_FIELD["mode"]
-  source = config.sources["mode"]
-  where = {config_lib.SOURCE_ENV: setting.env, config_lib.SOURCE_DEFAULT: "default"}.get(
-      source, f"--{setting.flag}")
-  return f"{where}={config.mode}"
+  return f"{_origin(config, 'mode')}={config.mode}"
+
+
+def _settings(config: config_lib.StageConfig,
+              fields: tuple[str, ...] = (*DEPTHS, "codec")) -> str:
+  """The values in force, each not at its default with where it came from, then the mode's
+  origin: 'max_staged_batches=3 (--max_staged_batches), max_device_batches=1, ...
+  [TUNIX_STAGE_BATCH=stage]'."""
+  values = ", ".join(
+      f"{f}={getattr(config, f)}" + ("" if config.sources[f] == config_lib.SOURCE_DEFAULT
+                                    else f" ({_origin(config, f)})") for f in fields)
+  return f"{values} [{_mode_origin(config)}]"
 
 
 def _refuse(host: str, reason: str, quiet: bool, *, installed: bool = False) -> Activation:
@@ -218,13 +240,29 @@ def _requested(host: str) -> bool:
 
 def accept_driver_flags(host: str) -> None:
   """`host`'s known drivers take the staging flags: one imported already at once, the others when
-  they are imported (one post-import watch per driver and process)."""
+  they are imported (one post-import watch per driver and process). A known driver run as a
+  script (`python -m DRIVER`) is `__main__`, whose parse function is defined after the imports
+  that install staging: it cannot take the flags, and one line says so."""
+  _say_script_driver(host)
   for driver in drivers.hooked(host):
     if driver.module in sys.modules:
       hook_driver(driver)
     elif driver.module not in _watched_drivers:
       _watched_drivers.add(driver.module)
       importhook.when_imported((driver.module,), functools.partial(hook_driver, driver))
+
+
+def _say_script_driver(host: str) -> None:
+  spec = vars(sys.modules["__main__"]).get("__spec__")  # None: a script file, -c or interactive
+  driver = None if spec is None else drivers.find(spec.name)
+  if driver is None or driver not in drivers.hooked(host) or driver.module in _left_drivers:
+    return
+  _left_drivers.add(driver.module)
+  print(f"tunix-stage: {driver.module} runs as a script (python -m), so its command line takes "
+        "no staging flag (--stage_train_batches, --max_staged_batches, ...); set the staging "
+        "variables (TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES) instead, or launch it by name "
+        f"as tunix's runtime does (--process_main={driver.module}.main)", file=sys.stderr,
+        flush=True)
 
 
 def hook_driver(driver: triggers.Driver) -> None:

@@ -3,7 +3,7 @@ docs/configuration.md, docs/simulate.md, docs/tunix.md "Doctor").
 
 The top-level parser owns a few names in the parsed namespace (SUBCOMMAND_DEST and the keys it
 sets as defaults); a subcommand's own options and positionals may never reuse them, since a
-subcommand's values overwrite the top level's (`run`'s positional COMMAND once replaced the
+subcommand's values overwrite the top level's (`run`'s positional COMMAND would replace the
 subcommand's name). build_parser refuses such a clash when the parser is made.
 """
 

@@ -90,42 +90,19 @@ def parse(text: str, *, require_installed: bool = True) -> Codec | None:
 
 def compress(codec: Codec, data: memoryview, itemsize: int) -> bytes:
   """One chunk (at most CHUNK_BYTES)."""
-  if codec.name.startswith("blosc2"):
-    import blosc2  # pylint: disable=import-outside-toplevel
-    which = blosc2.Codec.ZSTD if codec.name == "blosc2-zstd" else blosc2.Codec.LZ4
-    return blosc2.compress2(data, typesize=itemsize, clevel=codec.level, codec=which,
-                            filters=[blosc2.Filter.SHUFFLE], nthreads=codec.nthreads)
-  if codec.name == "zstd":
-    import zstandard  # pylint: disable=import-outside-toplevel
-    threads = codec.nthreads if codec.nthreads > 1 else 0
-    return zstandard.ZstdCompressor(level=codec.level, threads=threads).compress(data)
-  import lz4.block  # pylint: disable=import-outside-toplevel
-  if codec.level > 0:
-    return lz4.block.compress(data, mode="high_compression", compression=codec.level,
-                              store_size=False)
-  return lz4.block.compress(data, store_size=False)
+  import blosc2  # pylint: disable=import-outside-toplevel
+  which = blosc2.Codec.ZSTD if codec.name == "blosc2-zstd" else blosc2.Codec.LZ4
+  return blosc2.compress2(data, typesize=itemsize, clevel=codec.level, codec=which,
+                          filters=[blosc2.Filter.SHUFFLE], nthreads=codec.nthreads)
 
 
 def decompress_into(codec_name: str, data: Any, out: np.ndarray, threads: int = 0) -> None:
   """Decompresses one chunk into `out` (uint8, exactly the chunk's raw size) or raises."""
   try:
-    if codec_name.startswith("blosc2"):
-      import blosc2  # pylint: disable=import-outside-toplevel
-      kwargs = {"nthreads": threads} if threads else {}
-      n = blosc2.decompress2(memoryview(data), dst=out, **kwargs)
-      got = out.nbytes if n is None else n
-    elif codec_name == "zstd":
-      import zstandard  # pylint: disable=import-outside-toplevel
-      raw = zstandard.ZstdDecompressor().decompress(memoryview(data), max_output_size=out.nbytes)
-      got = len(raw)
-      if got == out.nbytes:
-        out[:] = np.frombuffer(raw, dtype=np.uint8)
-    else:
-      import lz4.block  # pylint: disable=import-outside-toplevel
-      raw = lz4.block.decompress(memoryview(data), uncompressed_size=out.nbytes)
-      got = len(raw)
-      if got == out.nbytes:
-        out[:] = np.frombuffer(raw, dtype=np.uint8)
+    import blosc2  # pylint: disable=import-outside-toplevel
+    kwargs = {"nthreads": threads} if threads else {}
+    n = blosc2.decompress2(memoryview(data), dst=out, **kwargs)
+    got = out.nbytes if n is None else n
   except CodecError:
     raise
   except Exception as e:  # pylint: disable=broad-except  (each library has its own error types)

@@ -104,7 +104,7 @@ class _LaneThread(concurrent.futures.Executor):
       self._pending += 1
       if self._thread.ident is None:
         # Started with its first call queued, as ThreadPoolExecutor does: the new thread takes
-        # that call at once (the pipeline's tests see the same interleaving as before).
+        # that call at once (the pipeline's tests rely on that interleaving).
         self._thread.start()
       return future
 

@@ -68,8 +68,14 @@ def test_tunixs_gsm8k_driver_takes_the_staging_flags_with_staging_on(gsm8k):
   assert args["max_steps"] == 3 and args["rpc_timeout_s"] == 1800.0  # the driver's own, intact
   assert (args["stage_train_batches"], args["max_staged_batches"]) == ("stage", 2)  # flags win
   assert report["seams"] is True
-  (line,) = plugin_lines(proc)
-  assert "staging on for tunix" in line and "13 hooks" in line
+  # The hooks installed at tunix's import with the environment's 5; the flags then set 2: the
+  # second line says what is in force and where each value came from.
+  installed, now = plugin_lines(proc)
+  assert "staging on for tunix" in installed and "13 hooks" in installed
+  assert "max_staged_batches=5 (TUNIX_MAX_STAGED_BATCHES)" in installed
+  assert now == ("tunix-stage: staging settings now in force for tunix: max_staged_batches=2 "
+                 "(--max_staged_batches), max_device_batches=1, max_host_batches=1, codec=off "
+                 "[--stage_train_batches=stage]")
 
 
 def test_tunixs_gsm8k_driver_flag_off_removes_the_hooks(gsm8k):
@@ -121,3 +127,39 @@ def test_a_deepswe_shaped_driver_of_another_shape_is_said_once_next_to_real_tuni
   assert len(lines) == 2 and "staging on for tunix" in lines[0], lines
   assert lines[1].endswith("is not _parse_args(argv); the driver takes no staging flag and reads "
                            "the staging settings from the environment only")
+
+
+def test_the_deepswe_driver_imported_by_name_says_the_depth_its_flags_set(tmp_path):
+  """As tunix's runtime launches it (imported by name): --max_staged_batches 3 is in force, and
+  the process says so (before, only the environment's activation line, with 2, was printed)."""
+  shim = drivers.write_for_tunix(tmp_path / "driver")
+  code = RUN_STAND_IN + ("\nfrom tunix_stage_plugin.activation import manager\n"
+                         "print('IN FORCE', manager.current_config().max_staged_batches)")
+  proc = run_fresh(code, "--max_staged_batches", "3", pythonpath=[shim],
+                   TUNIX_STAGE_BATCH="stage")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "IN FORCE 3" in proc.stdout
+  installed, now = plugin_lines(proc)
+  assert "staging on for tunix" in installed and "max_staged_batches=2," in installed
+  assert now.startswith("tunix-stage: staging settings now in force for tunix: "
+                        "max_staged_batches=3 (--max_staged_batches), ")
+
+
+def test_the_deepswe_driver_run_as_a_script_says_how_to_give_it_flags(tmp_path):
+  """`python -m DRIVER`: the driver is __main__, its parse function defined after the imports
+  that install staging, so it cannot take the flags: one line says so and what to do."""
+  shim = drivers.write_for_tunix(tmp_path / "driver")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
+  env.update(JAX_PLATFORMS="cpu", TUNIX_STAGE_BATCH="stage",
+             PYTHONPATH=os.pathsep.join([str(shim), env.get("PYTHONPATH", "")]))
+  proc = subprocess.run([sys.executable, "-W", "ignore", "-m", drivers.MODULE, "--batch_size=8"],
+                        env=env, capture_output=True, text=True, timeout=180, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = plugin_lines(proc)
+  assert len(lines) == 2 and "staging on for tunix" in lines[1], lines
+  assert lines[0] == (
+      f"tunix-stage: {drivers.MODULE} runs as a script (python -m), so its command line takes "
+      "no staging flag (--stage_train_batches, --max_staged_batches, ...); set the staging "
+      "variables (TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES) instead, or launch it by name as "
+      f"tunix's runtime does (--process_main={drivers.MODULE}.main)")
+  assert drivers.report(proc.stdout)["args"]["batch_size"] == 8

@@ -74,6 +74,8 @@ def fingerprint(experts):
 
 def serve(kind: str) -> None:
   # pylint: disable=import-outside-toplevel
+  import threading
+
   import jax
   import jax.numpy as jnp
   import optax
@@ -118,6 +120,7 @@ def serve(kind: str) -> None:
     def __init__(self, trainer):
       self._trainer = trainer
       self.delay = 0.0
+      self.delaying = threading.Event()  # a delayed fwd_bwd has started
       self.inputs = []
       self.trained = []  # each fwd_bwd's micro-batch, by fingerprint
 
@@ -126,6 +129,7 @@ def serve(kind: str) -> None:
 
     def fwd_bwd(self, payload, **kwargs):
       if self.delay:
+        self.delaying.set()
         time.sleep(self.delay)
       leaf = payload["tokens"]
       self.inputs.append(str(leaf.sharding.spec) if isinstance(leaf, jax.Array) else "host")
@@ -145,7 +149,12 @@ def serve(kind: str) -> None:
     """TrainerWorker plus test-only calls (a delay knob, the inputs seen, the parameters)."""
 
     def set_fwd_bwd_delay(self, seconds):
+      self._trainer.delaying.clear()
       self._trainer.delay = seconds
+
+    async def wait_delayed_fwd_bwd(self):
+      """Answers once a delayed fwd_bwd is running (async: served on the loop, off the lanes)."""
+      return await asyncio.to_thread(self._trainer.delaying.wait, 60)
 
     def inputs_seen(self):
       return list(self._trainer.inputs)
@@ -290,7 +299,7 @@ def test_stage_completes_while_fwd_bwd_is_still_running(node):
     await trainer.asubmit("set_fwd_bwd_delay", 1.5)
     start = time.perf_counter()
     fwd_bwd = asyncio.create_task(trainer.asubmit("fwd_bwd", payload=batch(101)))
-    await asyncio.sleep(0.3)
+    assert await trainer.asubmit("wait_delayed_fwd_bwd")  # the trainer is inside that fwd_bwd
     staged = await trainer.asubmit("stage_batch", payload=batch(102), key="t-1")
     stage_done, running_then = time.perf_counter() - start, not fwd_bwd.done()
     health = await trainer.asubmit("heartbeat")

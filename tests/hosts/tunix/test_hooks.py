@@ -412,10 +412,10 @@ def test_a_trainer_without_the_codec_refuses_a_compressed_stage_at_once(staging,
   worker = trainer_worker.TrainerWorker(lambda: trainer)
   worker.initialize()
   monkeypatch.setattr(codec_lib, "installed", lambda name: False)
-  payload = compression.CompressedPayload("zstd", {"mb": np.zeros((1, 2), np.int32)}, 8, 8)
+  payload = compression.CompressedPayload("blosc2-lz4", {"mb": np.zeros((1, 2), np.int32)}, 8, 8)
   outcome = worker.stage_batch(payload, key="z-1").metadata["outcome"]
   assert outcome["status"] == "refused"
-  assert "codec zstd is not installed on the trainer" in outcome["reason"]
+  assert "codec blosc2-lz4 is not installed on the trainer" in outcome["reason"]
   assert codec_lib.EXTRA in outcome["reason"]
   assert installation.current().staging_of(worker).store.keys() == []
 

@@ -80,6 +80,9 @@ def transfer_slowdown(scenario: str, seed: int, microbatches: int
 
 @dataclasses.dataclass(frozen=True)
 class BenchOptions:
+  """One bench run's options, as `tunix-stage bench` checked them (lab/bench/command.py: every
+  option is checked there, once, before anything starts)."""
+
   rounds: int = 3
   steps: int = 2  # timed steps per mode run, after WARMUP_STEPS
   microbatches: int = 4
@@ -97,33 +100,6 @@ class BenchOptions:
   payload: str = "dense"  # data.PAYLOADS
   codec: str = "off"  # TUNIX_STAGE_CODEC's values: staged payloads compressed (core.codec)
   h2d: str = "auto"  # modes.H2D
-
-  def __post_init__(self) -> None:
-    if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
-      raise ValueError(f"seed must be an integer from 0 to {2**32 - 1}; got {self.seed!r}")
-    if not isinstance(self.retries, int) or self.retries < 0:
-      raise ValueError(f"retries must be an integer >= 0; got {self.retries!r}")
-    for name in ("rounds", "steps", "microbatches", "max_device_batches", "max_host_batches"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1; got {value!r}")
-    for name in ("payload_mib", "wire_ratio", "h2d_ratio"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"{name} must be > 0; got {getattr(self, name)!r}")
-    if not self.sync_ratio >= 0:
-      raise ValueError(f"sync_ratio must be >= 0; got {self.sync_ratio!r}")
-    for mode in {m for m in self.modes if m in MODES} | {"inline"}:
-      self.codec_for(mode)  # ValueError (CodecUnavailable: the extra is not installed)
-    if self.payload not in data_lib.PAYLOADS:
-      raise ValueError(f"payload must be one of {', '.join(data_lib.PAYLOADS)}; "
-                       f"got {self.payload!r}")
-    if self.scenario not in SCENARIOS:
-      raise ValueError(f"scenario must be one of {', '.join(SCENARIOS)}; got {self.scenario!r}")
-    if self.h2d not in modes_lib.H2D:
-      raise ValueError(f"h2d must be one of {', '.join(modes_lib.H2D)}; got {self.h2d!r}")
-    unknown = [m for m in self.modes if m not in MODES]
-    if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
-      raise ValueError(f"modes must be distinct names from {', '.join(MODES)}; got {self.modes}")
 
   def codec_for(self, mode: str) -> codec_lib.Codec | None:
     return mode_codec(self.codec, mode)
