@@ -44,7 +44,7 @@ class Adapter:
   def describe(self):
     return "tunix 0.1.8 (commit c7d8950)"
 
-  def probe(self):
+  def probe(self, config):
     return [Probe("worker: TrainerWorker.fwd_bwd", self.probes_ok, "fwd_bwd takes no **kwargs")]
 
   def runtime_probes(self):
@@ -216,7 +216,7 @@ class MaxTextAdapter(Adapter):
   def describe(self):
     return "maxtext 0.2.5"
 
-  def probe(self):
+  def probe(self, config):
     return [Probe("engine: MaxTextTrainingEngine._prepare_batch", self.probes_ok, "missing")]
 
 
