@@ -69,7 +69,7 @@ class FakeAdapter:
   def describe(self):
     return "fakehost 1.2 (commit abcdef0)"
 
-  def probe(self):
+  def probe(self, config):
     return [Probe("worker: FakeWorker.fwd_bwd", True),
             Probe("engine: FakeEngine.train_step", self.probe_ok, "train_step lacks **kwargs")]
 

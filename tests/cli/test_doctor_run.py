@@ -44,7 +44,7 @@ class Adapter:
   def describe(self):
     return "tunix 0.1.8 (commit c7d8950)"
 
-  def probe(self):
+  def probe(self, config):
     return [Probe("worker: TrainerWorker.fwd_bwd", self.probes_ok, "fwd_bwd takes no **kwargs"),
             Probe("trainer: PeftTrainer._prepare_payload", True)]
 
@@ -199,7 +199,7 @@ def test_doctor_names_the_codecs_this_process_can_use(host, capsys, monkeypatch,
   assert code == 0
   line = next(l for l in out.out.splitlines() if l.startswith("codecs (TUNIX_STAGE_CODEC"))
   if installed:
-    assert line.endswith(": blosc2-zstd, blosc2-lz4, zstd, lz4")
+    assert line.endswith(": blosc2-zstd, blosc2-lz4")
   else:
     assert line.endswith(f": none installed ({codec_lib.EXTRA})")
 
@@ -214,7 +214,7 @@ class MaxTextAdapter(Adapter):
   def describe(self):
     return "maxtext 0.2.5"
 
-  def probe(self):
+  def probe(self, config):
     return [Probe("engine: MaxTextTrainingEngine._prepare_batch", self.probes_ok, "missing")]
 
 

@@ -26,7 +26,7 @@ def test_defaults_when_env_is_empty():
 def test_env_beats_default_and_explicit_beats_env():
   env = {"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "3",
          "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2", "TUNIX_STAGE_MAX_HOST_BATCHES": "4",
-         "TUNIX_STAGE_CODEC": "off"}
+         "TUNIX_STAGE_CODEC": "off", "TUNIX_STAGE_ACCEPT_TRAIN_STAGE": "0123456789abcdef"}
   cfg = config_lib.resolve(env=env)
   assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches, cfg.max_host_batches) == (
       "stage", 3, 2, 4)
@@ -117,8 +117,10 @@ def test_argparse_flags_beat_env(monkeypatch):
 
 
 def test_roles_name_the_settings_each_process_reads():
-  assert config_lib.fields_for("orchestrator") == ("mode", "max_staged_batches", "codec")
-  assert config_lib.fields_for("trainer") == ("mode", "max_device_batches", "max_host_batches")
+  assert config_lib.fields_for("orchestrator") == ("mode", "max_staged_batches", "codec",
+                                                   "accept_train_stage")
+  assert config_lib.fields_for("trainer") == ("mode", "max_device_batches", "max_host_batches",
+                                              "accept_train_stage")
   assert flags_lib.TRAINER_FIELDS == config_lib.fields_for("trainer")
   with pytest.raises(ValueError, match="unknown role 'rollout'; accepted: orchestrator | trainer"):
     config_lib.fields_for("rollout")

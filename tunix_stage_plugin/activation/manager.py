@@ -110,7 +110,7 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
       return _refuse(host, f"{host} is not importable ({type(e).__name__}: {e})", quiet)
     except LookupError as e:
       return _refuse(host, str(e), quiet)
-    failed = [p for p in adapter.probe() if not p.ok]
+    failed = [p for p in adapter.probe(config) if not p.ok]
     if failed:
       reasons = "; ".join(f"{p.name}: {p.detail}" for p in failed)
       return _refuse(host, f"{adapter.describe()} does not match ({reasons})", quiet)

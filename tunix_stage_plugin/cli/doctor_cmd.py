@@ -68,15 +68,15 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     problems.append(f"{bootstrap.PTH_NAME} is not installed: TUNIX_STAGE_BATCH=stage cannot "
                     "activate on its own (reinstall the package, or call install())")
   report["drivers"] = [_driver(d) for d in triggers.KNOWN_DRIVERS]
-  _host(report, problems)
+  _host(report, problems, cfg)
   # MaxText is reported whether or not tunix is importable: a user setting up the trainer's image
   # needs both answers.
-  report["engines"] = {name: _engine(name, problems) for name in ENGINES
+  report["engines"] = {name: _engine(name, problems, cfg) for name in ENGINES
                        if name in report["entry_points"]}
   return report, problems
 
 
-def _host(report: dict[str, Any], problems: list[str]) -> None:
+def _host(report: dict[str, Any], problems: list[str], cfg: config_lib.StageConfig) -> None:
   """tunix: importable, its probes, the trainers it serves, the hooks installed here."""
   if HOST not in report["entry_points"]:
     problems.append(f"no {HOST!r} adapter in entry-point group {entry_points.ENTRY_POINT_GROUP!r}")
@@ -92,7 +92,7 @@ def _host(report: dict[str, Any], problems: list[str]) -> None:
   if manager.is_installed(HOST):  # the bootstrap installed while load() imported tunix
     checks = [{"name": "host probes (passed at install)", "ok": True, "detail": "ok"}]
   else:
-    checks = [vars(p) for p in adapter.probe()]
+    checks = [vars(p) for p in adapter.probe(cfg)]
   report["probes"] = checks
   problems += [f"probe failed: {c['name']}: {c['detail']}" for c in checks if not c["ok"]]
   report["installed_hooks"] = manager.installed_hooks(HOST)
@@ -112,7 +112,7 @@ def _driver(driver: triggers.Driver) -> dict[str, Any]:
           "installed": present, "hooked_here": driver.module in manager.hooked_drivers()}
 
 
-def _engine(name: str, problems: list[str]) -> dict[str, Any]:
+def _engine(name: str, problems: list[str], cfg: config_lib.StageConfig) -> dict[str, Any]:
   """An optional training engine behind tunix's TrainerWorker (MaxText): absent is fine; present,
   it must pass its probes."""
   adapter = entry_points.load_adapter(name)
@@ -123,7 +123,7 @@ def _engine(name: str, problems: list[str]) -> dict[str, Any]:
   if manager.is_installed(name):
     probes = [{"name": f"{name} probes (passed at install)", "ok": True, "detail": "ok"}]
   else:
-    probes = [vars(p) for p in adapter.probe()]
+    probes = [vars(p) for p in adapter.probe(cfg)]
   problems += [f"probe failed: {p['name']}: {p['detail']}" for p in probes if not p["ok"]]
   return {"host": adapter.describe(), "probes": probes,
           "installed_hooks": manager.installed_hooks(name)}

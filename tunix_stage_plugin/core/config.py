@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import threading
 from typing import Any, Callable, Mapping
 
@@ -65,6 +66,13 @@ def _parse_codec(text: str) -> str:
   from tunix_stage_plugin.core import codec as codec_lib
   spec = codec_lib.parse(text)  # CodecUnavailable: well formed, library missing
   return codec_lib.OFF if spec is None else str(spec)
+
+
+def _parse_fingerprint(text: str) -> str:
+  value = text.strip()
+  if not re.fullmatch(r"[0-9a-f]{16}", value):
+    raise ValueError(value)
+  return value
 
 
 def echo(text: str) -> str:
@@ -152,6 +160,22 @@ SETTINGS: tuple[Setting, ...] = (
         "compressed. Needs the codec extra: pip install 'tunix-stage-plugin[codec]'.",
         flag_at_default=False,
     ),
+    Setting(
+        field="accept_train_stage",
+        env="TUNIX_STAGE_ACCEPT_TRAIN_STAGE",
+        flag="stage_accept_train_stage",
+        default="",
+        parse=_parse_fingerprint,
+        accepted="the 16 hex digits a refusal line printed for tunix's "
+        "StandardRLProgram.train_stage",
+        roles=ROLES,
+        metavar="FINGERPRINT",
+        help="stage with a tunix whose StandardRLProgram.train_stage body differs from the one "
+        "the staged loop reproduces (refused otherwise): that body's fingerprint, as the "
+        "refusal line prints it, once you have checked that the staged loop still does what it "
+        "does (docs/tunix.md).",
+        flag_at_default=False,
+    ),
 )
 SETTINGS_BY_FIELD = {s.field: s for s in SETTINGS}
 
@@ -172,6 +196,7 @@ class StageConfig:
   max_device_batches: int = 1
   max_host_batches: int = 1
   codec: str = "off"
+  accept_train_stage: str = ""
   sources: Mapping[str, str] = dataclasses.field(
       default_factory=lambda: {s.field: SOURCE_DEFAULT for s in SETTINGS}, compare=False
   )

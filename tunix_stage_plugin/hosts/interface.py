@@ -29,8 +29,9 @@ class HostAdapter(Protocol):
   def describe(self) -> str:
     """Host name, version and commit, e.g. 'tunix 0.1.8 (commit c7d8950)'."""
 
-  def probe(self) -> list[Probe]:
-    """Checks every capability the hooks need; must not change anything."""
+  def probe(self, config: "config_lib.StageConfig") -> list[Probe]:
+    """Checks every capability the hooks need, with the settings that bear on it (e.g. a changed
+    host method a setting accepts); must not change anything."""
 
   def apply(self, registry: "patching.PatchRegistry", live: "config_lib.LiveConfig") -> None:
     """Sets the hooks through `registry` (so uninstall can reverse them exactly); the hooks read

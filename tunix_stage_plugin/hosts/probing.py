@@ -1,10 +1,19 @@
 """Capability probes shared by the host adapters: does a host have what the hooks rely on, with
-the expected shape? Probing never changes the host (docs/tunix.md)."""
+the expected shape? Probing never changes the host (docs/tunix.md).
+
+A signature says nothing of what a method does. Where a hook reproduces a host method's body
+(tunix's staged train loop), `fingerprint` pins the body it was written against, so a host whose
+body changed is refused rather than silently replaced (docs/tunix.md, "The train loop's
+fingerprint").
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import hashlib
 import inspect
+import textwrap
 from typing import Any, Callable
 
 from tunix_stage_plugin.core import patching
@@ -61,3 +70,39 @@ def free(cls: type, *attrs: str) -> str | None:
   return None
 
 
+FINGERPRINT_HEX_DIGITS = 16
+
+
+def fingerprint(fn: Any) -> str:
+  """`fn`'s code as 16 hex digits: a hash of its syntax tree, docstring left out.
+
+  Formatting, comments and the docstring leave it unchanged, and it is the same on Python 3.11
+  to 3.13; a changed statement, expression, name, argument or decorator changes it. Raises
+  OSError where `fn`'s source is not available (a host installed without its .py files).
+  """
+  return source_fingerprint(textwrap.dedent(inspect.getsource(fn)))
+
+
+def source_fingerprint(source: str) -> str:
+  """`fingerprint` of the one function definition `source` holds."""
+  (node,) = ast.parse(source).body
+  if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    raise ValueError(f"expected one function definition; got {type(node).__name__}")
+  body = node.body
+  if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+      and isinstance(body[0].value.value, str):
+    body = body[1:]  # the docstring
+  tree = _shape(node, body=body)
+  return hashlib.sha256(repr(tree).encode()).hexdigest()[:FINGERPRINT_HEX_DIGITS]
+
+
+def _shape(node: Any, **replaced: Any) -> Any:
+  """A node as (type name, its non-empty fields): what `ast.dump` shows, minus positions and
+  the fields a Python version adds empty (3.12's `type_params`) or leaves None (`kind`)."""
+  if isinstance(node, list):
+    return [_shape(n) for n in node]
+  if not isinstance(node, ast.AST):
+    return repr(node)  # a constant's value, an identifier, an operator's name
+  fields = {**dict(ast.iter_fields(node)), **replaced}
+  return (type(node).__name__, tuple((name, _shape(value)) for name, value in fields.items()
+                                     if value is not None and value != []))

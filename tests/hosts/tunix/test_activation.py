@@ -8,10 +8,14 @@ Subprocess tests run a fresh interpreter (the patches are process-global) with t
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import inspect
+import logging
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 
 import pytest
@@ -28,6 +32,8 @@ from tunix.experimental.worker import trainer_worker
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.hosts import probing
+from tunix_stage_plugin.hosts.tunix import probes
 
 pytestmark = pytest.mark.tunix
 HOST_CLASSES = (remote_execution.RemoteExecutionServer, remote_execution.GrpcRemoteExecutionServer,
@@ -78,6 +84,93 @@ def test_host_that_has_its_own_stage_batch_gets_nothing(clean, monkeypatch, caps
   assert len(err) == 1 and err[0].startswith("tunix-stage: tunix 0.1.8")
   assert "does not match (worker: TrainerWorker.fwd_bwd(payload, **kwargs): TrainerWorker " \
          "already has ['stage_batch']" in err[0]
+
+
+def test_tunix_c7d8950_s_train_stage_is_the_body_the_staged_loop_reproduces():
+  train_stage = rl_program.StandardRLProgram.train_stage
+  assert probing.fingerprint(train_stage) == probes.TRAIN_STAGE_FINGERPRINT
+  # Reformatted throughout (ast.unparse drops the comments and rewraps every line): the same.
+  source = ast.unparse(ast.parse(textwrap.dedent(inspect.getsource(train_stage))))
+  assert probing.source_fingerprint(source) == probes.TRAIN_STAGE_FINGERPRINT
+
+
+def compiled_from_a_file(tree, path):
+  """The function `tree` defines, compiled from a file in rl_program's namespace (so its source
+  can be read, as a tunix checkout's)."""
+  path.write_text(ast.unparse(ast.fix_missing_locations(tree)) + "\n")
+  namespace = dict(vars(rl_program))
+  exec(compile(path.read_text(), str(path), "exec"), namespace)  # pylint: disable=exec-used
+  return namespace["train_stage"]
+
+
+@pytest.fixture
+def newer_train_stage(monkeypatch, tmp_path):
+  """A tunix whose train_stage keeps its signature and does one thing more at the end of its body
+  (as a newer tunix's per-step checkpoints would): tunix's own source plus one statement, set on
+  the class tunix ships for one test (the probe reads that class, not a subclass)."""
+  tree = ast.parse(textwrap.dedent(inspect.getsource(rl_program.StandardRLProgram.train_stage)))
+  tree.body[0].body.append(ast.parse("self.checkpointed_steps = step").body[0])
+  train_stage = compiled_from_a_file(tree, tmp_path / "newer_rl_program.py")
+  monkeypatch.setattr(rl_program.StandardRLProgram, "train_stage", train_stage)
+  return train_stage
+
+
+def test_a_tunix_whose_train_stage_body_changed_gets_nothing(clean, newer_train_stage, capsys):
+  found = probing.fingerprint(newer_train_stage)
+  assert found != probes.TRAIN_STAGE_FINGERPRINT
+  before = snapshot()
+  assert not manager.install(STAGE).installed
+  assert snapshot() == before
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("tunix-stage: tunix 0.1.8")
+  assert err[0].endswith(
+      f"does not match (program: StandardRLProgram.train_stage's body: fingerprint {found} "
+      f"differs from tunix c7d8950's {probes.TRAIN_STAGE_FINGERPRINT}, the body the plugin's "
+      "staged loop reproduces and would replace; upgrade tunix-stage-plugin, or check that the "
+      "staged loop still does what this body does (docs/tunix.md) and set "
+      f"TUNIX_STAGE_ACCEPT_TRAIN_STAGE={found})")
+
+
+def test_the_setting_stages_the_one_body_it_names(clean, newer_train_stage, capsys, caplog):
+  found = probing.fingerprint(newer_train_stage)
+  accepting = config_lib.resolve({"mode": "stage"},
+                                 env={"TUNIX_STAGE_ACCEPT_TRAIN_STAGE": found})
+  before = snapshot()
+  with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
+    activation = manager.install(accepting, quiet=True)
+  assert activation.installed and len(activation.hooks) == 13
+  assert vars(rl_program.StandardRLProgram)["train_stage"] is not newer_train_stage
+  warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+  assert warnings == [
+      "tunix-stage: the staged loop replaces a StandardRLProgram.train_stage whose body "
+      f"(fingerprint {found}) is not tunix c7d8950's ({probes.TRAIN_STAGE_FINGERPRINT}): "
+      "accepted by TUNIX_STAGE_ACCEPT_TRAIN_STAGE"]
+  manager.uninstall("tunix", quiet=True)
+  assert snapshot() == before  # the newer body back, exactly
+  # Another fingerprint accepts another body, not this one.
+  other = config_lib.resolve({"mode": "stage", "accept_train_stage": "0123456789abcdef"}, env={})
+  assert not manager.install(other).installed
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert (f"fingerprint {found} differs" in line and
+          "(TUNIX_STAGE_ACCEPT_TRAIN_STAGE=0123456789abcdef accepts another body)" in line)
+  assert snapshot() == before
+
+
+def test_tunix_s_own_body_stages_whatever_the_setting_names(clean):
+  other = config_lib.resolve({"mode": "stage", "accept_train_stage": "0123456789abcdef"}, env={})
+  assert manager.install(other, quiet=True).installed
+
+
+def test_a_train_stage_without_source_gets_nothing(clean, monkeypatch, capsys):
+  namespace = dict(vars(rl_program))
+  exec(compile(textwrap.dedent(inspect.getsource(rl_program.StandardRLProgram.train_stage)),  # pylint: disable=exec-used
+               "<no file>", "exec"), namespace)
+  monkeypatch.setattr(rl_program.StandardRLProgram, "train_stage", namespace["train_stage"])
+  before = snapshot()
+  assert not manager.install(STAGE).installed
+  assert snapshot() == before
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert "StandardRLProgram.train_stage's body: its source is not available" in line
 
 
 def run_fresh(code, **env_updates):

@@ -551,3 +551,180 @@ def test_a_reinstall_applies_new_depths_to_live_workers(staging):
   manager.install(config_lib.resolve({"mode": "stage", "max_device_batches": 1,
                                       "max_host_batches": 2}, env={}), quiet=True)
   assert (store.max_device_batches, store.max_host_batches) == (1, 2)
+
+
+# --- where the staged loop keeps tunix's loop's exact behaviour (program.py's docstring) ---------
+
+
+async def fill_reading_defaults(program, steps, missing):
+  """Items numbered 0, 1, ... (reward n); for `missing` "reward" a dict traj (no .reward
+  attribute), for "payload" no payload attribute: tunix's loop reads both with defaults."""
+  n = 0
+  for group in range(steps * 2):
+    for pair in range(2):
+      traj = ({"reward": 9.0} if missing == "reward"
+              else datatypes.Trajectory(reward=float(n)))
+      item = datatypes.TrajectoryItem(pair_index=pair, group_id=f"g{group}", start_step=0,
+                                      traj=traj)
+      if missing != "payload":
+        item.payload = {"mb": np.full((1, 2), n, np.int32)}
+      await program.scored_q.put(item)
+      n += 1
+
+
+class NumberingAssembler:
+  """One micro-batch per payload; a missing payload (None) becomes the micro-batch numbered by
+  its position, so every case trains the same numbers."""
+
+  def __init__(self):
+    self.packed = 0
+
+  def pack(self, payloads):
+    batches = [{"mb": np.full((1, 2), self.packed + i, np.int32)} if p is None else p
+               for i, p in enumerate(payloads)]
+    self.packed += len(payloads)
+    return batches
+
+
+def run_reading_defaults(missing, steps=2):
+  trainer = RecordingTrainer()
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  reports = []
+  algo = types.SimpleNamespace(group_size=2, mini_batch_size=2)  # no requires_reference_kl
+  if missing != "requires_reference_kl":
+    algo.requires_reference_kl = False
+  program = rl_program.StandardRLProgram(
+      algo=algo, assembler=NumberingAssembler(), sync_weights=False,
+      on_step_end=lambda step, result: reports.append(program.last_step_result))
+
+  async def main():
+    await fill_reading_defaults(program, steps, missing)
+    await program.train_stage(make_engine(worker), num_steps=steps)
+
+  asyncio.run(main())
+  return trainer, reports
+
+
+@pytest.mark.parametrize("missing", ["reward", "payload", "requires_reference_kl"])
+def test_the_staged_loop_reads_with_tunix_s_defaults(staging, missing):
+  staged, staged_reports = run_reading_defaults(missing)
+  assert sum(r.stage_metrics["stage/staged"] for r in staged_reports) >= 4  # the staged path ran
+  manager.uninstall("tunix", quiet=True)
+  inline, inline_reports = run_reading_defaults(missing)  # tunix's own loop
+  assert [c[:2] for c in staged.calls] == [c[:2] for c in inline.calls] == expected_calls(2)
+  for got, want in zip(staged_reports, inline_reports, strict=True):
+    assert (got.step, got.num_rollouts, got.num_microbatches, got.reward_mean, got.reward_std) == (
+        want.step, want.num_rollouts, want.num_microbatches, want.reward_mean, want.reward_std)
+  if missing == "reward":
+    assert [r.reward_mean for r in staged_reports] == [0.0, 0.0]  # tunix's default
+
+
+class TypeRecordingTrainer(RecordingTrainer):
+  """Records the type of each micro-batch it is asked to train (whatever it is)."""
+
+  def fwd_bwd(self, payload, **kwargs):
+    self.calls.append(("fwd", type(payload).__name__))
+
+
+class Reference:
+  """The reference role as the engine reaches it: log-probs shaped as the completion."""
+
+  def __init__(self):
+    self.asked = 0
+
+  def per_token_logps(self, items):
+    self.asked += 1
+    return np.zeros(np.asarray(items.completion_ids).shape, np.float32)
+
+
+class ExampleThenDict:
+  """A group packs into a TrainExample and then a dict, which cannot take reference log-probs."""
+
+  def pack(self, payloads):
+    del payloads
+    ids = np.zeros((1, 2), np.int32)
+    example = rl_common.TrainExample(
+        prompt_ids=ids, prompt_mask=ids == 0, completion_ids=ids, completion_mask=ids == 0,
+        advantages=np.ones(1, np.float32), ref_per_token_logps=None, old_per_token_logps=None)
+    return [example, {"mb": ids}]
+
+
+def run_reference_kl():
+  trainer = TypeRecordingTrainer()
+  reference = Reference()
+  actor = SlowTrainHandle(remote_execution.InProcessRemoteExecutionServer(
+      trainer_worker.TrainerWorker(lambda: trainer)))
+  engine = distributed_rl_engine.DistributedRLEngine(
+      rollout_workers=[], trainer_workers={
+          ACTOR: actor,
+          datatypes.Role.REFERENCE: remote_execution.InProcessActorHandle(
+              remote_execution.InProcessRemoteExecutionServer(reference))})
+  algo = types.SimpleNamespace(group_size=2, mini_batch_size=2, requires_reference_kl=True)
+  program = rl_program.StandardRLProgram(algo=algo, assembler=ExampleThenDict(),
+                                         sync_weights=False)
+
+  async def main():
+    await fill_queue(program, 1)
+    await program.train_stage(engine, num_steps=1)
+
+  with pytest.raises(TypeError, match="Reference KL requires an assembler that returns "
+                     "rl_common.TrainExample microbatches; got dict"):
+    asyncio.run(main())
+  return trainer, reference
+
+
+def test_reference_kl_refuses_the_group_before_any_of_it_trains(staging):
+  staged, staged_reference = run_reference_kl()
+  manager.uninstall("tunix", quiet=True)
+  inline, inline_reference = run_reference_kl()  # tunix's own loop
+  assert staged.calls == inline.calls == []  # not even the TrainExample ahead of the dict
+  assert staged_reference.asked == inline_reference.asked == 1  # the TrainExample's, as tunix
+
+
+def clearing_after_the_first_group(program):
+  """The scored queue is cleared (tunix's prepare_clear) while the step waits for its second
+  group: get_batch answers no group from then on."""
+  get_batch = program.scored_q.get_batch
+  asked = []
+
+  async def first_group_then_cleared(**kwargs):
+    asked.append(kwargs)
+    if len(asked) == 2:
+      await program.scored_q.prepare_clear()
+    return await get_batch(**kwargs)
+
+  program.scored_q.get_batch = first_group_then_cleared
+
+
+def run_cleared(steps=2):
+  trainer = RecordingTrainer()
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  reports = []
+  program = rl_program.StandardRLProgram(
+      algo=ALGO, assembler=OnePerItem(), sync_weights=False,
+      on_step_end=lambda step, result: reports.append(program.last_step_result))
+  clearing_after_the_first_group(program)
+
+  async def main():
+    await fill_queue(program, 1)
+    await program.train_stage(make_engine(worker), num_steps=steps)
+
+  return trainer, worker, reports, main
+
+
+def test_a_cleared_queue_ends_tunix_s_step_and_stops_the_staged_loop(staging):
+  """The one behaviour the staged loop does not keep (program.py's docstring says why)."""
+  trainer, worker, reports, main = run_cleared()
+  with pytest.raises(RuntimeError, match=r"the scored queue returned no group \(1 of 2 pulled "
+                     r"this step: it was cleared\); tunix's loop would end the step without an "
+                     "update, the staged loop cannot"):
+    asyncio.run(main())
+  assert ("update",) not in trainer.calls and reports == []
+  assert len(installation.current().staging_of(worker).store) == 0  # nothing left staged
+  manager.uninstall("tunix", quiet=True)
+  trainer, _, reports, main = run_cleared()
+  asyncio.run(main())  # tunix's own loop: two steps, no update, each committed and reported
+  assert trainer.calls == [("fwd", 0, False), ("fwd", 1, False)]
+  assert [(r.step, r.num_rollouts, r.num_microbatches) for r in reports] == [(0, 2, 2), (1, 0, 0)]
+  # The step's last train call answered (one that applied no update); the empty step's, none.
+  assert reports[0].train_result is not None and reports[1].train_result is None

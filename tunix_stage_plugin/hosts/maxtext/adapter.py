@@ -44,7 +44,8 @@ class MaxTextAdapter:
   def describe(self) -> str:
     return version.describe("maxtext", DIST, self._module.__file__ if self._module else None)
 
-  def probe(self) -> list[Probe]:
+  def probe(self, config: config_lib.StageConfig) -> list[Probe]:
+    del config  # no setting bears on what MaxText's hooks need
     m = self.module
 
     def engine_seam() -> str | None:

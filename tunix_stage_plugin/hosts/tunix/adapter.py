@@ -59,9 +59,9 @@ class TunixAdapter:
     module_file = self._modules.remote_execution.__file__ if self._modules else None
     return version.describe("tunix", DIST, module_file)
 
-  def probe(self) -> list[Probe]:
+  def probe(self, config: config_lib.StageConfig) -> list[Probe]:
     from tunix_stage_plugin.hosts.tunix import probes  # pylint: disable=import-outside-toplevel
-    return probes.run(self.modules)
+    return probes.run(self.modules, config)
 
   def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
     # pylint: disable=import-outside-toplevel

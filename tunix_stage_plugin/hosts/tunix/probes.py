@@ -2,7 +2,10 @@
 
 Run before anything is patched; any failure means nothing is installed. A probe checks the
 attributes the hooks call or replace (and that the names the hooks add are still free, so a tunix
-that grew its own stage_batch is not silently overridden).
+that grew its own stage_batch is not silently overridden). The staged train loop reproduces
+StandardRLProgram.train_stage's body, so that body is pinned by its fingerprint: a tunix whose
+loop does more (or else) is refused, unless its fingerprint is accepted by
+TUNIX_STAGE_ACCEPT_TRAIN_STAGE (docs/tunix.md, "The train loop's fingerprint").
 """
 
 from __future__ import annotations
@@ -12,11 +15,19 @@ import inspect
 import re
 from typing import Any
 
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.probing import Probe, check as _check, free as _free
 from tunix_stage_plugin.hosts.probing import method as _method, parameters as _params
 
+# probing.fingerprint of StandardRLProgram.train_stage at tunix c7d8950: the body the staged loop
+# (program.py) reproduces.
+TRAIN_STAGE_FINGERPRINT = "0db6a891a29dd479"
+TRAIN_STAGE_COMMIT = "c7d8950"
+ACCEPT = config_lib.SETTINGS_BY_FIELD["accept_train_stage"]
 
-def run(m: Any) -> list[Probe]:
+
+def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
   try:
     base_server = m.remote_execution.RemoteExecutionServer
     server = m.remote_execution.GrpcRemoteExecutionServer
@@ -110,6 +121,24 @@ def run(m: Any) -> list[Probe]:
                 if step_fields - fields else None)
             or _free(program, "_stage_ahead_while_pending", "_prestage_across_boundary"))
 
+  def program_body() -> str | None:
+    train_stage = vars(program).get("train_stage")
+    if train_stage is None:
+      return "StandardRLProgram has no train_stage of its own"
+    try:
+      found = probing.fingerprint(train_stage)
+    except OSError as e:
+      return (f"its source is not available ({e}), so it cannot be checked against the body the "
+              "plugin's staged loop reproduces")
+    if found in (TRAIN_STAGE_FINGERPRINT, config.accept_train_stage):
+      return None
+    other = (f" ({ACCEPT.env}={config.accept_train_stage} accepts another body)"
+             if config.accept_train_stage else "")
+    return (f"fingerprint {found} differs from tunix {TRAIN_STAGE_COMMIT}'s "
+            f"{TRAIN_STAGE_FINGERPRINT}, the body the plugin's staged loop reproduces and would "
+            f"replace{other}; upgrade tunix-stage-plugin, or check that the staged loop still does "
+            f"what this body does (docs/tunix.md) and set {ACCEPT.env}={found}")
+
   return [
       _check("server: RemoteExecutionServer.execute_request routing", server_routing),
       _check("server: a chunked stream beside GrpcRemoteExecutionServer's methods",
@@ -120,6 +149,7 @@ def run(m: Any) -> list[Probe]:
       _check("server: RemoteExecutionError [type] envelope", error_envelope),
       _check("engine: DistributedRLEngine.train_step(**kwargs) / _invoke_worker", engine_api),
       _check("program: StandardRLProgram.train_stage / RLStepResult", program_loop),
+      _check("program: StandardRLProgram.train_stage's body", program_body),
   ]
 
 

@@ -3,9 +3,24 @@
 `train_stage` keeps the host's loop for every engine that is not really a DistributedRLEngine
 (tests use spec'd MagicMocks, which pass isinstance but are not engines). Otherwise the core step
 loop (StagePipeline.run_steps) is fed from the program's scored queue in the host's order (one
-group at a time, `assembler.pack`, optional reference log-probs per micro-batch; the step's last
-micro-batch applies the optimizer), and the step's bookkeeping (callbacks, weight sync, policy
-version, commit, RLStepResult) is the host's, plus `stage/*` metrics.
+group at a time, `assembler.pack`, the group's reference log-probs before any of its micro-batches
+trains; the step's last micro-batch applies the optimizer), and the step's bookkeeping (callbacks,
+weight sync, policy version, commit, RLStepResult) is the host's, plus `stage/*` metrics.
+
+It reproduces StandardRLProgram.train_stage of tunix c7d8950, the body probes.py pins by its
+fingerprint (a tunix whose loop changed is refused unless TUNIX_STAGE_ACCEPT_TRAIN_STAGE accepts
+it), with tunix's defaults where it reads one (an item's `traj.reward`, 0.0; its `payload`, None;
+the algorithm's `requires_reference_kl`, False). It differs in two ways:
+- the point of it: the next step's first groups leave the scored queue during this step's
+  boundary (its update and weight sync), before `on_step_end(step)` and `on_step_begin(step + 1)`
+  run (not at all with `max_staleness=0`, see `_may_prestage`);
+- a step with no optimizer-applying micro-batch raises. tunix's loop ends such a step without an
+  update (accumulated gradients carry over) and still syncs, commits and counts it: when the
+  scored queue returns no group (cleared, e.g. `prepare_clear()`; tunix's own `run_async` aborts
+  it with the exception, which `get_batch` raises), when `mini_batch_size` is 0, or when the last
+  group packs into no micro-batch. The core step loop trains every step up to its
+  optimizer-applying micro-batch and has no step without one, so the staged loop raises there
+  (micro-batches pulled ahead stay untrained, staged ones are released) where tunix's goes on.
 
 The loop asks the program at the upstream change's two seams, methods this module adds to
 StandardRLProgram (removed exactly on uninstall) so that a subclass can override them:
@@ -37,6 +52,7 @@ from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
@@ -118,16 +134,22 @@ async def _microbatches(program: Any, engine: Any, streams: stream.Streams, feed
   for group_idx in range(program.mini_batch_size):
     items = await program.scored_q.get_batch(num_groups=1)
     if not items:
-      raise RuntimeError(f"the scored queue returned no group ({group_idx} of "
-                         f"{program.mini_batch_size} pulled this step): it was aborted or cleared")
+      raise RuntimeError(
+          f"the scored queue returned no group ({group_idx} of {program.mini_batch_size} pulled "
+          "this step: it was cleared); tunix's loop would end the step without an update, the "
+          "staged loop cannot (docs/tunix.md)")
     feed.groups.append(items)
-    feed.rewards.extend(float(item.traj.reward) for item in items)
-    batches = program.assembler.pack([item.payload for item in items])
+    # tunix's loop reads these three with defaults (a dict traj has no .reward; an item or an
+    # algorithm may lack the attribute): the same defaults here.
+    feed.rewards.extend(float(getattr(item.traj, "reward", 0.0)) for item in items)
+    batches = program.assembler.pack([getattr(item, "payload", None) for item in items])
+    if getattr(program.algo, "requires_reference_kl", False):
+      # The whole group's, before any of it trains (tunix's order: a micro-batch that cannot take
+      # them stops the group before any of its micro-batches is trained).
+      batches = [await _with_reference_logps(engine, streams, batch) for batch in batches]
     feed.num_microbatches += len(batches)
     closing_group = group_idx == program.mini_batch_size - 1
     for i, batch in enumerate(batches):
-      if program.algo.requires_reference_kl:
-        batch = await _with_reference_logps(engine, streams, batch)
       yield pipeline_lib.MicroBatch(batch, closes_step=closing_group and i == len(batches) - 1)
 
 
@@ -255,6 +277,11 @@ def _prestage_across_boundary(self: Any, next_step: int) -> bool:
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
           program_cls: type, engine_cls: type) -> None:
   original_train_stage = program_cls.__dict__["train_stage"]
+  found = probing.fingerprint(original_train_stage)
+  if found != probes.TRAIN_STAGE_FINGERPRINT:  # passed the probe: the setting accepts it
+    log.warning("tunix-stage: the staged loop replaces a StandardRLProgram.train_stage whose body "
+                "(fingerprint %s) is not tunix %s's (%s): accepted by %s", found,
+                probes.TRAIN_STAGE_COMMIT, probes.TRAIN_STAGE_FINGERPRINT, probes.ACCEPT.env)
 
   @functools.wraps(original_train_stage)
   async def train_stage(self: Any, engine: Any, num_steps: int | None = None) -> None:
