@@ -56,12 +56,13 @@ class Received:
 
 
 class _Transfer:
-  __slots__ = ("sizes", "future", "claimed")
+  __slots__ = ("sizes", "future", "claimed", "connection")
 
   def __init__(self, sizes: list[int]) -> None:
     self.sizes = sizes
     self.future: concurrent.futures.Future = concurrent.futures.Future()
     self.claimed = False
+    self.connection: socket.socket | None = None  # the one receiving its bytes, once claimed
 
 
 class Transfers:
@@ -96,20 +97,25 @@ class Transfers:
       self._cond.notify_all()
     if transfer is not None:
       transfer.future.cancel()  # no-op once received
+      if transfer.connection is not None and transfer.future.cancelled():
+        _shutdown(transfer.connection)  # its bytes were still coming: their buffers go back now
 
   def _remember(self, transfer_id: bytes) -> None:
     self._ended[transfer_id] = None
     while len(self._ended) > REMEMBERED:
       self._ended.popitem(last=False)
 
-  def claim(self, transfer_id: bytes, timeout: float) -> _Transfer | str:
-    """For a frame's header: the announced transfer, or why the frame is not wanted."""
+  def claim(self, transfer_id: bytes, timeout: float, connection: socket.socket | None = None
+            ) -> _Transfer | str:
+    """For a frame's header: the announced transfer, or why the frame is not wanted. A call that
+    ends before its bytes are in shuts `connection` down (the receive stops, its buffers go)."""
     deadline = time.monotonic() + timeout
     with self._cond:
       while True:
         transfer = self._open.get(transfer_id)
         if transfer is not None and not transfer.claimed:
           transfer.claimed = True
+          transfer.connection = connection
           return transfer
         if transfer is not None:
           return "its transfer id is already being received"
@@ -220,7 +226,7 @@ class BulkListener:
       return False
     raw_sizes = _recv_exact(conn, 8 * count) if count else b""
     sizes = list(struct.unpack(f"<{count}Q", raw_sizes or b""))
-    claimed = self._transfers.claim(transfer_id, CLAIM_WAIT_S)
+    claimed = self._transfers.claim(transfer_id, CLAIM_WAIT_S, conn)
     if isinstance(claimed, str):
       log.debug("dropped a bulk frame: %s", claimed)
       return False
@@ -264,6 +270,13 @@ class BulkListener:
     deadline = time.monotonic() + timeout
     for thread in threads:
       thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _shutdown(sock: socket.socket) -> None:
+  try:
+    sock.shutdown(socket.SHUT_RDWR)
+  except OSError:
+    pass
 
 
 def _family(host: str) -> socket.AddressFamily:
