@@ -6,28 +6,17 @@ from __future__ import annotations
 import asyncio
 import pickle
 import socket
-import threading
 
 import numpy as np
 import pytest
 
+from tests.transport.test_bulk import listener  # pylint: disable=unused-import  (the fixture)
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.transport import bulk
 from tunix_stage_plugin.transport import calls
 from tunix_stage_plugin.transport import frames
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def listener():
-  pool = buffers_lib.HostBufferPool()
-  transfers = bulk.Transfers()
-  server = bulk.BulkListener(pool, transfers)
-  server.start()
-  yield server, transfers, pool
-  server.close()
-  assert not [t for t in threading.enumerate() if t.name.startswith("trainer-bulk")]
 
 
 def views(*arrays):
