@@ -21,8 +21,8 @@ import tunix_stage_plugin
 
 PACKAGE = pathlib.Path(tunix_stage_plugin.__file__).parent
 LAB = "tunix_stage_plugin.lab"
-PRODUCTION = ("activation", "core", "hosts", "cli/config_cmd.py", "cli/doctor_cmd.py",
-              "cli/run_cmd.py", "__init__.py", "__main__.py")
+PRODUCTION = ("activation", "core", "hosts", "transport", "cli/config_cmd.py",
+              "cli/doctor_cmd.py", "cli/run_cmd.py", "__init__.py", "__main__.py")
 LAB_LIBRARIES = ("optax", "looptime", "matplotlib")
 
 

@@ -30,10 +30,10 @@ import pytest
 
 from tests.embedded.support import call, process_state, wait_for
 from tunix_stage_plugin.lab import rss
-from tunix_stage_plugin.lab.embedded import bulk
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.transport import bulk
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="needs Linux /proc and prctl")

@@ -13,8 +13,9 @@ that weight the loss, so a compressed payload decoded wrongly trains other numbe
 without the plugin raises tunix's message cap (its private `_MAX_MESSAGE_BYTES`, as the
 orchestrator does for its channel to it) only so it can train an over-the-cap micro-batch inline
 as the reference; the plugin's node keeps the upstream cap. Micro-batches of 256 MiB (routed-expert
-ids, every one over the cap) train through the chunked stream on the trainer's own port, and stop
-with one line on a node without the plugin. Run
+ids, every one over the cap) train through the bulk side channel, or, on the workers served
+without it (STREAM_ONLY), the chunked stream on the trainer's own port, and stop with one line on
+a node without the plugin. Run
 `python tests/hosts/tunix/test_grpc.py serve plugin|plain` to start a node by hand.
 """
 
@@ -39,9 +40,13 @@ import pytest
 TOKENS, SEQ, BATCH = 64, 16, 8  # batch 8 splits over fsdp=2: staged arrays are sharded
 STEPS, MICRO = 2, 4
 PLUGIN_WORKERS = ("staged", "timing", "compressed", "corrupted", "over_cap", "no_prestage",
-                  "own_depth", "own_prepare", "all_over_cap", "over_cap_fallback")
+                  "own_depth", "own_prepare", "all_over_cap", "over_cap_fallback", "bulk",
+                  "bulk_big")
 PLAIN_WORKERS = ("plain", "plain_over_cap", "plain_own_prepare", "plain_all_over_cap",
-                 "plain_no_stream")
+                 "plain_no_stream", "plain_bulk")
+# The plugin's workers served without the bulk side channel (as on a trainer whose side channel
+# cannot be reached): their calls over the cap take the chunked stream.
+STREAM_ONLY = ("over_cap", "all_over_cap", "over_cap_fallback")
 OWN_PREPARE = ("own_prepare", "plain_own_prepare")  # workers whose trainer overrides _prepare_payload
 LAYERS, TOP_K = 64, 8  # 128 KiB of routed-expert ids: packed by the codec (>= MIN_PACK_BYTES)
 # 140 MiB of ids, over tunix's 128 MiB message cap; routed in the first 8 layers only, -1 past
@@ -168,6 +173,9 @@ def serve(kind: str) -> None:
     def chunked_calls(self):  # the plugin's node only: calls received through the stream
       return dict(installation.current().chunked_calls)
 
+    def bulk_calls(self):  # the plugin's node only: calls received through the side channel
+      return dict(installation.current().bulk_calls)
+
     def peak_rss(self):
       return rss.peak()
 
@@ -219,6 +227,8 @@ def serve(kind: str) -> None:
       worker.initialize()
       port = portpicker.pick_unused_port()
       server = remote_execution.GrpcRemoteExecutionServer(worker)
+      if kind == "plugin":
+        installation.current().serve_side_channel = name not in STREAM_ONLY
       await server.start_serving_async(port)
       servers.append(server)
       ports[name] = port
@@ -692,3 +702,61 @@ def test_over_the_cap_with_no_stream_on_the_trainer_stops_with_one_line(node, bi
     run_program(port, staged=False, payloads=payloads, steps=1)
   assert off.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
   assert trained(port)[0] == []  # nothing was trained either way
+
+
+# ---------------------------------------------------------------- the bulk side channel
+
+
+def bulk_calls(port):
+  """The plugin node's count of calls received through the side channel, per method."""
+  return collections.Counter(ask_node(port, "bulk_calls"))
+
+
+def test_micro_batches_of_8_and_64_mib_travel_the_side_channel_to_the_same_parameters(node):
+  """Micro-batches of 8 and 64 MiB (under tunix's cap: tunix's own path would be its unary call):
+  every stage and every inline train call travels the side channel, and the job trains to the
+  parameters of tunix's own loop on the node without the plugin, byte for byte."""
+  payloads = [batch(n, 64 if n % 2 else 512, 512, 8) for n in range(STEPS * MICRO)]
+  assert {p["experts"].nbytes >> 20 for p in payloads} == {8, 64}
+  port = node["bulk"]
+  before, chunked_before = bulk_calls(port), chunked_calls(port)
+  params, inputs, reports = run_program(port, staged=True, payloads=payloads)
+  assert trained(port)[0] == [fingerprint(p["experts"]) for p in payloads]
+  metrics = [r.stage_metrics for r in reports]
+  staged = sum(m["stage/staged"] for m in metrics)
+  inline = sum(m["stage/inline"] for m in metrics)
+  assert [m["stage/fallbacks"] for m in metrics] == [0] * STEPS and staged >= MICRO, metrics
+  assert inputs.count("P('fsdp',)") == staged
+  assert bulk_calls(port) - before == collections.Counter(stage_batch=staged, fwd_bwd=inline)
+  assert chunked_calls(port) == chunked_before
+  reference, ref_inputs, _ = run_program(node["plain_bulk"], staged=False, payloads=payloads)
+  assert ref_inputs == ["host"] * (STEPS * MICRO)
+  assert params == reference
+
+
+def test_every_256_mib_micro_batch_trains_through_the_side_channel(node, big_payloads,
+                                                                  big_reference, caplog):
+  """The 256 MiB job of the stream's test, on a worker with the side channel: each stage and each
+  inline train call goes over it (none through the stream), each micro-batch trains once, in
+  order, to the parameters of the raised-cap inline job."""
+  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
+  port = node["bulk_big"]
+  before, chunked_before = bulk_calls(port), chunked_calls(port)
+  baseline = reset_peak_rss(port)
+  start = time.perf_counter()
+  params, _, reports = run_program(port, staged=True, payloads=big_payloads)
+  wall = time.perf_counter() - start
+  seen, peak = trained(port)
+  assert seen == [fingerprint(p["experts"]) for p in big_payloads]
+  assert params == big_reference
+  metrics = [r.stage_metrics for r in reports]
+  assert [m["stage/fallbacks"] for m in metrics] == [0] * STEPS
+  staged = sum(m["stage/staged"] for m in metrics)
+  inline = sum(m["stage/inline"] for m in metrics)
+  assert bulk_calls(port) - before == collections.Counter(stage_batch=staged, fwd_bwd=inline)
+  assert chunked_calls(port) == chunked_before
+  assert re.search(r"tunix-stage: bulk side channel to 127\.0\.0\.1:\d+ for micro-batch calls "
+                   r">= 1 MiB", caplog.text), caplog.text
+  print(f"\n256 MiB x {STEPS * MICRO} micro-batches staged, over the side channel: {wall:.1f} s, "
+        f"trainer node peak RSS {gib(peak)} (from {gib(baseline)}); {staged} staged, {inline} "
+        "inline")

@@ -75,8 +75,11 @@ def cap(monkeypatch):
 
 @pytest.fixture
 def staging():
+  """Staging installed, with the trainer's side channel off (servers start without it), so calls
+  over the cap take the chunked stream; the side channel's own tests are in test_side.py."""
   manager.uninstall("tunix", quiet=True)
   assert manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True).installed
+  installation.current().serve_side_channel = False
   yield installation.current()
   manager.uninstall("tunix", quiet=True)
 

@@ -1,13 +1,15 @@
 """The per-object state of one tunix installation: each worker's staged batches and each server's
-method executor, kept outside the host objects; the receive buffers of calls over tunix's message
-cap (trainer) and each engine's streams for them (orchestrator). The installation owns it: a
-re-install with new depths applies them to live workers, and uninstall closes every executor,
-drops every staged batch and gives back the idle receive buffers (docs/tunix.md).
+method executor, kept outside the host objects; the receive buffers of large calls and each
+server's side channel (trainer) and each engine's streams (orchestrator). The installation owns
+it: a re-install with new depths applies them to live workers, and uninstall closes every executor
+and side channel, drops every staged batch and gives back the idle receive buffers
+(docs/tunix.md).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import weakref
 from typing import Any
@@ -17,6 +19,7 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts.tunix import sessions as sessions_lib
+from tunix_stage_plugin.transport import bulk as bulk_lib
 
 # How long uninstall waits for a lane's running call before leaving its daemon thread behind.
 CLOSE_TIMEOUT_S = 10.0
@@ -24,6 +27,8 @@ CLOSE_TIMEOUT_S = 10.0
 # a header announcing more is refused before any of its bytes is read. Far above a production
 # micro-batch (5 GB), far below what a corrupt header could claim.
 MAX_STREAM_BYTES = 64 << 30
+# How long a side-channel call's header waits for its bytes, plus their time at side.MIN_RATE.
+BULK_WAIT_S = 30.0
 
 
 class WorkerStaging:
@@ -37,6 +42,15 @@ class WorkerStaging:
     self.target: Any = None  # the object whose preparation seam stages
     self.unsupported: str | None = None  # why this worker's trainer can never stage
     self.sessions = sessions_lib.Sessions()  # a new orchestrator drops its predecessors' batches
+
+
+@dataclasses.dataclass
+class SideChannel:
+  """One server's bulk side channel (hosts/tunix/side.py): its listener and the transfers its
+  calls announced."""
+
+  listener: bulk_lib.BulkListener
+  transfers: bulk_lib.Transfers
 
 
 class Installation:
@@ -53,6 +67,13 @@ class Installation:
     self.max_stream_bytes = MAX_STREAM_BYTES
     self.streaming_servers: "weakref.WeakSet[Any]" = weakref.WeakSet()
     self.chunked_calls: collections.Counter[str] = collections.Counter()
+    # Each server's side channel, whether servers started from now on get one, how long a header
+    # waits for its bytes, and the side-channel calls run per method.
+    self.side_channels: "weakref.WeakKeyDictionary[Any, SideChannel]" = (
+        weakref.WeakKeyDictionary())
+    self.serve_side_channel = True
+    self.bulk_wait_s = BULK_WAIT_S
+    self.bulk_calls: collections.Counter[str] = collections.Counter()
     live.on_update(self._reconfigure)
 
   def staging_of(self, worker: Any) -> WorkerStaging:
@@ -84,11 +105,14 @@ class Installation:
       state.store.set_bounds(config.max_device_batches, config.max_host_batches)
 
   def close(self) -> None:
-    """Drops every staged batch, closes every executor (bounded) and gives back the idle receive
-    buffers; the hooks are going away."""
+    """Drops every staged batch, closes every executor (bounded) and side channel and gives back
+    the idle receive buffers; the hooks are going away."""
     with self._lock:
       states, self._workers = list(self._workers.values()), weakref.WeakKeyDictionary()
       executors, self._executors = list(self._executors.values()), weakref.WeakKeyDictionary()
+      sides, self.side_channels = list(self.side_channels.values()), weakref.WeakKeyDictionary()
+    for side in sides:
+      side.listener.close()
     for state in states:
       state.store.reset()
     for executor in executors:

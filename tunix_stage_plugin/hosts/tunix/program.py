@@ -29,9 +29,10 @@ while a train call is pending (the pipeline's `depth_for`), and `_prestage_acros
 next_step)`, whether to stage the next step's first micro-batches during the boundary (its
 `prestage_next`). Prestage rules and the seams: docs/tunix.md.
 
-Every call that carries a micro-batch over tunix's message cap (a stage, an inline train call, a
-fallback, the reference log-probs request) goes through the worker's chunked stream (stream.py);
-below the cap each is the host's own call.
+Every call that carries a micro-batch (a stage, an inline train call, a fallback, the reference
+log-probs request) of at least side.MIN_BYTES goes over the worker's bulk side channel (side.py),
+else, over tunix's message cap, through its chunked stream (stream.py); any other call is the
+host's own.
 """
 
 from __future__ import annotations
@@ -193,12 +194,17 @@ def _codec_note(engine: StageEngine) -> str:
 
 
 def _stream_note(engine: StageEngine) -> str:
-  """The calls sent in chunks so far, for the step's log line ("" when none was)."""
-  if not engine.streams.calls:
-    return ""
-  return (f"; over the {stream.message_cap() / chunked.MIB:.0f} MiB message cap: "
-          f"{engine.streams.calls} calls, {engine.streams.bytes / chunked.MIB:.1f} MiB sent in "
-          f"{chunked.CHUNK_BYTES // chunked.MIB} MiB chunks")
+  """The calls sent over the side channel and in chunks so far, for the step's log line ("" when
+  none was)."""
+  streams, note = engine.streams, ""
+  if streams.bulk_calls:
+    note += (f"; over the side channel: {streams.bulk_calls} calls, "
+             f"{streams.bulk_bytes / chunked.MIB:.1f} MiB")
+  if streams.calls:
+    note += (f"; over the {stream.message_cap() / chunked.MIB:.0f} MiB message cap: "
+             f"{streams.calls} calls, {streams.bytes / chunked.MIB:.1f} MiB sent in "
+             f"{chunked.CHUNK_BYTES // chunked.MIB} MiB chunks")
+  return note
 
 
 async def _staged_train_stage(program: Any, engine: Any, num_steps: int | None,

@@ -8,7 +8,9 @@ loop today), stage_batch to the staging thread, and answers heartbeat/info/reset
 loop at once (core.executor's lanes). Servers bound to anything else (rollout,
 inference, tests' objects) run the host's code unchanged. The hook is on the base class, so the
 gRPC server and the in-process one route alike; the gRPC server's stop_serving also joins the
-executor's threads (an in-process server's go when the server is collected).
+executor's threads (an in-process server's go when the server is collected) and closes its
+bulk side channel. The side channel's two methods (side.py) are answered here, before tunix's
+dispatch, on any gRPC server that has one; tunix's own servers answer them AttributeError.
 
 The compute thread does not inherit thread-local JAX contexts entered around the serving loop
 (`with mesh:` around asyncio.run); bind the mesh in the trainer, as tunix's trainer node does.
@@ -23,6 +25,7 @@ from typing import Any
 
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import side as side_lib
 
 
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
@@ -32,6 +35,10 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
 
   @functools.wraps(original_execute)
   async def execute_request(self: Any, request: Any) -> Any:
+    if request.method_name in side_lib.METHODS:
+      side = inst.side_channels.get(self)
+      if side is not None:
+        return await side_lib.answer(inst, side, self, request)
     instance = self.bound_instance
     # The real type, not isinstance: tests bind spec'd mocks that claim to be TrainerWorkers.
     if not issubclass(type(instance), trainer_worker_cls):
@@ -44,6 +51,8 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
 
   @functools.wraps(original_stop)
   async def stop_serving(self: Any, *args: Any, **kwargs: Any) -> Any:
+    # No new bytes (its threads joined off the loop); calls already received run on their lanes.
+    await asyncio.to_thread(side_lib.stop, inst, self)
     result = await original_stop(self, *args, **kwargs)
     executor = inst.pop_executor(self)
     if executor is not None:

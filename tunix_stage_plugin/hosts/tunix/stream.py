@@ -1,4 +1,5 @@
-"""Calls over tunix's message cap: a chunked gRPC client stream on the trainer's own server port.
+"""Calls that carry a micro-batch: the bulk side channel (side.py), else, over tunix's message cap,
+a chunked gRPC client stream on the trainer's own server port, else tunix's own call.
 
 tunix's channels and servers refuse any message over `remote_execution._MAX_MESSAGE_BYTES`
 (128 MiB), so a larger micro-batch could not train at all: not staged, not inline, not as a
@@ -11,16 +12,17 @@ fallback. With staging installed:
   receives the call in chunks into the installation's HostBufferPool (chunked.py), then runs it
   through the server's `execute_request`, so exactly as a unary call (the executor's lanes), and
   answers tunix's ExecutionResponse.
-- Orchestrator: `invoke` measures a call out of band (its pickle plus its arrays' bytes, no copy)
-  and sends one over the cap through the stream on a grpc.aio channel of its own to the trainer
-  handle's address, with tunix's channel options and the handle's deadline; any other call is the
-  host's own `_invoke_worker`, byte for byte. `train_step` is the host's train_step unless its
-  fwd_bwd is over the cap; `per_token_logps` (a micro-batch to the reference worker, whose
-  server serves the stream too) likewise. A trainer without the stream (no plugin there, or
-  staging off there) answers UNIMPLEMENTED, which becomes one line (PayloadOverCap) naming the
-  cap, the size and the setting that helps.
+- Orchestrator: `invoke` measures a call to a gRPC handle out of band (its pickle plus its
+  arrays' bytes, no copy). One carrying at least side.MIN_BYTES goes over the trainer's side
+  channel when it has one; else one over the cap goes through the stream on a grpc.aio channel of
+  its own to the trainer handle's address, with tunix's channel options and the handle's
+  deadline; any other call is the host's own `_invoke_worker`, byte for byte. `train_step` is the
+  host's train_step unless its fwd_bwd takes one of those paths; `per_token_logps` (a micro-batch
+  to the reference worker, whose server serves both too) likewise. A trainer without the stream
+  (no plugin there, or staging off there) answers UNIMPLEMENTED, which becomes one line
+  (PayloadOverCap) naming the cap, the size and the setting that helps.
 
-docs/tunix.md, "Micro-batches over tunix's message cap".
+docs/tunix.md, "Which path a call takes" and "Micro-batches over tunix's message cap".
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tunix.experimental.worker import remote_execution
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import side as side_lib
 
 MIB = chunked.MIB
 # The server whose start_serving_async is running in this context (its grpc server gets the
@@ -106,9 +109,12 @@ def apply_server(registry: patching.PatchRegistry, inst: installation_lib.Instal
   async def start_serving_async(self: Any, *args: Any, **kwargs: Any) -> Any:
     token = _starting.set(self)
     try:
-      return await original_start(self, *args, **kwargs)
+      result = await original_start(self, *args, **kwargs)
     finally:
       _starting.reset(token)
+    if self in inst.streaming_servers and inst.serve_side_channel:
+      side_lib.start(inst, self)  # started with tunix's server; stop_serving closes it (server.py)
+    return result
 
   registry.set(grpc_server_cls, "_server", property(get_server, set_server))
   registry.set(grpc_server_cls, "start_serving_async", start_serving_async)
@@ -171,13 +177,16 @@ def over_cap_line(encoded: chunked.EncodedRequest, address: str) -> str:
 
 
 class Streams:
-  """One engine's stream clients, one per trainer handle, made on first use; closed with the
-  program's train loop (or `close()`). Counts what it sent."""
+  """One engine's stream clients and side channels, one per trainer handle, made on first use;
+  closed with the program's train loop (or `close()`). Counts what each sent."""
 
   def __init__(self) -> None:
     self._clients: "weakref.WeakKeyDictionary[Any, StreamClient]" = weakref.WeakKeyDictionary()
+    self._sides: "weakref.WeakKeyDictionary[Any, side_lib.Channel]" = weakref.WeakKeyDictionary()
     self.calls = 0
     self.bytes = 0
+    self.bulk_calls = 0
+    self.bulk_bytes = 0
 
   def client(self, handle: remote_execution.GrpcRemoteActorHandle) -> StreamClient:
     client = self._clients.get(handle)
@@ -192,7 +201,26 @@ class Streams:
     self.bytes += encoded.nbytes
     return result
 
+  def side(self, handle: remote_execution.GrpcRemoteActorHandle) -> side_lib.Channel:
+    channel = self._sides.get(handle)
+    if channel is None:
+      channel = self._sides[handle] = side_lib.Channel(
+          handle.target_address.replace("grpc://", "", 1))
+    return channel
+
+  async def send_bulk(self, handle: remote_execution.GrpcRemoteActorHandle, sender: Any,
+                      encoded: chunked.EncodedRequest) -> Any:
+    result = await self.side(handle).call(handle, sender, encoded)
+    self.bulk_calls += 1
+    self.bulk_bytes += encoded.nbytes
+    return result
+
+  def close_sides(self) -> None:
+    for channel in list(self._sides.values()):
+      channel.close()
+
   async def close(self) -> None:
+    self.close_sides()
     for client in list(self._clients.values()):
       await client.close()
 
@@ -214,7 +242,10 @@ def streams_of(engine: Any) -> Streams:
 
 def drop_streams() -> None:
   with _streams_lock:
+    streams = list(_streams.values())
     _streams.clear()
+  for each in streams:
+    each.close_sides()  # sockets; the grpc.aio channels close with their loop
 
 
 async def close_streams(engine: Any) -> None:
@@ -223,39 +254,55 @@ async def close_streams(engine: Any) -> None:
   await streams_of(engine).close()
 
 
-def over_cap(worker: Any, method: str, kwargs: dict[str, Any]) -> chunked.EncodedRequest | None:
-  """The call, encoded out of band, when tunix's unary path to `worker` would refuse it; None
-  otherwise (then nothing of the measurement is used)."""
-  # The real type: only tunix's gRPC handle has a cap (its in-process handle passes objects).
-  if not issubclass(type(worker), remote_execution.GrpcRemoteActorHandle):
+def measure(worker: Any, method: str, kwargs: dict[str, Any]) -> chunked.EncodedRequest | None:
+  """The call encoded out of band when `worker` is tunix's gRPC handle (the only one with a cap
+  and a side channel; its in-process handle passes objects); None otherwise, or when it does not
+  pickle (the host's own call reports that)."""
+  if not issubclass(type(worker), remote_execution.GrpcRemoteActorHandle):  # the real type
     return None
   try:
-    encoded = chunked.encode(None, method, (), kwargs)  # the tuple tunix's request pickles
+    return chunked.encode(None, method, (), kwargs)  # the tuple tunix's request pickles
   except Exception:  # pylint: disable=broad-except
-    return None  # what does not pickle: the host's own call reports it
-  return encoded if encoded.over(message_cap()) else None
+    return None
+
+
+_HOST = object()  # the call is the host's own
+
+
+async def _carry(streams: Streams, worker: Any, method: str, kwargs: dict[str, Any]) -> Any:
+  """The call's result over the side channel or the chunked stream; _HOST when neither takes it
+  (then nothing of the measurement is used)."""
+  encoded = measure(worker, method, kwargs)
+  if encoded is None:
+    return _HOST
+  if side_lib.wanted(encoded):
+    sender = await streams.side(worker).open(worker)
+    if sender is not None:
+      return await streams.send_bulk(worker, sender, encoded)
+  if encoded.over(message_cap()):
+    return await streams.send(worker, encoded)
+  return _HOST
 
 
 async def invoke(engine: Any, streams: Streams, worker: Any, method: str, **kwargs: Any) -> Any:
-  """The host's `_invoke_worker(worker, method, **kwargs)`, or the chunked stream when the call
-  is over tunix's cap."""
-  encoded = over_cap(worker, method, kwargs)
-  if encoded is None:
+  """The host's `_invoke_worker(worker, method, **kwargs)`, or the side channel or the chunked
+  stream when the call takes one."""
+  result = await _carry(streams, worker, method, kwargs)
+  if result is _HOST:
     return await engine._invoke_worker(worker, method, **kwargs)  # pylint: disable=protected-access
-  return await streams.send(worker, encoded)
+  return result
 
 
 async def train_step(engine: Any, streams: Streams, payload: Any, *, role: datatypes.Role,
                      accumulate_gradients: bool, apply_optimizer: bool) -> Any:
-  """The host's `train_step(payload, ...)`, unless its fwd_bwd is over the cap: then that
-  fwd_bwd goes through the stream with the same keywords, and `update` and the answer are the
-  host's train_step's (distributed_rl_engine.DistributedRLEngine.train_step)."""
+  """The host's `train_step(payload, ...)`, unless its fwd_bwd takes the side channel or the
+  stream: then that fwd_bwd goes there with the same keywords, and `update` and the answer are
+  the host's train_step's (distributed_rl_engine.DistributedRLEngine.train_step)."""
   worker = engine._trainer_workers.get(role)  # pylint: disable=protected-access
-  encoded = over_cap(worker, "fwd_bwd", {"payload": payload, "skip_jit": False})
-  if encoded is None:  # byte for byte the host's own call
+  fwd_bwd = await _carry(streams, worker, "fwd_bwd", {"payload": payload, "skip_jit": False})
+  if fwd_bwd is _HOST:  # byte for byte the host's own call
     return await engine.train_step(payload, role=role, accumulate_gradients=accumulate_gradients,
                                    apply_optimizer=apply_optimizer)
-  fwd_bwd = await streams.send(worker, encoded)
   if not apply_optimizer:
     return fwd_bwd
   step = await engine._invoke_worker(worker, "update")  # pylint: disable=protected-access
@@ -264,12 +311,12 @@ async def train_step(engine: Any, streams: Streams, payload: Any, *, role: datat
 
 
 async def per_token_logps(engine: Any, streams: Streams, role: datatypes.Role, items: Any) -> Any:
-  """The host's `per_token_logps(role, items=items)`, unless the call is over the cap: then it
-  goes through the chunked stream to the worker the host's method picks (an inference worker of
-  `role`, else the trainer)."""
+  """The host's `per_token_logps(role, items=items)`, unless the call takes the side channel or
+  the stream, to the worker the host's method picks (an inference worker of `role`, else the
+  trainer)."""
   # pylint: disable-next=protected-access
   worker = engine._inference_workers.get(role) or engine._trainer_workers.get(role)
-  encoded = over_cap(worker, "per_token_logps", {"items": items})
-  if encoded is None:  # byte for byte the host's own call
+  result = await _carry(streams, worker, "per_token_logps", {"items": items})
+  if result is _HOST:  # byte for byte the host's own call
     return await engine.per_token_logps(role, items=items)
-  return await streams.send(worker, encoded)
+  return result

@@ -25,9 +25,10 @@ from typing import Any
 
 import grpc
 
-from tunix_stage_plugin.lab.embedded import bulk as bulk_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.transport import bulk as bulk_lib
+from tunix_stage_plugin.transport import calls as calls_lib
 
 _ADDRESS_RE = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
 
@@ -307,19 +308,9 @@ class WorkerClient:
     if self._sender is None:
       port = int(await self._bulk_port(b"", timeout=timeout))
       self._sender = bulk_lib.BulkSender(self._host, port, self.pacer)
-    rpc = asyncio.ensure_future(self._bulk_header(encoded.header, timeout=timeout))
-    send = asyncio.ensure_future(self._sender.send(encoded.transfer, encoded.buffers, pace))
-    try:
-      await asyncio.wait({rpc, send}, return_when=asyncio.FIRST_COMPLETED)
-      if not rpc.done() and send.exception() is not None:
-        await asyncio.wait({rpc}, timeout=SEND_FAILURE_GRACE_S)
-        if not rpc.done():
-          raise send.exception()
-      return await rpc
-    finally:
-      for task in (rpc, send):
-        task.cancel()
-      await asyncio.gather(rpc, send, return_exceptions=True)
+    return await calls_lib.call_with_bytes(self._bulk_header(encoded.header, timeout=timeout),
+                                           self._sender, encoded.transfer, encoded.buffers,
+                                           SEND_FAILURE_GRACE_S, pace)
 
   async def _diagnose(self, e: grpc.aio.AioRpcError, method: str, waited: float, timeout: float,
                       expected: float) -> BaseException:

@@ -25,8 +25,8 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.lab.embedded import bulk as bulk_lib
 from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.transport import bulk as bulk_lib
 
 log = logging.getLogger("tunix_stage_plugin.lab.embedded")
 

@@ -7,8 +7,9 @@ bytes (in-band pickling costs a copy into fresh memory each way; docs/performanc
 - Small calls (out-of-band bytes <= STREAM_THRESHOLD) are re-pickled in band and sent as one unary
   gRPC message.
 - Larger ones send their header (method, pickle, buffer sizes and a fresh transfer id) as one
-  unary gRPC message, and the buffers' bytes on the bulk channel (bulk.py), straight from the
-  arrays' memory, paced in chunks of at most CHUNK_BYTES. The trainer receives them into aligned
+  unary gRPC message, and the buffers' bytes on the bulk channel (transport/bulk.py), straight
+  from the arrays' memory, paced in chunks of at most CHUNK_BYTES (the header, its checks and the
+  chunks are transport/frames.py's, shared with tunix's host). The trainer receives them into aligned
   buffers (core.buffers) and unpickles over them: the arrays come back writable and aligned with
   no further copy (on CPU, jax.device_put of an aligned buffer is zero-copy). The unpickling runs
   on an executor lane, never on the server's event loop.
@@ -18,24 +19,27 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-import secrets
 import traceback
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
+
+from tunix_stage_plugin.transport import frames
 
 SERVICE = "tunix_stage.EmbeddedWorker"
 CALL = f"/{SERVICE}/Call"
 CALL_BULK = f"/{SERVICE}/CallBulk"  # a header; its bytes come on the bulk channel
 BULK_PORT = f"/{SERVICE}/BulkPort"
 
-CHUNK_BYTES = 4 << 20  # the emulated link paces the bulk bytes in chunks of this size
+CHUNK_BYTES = frames.CHUNK_BYTES  # the emulated link paces the bulk bytes in chunks of this size
 STREAM_THRESHOLD = 1 << 20
 # One message is a header or a small call; the cap leaves room for a header but refuses the
 # multi-GB single messages this module exists to avoid.
 MAX_MESSAGE_BYTES = 16 << 20
-TRANSFER_ID_BYTES = 16
-HEADER_KEYS = frozenset({"method", "body", "sizes", "transfer"})
+TRANSFER_ID_BYTES = frames.TRANSFER_ID_BYTES
+WireError = frames.WireError
+iter_chunks = frames.iter_chunks
+decode_header = frames.decode_header
 
 
 def grpc_options() -> list[tuple[str, int]]:
@@ -43,10 +47,6 @@ def grpc_options() -> list[tuple[str, int]]:
       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
       ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
   ]
-
-
-class WireError(RuntimeError):
-  """A message broke the wire format (sizes, order, or an oversized reply)."""
 
 
 class RemoteCallError(RuntimeError):
@@ -78,17 +78,9 @@ def encode_call(method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Enc
   views = [b.raw() for b in buffers]
   if sum(v.nbytes for v in views) <= STREAM_THRESHOLD:
     return EncodedCall(method, pickle.dumps((method, tuple(args), kwargs), protocol=5), None, [])
-  transfer = secrets.token_bytes(TRANSFER_ID_BYTES)
-  header = pickle.dumps({"method": method, "body": body, "sizes": [v.nbytes for v in views],
-                         "transfer": transfer}, protocol=5)
-  return EncodedCall(method, None, header, views, transfer)
-
-
-def iter_chunks(buffers: Sequence[memoryview], chunk_bytes: int = CHUNK_BYTES
-                ) -> Iterator[memoryview]:
-  for view in buffers:
-    for start in range(0, view.nbytes, chunk_bytes):
-      yield view[start:start + chunk_bytes]
+  transfer = frames.new_transfer_id()
+  return EncodedCall(method, None, frames.encode_header(method, body, views, transfer), views,
+                     transfer)
 
 
 def decode_unary(message: bytes) -> tuple[str, tuple, dict]:
@@ -96,28 +88,9 @@ def decode_unary(message: bytes) -> tuple[str, tuple, dict]:
   return method, args, kwargs
 
 
-def decode_header(message: bytes) -> dict[str, Any]:
-  header = pickle.loads(message)
-  if not isinstance(header, dict) or set(header) != HEADER_KEYS:
-    raise WireError(f"a bulk call's message must be its header {sorted(HEADER_KEYS)}")
-  sizes = header["sizes"]
-  if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
-    raise WireError(f"a bulk call's header must announce its buffer sizes as a list of "
-                    f"integers >= 0; got {sizes!r:.80}")
-  transfer = header["transfer"]
-  if not isinstance(transfer, bytes) or len(transfer) != TRANSFER_ID_BYTES:
-    raise WireError(f"a bulk call's header must carry a {TRANSFER_ID_BYTES}-byte transfer id")
-  return header
-
-
 def announced_bytes(header: dict[str, Any], max_call_bytes: int) -> int:
   """The bytes a bulk call's header announces; refuses more than `max_call_bytes`."""
-  total = sum(header["sizes"])
-  if total > max_call_bytes:
-    raise WireError(f"{header['method']} announces {total} bytes, above this trainer's "
-                    f"{max_call_bytes}-byte cap on one call (trainer_main --max_call_mib); "
-                    "refused before reading any of its bytes")
-  return total
+  return frames.announced_bytes(header, max_call_bytes, "trainer_main --max_call_mib")
 
 
 def decode_bulk(header: dict[str, Any], buffers: Sequence[np.ndarray]) -> tuple[tuple, dict]:

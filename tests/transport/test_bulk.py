@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.lab.embedded import bulk
-from tunix_stage_plugin.lab.embedded import pacing
-from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.transport import bulk
+from tunix_stage_plugin.transport import frames
 
 MIB = 1 << 20
 
@@ -35,7 +34,7 @@ def listener():
 
 def _send(port: int, transfer_id: bytes, arrays: list[np.ndarray]) -> None:
   async def go() -> None:
-    sender = bulk.BulkSender("127.0.0.1", port, pacing.LinkPacer(None))
+    sender = bulk.BulkSender("127.0.0.1", port)
     try:
       await sender.send(transfer_id, [memoryview(a).cast("B") for a in arrays])
     finally:
@@ -107,7 +106,7 @@ def test_a_frame_whose_sizes_differ_from_its_header_fails_its_call(listener):
   future = transfers.expect(transfer_id, [MIB])
   with socket.create_connection(("127.0.0.1", server.port)) as sock:
     sock.sendall(_frame(transfer_id, [64 * MIB]))
-    with pytest.raises(wire.WireError, match=r"announced buffer sizes \[67108864\] where the "
+    with pytest.raises(frames.WireError, match=r"announced buffer sizes \[67108864\] where the "
                        r"call's header announced \[1048576\]"):
       future.result(10)
   assert pool.made == 0
@@ -119,7 +118,7 @@ def test_a_connection_that_breaks_mid_transfer_fails_its_call(listener):
   future = transfers.expect(transfer_id, [4 * MIB])
   with socket.create_connection(("127.0.0.1", server.port)) as sock:
     sock.sendall(_frame(transfer_id, [4 * MIB]) + bytes(MIB))
-  with pytest.raises(wire.WireError, match=r"broke mid-transfer: the connection closed after "
+  with pytest.raises(frames.WireError, match=r"broke mid-transfer: the connection closed after "
                      r"1048576 of 4194304 bytes"):
     future.result(10)
 
@@ -128,11 +127,11 @@ def test_an_id_is_single_use_and_an_ended_call_drops_its_bytes(listener):
   server, transfers, _ = listener
   transfer_id = secrets.token_bytes(16)
   future = transfers.expect(transfer_id, [MIB])
-  with pytest.raises(wire.WireError, match="used twice"):
+  with pytest.raises(frames.WireError, match="used twice"):
     transfers.expect(transfer_id, [MIB])
   transfers.end(transfer_id)
   assert future.cancelled()
-  with pytest.raises(wire.WireError, match="used twice"):
+  with pytest.raises(frames.WireError, match="used twice"):
     transfers.expect(transfer_id, [MIB])
 
 
@@ -147,7 +146,7 @@ def test_a_sender_reuses_a_connection_only_after_a_whole_frame(listener):
     return sock
 
   async def go() -> None:
-    sender = bulk.BulkSender("127.0.0.1", server.port, pacing.LinkPacer(None))
+    sender = bulk.BulkSender("127.0.0.1", server.port)
     sender._connection = counting.__get__(sender)  # pylint: disable=protected-access
     try:
       for _ in range(3):

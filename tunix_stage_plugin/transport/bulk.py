@@ -1,4 +1,4 @@
-"""The embedded trainer's bulk byte channel: a call's array bytes on a plain TCP connection.
+"""The bulk byte channel of both hosts: a call's array bytes on a plain TCP connection.
 
 Why not gRPC for the bytes: grpcio's Python path copies every byte twice on each side (into and
 out of its slices) and pays a Python message per chunk, about 0.5-1 GiB/s on this project's
@@ -9,10 +9,11 @@ on gRPC; only the bytes travel here, keyed by the 128-bit transfer id the call's
 (Newer tunix took the same route: a bulk TCP side channel next to its gRPC service.)
 
 A frame is MAGIC, the transfer id (16 bytes), the buffer count (u32) and sizes (u64 each), then
-the buffers' bytes in order. The listener binds 127.0.0.1 only, never unpickles, and fills
+the buffers' bytes in order. The listener binds where its host says (the embedded trainer:
+127.0.0.1; tunix's trainer: where tunix's server listens), never unpickles, and fills
 buffers only for a transfer a gRPC call has announced (and whose sizes passed that call's cap):
 a frame nobody announced waits at most CLAIM_WAIT_S, allocating nothing, then its connection is
-dropped. docs/embedded.md "The bulk channel" and "Limits of one call".
+dropped. docs/embedded.md "The bulk channel" and "Limits of one call", docs/tunix.md.
 """
 
 from __future__ import annotations
@@ -26,15 +27,14 @@ import socket
 import struct
 import threading
 import time
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.lab.embedded import pacing
-from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.transport import frames as wire
 
-log = logging.getLogger("tunix_stage_plugin.lab.embedded")
+log = logging.getLogger("tunix_stage_plugin.transport")
 
 MAGIC = b"TSB1"
 HEADER = struct.Struct(f"<4s{wire.TRANSFER_ID_BYTES}sI")  # magic, transfer id, buffer count
@@ -56,12 +56,13 @@ class Received:
 
 
 class _Transfer:
-  __slots__ = ("sizes", "future", "claimed")
+  __slots__ = ("sizes", "future", "claimed", "connection")
 
   def __init__(self, sizes: list[int]) -> None:
     self.sizes = sizes
     self.future: concurrent.futures.Future = concurrent.futures.Future()
     self.claimed = False
+    self.connection: socket.socket | None = None  # the one receiving its bytes, once claimed
 
 
 class Transfers:
@@ -96,20 +97,25 @@ class Transfers:
       self._cond.notify_all()
     if transfer is not None:
       transfer.future.cancel()  # no-op once received
+      if transfer.connection is not None and transfer.future.cancelled():
+        _shutdown(transfer.connection)  # its bytes were still coming: their buffers go back now
 
   def _remember(self, transfer_id: bytes) -> None:
     self._ended[transfer_id] = None
     while len(self._ended) > REMEMBERED:
       self._ended.popitem(last=False)
 
-  def claim(self, transfer_id: bytes, timeout: float) -> _Transfer | str:
-    """For a frame's header: the announced transfer, or why the frame is not wanted."""
+  def claim(self, transfer_id: bytes, timeout: float, connection: socket.socket | None = None
+            ) -> _Transfer | str:
+    """For a frame's header: the announced transfer, or why the frame is not wanted. A call that
+    ends before its bytes are in shuts `connection` down (the receive stops, its buffers go)."""
     deadline = time.monotonic() + timeout
     with self._cond:
       while True:
         transfer = self._open.get(transfer_id)
         if transfer is not None and not transfer.claimed:
           transfer.claimed = True
+          transfer.connection = connection
           return transfer
         if transfer is not None:
           return "its transfer id is already being received"
@@ -148,7 +154,7 @@ def _recv_into(sock: socket.socket, buffer: np.ndarray) -> None:
 
 
 class BulkListener:
-  """Receives frames on 127.0.0.1: a thread per connection (so the event loop moves no bytes),
+  """Receives frames on `host`: a thread per connection (so the event loop moves no bytes),
   each frame into buffers from `pool`, delivered to the call that announced it."""
 
   def __init__(self, pool: buffers_lib.HostBufferPool, transfers: Transfers, *,
@@ -163,8 +169,10 @@ class BulkListener:
     self.port: int | None = None
 
   def start(self) -> int:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(_family(self._host), socket.SOCK_STREAM)
     try:
+      if sock.family == socket.AF_INET6:  # "::" takes IPv4 connections too, as tunix's "[::]"
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
       sock.bind((self._host, 0))
       sock.listen(MAX_CONNECTIONS)
     except OSError:
@@ -218,7 +226,7 @@ class BulkListener:
       return False
     raw_sizes = _recv_exact(conn, 8 * count) if count else b""
     sizes = list(struct.unpack(f"<{count}Q", raw_sizes or b""))
-    claimed = self._transfers.claim(transfer_id, CLAIM_WAIT_S)
+    claimed = self._transfers.claim(transfer_id, CLAIM_WAIT_S, conn)
     if isinstance(claimed, str):
       log.debug("dropped a bulk frame: %s", claimed)
       return False
@@ -264,6 +272,23 @@ class BulkListener:
       thread.join(max(0.0, deadline - time.monotonic()))
 
 
+def _shutdown(sock: socket.socket) -> None:
+  try:
+    sock.shutdown(socket.SHUT_RDWR)
+  except OSError:
+    pass
+
+
+def _family(host: str) -> socket.AddressFamily:
+  return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class Pacer(Protocol):
+  """An emulated link the sender waits on before each chunk (the embedded host's LinkPacer)."""
+
+  async def transmit(self, nbytes: int) -> None: ...
+
+
 def _fail(transfer: _Transfer, error: BaseException) -> None:
   try:
     transfer.future.set_exception(error)
@@ -273,9 +298,9 @@ def _fail(transfer: _Transfer, error: BaseException) -> None:
 
 class BulkSender:
   """The orchestrator's side: frames sent on idle connections (one per transfer in flight),
-  from the arrays' own memory, each chunk paced by the emulated link first."""
+  from the arrays' own memory, each chunk paced by the emulated link first (if any)."""
 
-  def __init__(self, host: str, port: int, pacer: pacing.LinkPacer) -> None:
+  def __init__(self, host: str, port: int, pacer: Pacer | None = None) -> None:
     self._address = (host, port)
     self._pacer = pacer
     self._idle: list[socket.socket] = []
@@ -284,7 +309,7 @@ class BulkSender:
   async def _connection(self) -> socket.socket:
     if self._idle:
       return self._idle.pop()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(_family(self._address[0]), socket.SOCK_STREAM)
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
@@ -305,7 +330,8 @@ class BulkSender:
     try:
       await loop.sock_sendall(sock, header)
       for chunk in wire.iter_chunks(buffers):
-        await self._pacer.transmit(round(chunk.nbytes * pace))
+        if self._pacer is not None:
+          await self._pacer.transmit(round(chunk.nbytes * pace))
         await loop.sock_sendall(sock, chunk)
         self.sent_bytes += chunk.nbytes
       sent = True

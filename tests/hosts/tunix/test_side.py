@@ -1,0 +1,217 @@
+"""The bulk side channel on tunix's host, against tunix's real gRPC server and handle in one
+process, over real sockets on 127.0.0.1 (the two-process jobs are in test_grpc.py).
+
+The server hosts a real TrainerWorker whose trainer records what it was given and on which
+thread (test_stream.RecordingTrainer). tunix's cap is the upstream 128 MiB: every payload here is
+under it, so without the side channel each call would be tunix's own unary call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import socket
+import struct
+from unittest import mock
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix.experimental.orchestrator.rl_program",
+                    reason="tunix's experimental stack (google/tunix main) is not importable")
+
+from tunix.experimental.orchestrator import distributed_rl_engine  # pylint: disable=wrong-import-position
+
+from tests.hosts.tunix.test_stream import ACTOR, MIB, big, close, new_worker, serve
+from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core.outcome import StageStatus
+from tunix_stage_plugin.hosts.tunix import chunked
+from tunix_stage_plugin.hosts.tunix import installation
+from tunix_stage_plugin.hosts.tunix import program as program_hooks
+from tunix_stage_plugin.hosts.tunix import side
+from tunix_stage_plugin.hosts.tunix import stream
+from tunix_stage_plugin.transport import bulk
+from tunix_stage_plugin.transport import frames
+
+pytestmark = pytest.mark.tunix
+
+
+@pytest.fixture
+def staging():
+  manager.uninstall("tunix", quiet=True)
+  assert manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True).installed
+  yield installation.current()
+  manager.uninstall("tunix", quiet=True)
+
+
+def test_a_stage_and_an_inline_train_call_travel_the_side_channel(staging, caplog):
+  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
+  worker = new_worker()
+  staged, inline = big(1, mib=8), big(2, mib=8)
+
+  async def main():
+    server, handle, engine = await serve(worker)
+    assert server in staging.side_channels
+    streams = stream.streams_of(engine)
+    try:
+      outcome = await engine.stage_train_batch(staged, key="b-1")
+      await engine.train_step(None, role=ACTOR, apply_optimizer=False, stage_key="b-1")
+      result = await stream.train_step(engine, streams, inline, role=ACTOR,
+                                       accumulate_gradients=True, apply_optimizer=True)
+    finally:
+      await close(server, handle, engine)
+    return outcome, result, streams
+
+  outcome, result, streams = asyncio.run(main())
+  assert outcome.status is StageStatus.STAGED
+  assert staging.bulk_calls == {"stage_batch": 1, "fwd_bwd": 1} and not staging.chunked_calls
+  (placed, _, _), (payload, kwargs, thread) = worker._trainer.fwd  # pylint: disable=protected-access
+  np.testing.assert_array_equal(np.asarray(placed["experts"]), staged["experts"])
+  np.testing.assert_array_equal(payload["experts"], inline["experts"])
+  assert kwargs == {} and thread.startswith("trainer-compute")  # the executor's compute lane
+  assert payload["experts"].ctypes.data % 64 == 0 and payload["experts"].flags.writeable
+  assert result["updated"] is True and result["fwd_bwd"].metadata["queued"] is True
+  assert streams.bulk_calls == 2 and streams.calls == 0
+  lines = [r.getMessage() for r in caplog.records if "side channel" in r.getMessage()]
+  assert len(lines) == 1 and lines[0].startswith("tunix-stage: bulk side channel to 127.0.0.1:")
+  assert lines[0].endswith("for micro-batch calls >= 1 MiB"), lines
+
+
+def test_below_the_threshold_the_call_is_the_hosts_own(staging):
+  worker = new_worker()
+  small = big(mib=1)
+  small["experts"] = small["experts"][:-64]  # with the tokens, just under side.MIN_BYTES
+
+  async def main():
+    server, handle, engine = await serve(worker)
+    streams = stream.streams_of(engine)
+    host = distributed_rl_engine.DistributedRLEngine.train_step
+    try:
+      with mock.patch.object(distributed_rl_engine.DistributedRLEngine, "train_step",
+                             autospec=True, side_effect=host) as train_step:
+        await program_hooks.StageEngine(engine, streams).train(small, stage_key=None,
+                                                               apply_optimizer=False)
+    finally:
+      await close(server, handle, engine)
+    return train_step
+
+  train_step = asyncio.run(main())
+  assert train_step.call_args_list == [mock.call(mock.ANY, small, role=ACTOR,
+                                                 accumulate_gradients=True,
+                                                 apply_optimizer=False)]
+  assert not staging.bulk_calls and not staging.chunked_calls
+
+
+def test_a_trainer_without_a_side_channel_is_asked_once_and_said_in_one_line(staging, caplog):
+  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
+  staging.serve_side_channel = False  # as a trainer without the plugin answers
+  worker = new_worker()
+
+  async def main():
+    server, handle, engine = await serve(worker)
+    streams = stream.streams_of(engine)
+    try:
+      with mock.patch.object(handle, "asubmit", wraps=handle.asubmit) as asubmit:
+        for seed in range(3):
+          await stream.invoke(engine, streams, handle, "fwd_bwd", payload=big(seed, mib=2))
+    finally:
+      await close(server, handle, engine)
+    return [c.args[0] for c in asubmit.call_args_list]
+
+  methods = asyncio.run(main())
+  assert methods == [side.PORT_METHOD] + ["fwd_bwd"] * 3  # asked once; then tunix's own calls
+  lines = [r.getMessage() for r in caplog.records if "side channel" in r.getMessage()]
+  assert len(lines) == 1 and lines[0].startswith("tunix-stage: no side channel on 127.0.0.1:")
+  assert lines[0].endswith("calls over the 128 MiB cap use the chunked stream"), lines
+  assert not staging.bulk_calls and len(worker._trainer.fwd) == 3  # pylint: disable=protected-access
+
+
+def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_its_buffers(
+    staging):
+  """The frame's header and its first MiB come on a raw socket, then nothing: the trainer's
+  bounded wait ends the call, the connection is dropped and the 4 MiB buffer is idle again."""
+  staging.bulk_wait_s = 0.5
+  worker = new_worker()
+  payload = big(mib=4)
+
+  async def main():
+    server, handle, engine = await serve(worker)
+    port = await handle.asubmit(side.PORT_METHOD)
+    encoded = chunked.encode(None, "fwd_bwd", (), {"payload": payload, "skip_jit": False})
+    transfer = frames.new_transfer_id()
+    sizes = [b.nbytes for b in encoded.buffers]
+    raw = socket.create_connection(("127.0.0.1", port))
+    try:
+      raw.sendall(bulk.HEADER.pack(bulk.MAGIC, transfer, len(sizes))
+                  + struct.pack(f"<{len(sizes)}Q", *sizes) + bytes(encoded.buffers[0][:MIB]))
+      with pytest.raises(RuntimeError) as refused:
+        await handle.asubmit(side.CALL_METHOD, header=frames.encode_header(
+            "fwd_bwd", encoded.body, encoded.buffers, transfer))
+      raw.settimeout(10)
+      ended = raw.recv(1) == b""  # the trainer dropped the connection
+      await stream.train_step(engine, stream.streams_of(engine), big(5, mib=4), role=ACTOR,
+                              accumulate_gradients=True, apply_optimizer=False)  # the next works
+    finally:
+      raw.close()
+      await close(server, handle, engine)
+    return str(refused.value), ended
+
+  message, ended = asyncio.run(main())
+  assert re.match(r"RemoteExecutionError \[WireError\]: fwd_bwd: its 41943\d\d bytes did not "
+                  r"arrive on the side channel within 0\.6 s; nothing of it was run", message), message
+  assert ended
+  assert staging.bulk_calls == {"fwd_bwd": 1} and len(worker._trainer.fwd) == 1  # pylint: disable=protected-access
+  # The abandoned transfer's 4 MiB buffer went back to the pool: the next call received into it
+  # (the trainer keeps that one's payload).
+  assert (staging.pool.made, staging.pool.reused, staging.pool.held_bytes()) == (1, 1, 4 * MIB)
+
+
+def test_a_side_channel_broken_mid_transfer_fails_the_call_clearly_and_the_next_works(staging):
+  """The trainer's receive connection is shut down as its first buffer is taken (a real broken
+  connection): the call ends with one clear error, nothing is run, the next call works."""
+  worker = new_worker()
+  take_all, broken = staging.pool.take_all, []
+
+  def break_once(sizes):
+    if not broken:
+      side_channel, = staging.side_channels.values()
+      for conn in list(side_channel.listener._connections):  # pylint: disable=protected-access
+        conn.shutdown(socket.SHUT_RDWR)
+      broken.append(True)
+    return take_all(sizes)
+
+  staging.pool.take_all = break_once
+
+  async def main():
+    server, handle, engine = await serve(worker)
+    streams = stream.streams_of(engine)
+    try:
+      with pytest.raises((RuntimeError, side.SideChannelError)) as failed:
+        await stream.invoke(engine, streams, handle, "fwd_bwd", payload=big(1, mib=24))
+      await stream.invoke(engine, streams, handle, "fwd_bwd", payload=big(2, mib=24))
+    finally:
+      await close(server, handle, engine)
+    return failed.value
+
+  error = asyncio.run(main())
+  assert "broke" in str(error).splitlines()[0], error
+  assert staging.bulk_calls == {"fwd_bwd": 1}
+  (payload, _, _), = worker._trainer.fwd  # pylint: disable=protected-access
+  np.testing.assert_array_equal(payload["experts"], big(2, mib=24)["experts"])
+
+
+def test_the_side_channel_closes_with_the_server_and_on_uninstall(staging):
+  worker = new_worker()
+
+  async def main():
+    server, handle, engine = await serve(worker)
+    listener = staging.side_channels[server].listener
+    await close(server, handle, engine)
+    return server, listener
+
+  server, listener = asyncio.run(main())
+  assert server not in staging.side_channels
+  with pytest.raises(OSError):
+    socket.create_connection(("127.0.0.1", listener.port), timeout=5).close()
