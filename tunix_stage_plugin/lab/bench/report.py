@@ -357,6 +357,24 @@ def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) ->
   return "\n".join(lines)
 
 
+# How far the modes' measured compute may be from the calibrated one before the report says the
+# links were sized for another compute (calibration and modes under different outside load).
+COMPUTE_MARGIN = 0.25
+
+
+def compute_drift(result: runner.BenchResult, summary: dict[str, ModeSummary]
+                  ) -> dict[str, Any] | None:
+  """The modes' median fwd_bwd against the calibrated compute the links were sized for."""
+  c = result.calibration
+  measured = [s.fwd_bwd_s for s in summary.values() if s.fwd_bwd_s is not None]
+  if c is None or not measured:
+    return None
+  median = metrics.median(measured)
+  ratio = median / c.compute_s
+  return {"calibrated_s": c.compute_s, "measured_s": median, "ratio": ratio,
+          "margin": COMPUTE_MARGIN, "sized_for_another_compute": abs(ratio - 1) > COMPUTE_MARGIN}
+
+
 def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
                   checks: list[Criterion]) -> str:
   o, c = result.options, result.calibration
@@ -377,6 +395,16 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
       "",
   ]
   lines += [f"{ch.verdict}  {ch.name}: {ch.detail}" for ch in checks]
+  if c.noisy:
+    lines.append(f"note: calibration stayed noisy: other processes used {c.foreign_cores:.2f} "
+                 f"cores at the quietest of {c.tries} tries")
+  drift = compute_drift(result, summary)
+  if drift and drift["sized_for_another_compute"]:
+    lines.append(
+        f"WARNING: the links were sized for another compute: calibrated {c.compute_s:.3f} s per "
+        f"micro-batch, the modes measured {drift['measured_s']:.3f} s ({drift['ratio']:.2f} x, "
+        f"margin {COMPUTE_MARGIN:.0%}), so the wire and host-to-device times were not the "
+        f"{o.wire_ratio:g} x and {o.h2d_ratio:g} x of compute asked for; rerun on a quiet machine")
   if o.tiny:
     lines.append(f"{TINY_NA}: --tiny's model is too small for its step times to mean anything, "
                  "so the timing checks and hidden fractions (even negative ones) judge nothing")
@@ -455,6 +483,7 @@ def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
                   "warmup_steps": runner.WARMUP_STEPS, "sizes": result.options.sizes().as_dict()},
       "calibration": None if c is None else {**dataclasses.asdict(c), "wire_s": c.wire_s,
                                              "h2d_s": _h2d_s(c, summary)},
+      "compute_vs_calibration": compute_drift(result, summary),
       "expected_trained_order": expected_order(result),
       "modes": {m: s.to_json() for m, s in summary.items()},
       "wire": {m: wire_summary(result, m) for m in summary},
