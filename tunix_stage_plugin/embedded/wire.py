@@ -35,6 +35,7 @@ STREAM_THRESHOLD = 1 << 20
 # multi-GB single messages this module exists to avoid.
 MAX_MESSAGE_BYTES = 16 << 20
 TRANSFER_ID_BYTES = 16
+MAX_BUFFERS = 1 << 16  # the most buffers one bulk call (its header and its frame) may carry
 HEADER_KEYS = frozenset({"method", "body", "sizes", "transfer"})
 
 
@@ -111,7 +112,12 @@ def decode_header(message: bytes) -> dict[str, Any]:
 
 
 def announced_bytes(header: dict[str, Any], max_call_bytes: int) -> int:
-  """The bytes a bulk call's header announces; refuses more than `max_call_bytes`."""
+  """The bytes a bulk call's header announces; refuses more than MAX_BUFFERS buffers or more
+  than `max_call_bytes` bytes."""
+  count = len(header["sizes"])
+  if count > MAX_BUFFERS:
+    raise WireError(f"{header['method']} announces {count} buffers, above the {MAX_BUFFERS} "
+                    "one call may carry; refused before reading any of its bytes")
   total = sum(header["sizes"])
   if total > max_call_bytes:
     raise WireError(f"{header['method']} announces {total} bytes, above this trainer's "
