@@ -5,16 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import pickle
+import socket
+import struct
 import threading
 import time
 from typing import Any, Callable, Iterator
 
 import grpc
 
+from tunix_stage_plugin.transport import bulk
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import engine as engine_lib
 from tunix_stage_plugin.lab.embedded import job as job_lib
+from tunix_stage_plugin.lab.embedded import wire
 
 TINY = data_lib.TINY_SIZES
 
@@ -98,3 +103,75 @@ def process_state(pid: int) -> str:
   """The process's state letter from /proc (R, S, T for stopped, Z, ...)."""
   with open(f"/proc/{pid}/stat", encoding="ascii") as f:
     return f.read().rsplit(")", 1)[1].split()[0]
+
+
+# --- bulk calls made by hand (a misbehaving peer's view of the trainer) ---------------------------
+
+
+def bulk_header(method: str, sizes: list[int], transfer: bytes) -> bytes:
+  """A bulk call's gRPC header for `method()` (no arguments) announcing `sizes`."""
+  body = pickle.dumps(((), {}), protocol=5)
+  return pickle.dumps({"method": method, "body": body, "sizes": sizes, "transfer": transfer},
+                      protocol=5)
+
+
+def bulk_frame(transfer: bytes, sizes: list[int], payload: bytes = b"") -> bytes:
+  return (bulk.HEADER.pack(bulk.MAGIC, transfer, len(sizes))
+          + struct.pack(f"<{len(sizes)}Q", *sizes) + payload)
+
+
+def bulk_connection(port: int) -> socket.socket:
+  """A raw connection to a bulk listener, its greeting read (as a sender does)."""
+  sock = socket.create_connection(("127.0.0.1", port))
+  sock.settimeout(10)
+  assert sock.recv(1) == bulk.ACCEPTED
+  return sock
+
+
+def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
+  """True once the peer closed the connection within `timeout_s` (an end of stream, or a reset
+  when it closed with bytes of ours unread); what it sent before is read and dropped."""
+  sock.settimeout(timeout_s)
+  try:
+    while sock.recv(1 << 16):
+      pass
+  except ConnectionResetError:
+    pass
+  except TimeoutError:
+    return False
+  return True
+
+
+async def bulk_port(channel: grpc.aio.Channel) -> int:
+  port, _ = bulk.read_announcement(await channel.unary_unary(wire.BULK_PORT)(b"", timeout=10))
+  return port
+
+
+async def bulk_connect(port: int) -> socket.socket:
+  """bulk_connection for an event loop: a non-blocking socket, its greeting read."""
+  loop = asyncio.get_running_loop()
+  sock = socket.socket()
+  sock.setblocking(False)
+  try:
+    await loop.sock_connect(sock, ("127.0.0.1", port))
+    assert await loop.sock_recv(sock, 1) == bulk.ACCEPTED
+  except BaseException:
+    sock.close()
+    raise
+  return sock
+
+
+async def raw_bulk_call(address: str, header: bytes, frame: bytes,
+                        timeout: float | None = 20) -> Any:
+  """A bulk call made by hand: its header on gRPC, `frame` (whatever it holds) on the bulk port."""
+  async with grpc.aio.insecure_channel(address, options=wire.grpc_options()) as channel:
+    loop = asyncio.get_running_loop()
+    sock = await bulk_connect(await bulk_port(channel))
+    try:
+      answer = asyncio.ensure_future(channel.unary_unary(wire.CALL_BULK)(header, timeout=timeout))
+      with contextlib.suppress(OSError):  # the trainer may drop the connection mid-frame
+        await loop.sock_sendall(sock, frame)
+      reply = await answer
+    finally:
+      sock.close()
+  return wire.decode_reply("heartbeat", reply)

@@ -11,12 +11,9 @@ import asyncio
 import contextlib
 import ctypes
 import os
-import pickle
 import selectors
 import secrets
 import signal
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -24,16 +21,15 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-import grpc
 import numpy as np
 import pytest
 
-from tests.embedded.support import call, process_state, wait_for
+from tests.embedded.support import (bulk_frame, bulk_header, call, process_state, raw_bulk_call,
+                                    wait_for)
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 from tunix_stage_plugin.lab.embedded import wire
-from tunix_stage_plugin.transport import bulk
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="needs Linux /proc and prctl")
@@ -235,56 +231,27 @@ def test_a_stopped_trainer_is_reported_within_the_liveness_bound():
   assert took[1] < client_lib.DEAD_PEER_DEADLINE_S + 0.5, took
 
 
-def _header(method: str, sizes: list[int], transfer: bytes) -> bytes:
-  body = pickle.dumps(((), {}), protocol=5)
-  return pickle.dumps({"method": method, "body": body, "sizes": sizes, "transfer": transfer},
-                      protocol=5)
-
-
-async def _raw_bulk_call(address: str, header: bytes, frame: bytes) -> Any:
-  """A bulk call made by hand: its header on gRPC, `frame` (whatever it holds) on the bulk port."""
-  async with grpc.aio.insecure_channel(address, options=wire.grpc_options()) as channel:
-    port = int(await channel.unary_unary(wire.BULK_PORT)(b"", timeout=10))
-    loop = asyncio.get_running_loop()
-    sock = socket.socket()
-    sock.setblocking(False)
-    try:
-      await loop.sock_connect(sock, ("127.0.0.1", port))
-      answer = asyncio.ensure_future(channel.unary_unary(wire.CALL_BULK)(header, timeout=20))
-      with contextlib.suppress(OSError):  # the trainer may drop the connection mid-frame
-        await loop.sock_sendall(sock, frame)
-      reply = await answer
-    finally:
-      sock.close()
-  return wire.decode_reply("heartbeat", reply)
-
-
-def _frame(transfer: bytes, sizes: list[int], payload: bytes = b"") -> bytes:
-  return (bulk.HEADER.pack(bulk.MAGIC, transfer, len(sizes))
-          + struct.pack(f"<{len(sizes)}Q", *sizes) + payload)
-
-
 def test_an_oversized_or_mismatched_call_is_refused_before_its_bytes_are_read():
   with process_lib.TrainerProcess(extra_args=["--max_call_mib", "8"]) as trainer:
     warm = secrets.token_bytes(16)
     # A well-formed call first, so the peak below counts only what the refusals cost.
-    reply = asyncio.run(_raw_bulk_call(trainer.address, _header("heartbeat", [MIB], warm),
-                                       _frame(warm, [MIB], bytes(MIB))))
+    reply = asyncio.run(raw_bulk_call(trainer.address, bulk_header("heartbeat", [MIB], warm),
+                                       bulk_frame(warm, [MIB], bytes(MIB))))
     assert reply["pid"] == trainer.pid
     peak_before = _peak_bytes(trainer.pid)
     big = secrets.token_bytes(16)
     with pytest.raises(wire.RemoteCallError, match=r"heartbeat announces 9437184 bytes, above "
                        r"this trainer's 8388608-byte cap on one call \(trainer_main "
                        r"--max_call_mib\); refused before reading any of its bytes"):
-      asyncio.run(_raw_bulk_call(trainer.address, _header("heartbeat", [9 * MIB], big),
-                                 _frame(big, [9 * MIB], bytes(9 * MIB))))
+      asyncio.run(raw_bulk_call(trainer.address, bulk_header("heartbeat", [9 * MIB], big),
+                                 bulk_frame(big, [9 * MIB], bytes(9 * MIB))))
     # A frame announcing more than its call's header (the bytes of an overrun): refused by its
     # frame header, before a buffer is made for it.
     lying = secrets.token_bytes(16)
     with pytest.raises(wire.RemoteCallError, match=r"WireError: the bulk frame announced buffer "
                        r"sizes \[268435456\] where the call's header announced \[1\]"):
-      asyncio.run(_raw_bulk_call(trainer.address, _header("heartbeat", [1], lying),
-                                 _frame(lying, [256 * MIB], bytes(16 * MIB))))
+      asyncio.run(raw_bulk_call(trainer.address, bulk_header("heartbeat", [1], lying),
+                                 bulk_frame(lying, [256 * MIB], bytes(16 * MIB))))
     grown_mib = (_peak_bytes(trainer.pid) - peak_before) / (1 << 20)
     assert grown_mib < 16, f"peak RSS grew {grown_mib:.0f} MiB for refused calls"
     assert call(trainer.address, "heartbeat")["pid"] == trainer.pid  # still serving

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import secrets
-import socket
-import struct
 import threading
 
 import numpy as np
 import pytest
 
+from tests.embedded.support import bulk_connection, bulk_frame, closed_by_peer
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.transport import bulk
 from tunix_stage_plugin.transport import frames
@@ -21,9 +20,14 @@ MIB = 1 << 20
 
 
 @pytest.fixture
-def listener():
+def limits():
+  return bulk.BulkLimits()
+
+
+@pytest.fixture
+def listener(limits):
   pool = buffers_lib.HostBufferPool()
-  transfers = bulk.Transfers()
+  transfers = bulk.Transfers(limits)
   server = bulk.BulkListener(pool, transfers)
   server.start()
   yield server, transfers, pool
@@ -36,25 +40,12 @@ def _send(port: int, transfer_id: bytes, arrays: list[np.ndarray]) -> None:
   async def go() -> None:
     sender = bulk.BulkSender("127.0.0.1", port)
     try:
-      await sender.send(transfer_id, [memoryview(a).cast("B") for a in arrays])
+      lease = await sender.lease()
+      await sender.send(lease, transfer_id, [memoryview(a).cast("B") for a in arrays])
+      lease.end()
     finally:
       sender.close()
   asyncio.run(go())
-
-
-def _frame(transfer_id: bytes, sizes: list[int]) -> bytes:
-  return bulk.HEADER.pack(bulk.MAGIC, transfer_id, len(sizes)) + struct.pack(
-      f"<{len(sizes)}Q", *sizes)
-
-
-def _closed_by_peer(sock: socket.socket) -> bool:
-  """True once the listener closed the connection (an end of stream, or a reset when it closed
-  with bytes of ours unread)."""
-  sock.settimeout(10)
-  try:
-    return sock.recv(1) == b""
-  except ConnectionResetError:
-    return True
 
 
 def test_a_frame_reaches_its_call_whichever_arrives_first(listener):
@@ -80,18 +71,18 @@ def test_a_frame_reaches_its_call_whichever_arrives_first(listener):
   assert pool.made == 2  # the 9 MiB buffer was pooled, once per transfer alive at once
 
 
-def test_frames_that_no_call_wants_are_dropped_before_anything_is_allocated(listener, monkeypatch):
+@pytest.mark.parametrize("limits", [bulk.BulkLimits(pair_wait_s=0.2)])
+def test_frames_that_no_call_wants_are_dropped_before_anything_is_allocated(listener):
   server, transfers, pool = listener
-  monkeypatch.setattr(bulk, "CLAIM_WAIT_S", 0.2)
   ended = secrets.token_bytes(16)
   transfers.expect(ended, [MIB])
   transfers.end(ended)  # answered or refused: its late frame is dropped at once
-  for frame in (_frame(ended, [MIB]),  # its call ended
-                _frame(secrets.token_bytes(16), [MIB]),  # no call announced it
+  for frame in (bulk_frame(ended, [MIB]),  # its call ended
+                bulk_frame(secrets.token_bytes(16), [MIB]),  # no call announced it
                 b"GET / HTTP/1.1\r\n\r\n" + bytes(64)):  # not a frame at all
-    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+    with bulk_connection(server.port) as sock:
       sock.sendall(frame)
-      assert _closed_by_peer(sock)
+      assert closed_by_peer(sock, 10)
   assert pool.made == 0
   # The listener still serves a wanted frame afterwards.
   good = secrets.token_bytes(16)
@@ -104,8 +95,8 @@ def test_a_frame_whose_sizes_differ_from_its_header_fails_its_call(listener):
   server, transfers, pool = listener
   transfer_id = secrets.token_bytes(16)
   future = transfers.expect(transfer_id, [MIB])
-  with socket.create_connection(("127.0.0.1", server.port)) as sock:
-    sock.sendall(_frame(transfer_id, [64 * MIB]))
+  with bulk_connection(server.port) as sock:
+    sock.sendall(bulk_frame(transfer_id, [64 * MIB]))
     with pytest.raises(frames.WireError, match=r"announced buffer sizes \[67108864\] where the "
                        r"call's header announced \[1048576\]"):
       future.result(10)
@@ -116,8 +107,8 @@ def test_a_connection_that_breaks_mid_transfer_fails_its_call(listener):
   server, transfers, _ = listener
   transfer_id = secrets.token_bytes(16)
   future = transfers.expect(transfer_id, [4 * MIB])
-  with socket.create_connection(("127.0.0.1", server.port)) as sock:
-    sock.sendall(_frame(transfer_id, [4 * MIB]) + bytes(MIB))
+  with bulk_connection(server.port) as sock:
+    sock.sendall(bulk_frame(transfer_id, [4 * MIB]) + bytes(MIB))
   with pytest.raises(frames.WireError, match=r"broke mid-transfer: the connection closed after "
                      r"1048576 of 4194304 bytes"):
     future.result(10)
@@ -138,28 +129,25 @@ def test_an_id_is_single_use_and_an_ended_call_drops_its_bytes(listener):
 def test_a_sender_reuses_a_connection_only_after_a_whole_frame(listener):
   server, transfers, _ = listener
   connections = []
-  real_connection = bulk.BulkSender._connection
-
-  async def counting(self):
-    sock = await real_connection(self)
-    connections.append(sock)
-    return sock
 
   async def go() -> None:
     sender = bulk.BulkSender("127.0.0.1", server.port)
-    sender._connection = counting.__get__(sender)  # pylint: disable=protected-access
     try:
       for _ in range(3):
         transfer_id = secrets.token_bytes(16)
         future = transfers.expect(transfer_id, [2 * MIB])
-        await sender.send(transfer_id, [memoryview(np.zeros(2 * MIB, np.uint8))])
+        lease = await sender.lease()
+        connections.append(lease.sock)
+        await sender.send(lease, transfer_id, [memoryview(np.zeros(2 * MIB, np.uint8))])
         await asyncio.wrap_future(future)
+        lease.end()
       # A send cut short closes its connection instead of leaving half a frame on it.
       # Nobody claims this frame, so its bytes back up and the send blocks.
-      stuck = asyncio.ensure_future(sender.send(secrets.token_bytes(16),
+      lease = await sender.lease()
+      connections.append(lease.sock)
+      stuck = asyncio.ensure_future(sender.send(lease, secrets.token_bytes(16),
                                                 [memoryview(np.zeros(256 * MIB, np.uint8))]))
-      while len(connections) < 4:  # until the send holds its connection
-        await asyncio.sleep(0)
+      await asyncio.sleep(0)  # the send starts (it blocks once the socket's buffers are full)
       stuck.cancel()
       await asyncio.gather(stuck, return_exceptions=True)
       assert stuck.cancelled() and connections[-1].fileno() == -1
@@ -167,7 +155,7 @@ def test_a_sender_reuses_a_connection_only_after_a_whole_frame(listener):
       sender.close()
 
   asyncio.run(go())
-  assert len({id(c) for c in connections}) == 1
+  assert len({id(c) for c in connections[:4]}) == 1
 
 
 def test_pooled_buffers_aliased_by_jax_on_cpu_are_not_reused_while_the_jax_array_lives():

@@ -10,7 +10,7 @@ import socket
 import numpy as np
 import pytest
 
-from tests.transport.test_bulk import listener  # pylint: disable=unused-import  (the fixture)
+from tests.transport.test_bulk import limits, listener  # pylint: disable=unused-import  (fixtures)
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.transport import bulk
 from tunix_stage_plugin.transport import calls
@@ -89,9 +89,9 @@ def test_a_refused_header_ends_its_send_and_closes_the_connection(listener):
   transfers.end(transfer)  # the call ended: a frame for it is dropped
 
 
-def test_a_broken_send_is_the_calls_error_after_the_grace():
-  """Nothing listens on the port: the send fails at once and the header's call never answers;
-  after the grace the send's error ends the call."""
+def test_a_refused_connection_is_the_calls_error_and_no_header_goes_out():
+  """Nothing listens on the port: the connection for the bytes is refused at once, so the
+  header's call is never made (cancelled) and the connection's error is the call's."""
   with socket.socket() as probe:
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]  # bound, not listening: connections are refused
@@ -124,7 +124,9 @@ def test_a_dual_stack_listener_takes_ipv4_connections():
     async def go():
       sender = bulk.BulkSender("127.0.0.1", server.port)
       try:
-        await sender.send(transfer, views(data))
+        lease = await sender.lease()
+        await sender.send(lease, transfer, views(data))
+        lease.end()
       finally:
         sender.close()
 

@@ -15,6 +15,7 @@ import secrets
 from typing import Any, Iterator, Sequence
 
 TRANSFER_ID_BYTES = 16
+MAX_BUFFERS = 1 << 16  # the most buffers one bulk call (its header and its frame) may carry
 CHUNK_BYTES = 4 << 20  # a sender hands the socket (and a pacer) at most this much at once
 HEADER_KEYS = frozenset({"method", "body", "sizes", "transfer"})
 
@@ -49,8 +50,12 @@ def decode_header(message: bytes) -> dict[str, Any]:
 
 
 def announced_bytes(header: dict[str, Any], max_call_bytes: int, setting: str) -> int:
-  """The bytes a bulk call's header announces; refuses more than `max_call_bytes` (`setting`
-  names where that cap is set)."""
+  """The bytes a bulk call's header announces; refuses more than MAX_BUFFERS buffers or more than
+  `max_call_bytes` bytes (`setting` names where that cap is set)."""
+  count = len(header["sizes"])
+  if count > MAX_BUFFERS:
+    raise WireError(f"{header['method']} announces {count} buffers, above the {MAX_BUFFERS} "
+                    "one call may carry; refused before reading any of its bytes")
   total = sum(header["sizes"])
   if total > max_call_bytes:
     raise WireError(f"{header['method']} announces {total} bytes, above this trainer's "

@@ -130,20 +130,21 @@ def test_a_trainer_without_a_side_channel_is_asked_once_and_said_in_one_line(sta
 
 def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_its_buffers(
     staging):
-  """The frame's header and its first MiB come on a raw socket, then nothing: the trainer's
-  bounded wait ends the call, the connection is dropped and the 4 MiB buffer is idle again."""
-  staging.bulk_wait_s = 0.5
+  """The frame's header and its first MiB come on a raw socket, then nothing: the listener's
+  stall bound ends the call, the connection is dropped and the 4 MiB buffer is idle again."""
+  staging.bulk_limits = bulk.BulkLimits(stall_s=0.5)  # read when the server starts
   worker = new_worker()
   payload = big(mib=4)
 
   async def main():
     server, handle, engine = await serve(worker)
-    port = await handle.asubmit(side.PORT_METHOD)
+    port, _ = bulk.read_announcement(await handle.asubmit(side.PORT_METHOD))
     encoded = chunked.encode(None, "fwd_bwd", (), {"payload": payload, "skip_jit": False})
     transfer = frames.new_transfer_id()
     sizes = [b.nbytes for b in encoded.buffers]
     raw = socket.create_connection(("127.0.0.1", port))
     try:
+      assert raw.recv(1) == bulk.ACCEPTED  # the listener's greeting
       raw.sendall(bulk.HEADER.pack(bulk.MAGIC, transfer, len(sizes))
                   + struct.pack(f"<{len(sizes)}Q", *sizes) + bytes(encoded.buffers[0][:MIB]))
       with pytest.raises(RuntimeError) as refused:
@@ -159,8 +160,8 @@ def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_i
     return str(refused.value), ended
 
   message, ended = asyncio.run(main())
-  assert re.match(r"RemoteExecutionError \[WireError\]: fwd_bwd: its 41943\d\d bytes did not "
-                  r"arrive on the side channel within 0\.6 s; nothing of it was run", message), message
+  assert re.match(r"RemoteExecutionError \[WireError\]: the bulk frame stalled after 1048576 of "
+                  r"its 41943\d\d bytes: none came for 0\.5 s \(BulkLimits\.stall_s\)", message), message
   assert ended
   assert staging.bulk_calls == {"fwd_bwd": 1} and len(worker._trainer.fwd) == 1  # pylint: disable=protected-access
   # The abandoned transfer's 4 MiB buffer went back to the pool: the next call received into it

@@ -27,8 +27,6 @@ CLOSE_TIMEOUT_S = 10.0
 # a header announcing more is refused before any of its bytes is read. Far above a production
 # micro-batch (5 GB), far below what a corrupt header could claim.
 MAX_STREAM_BYTES = 64 << 30
-# How long a side-channel call's header waits for its bytes, plus their time at side.MIN_RATE.
-BULK_WAIT_S = 30.0
 
 
 class WorkerStaging:
@@ -67,12 +65,13 @@ class Installation:
     self.max_stream_bytes = MAX_STREAM_BYTES
     self.streaming_servers: "weakref.WeakSet[Any]" = weakref.WeakSet()
     self.chunked_calls: collections.Counter[str] = collections.Counter()
-    # Each server's side channel, whether servers started from now on get one, how long a header
-    # waits for its bytes, and the side-channel calls run per method.
+    # Each server's side channel, whether servers started from now on get one, the bounds its
+    # listener holds a peer to (a header's bytes included: transport/bulk.py BulkLimits), and
+    # the side-channel calls run per method.
     self.side_channels: "weakref.WeakKeyDictionary[Any, SideChannel]" = (
         weakref.WeakKeyDictionary())
     self.serve_side_channel = True
-    self.bulk_wait_s = BULK_WAIT_S
+    self.bulk_limits = bulk_lib.BulkLimits()
     self.bulk_calls: collections.Counter[str] = collections.Counter()
     live.on_update(self._reconfigure)
 

@@ -9,9 +9,11 @@ from the arrays' memory into pooled aligned buffers, unpickled over them.
 - Trainer: every GrpcRemoteExecutionServer started while staging is installed also runs a
   BulkListener (bound like tunix's server, on every interface) and answers two methods in the
   server's execute_request hook (server.py), before tunix's dispatch: PORT_METHOD (the listener's
-  port) and CALL_METHOD (a header: checked against the cap before any byte is read, its transfer
-  awaited within wait_bound_s, then the real method run through execute_request, exactly as a
-  unary call). A server without the plugin answers both with tunix's AttributeError.
+  port and the limits it holds a peer to, transport.bulk.BulkLimits) and CALL_METHOD (a header:
+  checked against the cap before any byte is read, its bytes awaited within the listener's
+  limits, then the real method run through execute_request, exactly as a unary call). A server
+  without the plugin answers both with tunix's AttributeError. The sender queues its calls within
+  the listener's connection cap (transport.bulk.Lease).
 - Orchestrator: a call to a gRPC trainer handle carrying at least MIN_BYTES out of band goes
   this way when the trainer announced a side channel (asked once per handle; the answer, 'none'
   included, is kept and said in one log line).
@@ -46,8 +48,6 @@ MIN_BYTES = 1 << 20
 # Where the listener binds: every interface, as tunix's server ("[::]:port"); "0.0.0.0" where
 # the machine has no IPv6.
 BIND_HOSTS = ("::", "0.0.0.0")
-# The slowest transfer the trainer waits for, after a fixed allowance (installation.bulk_wait_s).
-MIN_RATE = 64 << 20
 # A send that broke leaves the header's call this long to bring its own answer (a refusal).
 SEND_FAILURE_GRACE_S = 1.0
 CAP_SETTING = "tunix_stage_plugin.hosts.tunix.installation.MAX_STREAM_BYTES"
@@ -62,7 +62,7 @@ class SideChannelError(ConnectionError):
 
 def start(inst: installation_lib.Installation, server: Any) -> None:
   """Starts `server`'s listener (its receive buffers are the installation's pool)."""
-  transfers = bulk_lib.Transfers()
+  transfers = bulk_lib.Transfers(inst.bulk_limits)
   for host in BIND_HOSTS:
     listener = bulk_lib.BulkListener(inst.pool, transfers, host=host)
     try:
@@ -82,30 +82,24 @@ def stop(inst: installation_lib.Installation, server: Any) -> None:
     side.listener.close()
 
 
-def wait_bound_s(inst: installation_lib.Installation, announced: int) -> float:
-  """How long the trainer waits for an announced transfer's bytes."""
-  return inst.bulk_wait_s + announced / MIN_RATE
-
-
 async def answer(inst: installation_lib.Installation, side: installation_lib.SideChannel,
                  server: Any, request: Any) -> Any:
   """Answers PORT_METHOD or CALL_METHOD (tunix's ExecutionResponse); the hook calls it."""
-  if request.method_name == PORT_METHOD:
-    return remote_execution.ExecutionResponse(result=side.listener.port,
-                                              request_id=request.request_id)
-  transfer = None
+  if request.method_name == PORT_METHOD:  # where the listener is and the bounds it holds a peer to
+    return remote_execution.ExecutionResponse(
+        result=bulk_lib.announcement(side.listener.port, side.transfers.limits),
+        request_id=request.request_id)
   try:
     header = frames.decode_header(_header_bytes(request))
     method = header["method"]
-    announced = frames.announced_bytes(header, inst.max_stream_bytes, CAP_SETTING)
-    expected = side.transfers.expect(header["transfer"], header["sizes"])
-    transfer = header["transfer"]
-    bound = wait_bound_s(inst, announced)
     try:
-      received = await asyncio.wait_for(asyncio.wrap_future(expected), bound)
-    except asyncio.TimeoutError:
-      raise frames.WireError(f"{method}: its {announced} bytes did not arrive on the side channel "
-                             f"within {bound:.1f} s; nothing of it was run") from None
+      frames.announced_bytes(header, inst.max_stream_bytes, CAP_SETTING)
+    except frames.WireError:
+      side.transfers.refuse(header["transfer"])  # its frame is dropped at once
+      raise
+    # Bounded by the listener's limits (the frame begins within pair_wait_s, no pause longer
+    # than stall_s); the transfer ends on every path.
+    received = await side.transfers.receive(header["transfer"], header["sizes"])
     buffers = received.buffers
     del received
     request_id, method_name, args, kwargs = pickle.loads(header["body"], buffers=buffers)
@@ -122,9 +116,6 @@ async def answer(inst: installation_lib.Installation, side: installation_lib.Sid
     return remote_execution.ExecutionResponse(error_message=str(e), error_type=type(e).__name__,
                                               traceback=traceback.format_exc(),
                                               request_id=request.request_id)
-  finally:
-    if transfer is not None:
-      side.transfers.end(transfer)
 
 
 def _header_bytes(request: Any) -> bytes:
@@ -176,7 +167,7 @@ class Channel:
 
   async def _ask(self, worker: Any) -> bulk_lib.BulkSender | None:
     try:
-      port = await worker.asubmit(PORT_METHOD)
+      port, limits = bulk_lib.read_announcement(await worker.asubmit(PORT_METHOD))
     except RuntimeError as e:  # tunix's envelope: a trainer without the plugin (or staging off)
       if "[AttributeError]" not in str(e):
         raise
@@ -187,7 +178,7 @@ class Channel:
     host = _host(self.address)
     log.info("tunix-stage: bulk side channel to %s:%d for micro-batch calls >= %d MiB", host, port,
              MIN_BYTES >> 20)
-    return bulk_lib.BulkSender(host, port)
+    return bulk_lib.BulkSender(host, port, limits=limits)
 
   async def call(self, worker: Any, sender: bulk_lib.BulkSender,
                  encoded: chunked.EncodedRequest) -> Any:

@@ -3,6 +3,11 @@
 Concurrent calls share one HTTP/2 connection and one emulated link (`LinkPacer`): a stage's bytes
 and an inline train's bytes on the bulk channel (bulk.py) queue for the same bandwidth, as on a
 real NIC. Only payload bytes are paced (the bulk bytes); headers and small unary calls are not.
+A bulk call holds a connection for its bytes before its header goes out: the client's one
+`BulkSender` sends on at most the trainer's cap of connections (bulk.BulkLimits, announced by
+BulkPort), further calls wait for one, and a connection the trainer refuses (other clients hold
+the cap) fails the call at once with the trainer's reason (docs/embedded.md "Limits of the bulk
+channel").
 
 Liveness (docs/embedded.md "Liveness bound"): a watchdog per client asks the trainer for a heartbeat
 (answered at once, off every lane) whenever calls are in flight and nothing has been heard from it
@@ -147,6 +152,7 @@ class WorkerClient:
     self._bulk_header = self._channel.unary_unary(wire.CALL_BULK)
     self._bulk_port = self._channel.unary_unary(wire.BULK_PORT)
     self._sender: bulk_lib.BulkSender | None = None
+    self._sender_made = asyncio.Lock()  # concurrent first bulk calls make one sender
     # The watchdog (docs/embedded.md "Liveness bound"): quiet for silence_s with calls in flight
     # -> a heartbeat with probe_s to answer; none -> every call in flight fails.
     self.silence_s = self.liveness_s / 4
@@ -303,14 +309,21 @@ class WorkerClient:
       self.unresponsive = error
     self._flights.clear()
 
+  async def _bulk_sender(self, timeout: float) -> bulk_lib.BulkSender:
+    """The client's one sender, made by its first bulk call (the others wait for it)."""
+    async with self._sender_made:
+      if self._sender is None:
+        port, limits = bulk_lib.read_announcement(await self._bulk_port(b"", timeout=timeout))
+        self._sender = bulk_lib.BulkSender(self._host, port, self.pacer, limits)
+    return self._sender
+
   async def _call_bulk(self, encoded: wire.EncodedCall, timeout: float, pace: float) -> bytes:
-    """The header on gRPC and the bytes on the bulk channel, at once; the call's answer wins."""
-    if self._sender is None:
-      port = int(await self._bulk_port(b"", timeout=timeout))
-      self._sender = bulk_lib.BulkSender(self._host, port, self.pacer)
+    """The header on gRPC and the bytes on the bulk channel, at once, once a connection for the
+    bytes is held (within the trainer's cap: this client's sends queue for one, each ending
+    within the bulk channel's bounds); the call's answer wins."""
     return await calls_lib.call_with_bytes(self._bulk_header(encoded.header, timeout=timeout),
-                                           self._sender, encoded.transfer, encoded.buffers,
-                                           SEND_FAILURE_GRACE_S, pace)
+                                           await self._bulk_sender(timeout), encoded.transfer,
+                                           encoded.buffers, SEND_FAILURE_GRACE_S, pace)
 
   async def _diagnose(self, e: grpc.aio.AioRpcError, method: str, waited: float, timeout: float,
                       expected: float) -> BaseException:

@@ -3,19 +3,20 @@
 The server's event loop only moves messages: it never copies a payload, unpickles one, places it
 or waits for the device. Each method runs on its core.executor lane (compute, staging or inline),
 and a large call's unpickling runs on that lane too (work on the loop delays every other call:
-measured, a ping waits 452 ms behind a 0.5 s handler run there). A large call's bytes arrive on the bulk channel (bulk.py), received
-by its own threads into pooled aligned buffers.
+measured, a ping waits 452 ms behind a 0.5 s handler run there). A large call's bytes arrive on
+the bulk channel (transport/bulk.py), received by its own threads into pooled aligned buffers.
 
-A large call is refused by its header, before any of its bytes are read: more than
-`max_call_bytes` announced, or a bulk frame whose sizes differ from the header's (docs/embedded.md
-"Limits of one call").
+A large call is refused by its header, before any of its bytes are read: more buffers than a call
+may carry or more than `max_call_bytes` announced, or a bulk frame whose sizes differ from the
+header's; a header whose frame never begins fails after the bulk channel's own wait, and only
+the call that announced a transfer id ever ends it (docs/embedded.md "Limits of one call",
+"Limits of the bulk channel").
 
 Binds 127.0.0.1 only: the calls are pickles, trusted because they come from this machine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any, Protocol
 
@@ -115,16 +116,20 @@ class WorkerServer:
       return wire.encode_error(e)
 
   async def _bulk_port(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-    return str(self._bulk.port).encode()
+    return bulk_lib.announcement(self._bulk.port, self._bulk.limits)
 
   async def _call_bulk(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-    method, transfer = "?", None
+    method = "?"
     try:
       header = wire.decode_header(request)  # a few hundred bytes: fine on the loop
-      method, transfer = header["method"], header["transfer"]
-      fn = self._method(method)
-      announced = wire.announced_bytes(header, self.max_call_bytes)
-      received = await asyncio.wrap_future(self._transfers.expect(transfer, header["sizes"]))
+      method = header["method"]
+      try:
+        fn = self._method(method)
+        announced = wire.announced_bytes(header, self.max_call_bytes)
+      except Exception:
+        self._transfers.refuse(header["transfer"])  # its frame is dropped when it comes
+        raise
+      received = await self._transfers.receive(header["transfer"], header["sizes"])
       self._timeline.add(tracks.TRAINER_RECEIVE, method, received.started, received.ended,
                          bytes=announced)
       buffers = received.buffers
@@ -139,6 +144,3 @@ class WorkerServer:
     except Exception as e:  # pylint: disable=broad-except  (travels back to the caller)
       log.debug("bulk call %s failed: %s: %s", method, type(e).__name__, e)
       return wire.encode_error(e)
-    finally:
-      if transfer is not None:
-        self._transfers.end(transfer)

@@ -37,6 +37,7 @@ STREAM_THRESHOLD = 1 << 20
 # multi-GB single messages this module exists to avoid.
 MAX_MESSAGE_BYTES = 16 << 20
 TRANSFER_ID_BYTES = frames.TRANSFER_ID_BYTES
+MAX_BUFFERS = frames.MAX_BUFFERS
 WireError = frames.WireError
 iter_chunks = frames.iter_chunks
 decode_header = frames.decode_header
@@ -89,7 +90,8 @@ def decode_unary(message: bytes) -> tuple[str, tuple, dict]:
 
 
 def announced_bytes(header: dict[str, Any], max_call_bytes: int) -> int:
-  """The bytes a bulk call's header announces; refuses more than `max_call_bytes`."""
+  """The bytes a bulk call's header announces; refuses more than MAX_BUFFERS buffers or more
+  than `max_call_bytes` bytes."""
   return frames.announced_bytes(header, max_call_bytes, "trainer_main --max_call_mib")
 
 

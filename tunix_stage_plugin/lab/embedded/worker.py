@@ -99,7 +99,8 @@ class TrainerWorker:
   def memory(self, reset: bool = False) -> dict[str, Any]:
     """This process's memory (core.rss.report): resident and peak bytes, socket bytes moved,
     tracemalloc's figures when tracing; `reset` restarts the peaks. For tools/profile_host_path."""
-    return {**rss.report(reset=reset), "pool_held_bytes": self.pool.held_bytes()}
+    return {**rss.report(reset=reset), "pool_held_bytes": self.pool.held_bytes(),
+            "pool_idle_bytes": self.pool.idle_bytes()}
 
   def timeline(self) -> list[timeline_lib.Span]:
     """The spans recorded since the last setup, on this process's perf_counter clock."""
