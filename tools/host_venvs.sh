@@ -194,8 +194,8 @@ fi
 # What an editable install copies or records (the .pth, the entry points, the path) is in the
 # stamp; the code itself is read from the checkout. An unchanged stamp skips pip's ~20 s.
 build="$(readlink -f "$link")"
-stamp="$( { echo "$checkout"; cat "$checkout/setup.py" "$checkout/setup.cfg" \
-  "$checkout"/tunix_stage_plugin/activation/*.pth; } | sha)"
+stamp="$( { echo "$checkout"; cat "$checkout/setup.py" "$checkout/setup.cfg"
+  find "$checkout/tunix_stage_plugin" -name '*.pth' -exec cat {} +; } | sha)"
 for venv in "$build/tunix-venv" "$build/maxtext-venv"; do
   if [ "$(cat "$venv/plugin-stamp" 2>/dev/null)" != "$stamp" ]; then
     rm -f "$venv/plugin-stamp"
