@@ -80,8 +80,13 @@ def _mask(line: str) -> str:
 EXAMPLES = _console_examples()
 
 
-@pytest.mark.parametrize("where,command,shown,status", EXAMPLES,
-                         ids=[e[0] for e in EXAMPLES])
+def _example_param(example: tuple[str, str, list[str], int | None]):
+  """The examples that need tunix's stack are marked `tunix`: CI runs them in its tunix venv."""
+  needs_tunix = any(n in example[1] for n in SHOWN_WITH_TUNIX)
+  return pytest.param(*example, id=example[0], marks=[pytest.mark.tunix] if needs_tunix else [])
+
+
+@pytest.mark.parametrize("where,command,shown,status", [_example_param(e) for e in EXAMPLES])
 def test_console_example_runs_as_shown(where: str, command: str, shown: list[str],
                                        status: int | None,
                                        tmp_path: Path):

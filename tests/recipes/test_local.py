@@ -181,6 +181,16 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
   assert_nothing_left(launch, out)
 
 
+def _default_stop_signals() -> None:
+  """Runs in the launcher's process before exec: SIGINT and SIGTERM back to their defaults.
+
+  A suite started with them ignored (a background job: `nohup ... &`, `trap '' INT`) passes the
+  ignore on to every child, and bash cannot trap a signal ignored when it starts; the launcher
+  of a user's terminal has them at their defaults."""
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, *, check_started=None,
                       timeout: float = 60, **env: str):
   """Starts a slow job, sends `sig` to the launcher once it started `after` (first calling
@@ -191,7 +201,7 @@ def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, *, check_sta
       ["bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout", "50", "--log_dir",
        str(logs), *SLOW_JOB],
       env={**launch.env, "TUNIX_STAGE_BATCH": "stage", **env}, cwd=tmp_path, text=True,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_default_stop_signals)
   seen = []
   try:
     for line in proc.stdout:

