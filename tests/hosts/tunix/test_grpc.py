@@ -614,6 +614,25 @@ def big_reference(node, big_payloads):
   return params
 
 
+def run_big_job(port, payloads, reference):
+  """The 256 MiB job on `port`, staged: each micro-batch trained once, in order, to `reference`
+  byte for byte, no fallback; returns (staged, inline, wall s, peak RSS, baseline RSS)."""
+  baseline = reset_peak_rss(port)
+  start = time.perf_counter()
+  params, inputs, reports = run_program(port, staged=True, payloads=payloads)
+  wall = time.perf_counter() - start
+  seen, peak = trained(port)
+  assert seen == [fingerprint(p["experts"]) for p in payloads]  # once each, in order
+  assert params == reference  # byte for byte
+  metrics = [r.stage_metrics for r in reports]
+  assert [m["stage/fallbacks"] for m in metrics] == [0] * STEPS
+  staged = sum(m["stage/staged"] for m in metrics)
+  inline = sum(m["stage/inline"] for m in metrics)
+  assert staged + inline == STEPS * MICRO and staged >= STEPS * MICRO // 2, metrics
+  assert inputs.count("P('fsdp',)") == staged
+  return staged, inline, wall, peak, baseline
+
+
 def test_every_micro_batch_over_the_cap_trains_through_the_stream(node, big_payloads,
                                                                   big_reference, caplog):
   """Every micro-batch is 256 MiB, twice tunix's cap, and the cap is the upstream one in both
@@ -623,19 +642,7 @@ def test_every_micro_batch_over_the_cap_trains_through_the_stream(node, big_payl
   caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
   port = node["all_over_cap"]
   before, pool_before = chunked_calls(port), pool_stats(port)
-  baseline = reset_peak_rss(port)
-  start = time.perf_counter()
-  params, inputs, reports = run_program(port, staged=True, payloads=big_payloads)
-  wall = time.perf_counter() - start
-  seen, peak = trained(port)
-  assert seen == [fingerprint(p["experts"]) for p in big_payloads]  # once each, in order
-  assert params == big_reference  # byte for byte
-  metrics = [r.stage_metrics for r in reports]
-  assert [m["stage/fallbacks"] for m in metrics] == [0] * STEPS
-  staged = sum(m["stage/staged"] for m in metrics)
-  inline = sum(m["stage/inline"] for m in metrics)
-  assert staged + inline == STEPS * MICRO and staged >= STEPS * MICRO // 2, metrics
-  assert inputs.count("P('fsdp',)") == staged
+  staged, inline, wall, peak, baseline = run_big_job(port, big_payloads, big_reference)
   # Every micro-batch reached the trainer through the stream: staged ones by stage_batch, the
   # inline ones by fwd_bwd (update and the resets stayed unary).
   assert chunked_calls(port) - before == collections.Counter(stage_batch=staged,
@@ -742,17 +749,7 @@ def test_every_256_mib_micro_batch_trains_through_the_side_channel(node, big_pay
   caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
   port = node["bulk_big"]
   before, chunked_before = bulk_calls(port), chunked_calls(port)
-  baseline = reset_peak_rss(port)
-  start = time.perf_counter()
-  params, _, reports = run_program(port, staged=True, payloads=big_payloads)
-  wall = time.perf_counter() - start
-  seen, peak = trained(port)
-  assert seen == [fingerprint(p["experts"]) for p in big_payloads]
-  assert params == big_reference
-  metrics = [r.stage_metrics for r in reports]
-  assert [m["stage/fallbacks"] for m in metrics] == [0] * STEPS
-  staged = sum(m["stage/staged"] for m in metrics)
-  inline = sum(m["stage/inline"] for m in metrics)
+  staged, inline, wall, peak, baseline = run_big_job(port, big_payloads, big_reference)
   assert bulk_calls(port) - before == collections.Counter(stage_batch=staged, fwd_bwd=inline)
   assert chunked_calls(port) == chunked_before
   assert re.search(r"tunix-stage: bulk side channel to 127\.0\.0\.1:\d+ for micro-batch calls "
