@@ -345,11 +345,7 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
     first.kill()  # SIGKILL, mid-step: no cleanup runs
     assert first.wait(30) == -signal.SIGKILL
   finally:
-    if first.poll() is None:
-      first.kill()
-      first.wait()
-    first.stdout.close()
-    first.stderr.close()
+    _reap(first)
   held = _staging_state(port)
   assert sorted(held["keys"]) == sorted(staged), held  # the dead orchestrator's, both slots
   _call(port, "set_fwd_bwd_delay", 0.0)  # after the dead orchestrator's train (FIFO lane)
@@ -367,6 +363,15 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   line = (f"staging on this trainer: dropped 2 staged batch(es) of 1 older session(s) (ts{dead})")
   wait_for(lambda: line in _read(node.log.name), 10, "the trainer's log line")
   assert _read(node.log.name).count("older session(s)") == 1
+
+
+def _reap(proc):
+  """Kills `proc` if it still runs and closes its pipes."""
+  if proc.poll() is None:
+    proc.kill()
+    proc.wait()
+  proc.stdout.close()
+  proc.stderr.close()
 
 
 def _read(path):
@@ -417,6 +422,21 @@ async def _stage_big(port, seed, key, deadline_s=120.0):
   finally:
     await stream_lib.close_streams(engine)
     await handle.close()
+
+
+def _dropped_then_serves(port, before, seed, key):
+  """Waits for the trainer to drop a faulted transfer (nothing of it staged or run), then stages
+  the next BIG micro-batch over the side channel from the same buffer; the dropped state."""
+  dropped = _await_dropped(port)
+  assert dropped["keys"] == [], dropped
+  assert dropped["bulk_calls"] == before["bulk_calls"], dropped  # nothing of it was run
+  assert asyncio.run(_stage_big(port, seed, key)).staged
+  after = _staging_state(port)
+  assert after["bulk_calls"].get("stage_batch", 0) == before["bulk_calls"].get("stage_batch",
+                                                                               0) + 1
+  assert after["pool"]["made"] == dropped["pool"]["made"], (dropped, after)  # its buffer reused
+  assert after["keys"] == []
+  return dropped
 
 
 def _faulted_stage(port, deadline_s, act, monkeypatch):
@@ -505,15 +525,7 @@ def test_a_trainer_stopped_mid_transfer_fails_the_call_at_its_deadline_and_serve
   assert issubclass(error[0], grpc.aio.AioRpcError) and (
       error[1] == grpc.StatusCode.DEADLINE_EXCEEDED), error
   assert took < deadline_s + 2.5, took  # margin: a loaded machine
-  dropped = _await_dropped(port)
-  assert dropped["keys"] == [], dropped
-  assert dropped["bulk_calls"] == before["bulk_calls"], dropped  # nothing of it was run
-  assert asyncio.run(_stage_big(port, 2, "after-stop")).staged
-  after = _staging_state(port)
-  assert after["bulk_calls"].get("stage_batch", 0) == before["bulk_calls"].get("stage_batch",
-                                                                               0) + 1
-  assert after["pool"]["made"] == dropped["pool"]["made"], (dropped, after)  # its buffer reused
-  assert after["keys"] == []
+  dropped = _dropped_then_serves(port, before, 2, "after-stop")
   print(f"\ntrainer SIGSTOPped mid-transfer: the call failed {took:.2f} s after (deadline "
         f"{deadline_s:g} s); resumed, the transfer was dropped {dropped['took']:.2f} s later")
 
@@ -540,19 +552,7 @@ def test_an_orchestrator_killed_mid_transfer_leaves_the_trainer_clean_for_the_ne
     dead.kill()  # SIGKILL, mid-transfer: no cleanup runs
     assert dead.wait(30) == -signal.SIGKILL
   finally:
-    if dead.poll() is None:
-      dead.kill()
-      dead.wait()
-    dead.stdout.close()
-    dead.stderr.close()
-  dropped = _await_dropped(port)
-  assert dropped["keys"] == [], dropped
-  assert dropped["bulk_calls"] == before["bulk_calls"], dropped  # nothing of it was run
-  assert asyncio.run(_stage_big(port, 3, "after-kill")).staged
-  after = _staging_state(port)
-  assert after["bulk_calls"].get("stage_batch", 0) == before["bulk_calls"].get("stage_batch",
-                                                                               0) + 1
-  assert after["pool"]["made"] == dropped["pool"]["made"], (dropped, after)  # its buffer reused
-  assert after["keys"] == []
+    _reap(dead)
+  dropped = _dropped_then_serves(port, before, 3, "after-kill")
   print(f"\norchestrator SIGKILLed mid-transfer: the trainer dropped the transfer within "
         f"{dropped['took']:.2f} s (its bound {BIG_WAIT_BOUND_S:g} s)")
