@@ -13,29 +13,46 @@ bounded poll on /proc, a pipe or an exit status.
 - An orchestrator SIGKILLed mid-step with micro-batches staged: the next orchestrator against
   the same TrainerWorker stages from its first step, 0 fallbacks and no slot wait (docs/tunix.md,
   "One orchestrator per trainer").
+- Faults 64 MiB into a 256 MiB stage over the bulk side channel ('mid-transfer' is an event: the
+  orchestrator's BulkSender reaching that byte, seen by a pacer of the test's that paces nothing):
+  a trainer SIGKILLed (a node of its own) fails the call at once with one clear error, this
+  process keeping no thread and no fd of it; a trainer SIGSTOPped fails the call, send included, at
+  tunix's call deadline, and, resumed, drops the transfer (receive buffer back in the pool, no
+  receive thread, nothing staged, nothing run) and serves the next stage from the same buffer; an
+  orchestrator SIGKILLed (a subprocess) leaves the trainer the same, within the trainer's bound
+  on a transfer, and the next orchestrator's stage works. The node's `staging_state` also
+  reports its receive-buffer pool (after a collection), side-channel calls and receive threads.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import gc
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import types
+import warnings
 
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _serve() -> None:
-  """The trainer node: test_grpc's plugin node, plus TrainerWorker.staging_state (test-only)."""
+def _serve(workers: list[str]) -> None:
+  """The trainer node: test_grpc's plugin node (only `workers`, when named), plus
+  TrainerWorker.staging_state (test-only)."""
   # pylint: disable=import-outside-toplevel
   import dataclasses
+  import gc
+  import threading
 
   sys.path.insert(0, HERE)
   import test_grpc
@@ -43,10 +60,21 @@ def _serve() -> None:
 
   def staging_state(self):
     from tunix_stage_plugin.hosts.tunix import installation
-    state = installation.current().staging_of(self)
-    return {"keys": state.store.keys(), "stats": dataclasses.asdict(state.store.stats)}
+    inst = installation.current()
+    state = inst.staging_of(self)
+    # JAX drops its alias of a dropped batch's buffer in a gc callback (the pool's take collects
+    # the same way before making a buffer): what is in use is what a collection leaves.
+    gc.collect()
+    pool = inst.pool
+    return {"keys": state.store.keys(), "stats": dataclasses.asdict(state.store.stats),
+            "pool": {"made": pool.made, "reused": pool.reused, "held": pool.held_bytes(),
+                     "idle": pool.idle_bytes()},
+            "bulk_calls": dict(inst.bulk_calls),
+            "recv_threads": sum(t.name == "trainer-bulk-recv" for t in threading.enumerate())}
 
   trainer_worker.TrainerWorker.staging_state = staging_state
+  if workers:
+    test_grpc.PLUGIN_WORKERS = tuple(workers)
   test_grpc.serve("plugin")
 
 
@@ -68,11 +96,66 @@ def _orchestrate(port: int) -> None:
   test_grpc.run_program(port, staged=True)
 
 
+def _send_and_hang(port: int) -> None:
+  """An orchestrator to be killed mid-transfer: stages one BIG micro-batch over the side channel
+  and, once MID_BYTES of it are sent, says so and sends no more (its pacer never returns)."""
+  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, HERE)
+  import test_grpc
+  from tunix.experimental.orchestrator import distributed_rl_engine as engine_mod
+  from tunix_stage_plugin.activation import manager as manager_mod
+  from tunix_stage_plugin.core import config
+  from tunix_stage_plugin.transport import bulk
+
+  async def hang(sent):
+    print(f"mid-transfer {sent}", flush=True)
+    await asyncio.Event().wait()
+
+  bulk.BulkSender = functools.partial(bulk.BulkSender, pacer=At(MID_BYTES, hang))
+  manager_mod.install(config.resolve({"mode": "stage"}, env={}), quiet=True)
+
+  async def main():
+    handle = test_grpc.connect(port)
+    engine = engine_mod.DistributedRLEngine([], {test_grpc.ACTOR: handle})
+    await engine.stage_train_batch(big_batch(0), key="dead-0")
+
+  asyncio.run(main())
+
+
+# A BIG micro-batch: test_grpc's 256 MiB of routed-expert ids; a fault lands MID_BYTES into it.
+MID_BYTES = 64 << 20
+
+
+def big_batch(seed):
+  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, HERE)
+  import test_grpc
+  return test_grpc.batch(seed, test_grpc.BIG_LAYERS, test_grpc.BIG_TOP_K, test_grpc.BIG_ROUTED)
+
+
+class At:
+  """A pacer for the orchestrator's BulkSender (its emulated-link hook, bulk.Pacer) that paces
+  nothing: before the first chunk past `nbytes` handed to the kernel it awaits `act(sent)` once.
+  That is the tests' event 'mid-transfer'."""
+
+  def __init__(self, nbytes, act):
+    self.nbytes, self.act, self.sent, self.fired = nbytes, act, 0, None
+
+  async def transmit(self, nbytes):
+    if self.fired is None and self.sent >= self.nbytes:
+      self.fired = self.sent
+      await self.act(self.sent)
+    self.sent += nbytes
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
-  _serve()
+  _serve(sys.argv[2:])
   sys.exit(0)
 if __name__ == "__main__" and sys.argv[1:2] == ["orchestrate"]:
   _orchestrate(int(sys.argv[2]))
+  sys.exit(0)
+if __name__ == "__main__" and sys.argv[1:2] == ["send-and-hang"]:
+  _send_and_hang(int(sys.argv[2]))
   sys.exit(0)
 
 # ---------------------------------------------------------------- the tests (orchestrator side)
@@ -92,7 +175,11 @@ from tests.hosts.tunix import test_grpc
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
+from tunix_stage_plugin.hosts.tunix import installation
 from tunix_stage_plugin.hosts.tunix import sessions
+from tunix_stage_plugin.hosts.tunix import side as side_lib
+from tunix_stage_plugin.hosts.tunix import stream as stream_lib
+from tunix_stage_plugin.transport import bulk as bulk_lib
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -107,30 +194,46 @@ def _env():
   return env
 
 
-@pytest.fixture(scope="module")
-def node():
-  """The node process and its workers' ports; its stderr (the trainer's log) is kept."""
-  log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"faults-node-{os.getpid()}.log"),
-             "w+", encoding="utf-8")
-  proc = subprocess.Popen([sys.executable, __file__, "serve"], stdin=subprocess.PIPE,
+def _start_node(*workers):
+  """A node process (every plugin worker of test_grpc's node, or only `workers`) and its workers'
+  ports; its stderr (the trainer's log) is kept."""
+  log = tempfile.NamedTemporaryFile("w+", prefix="faults-node-", suffix=".log", delete=False,
+                                    encoding="utf-8")
+  proc = subprocess.Popen([sys.executable, __file__, "serve", *workers], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=log, text=True, env=_env())
-  try:
-    line = proc.stdout.readline()
-    if not line:
-      proc.wait(10)
-      log.seek(0)
-      pytest.fail(f"trainer node did not start:\n{log.read()[-3000:]}")
-    yield types.SimpleNamespace(proc=proc, ports=json.loads(line), log=log)
-  finally:
-    os.kill(proc.pid, signal.SIGCONT)  # a test that stopped it may have failed before resuming
-    proc.stdin.close()
-    out = proc.stdout.read()
-    code = proc.wait(120)
+  line = proc.stdout.readline()
+  if not line:
+    proc.wait(10)
     log.seek(0)
     text = log.read()
     log.close()
     os.unlink(log.name)
-    assert code == 0 and "stopped" in out, text[-3000:]
+    pytest.fail(f"trainer node did not start:\n{text[-3000:]}")
+  return types.SimpleNamespace(proc=proc, ports=json.loads(line), log=log)
+
+
+def _stop_node(node, code=0):
+  """Stops the node (resumed first: a test that stopped it may have failed before resuming);
+  checks it exits `code` (0 and 'stopped' for a clean stop; a killed one is only reaped)."""
+  if node.proc.poll() is None:
+    os.kill(node.proc.pid, signal.SIGCONT)
+  node.proc.stdin.close()
+  out = node.proc.stdout.read()
+  exited = node.proc.wait(120)
+  node.log.seek(0)
+  text = node.log.read()
+  node.log.close()
+  os.unlink(node.log.name)
+  assert exited == code and (code != 0 or "stopped" in out), text[-3000:]
+
+
+@pytest.fixture(scope="module")
+def node():
+  started = _start_node()
+  try:
+    yield started
+  finally:
+    _stop_node(started)
 
 
 def _call(port, method, *args, **kwargs):
@@ -242,11 +345,7 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
     first.kill()  # SIGKILL, mid-step: no cleanup runs
     assert first.wait(30) == -signal.SIGKILL
   finally:
-    if first.poll() is None:
-      first.kill()
-      first.wait()
-    first.stdout.close()
-    first.stderr.close()
+    _reap(first)
   held = _staging_state(port)
   assert sorted(held["keys"]) == sorted(staged), held  # the dead orchestrator's, both slots
   _call(port, "set_fwd_bwd_delay", 0.0)  # after the dead orchestrator's train (FIFO lane)
@@ -266,6 +365,194 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   assert _read(node.log.name).count("older session(s)") == 1
 
 
+def _reap(proc):
+  """Kills `proc` if it still runs and closes its pipes."""
+  if proc.poll() is None:
+    proc.kill()
+    proc.wait()
+  proc.stdout.close()
+  proc.stderr.close()
+
+
 def _read(path):
   with open(path, encoding="utf-8", errors="replace") as f:
     return f.read()
+
+
+# ---------------------------------------------------------------- faults mid-transfer, at size
+
+
+def _open_fds():
+  return len(os.listdir("/proc/self/fd"))
+
+
+def _in_use(state):
+  """Bytes of the trainer's receive buffers some transfer or array still holds."""
+  return state["pool"]["held"] - state["pool"]["idle"]
+
+
+# The trainer's own bound on a BIG transfer whose bytes stop coming (side.wait_bound_s).
+BIG_WAIT_BOUND_S = installation.BULK_WAIT_S + (256 << 20) / side_lib.MIN_RATE
+
+
+def _await_dropped(port):
+  """The trainer's staging state once no transfer holds a receive buffer or a receive thread
+  (polled within the trainer's own bound on a transfer); its seconds to get there, too."""
+  start = time.monotonic()
+
+  def dropped():
+    state = _staging_state(port)
+    return state if _in_use(state) == 0 and state["recv_threads"] == 0 else None
+
+  state = wait_for(dropped, BIG_WAIT_BOUND_S, "the trainer dropping the transfer")
+  state["took"] = time.monotonic() - start
+  return state
+
+
+async def _stage_big(port, seed, key, deadline_s=120.0):
+  """Stages one BIG micro-batch on `port`'s worker from a fresh handle and engine (closed after),
+  then drops it again; the stage's outcome."""
+  handle = remote_execution.ActorHandle.from_address(f"grpc://127.0.0.1:{port}",
+                                                     rpc_timeout_s=deadline_s)
+  engine = distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
+  try:
+    outcome = await engine.stage_train_batch(big_batch(seed), key=key)
+    await engine.reset_staged_batches([key])
+    return outcome
+  finally:
+    await stream_lib.close_streams(engine)
+    await handle.close()
+
+
+def _dropped_then_serves(port, before, seed, key):
+  """Waits for the trainer to drop a faulted transfer (nothing of it staged or run), then stages
+  the next BIG micro-batch over the side channel from the same buffer; the dropped state."""
+  dropped = _await_dropped(port)
+  assert dropped["keys"] == [], dropped
+  assert dropped["bulk_calls"] == before["bulk_calls"], dropped  # nothing of it was run
+  assert asyncio.run(_stage_big(port, seed, key)).staged
+  after = _staging_state(port)
+  assert after["bulk_calls"].get("stage_batch", 0) == before["bulk_calls"].get("stage_batch",
+                                                                               0) + 1
+  assert after["pool"]["made"] == dropped["pool"]["made"], (dropped, after)  # its buffer reused
+  assert after["keys"] == []
+  return dropped
+
+
+def _faulted_stage(port, deadline_s, act, monkeypatch):
+  """Stages a BIG micro-batch whose sender awaits `act(sent)` once MID_BYTES are sent; the
+  error the stage ended with (its type, gRPC code or None, and message) and the seconds from the
+  fault to it."""
+  pacer = At(MID_BYTES, act)
+  monkeypatch.setattr(bulk_lib, "BulkSender", functools.partial(bulk_lib.BulkSender, pacer=pacer))
+  faulted = []
+
+  async def stage():
+    async def act_then_time(sent):
+      await act(sent)
+      faulted.append(time.monotonic())
+    pacer.act = act_then_time
+    try:
+      await _stage_big(port, 1, "faulted", deadline_s)
+    except Exception as e:  # pylint: disable=broad-except
+      # What the error says, not the error (its traceback would keep the call's channel open).
+      code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+      return (type(e), code, str(e)), time.monotonic()
+    raise AssertionError("the stage did not fail")
+
+  error, ended = asyncio.run(stage())
+  monkeypatch.undo()
+  assert faulted and MID_BYTES <= pacer.fired < 2 * MID_BYTES, pacer.fired  # mid-transfer
+  return error, ended - faulted[0]
+
+
+def test_a_trainer_killed_mid_transfer_fails_the_call_at_once_leaving_nothing(staging,
+                                                                              monkeypatch):
+  """A trainer node (its own, with one worker) SIGKILLed 64 MiB into a 256 MiB stage over the
+  side channel: the call ends with one clear error (the broken side channel, or tunix's
+  UNAVAILABLE for the call), long before tunix's call deadline, and this process keeps no
+  thread and no fd of it, and leaves no socket for the garbage collector to close."""
+  lone = _start_node("bulk")
+  try:
+    port, deadline_s = lone.ports["bulk"], 30.0
+    assert asyncio.run(_stage_big(port, 0, "warm")).staged  # grpcio's process-wide threads
+    gc.collect()  # the warm-up's cycles (a call's error keeps its channel, and grpcio's poller)
+    fds, threads = _open_fds(), set(threading.enumerate())
+
+    async def kill(sent):
+      del sent
+      lone.proc.kill()
+      lone.proc.wait(10)  # reaped: the trainer is gone
+
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always", ResourceWarning)  # a socket left for gc to close says so
+      error, took = _faulted_stage(port, deadline_s, kill, monkeypatch)
+      gc.collect()  # the faulted call's cycles, as the warm-up's
+    assert not [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    kind, code, message = error
+    if issubclass(kind, grpc.aio.AioRpcError):
+      assert code == grpc.StatusCode.UNAVAILABLE, error
+    else:
+      assert kind is side_lib.SideChannelError, error
+      assert "broke while sending stage_batch's 256.1 MiB" in message, error
+    assert took < deadline_s / 2, took  # generous: it is about the kernel noticing, not a deadline
+    assert _open_fds() == fds
+    assert set(threading.enumerate()) == threads
+    print(f"\ntrainer SIGKILLed mid-transfer: the call failed {took:.2f} s after ({error[2]:.60})")
+  finally:
+    _stop_node(lone, code=-signal.SIGKILL if lone.proc.poll() is not None else 0)
+
+
+def test_a_trainer_stopped_mid_transfer_fails_the_call_at_its_deadline_and_serves_on(
+    node, staging, monkeypatch):
+  """The trainer node SIGSTOPped 64 MiB into a 256 MiB stage over the side channel: the call
+  (and its send, blocked on a full socket) ends at tunix's call deadline with tunix's
+  DEADLINE_EXCEEDED. Resumed, the trainer drops the transfer (its buffers back in the pool,
+  nothing staged, no receive thread left) and serves the next 256 MiB stage over the side
+  channel from the same buffer."""
+  port, pid, deadline_s = node.ports["bulk_big"], node.proc.pid, 8.0
+  before = _staging_state(port)
+
+  async def stop(sent):
+    del sent
+    os.kill(pid, signal.SIGSTOP)
+    wait_for(lambda: process_state(pid) == "T", 10, "the trainer node stopping")
+
+  try:
+    error, took = _faulted_stage(port, deadline_s, stop, monkeypatch)
+  finally:
+    os.kill(pid, signal.SIGCONT)
+  assert issubclass(error[0], grpc.aio.AioRpcError) and (
+      error[1] == grpc.StatusCode.DEADLINE_EXCEEDED), error
+  assert took < deadline_s + 2.5, took  # margin: a loaded machine
+  dropped = _dropped_then_serves(port, before, 2, "after-stop")
+  print(f"\ntrainer SIGSTOPped mid-transfer: the call failed {took:.2f} s after (deadline "
+        f"{deadline_s:g} s); resumed, the transfer was dropped {dropped['took']:.2f} s later")
+
+
+def test_an_orchestrator_killed_mid_transfer_leaves_the_trainer_clean_for_the_next(node,
+                                                                                  staging):
+  """An orchestrator (a subprocess) SIGKILLed 64 MiB into a 256 MiB stage over the side channel,
+  its bytes mid-receive on the trainer (a 256 MiB receive buffer taken): the trainer drops the
+  transfer within its own bound (the connection's end fails it; the header's call ends with the
+  dead orchestrator's channel), its buffer back in the pool, nothing staged, no receive thread
+  left; the next orchestrator's 256 MiB stage over the side channel works, from the same buffer."""
+  port = node.ports["bulk_big"]
+  before = _staging_state(port)
+  assert _in_use(before) == 0, before
+  dead = subprocess.Popen([sys.executable, __file__, "send-and-hang", str(port)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+  try:
+    line = dead.stdout.readline()  # bounded by the pipe: it says so, or it ends
+    assert line.startswith("mid-transfer "), dead.stderr.read()[-3000:] if not line else line
+    assert MID_BYTES <= int(line.split()[1]) < 2 * MID_BYTES, line
+    receiving = wait_for(lambda: (lambda s: s if _in_use(s) >= 256 << 20 else None)(
+        _staging_state(port)), 30, "the trainer receiving into a 256 MiB buffer")
+    assert receiving["recv_threads"] >= 1
+    dead.kill()  # SIGKILL, mid-transfer: no cleanup runs
+    assert dead.wait(30) == -signal.SIGKILL
+  finally:
+    _reap(dead)
+  dropped = _dropped_then_serves(port, before, 3, "after-kill")
+  print(f"\norchestrator SIGKILLed mid-transfer: the trainer dropped the transfer within "
+        f"{dropped['took']:.2f} s (its bound {BIG_WAIT_BOUND_S:g} s)")
