@@ -138,6 +138,8 @@ class At:
   nothing: before the first chunk past `nbytes` handed to the kernel it awaits `act(sent)` once.
   That is the tests' event 'mid-transfer'."""
 
+  bytes_per_s = None  # paces nothing: the sender keeps its own chunk size
+
   def __init__(self, nbytes, act):
     self.nbytes, self.act, self.sent, self.fired = nbytes, act, 0, None
 
@@ -391,8 +393,9 @@ def _in_use(state):
   return state["pool"]["held"] - state["pool"]["idle"]
 
 
-# The trainer's own bound on a BIG transfer whose bytes stop coming (side.wait_bound_s).
-BIG_WAIT_BOUND_S = installation.BULK_WAIT_S + (256 << 20) / side_lib.MIN_RATE
+# The trainer's own bound on a transfer whose bytes stop coming: its listener's stall bound, plus
+# the pairing wait for one whose frame never began (transport.bulk.BulkLimits).
+BIG_WAIT_BOUND_S = bulk_lib.BulkLimits().stall_s + bulk_lib.BulkLimits().pair_wait_s
 
 
 def _await_dropped(port):
