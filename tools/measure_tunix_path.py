@@ -6,9 +6,11 @@ Starts the tunix trainer node of tests/hosts/tunix/test_grpc.py (a real GrpcRemo
 TrainerWorker and PeftTrainer on a 2-device CPU mesh, the plugin installed) and, from this
 process as the orchestrator, times `stage_train_batch` of one micro-batch per size on two of its
 workers: 'bulk' (the side channel) and 'over_cap' (served without it: tunix's unary call under
-its 128 MiB cap, the chunked stream over it). Each size is staged once first (its receive buffers
-made), then `--runs` times; each stage is dropped again (reset) before the next. Prints a markdown
-table of the medians, and the node's peak RSS. Needs tunix's experimental stack (docs/tunix.md).
+its 128 MiB cap, the chunked stream over it), each path on a fresh node of its own (the workers of
+one node share its receive buffers, so the second path's first call would find them made). Each
+size is staged once first (its receive buffers made: that first call is reported on its own),
+then `--runs` times; each stage is dropped again (reset) before the next. Prints a markdown table
+of the medians, and each node's peak RSS. Needs tunix's experimental stack (docs/tunix.md).
 """
 
 from __future__ import annotations
@@ -72,28 +74,33 @@ def main() -> None:
   parser.add_argument("--runs", type=int, default=3, help="timed runs per size (default: 3)")
   args = parser.parse_args()
   sizes = [int(s) for s in args.sizes_mib.split(",")]
-  proc, ports = node_lib._start_node("plugin")  # pylint: disable=protected-access
+  results, memory = {}, {}
+  manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True)
   try:
-    manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True)
-    baseline = node_lib.reset_peak_rss(ports["bulk"])
-    results = {path: asyncio.run(time_stages(ports[worker], sizes, args.runs))
-               for path, worker in (("side channel", "bulk"), ("without it", "over_cap"))}
-    peak = node_lib.ask_node(ports["bulk"], "peak_rss")
+    for path, worker in (("side channel", "bulk"), ("without it", "over_cap")):
+      proc, ports = node_lib._start_node("plugin")  # pylint: disable=protected-access
+      try:
+        baseline = node_lib.reset_peak_rss(ports[worker])
+        results[path] = asyncio.run(time_stages(ports[worker], sizes, args.runs))
+        memory[path] = (baseline, node_lib.ask_node(ports[worker], "peak_rss"))
+      finally:
+        node_lib._stop_node(proc)  # pylint: disable=protected-access
   finally:
     manager.uninstall("tunix", quiet=True)
-    node_lib._stop_node(proc)  # pylint: disable=protected-access
   cap = 128
-  print(f"| micro-batch | path without the side channel | without: s (GiB/s) | side channel: s "
-        f"(GiB/s) | side channel, first call: s |")
+  print("| micro-batch | path without the side channel | without: s (GiB/s) | side channel: s "
+        "(GiB/s) | first call, without / side channel: s |")
   print("|---|---|---:|---:|---:|")
   for mib in sizes:
-    without, side = results["without it"][mib][1], results["side channel"][mib]
+    without, side = results["without it"][mib], results["side channel"][mib]
     gib = mib / 1024
     name = "tunix's unary call" if mib < cap else "the chunked stream"
-    print(f"| {mib} MiB | {name} | {without:.3f} ({gib / without:.2f}) | {side[1]:.3f} "
-          f"({gib / side[1]:.2f}) | {side[0]:.3f} |")
-  print(f"\ntrainer node peak RSS: {peak / GIB:.2f} GiB (from {baseline / GIB:.2f} GiB); "
-        f"medians of {args.runs} runs after one untimed-for-the-median first call")
+    print(f"| {mib} MiB | {name} | {without[1]:.3f} ({gib / without[1]:.2f}) | {side[1]:.3f} "
+          f"({gib / side[1]:.2f}) | {without[0]:.3f} / {side[0]:.3f} |")
+  print("\ntrainer node peak RSS: " + "; ".join(
+      f"{path} {peak / GIB:.2f} GiB (from {baseline / GIB:.2f})"
+      for path, (baseline, peak) in memory.items())
+      + f"; medians of {args.runs} runs after one first call")
 
 
 if __name__ == "__main__":
