@@ -123,12 +123,16 @@ def apply_server(registry: patching.PatchRegistry, inst: installation_lib.Instal
 # ---------------------------------------------------------------- orchestrator side
 
 
+def address_of(handle: remote_execution.GrpcRemoteActorHandle) -> str:
+  """HOST:PORT, what tunix's handle dials (it strips the same scheme)."""
+  return handle.target_address.replace("grpc://", "", 1)
+
+
 class StreamClient:
   """The chunked stream to one trainer: a grpc.aio channel beside the trainer handle's own."""
 
   def __init__(self, handle: remote_execution.GrpcRemoteActorHandle) -> None:
-    # What tunix's handle dials (it strips the same scheme), with the handle's deadline.
-    self.address = handle.target_address.replace("grpc://", "", 1)
+    self.address = address_of(handle)  # with the handle's deadline
     self.timeout = handle._rpc_timeout_s  # pylint: disable=protected-access
     self._loop: asyncio.AbstractEventLoop | None = None
     self._channel: Any = None
@@ -204,8 +208,7 @@ class Streams:
   def side(self, handle: remote_execution.GrpcRemoteActorHandle) -> side_lib.Channel:
     channel = self._sides.get(handle)
     if channel is None:
-      channel = self._sides[handle] = side_lib.Channel(
-          handle.target_address.replace("grpc://", "", 1))
+      channel = self._sides[handle] = side_lib.Channel(address_of(handle))
     return channel
 
   async def send_bulk(self, handle: remote_execution.GrpcRemoteActorHandle, sender: Any,
