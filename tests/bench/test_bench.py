@@ -22,12 +22,14 @@ from tunix_stage_plugin.lab.bench import meta as meta_lib
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab.bench import report
+from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.lab.bench import runner
 from tunix_stage_plugin.lab.bench import command as bench_cmd
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.timeline import Span, lane_track
+from tunix_stage_plugin.lab.embedded import bench as embedded_bench
 from tunix_stage_plugin.lab.embedded import data as data_lib
 
 
@@ -69,7 +71,7 @@ def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, rou
   timings = [metrics.StepTiming(1, seconds, 0.1, 0.2, seconds - 0.3)]
   if grown_mib is None:  # what each mode may hold, in 1 MiB payloads (docs/bench.md, the checks)
     grown_mib = {"inline": 2, "resident": 3}.get(mode, 4)
-  return runner.ModeRun(
+  return results.ModeRun(
       mode=mode, round=round_, timings=timings, fwd_bwd_s=[[1.7]], update_s=[0.1],
       stage_call_s=list(stage_call_s), fallbacks=0, fallback_reasons=[],
       peak_device_batches=peak, max_device_batches=2, peak_host_batches=1,
@@ -80,13 +82,13 @@ def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, rou
 
 
 def _result(**overrides):
-  options = runner.BenchOptions(rounds=1, steps=1, microbatches=2)
+  options = results.BenchOptions(rounds=1, steps=1, microbatches=2)
   runs = {"inline": _run("inline", 10.0), "depth1": _run("depth1", 7.0),
           "depth2": _run("depth2", 7.0), "depth2_prestage": _run("depth2_prestage", 4.1),
           "resident": _run("resident", 4.0)}
   runs.update(overrides)
-  calibration = runner.Calibration(1.0, 0.1, 1 << 20, 1e6, 2e6, 0.5, 0.0, 0.0)
-  return runner.BenchResult(options, calibration, list(runs.values()))
+  calibration = results.Calibration(1.0, 0.1, 1 << 20, 1e6, 2e6, 0.5, 0.0, 0.0)
+  return results.BenchResult(options, calibration, list(runs.values()))
 
 
 def _failing(result):
@@ -217,6 +219,10 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
     (["--seed", str(2**32)], "accepted: an integer from 0 to 4294967295"),
     (["--payload_mib", "65536"], "held at once (4 built once on the orchestrator (one per "
      "position of a step), up to 4 on the trainer) need 512.0 GiB, more than the"),
+    (["--host", "tunix", "--wire_ratio", "0.8", "--scenario", "steady"],
+     "--host tunix: --wire_ratio, --scenario set the embedded host's emulated links; tunix's "
+     "links are its own (accepted with --host tunix: none of them)"),
+    (["--host", "maxtext"], "--host 'maxtext': accepted: embedded | tunix"),
     (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
      "--modes 'inline,inline': accepted: a comma-separated subset of inline,depth1,depth2,"
      "depth2_prestage,resident,depth2_prestage_codec, each at most once"),
@@ -226,6 +232,20 @@ def test_a_bad_option_exits_2_with_one_line(args, message, tmp_path, capsys):
   assert cli_main.main(["bench", "--out", str(tmp_path / "out"), *args]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1 and message in err, err
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_host_tunix_without_tunix_says_what_to_install_in_one_line(tmp_path, capsys,
+                                                                      monkeypatch):
+  """Where tunix's experimental stack is not importable (this venv: tunix is not installed, or
+  the import is blocked for the test where it is), one line names it and the docs page."""
+  monkeypatch.setitem(sys.modules, bench_cmd.TUNIX_PROGRAM, None)  # import raises ImportError
+  assert cli_main.main(["bench", "--host", "tunix", "--out", str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1, err
+  assert err.startswith("tunix-stage bench: error: --host tunix: tunix's experimental stack is "
+                        "not importable here (")
+  assert 'docs/tunix.md "Tests against real tunix"' in err
   assert list(tmp_path.iterdir()) == []
 
 
@@ -246,7 +266,7 @@ def test_tiny_marks_the_timing_checks_not_applicable():
 
 
 def test_a_partial_result_summarizes_the_runs_that_finished():
-  result = runner.BenchResult(runner.BenchOptions(rounds=2, steps=1, microbatches=2))
+  result = results.BenchResult(results.BenchOptions(rounds=2, steps=1, microbatches=2))
   result.interrupted = "SIGTERM"
   as_json = report.to_json(result, report.summarize(result), report.criteria(
       result, report.summarize(result)), {"json": "x"})
@@ -447,7 +467,7 @@ def test_meta_never_fails(tmp_path, monkeypatch):
   assert meta_lib.git_commit(str(tmp_path)) is None  # not a checkout
   monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
   assert meta_lib.git_commit() is None and meta_lib.git_dirty() is None
-  meta = meta_lib.run_meta(runner.BenchOptions())
+  meta = meta_lib.run_meta(results.BenchOptions())
   assert meta["git_commit"] is None and meta["git_dirty"] is None
   assert meta["options"]["modes"] == list(modes_lib.DEFAULT_MODES)
   assert meta_lib.version("no-such-package-here") is None
@@ -553,15 +573,15 @@ def test_a_signal_stops_the_bench_cleanly_with_a_partial_json(sig, code, whole_g
 
 
 def test_bursty_slows_each_steps_head_and_random_spikes_alike_in_every_mode():
-  slow = runner.transfer_slowdown("bursty", 0, 9)
+  slow = embedded_bench.transfer_slowdown("bursty", 0, 9)
   factors = {(s, i): slow(data_lib.Batch(s, i, {})) for s in range(40) for i in range(9)}
   assert all(f >= 1.6 for (s, i), f in factors.items() if i < 3)  # the first third of a step
   assert all(f in (1.0, 2.0) for (s, i), f in factors.items() if i >= 3)
   spikes = sum(f in (2.0, 3.2) for f in factors.values()) / len(factors)
   assert 0.1 < spikes < 0.3  # about a fifth
-  again = runner.transfer_slowdown("bursty", 0, 9)
+  again = embedded_bench.transfer_slowdown("bursty", 0, 9)
   assert all(again(data_lib.Batch(s, i, {})) == f for (s, i), f in factors.items())  # seeded
-  assert runner.transfer_slowdown("steady", 0, 9) is None
+  assert embedded_bench.transfer_slowdown("steady", 0, 9) is None
 
 
 def test_the_bursty_scenario_judges_depth2_against_depth1():
@@ -575,9 +595,9 @@ def test_the_bursty_scenario_judges_depth2_against_depth1():
 
 def test_the_codec_mode_runs_only_when_named_and_compresses_with_on_by_default(monkeypatch):
   assert "depth2_prestage_codec" in modes_lib.MODES
-  assert "depth2_prestage_codec" not in runner.BenchOptions().modes == modes_lib.DEFAULT_MODES
+  assert "depth2_prestage_codec" not in results.BenchOptions().modes == modes_lib.DEFAULT_MODES
   monkeypatch.setattr(codec_lib, "installed", lambda name: True)
-  options = runner.BenchOptions(modes=("depth2_prestage", "depth2_prestage_codec"))
+  options = results.BenchOptions(modes=("depth2_prestage", "depth2_prestage_codec"))
   assert options.codec_for("depth2_prestage") is None
   assert str(options.codec_for("depth2_prestage_codec")) == "blosc2-zstd:1"
   chosen = dataclasses.replace(options, codec="blosc2-lz4:3")  # --stage_codec: every mode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import signal
@@ -14,8 +15,8 @@ from tunix_stage_plugin import lab
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab import inputs
 
-if TYPE_CHECKING:  # the bench modules load grpc; `tunix-stage --help` should not wait for that
-  from tunix_stage_plugin.lab.bench import runner
+if TYPE_CHECKING:  # the bench modules load jax; `tunix-stage --help` should not wait for that
+  from tunix_stage_plugin.lab.bench import results
 
 DEFAULT_OUT = "bench-out"
 QUICK = {"rounds": 1, "steps": 2}
@@ -34,12 +35,12 @@ def _modes(text: str) -> tuple[str, ...]:
 def _check_codec_modes(p: inputs.Problems, modes: tuple[str, ...], codec: str | None) -> None:
   """A codec mode with --stage_codec off compresses with `on`: its library must be installed."""
   # pylint: disable=import-outside-toplevel,redefined-outer-name
-  from tunix_stage_plugin.lab.bench import runner
+  from tunix_stage_plugin.lab.bench import results
   from tunix_stage_plugin.core import codec as codec_lib
   named = [m for m in modes if modes_lib.BY_NAME[m].codec]
   if named and codec == codec_lib.OFF:  # an invalid --stage_codec is reported on its own
     try:
-      runner.mode_codec(codec, named[0])
+      results.mode_codec(codec, named[0])
     except codec_lib.CodecUnavailable as e:
       p.add(f"--modes {','.join(named)}: compresses with {codec_lib.ON} (--stage_codec is off): "
             f"{e}")
@@ -80,6 +81,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   size.add_argument("--modes", default=None, metavar="LIST",
                     help="comma-separated modes to run (default: "
                     f"{','.join(modes_lib.DEFAULT_MODES)})")
+  where = parser.add_argument_group("host")
+  where.add_argument("--host", default="embedded", metavar="NAME",
+                     help=f"which host runs the A/B: {' | '.join(modes_lib.HOST_NAMES)} (default "
+                     "embedded; see below). On tunix the links are tunix's own: --wire_ratio, "
+                     "--h2d_ratio, --sync_ratio, --h2d and --scenario apply to embedded only")
   shape = parser.add_argument_group("workload and emulated links")
   shape.add_argument("--microbatches", default="4", metavar="M",
                      help="micro-batches per step (default 4)")
@@ -96,15 +102,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="compress staged payloads on the wire (TUNIX_STAGE_CODEC's values: off, "
                      "on, NAME[:LEVEL]; default off; needs pip install "
                      "'tunix-stage-plugin[codec]'); inline calls are never compressed")
-  shape.add_argument("--wire_ratio", default="0.8", metavar="X",
+  shape.add_argument("--wire_ratio", default=None, metavar="X",
                      help="wire time of one micro-batch as a multiple of its compute (default 0.8)")
-  shape.add_argument("--h2d", default="auto", metavar="HOW",
+  shape.add_argument("--h2d", default=None, metavar="HOW",
                      help="host-to-device copies: " + "; ".join(
                          f"{k}: {v}" for k, v in modes_lib.H2D.items()))
-  shape.add_argument("--h2d_ratio", default="0.4", metavar="X",
+  shape.add_argument("--h2d_ratio", default=None, metavar="X",
                      help="emulated host-to-device time as a multiple of compute (default 0.4; "
                      "--h2d emulated only)")
-  shape.add_argument("--sync_ratio", default="0.5", metavar="X",
+  shape.add_argument("--sync_ratio", default=None, metavar="X",
                      help="the step boundary's weight sync as a multiple of compute (default 0.5)")
   shape.add_argument("--stage_max_device_batches", dest="max_device_batches", default="1", metavar="N",
                      help="the trainer's device bound (TUNIX_STAGE_MAX_DEVICE_BATCHES) for every "
@@ -112,7 +118,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   shape.add_argument("--stage_max_host_batches", dest="max_host_batches", default="1", metavar="N",
                      help="the trainer's bound on received-but-unplaced micro-batches "
                      "(TUNIX_STAGE_MAX_HOST_BATCHES; default 1)")
-  shape.add_argument("--scenario", default="steady", metavar="NAME",
+  shape.add_argument("--scenario", default=None, metavar="NAME",
                      help=f"how transfers behave: {' | '.join(modes_lib.SCENARIOS)} (default "
                      "steady; see below)")
   shape.add_argument("--seed", default="0", metavar="N",
@@ -173,15 +179,50 @@ def _codec(text: str) -> str:
   return codec_lib.OFF if spec is None else str(spec)
 
 
-def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[str, str],
+def _host(text: str) -> str:
+  if text not in modes_lib.HOST_NAMES:
+    raise ValueError(f"accepted: {' | '.join(modes_lib.HOST_NAMES)}")
+  return text
+
+
+# The options only the embedded host's emulated links read: (flag, args attribute).
+EMBEDDED_ONLY = (("--wire_ratio", "wire_ratio"), ("--h2d_ratio", "h2d_ratio"),
+                 ("--sync_ratio", "sync_ratio"), ("--h2d", "h2d"), ("--scenario", "scenario"))
+TUNIX_PROGRAM = "tunix.experimental.orchestrator.rl_program"
+
+
+def _tunix_problem() -> str | None:
+  """Why tunix's experimental stack cannot be imported here (None: it can)."""
+  try:
+    importlib.import_module(TUNIX_PROGRAM)
+  except ImportError as e:
+    return (f"tunix's experimental stack is not importable here ({e}); install tunix from its "
+            "GitHub main with the plugin, as docs/tunix.md \"Tests against real tunix\" shows")
+  return None
+
+
+def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[str, str],
                                                list[str]]:
   """Every option at once: (options, output files, []) or (None, {}, one line per problem)."""
-  # pylint: disable-next=import-outside-toplevel,redefined-outer-name
+  # pylint: disable=import-outside-toplevel,redefined-outer-name
+  from tunix_stage_plugin.lab.bench import results
   from tunix_stage_plugin.lab.bench import runner
 
   p = inputs.Problems()
   length = QUICK if args.quick else FULL
+  defaults = results.BenchOptions()
+  host = p.take("--host", args.host, _host)
+  if host == "tunix":
+    given = [flag for flag, name in EMBEDDED_ONLY if getattr(args, name) is not None]
+    if given:
+      p.add(f"--host tunix: {', '.join(given)} set the embedded host's emulated links; tunix's "
+            "links are its own (accepted with --host tunix: none of them)")
+    else:
+      found = _tunix_problem()
+      if found:
+        p.add(f"--host tunix: {found}")
   values: dict[str, Any] = {
+      "host": host,
       "rounds": p.take("--rounds", args.rounds, inputs.count) or length["rounds"],
       "steps": p.take("--steps", args.steps, inputs.count) or length["steps"],
       "retries": p.take("--retries", args.retries,
@@ -189,14 +230,14 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
       "modes": p.take("--modes", args.modes, _modes) or modes_lib.DEFAULT_MODES,
       "microbatches": p.take("--microbatches", args.microbatches, inputs.count),
       "payload_mib": p.take("--payload_mib", args.payload_mib, inputs.payload_mib),
-      "wire_ratio": p.take("--wire_ratio", args.wire_ratio, inputs.positive),
-      "h2d_ratio": p.take("--h2d_ratio", args.h2d_ratio, inputs.positive),
-      "h2d": p.take("--h2d", args.h2d, _h2d),
-      "sync_ratio": p.take("--sync_ratio", args.sync_ratio, inputs.nonnegative),
+      "wire_ratio": _given(p.take("--wire_ratio", args.wire_ratio, inputs.positive), defaults.wire_ratio),
+      "h2d_ratio": _given(p.take("--h2d_ratio", args.h2d_ratio, inputs.positive), defaults.h2d_ratio),
+      "h2d": _given(p.take("--h2d", args.h2d, _h2d), defaults.h2d),
+      "sync_ratio": _given(p.take("--sync_ratio", args.sync_ratio, inputs.nonnegative), defaults.sync_ratio),
       "max_device_batches": p.take("--stage_max_device_batches", args.max_device_batches,
                                    inputs.count),
       "max_host_batches": p.take("--stage_max_host_batches", args.max_host_batches, inputs.count),
-      "scenario": p.take("--scenario", args.scenario, _scenario),
+      "scenario": _given(p.take("--scenario", args.scenario, _scenario), defaults.scenario),
       "seed": p.take("--seed", args.seed, inputs.seed),
       "payload": p.take("--payload", args.payload, _payload),
       "codec": p.take("--stage_codec", args.stage_codec, _codec),
@@ -223,12 +264,17 @@ def _check(args: argparse.Namespace) -> tuple[runner.BenchOptions | None, dict[s
     p.add("--json, --png and --trace name the same file; accepted: a different path for each")
   if p:
     return None, {}, p.lines
-  options = runner.BenchOptions(tiny=args.tiny, **values)
+  options = results.BenchOptions(tiny=args.tiny, **values)
   held, what = runner.payloads_held(options)
   memory = inputs.memory_problem(options.sizes().payload_bytes, held, what)
   if memory is not None:
     return None, {}, [f"--payload_mib {args.payload_mib!r}: {memory}"]
   return options, files, []
+
+
+def _given(value: Any, default: Any) -> Any:
+  """An option's checked value, or its default when it was not given."""
+  return default if value is None else value
 
 
 class _Interrupts:
@@ -285,8 +331,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
   # pylint: disable=import-outside-toplevel  (keep `tunix-stage --help` fast)
+  from tunix_stage_plugin.lab.bench import host as host_lib
   from tunix_stage_plugin.lab.bench import report
-  from tunix_stage_plugin.lab.bench import runner  # pylint: disable=redefined-outer-name
+  from tunix_stage_plugin.lab.bench import results  # pylint: disable=redefined-outer-name
+  from tunix_stage_plugin.lab.bench import runner
   from tunix_stage_plugin.lab.embedded import client
   from tunix_stage_plugin.lab.embedded import process
 
@@ -303,7 +351,7 @@ def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
     if not args.quiet:
       print(line, file=sys.stderr, flush=True)
 
-  result = runner.BenchResult(options)
+  result = results.BenchResult(options)
   try:
     runner.run_bench(options, progress, result=result)
   except KeyboardInterrupt:
@@ -312,6 +360,10 @@ def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
     if caught.signum is None:  # else: Ctrl-C reached the trainer too, which then stopped
       print(f"tunix-stage bench: error: {client.describe_call_error(e, 'the trainer process')}",
             file=sys.stderr)
+      return 1
+  except host_lib.HostError as e:
+    if caught.signum is None:
+      print(f"tunix-stage bench: error: {e}", file=sys.stderr)
       return 1
   finally:
     caught.raising = False
@@ -359,20 +411,20 @@ def _say_overwrite(args: argparse.Namespace, files: dict[str, str]) -> None:
         "use --out DIR to keep it", file=sys.stderr)
 
 
-def _write(result: runner.BenchResult, files: dict[str, str],
+def _write(result: results.BenchResult, files: dict[str, str],
            summary: dict[str, Any], checks: list[Any] | None = None) -> list[str]:
   """Writes the PNG and trace (when a run finished), then the JSON; returns the paths written."""
   # pylint: disable=import-outside-toplevel
   from tunix_stage_plugin.lab.bench import plot
   from tunix_stage_plugin.lab.bench import report
-  from tunix_stage_plugin.lab.bench import runner  # pylint: disable=redefined-outer-name
+  from tunix_stage_plugin.lab.bench import results  # pylint: disable=redefined-outer-name
   from tunix_stage_plugin.lab.bench import trace
 
   files = dict(files)
   if not result.runs:
     files = {k: v for k, v in files.items() if k == "json"}
   if "png" in files:
-    last_round = list(runner.runs_of_round(result, result.runs[-1].round).values())
+    last_round = list(results.runs_of_round(result, result.runs[-1].round).values())
     try:
       plot.write_timeline_png(files["png"], last_round,
                               title="tunix-stage bench: device compute and staging per mode")

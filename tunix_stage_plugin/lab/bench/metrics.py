@@ -110,6 +110,12 @@ def host_path(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
   return out
 
 
+def warmed_up(spans: Iterable[timeline_lib.Span], warmup_steps: int) -> float:
+  """When the warm-up steps ended (their last update): the receive buffers are faulted by then."""
+  return max(s.end for s in spans if s.track == tracks.DEVICE_COMPUTE
+             and _step_of(s) == warmup_steps - 1)
+
+
 def placement_overlap(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
                       ) -> float | None:
   """The share of the staging lane's placement time (after `since`) during which the device

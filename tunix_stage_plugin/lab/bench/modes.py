@@ -1,5 +1,5 @@
-"""The benchmark's vocabularies, one table each: its modes and its transfer scenarios (light: the
-CLI builds --help from them without loading the benchmark)."""
+"""The benchmark's vocabularies, one table each: its modes, hosts, transfer scenarios and
+host-to-device copies (light: the CLI builds --help from them without loading the benchmark)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,35 @@ BY_NAME = {m.name: m for m in MODE_TABLE}
 # What runs without --modes (and what simulate models: it has no codec): the uncompressed modes.
 DEFAULT_MODES = tuple(m.name for m in MODE_TABLE if not m.codec)
 
-# How each micro-batch's wire transfer behaves (runner.transfer_slowdown).
+# How each micro-batch's wire transfer behaves (lab/embedded/bench.transfer_slowdown).
 SCENARIOS = {
     "steady": "every transfer at the calibrated wire speed",
     "bursty": "seeded: the first third of each step's transfers 1.6x slower, and a fifth of all "
               "2x slower (the front-loaded contention the upstream change measured)",
 }
 
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+  """One host the bench can drive: its name (--host), the module holding its BenchHost, help."""
+
+  name: str
+  module: str
+  help: str
+
+
+# The one table of bench hosts (host.load reads it; --help lists it).
+HOSTS = (
+    Host("embedded", "tunix_stage_plugin.lab.embedded.bench",
+         "the plugin's own gRPC host: one trainer process, emulated links calibrated to "
+         "production's proportions (any machine)"),
+    Host("tunix", "tunix_stage_plugin.lab.tunix.bench",
+         "tunix's own GrpcRemoteExecutionServer, TrainerWorker and PeftTrainer in trainer node "
+         "processes, driven by tunix's DistributedRLEngine and StandardRLProgram; tunix's real "
+         "links on 127.0.0.1 (needs tunix's experimental stack, docs/tunix.md)"),
+)
+HOST_NAMES = tuple(h.name for h in HOSTS)
+HOST_BY_NAME = {h.name: h for h in HOSTS}
 
 # How a micro-batch's host-to-device copy is done (--h2d).
 H2D = {
@@ -60,6 +82,7 @@ def epilog() -> str:
   """The modes and scenarios as `tunix-stage bench --help` lists them."""
   width = max(len(m.name) for m in MODE_TABLE) + 2
   lines = ["modes:"] + [f"  {m.name:<{width}}{m.help}" for m in MODE_TABLE]
+  lines += ["", "hosts (--host):"] + [f"  {h.name:<{width}}{h.help}" for h in HOSTS]
   lines += ["", "scenarios (--scenario):"] + [f"  {k:<{width}}{v}" for k, v in SCENARIOS.items()]
   lines += ["", "host-to-device copies (--h2d):"] + [f"  {k:<{width}}{v}" for k, v in H2D.items()]
   lines += ["", "hidden fraction = (T_inline - T_mode) / (T_inline - T_resident)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tunix_stage_plugin.lab.bench import runner
+from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
 
@@ -39,7 +39,7 @@ def _colour(span: timeline_lib.Span) -> str:
   return COLOURS.get(span.track, "#7f7f7f")
 
 
-def write_timeline_png(path: str, runs: Sequence[runner.ModeRun], title: str = "") -> None:
+def write_timeline_png(path: str, runs: Sequence[results.ModeRun], title: str = "") -> None:
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")

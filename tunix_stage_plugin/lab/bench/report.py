@@ -8,7 +8,7 @@ from typing import Any
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import meta
 from tunix_stage_plugin.lab.bench import metrics
-from tunix_stage_plugin.lab.bench import runner
+from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.lab.embedded import data as data_lib
 
 HIDDEN_MIN = 0.97  # depth2_prestage must hide at least this much of the inline transfer time
@@ -139,11 +139,11 @@ def _timing(name: str, figure: float | None, minimum: float, needed: tuple[str, 
   return Criterion(name, TIMING, figure >= minimum, text, **numbers)
 
 
-def expected_order(result: runner.BenchResult) -> list[str]:
+def expected_order(result: results.BenchResult) -> list[str]:
   return data_lib.expected_order(result.options.total_steps, result.options.microbatches)
 
 
-def summarize(result: runner.BenchResult) -> dict[str, ModeSummary]:
+def summarize(result: results.BenchResult) -> dict[str, ModeSummary]:
   expected = expected_order(result)
   out = {}
   for mode in result.options.modes:
@@ -198,7 +198,7 @@ def _most(values: list[int | None]) -> int | None:
   return max(known) if known else None
 
 
-def _device_memory(runs: list[runner.ModeRun]) -> dict | None:
+def _device_memory(runs: list[results.ModeRun]) -> dict | None:
   """The trainer's device bytes over a mode's runs (None on a backend that keeps no figures)."""
   known = [r.device_memory for r in runs if r.device_memory.get("sampled_peak") is not None]
   if not known:
@@ -208,7 +208,7 @@ def _device_memory(runs: list[runner.ModeRun]) -> dict | None:
           "allocator_peak_bytes": _most([d["allocator_peak"] for d in known])}
 
 
-def _host_path(mode: str, runs: list[runner.ModeRun]) -> dict | None:
+def _host_path(mode: str, runs: list[results.ModeRun]) -> dict | None:
   """The mode's own path (staged or inline) over its runs: medians of the runs' medians."""
   path = "inline" if mode == "inline" else None if mode == "resident" else "staged"
   if path is None:
@@ -223,7 +223,7 @@ def _host_path(mode: str, runs: list[runner.ModeRun]) -> dict | None:
           "microbatches": sum(p["microbatches"] for p in per_run)}
 
 
-def memory_criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]
+def memory_criteria(result: results.BenchResult, summary: dict[str, ModeSummary]
                     ) -> list[Criterion]:
   """The trainer's peak memory against the documented bounds (docs/bench.md)."""
   o, c = result.options, result.calibration
@@ -257,7 +257,7 @@ def memory_criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]
   return out
 
 
-def criteria(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> list[Criterion]:
+def criteria(result: results.BenchResult, summary: dict[str, ModeSummary]) -> list[Criterion]:
   out = []
   pre = summary.get("depth2_prestage")
   tiny = result.options.tiny
@@ -307,7 +307,7 @@ def _fmt(value: float | None, spec: str) -> str:
   return "-" if value is None else format(value, spec)
 
 
-def wire_summary(result: runner.BenchResult, mode: str) -> dict[str, Any]:
+def wire_summary(result: results.BenchResult, mode: str) -> dict[str, Any]:
   """A mode's micro-batch bytes over all its runs: as sent per micro-batch, and the stage ratio
   (raw / sent; None when nothing was staged). The emulated wire paces the bytes sent."""
   runs = [r.wire for r in result.runs if r.mode == mode and r.wire]
@@ -323,7 +323,7 @@ def wire_summary(result: runner.BenchResult, mode: str) -> dict[str, Any]:
           "encode_s": sum(w["encode_s"] for w in runs)}
 
 
-def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) -> str:
+def format_table(result: results.BenchResult, summary: dict[str, ModeSummary]) -> str:
   header = ("mode", "step s", "mid-step idle s", "boundary idle s", "hidden", "limit",
             "fwd_bwd s", "fallbacks", "peak device batches", "wire MiB/mb", "ratio",
             "H2D s", "host GiB/s", "trainer GiB", "orch. GiB")
@@ -362,7 +362,7 @@ def format_table(result: runner.BenchResult, summary: dict[str, ModeSummary]) ->
 COMPUTE_MARGIN = 0.25
 
 
-def compute_drift(result: runner.BenchResult, summary: dict[str, ModeSummary]
+def compute_drift(result: results.BenchResult, summary: dict[str, ModeSummary]
                   ) -> dict[str, Any] | None:
   """The modes' median fwd_bwd against the calibrated compute the links were sized for."""
   c = result.calibration
@@ -375,19 +375,24 @@ def compute_drift(result: runner.BenchResult, summary: dict[str, ModeSummary]
           "margin": COMPUTE_MARGIN, "sized_for_another_compute": abs(ratio - 1) > COMPUTE_MARGIN}
 
 
-def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
+def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
                   checks: list[Criterion]) -> str:
   o, c = result.options, result.calibration
   h2d = (f"H2D real on {c.platform} ({', '.join(c.devices)})" if c.h2d_s is None
          else f"H2D {c.h2d_s:.3f} s ({o.h2d_ratio:g} x, emulated)")
+  if c.wire_s is None:
+    links = (f"{o.host}'s own links on 127.0.0.1 (nothing emulated), {h2d}, "
+             + (f"weight sync {c.sync_s:.3f} s" if c.sync_s else "no weight sync") + "; ")
+  else:
+    links = (f"wire {c.wire_s:.3f} s ({o.wire_ratio:g} x), {h2d}, "
+             f"weight sync {c.sync_s:.3f} s ({o.sync_ratio:g} x); ")
   lines = [
-      f"tunix-stage bench: {o.microbatches} micro-batches/step of "
+      f"tunix-stage bench on the {o.host} host: {o.microbatches} micro-batches/step of "
       f"{c.payload_bytes / data_lib.MIB:.1f} MiB; per micro-batch compute {c.compute_s:.3f} s, "
-      f"wire {c.wire_s:.3f} s ({o.wire_ratio:g} x), {h2d}, "
-      f"weight sync {c.sync_s:.3f} s ({o.sync_ratio:g} x); device bound {o.max_device_batches}, "
+      f"{links}device bound {o.max_device_batches}, "
       f"host bound {o.max_host_batches}; scenario {o.scenario}",
       f"medians over {o.rounds} round(s) x {o.steps} timed step(s) per mode (each run after "
-      f"{runner.WARMUP_STEPS} warm-up step); "
+      f"{results.WARMUP_STEPS} warm-up step); "
       "hidden = (T_inline - T_mode) / (T_inline - T_resident); "
       "limit = step / (M x fwd_bwd + update + weight sync)",
       "",
@@ -399,7 +404,12 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
     lines.append(f"note: calibration stayed noisy: other processes used {c.foreign_cores:.2f} "
                  f"cores at the quietest of {c.tries} tries")
   drift = compute_drift(result, summary)
-  if drift and drift["sized_for_another_compute"]:
+  if drift and drift["sized_for_another_compute"] and c.wire_s is None:
+    lines.append(
+        f"WARNING: the modes measured another compute than the calibration: calibrated "
+        f"{c.compute_s:.3f} s per micro-batch, the modes measured {drift['measured_s']:.3f} s "
+        f"({drift['ratio']:.2f} x, margin {COMPUTE_MARGIN:.0%}); rerun on a quiet machine")
+  elif drift and drift["sized_for_another_compute"]:
     lines.append(
         f"WARNING: the links were sized for another compute: calibrated {c.compute_s:.3f} s per "
         f"micro-batch, the modes measured {drift['measured_s']:.3f} s ({drift['ratio']:.2f} x, "
@@ -416,12 +426,12 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
                "can reach its limit" if pre.stage_call_s < c.compute_s else
                f"That is more than the {c.compute_s:.3f} s of compute it hides behind: the "
                "step is bound by the wire (a faster link or a codec, --stage_codec, helps)")
+    wire = "" if c.wire_s is None else f"; the wire alone is {c.wire_s:.3f} s emulated"
     lines.append(
-        f"stage calls: {pre.stage_call_s:.3f} s each (median, measured; the wire alone is "
-        f"{c.wire_s:.3f} s emulated), answered once the trainer received the payload; its "
-        f"host-to-device copy ({copy}) then runs on the trainer's staging lane while "
-        f"the next payload is on the wire. {verdict}; peak received host buffers "
-        f"{pre.peak_host_batches} of {o.max_host_batches}")
+        f"stage calls: {pre.stage_call_s:.3f} s each (median, measured{wire}), answered once "
+        f"the trainer received the payload; its host-to-device copy ({copy}) then runs on the "
+        f"trainer's staging lane while the next payload is on the wire. {verdict}; peak "
+        f"received host buffers {pre.peak_host_batches} of {o.max_host_batches}")
   packed = summary.get("depth2_prestage_codec")
   if packed and packed.stage_call_s and c is not None:
     wire = wire_summary(result, "depth2_prestage_codec")
@@ -434,7 +444,8 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
   paths = [(m, s.host_path) for m, s in summary.items() if s.host_path]
   if paths and c.memcpy_warm_bytes_per_s:
     lines.append(
-        "host path (received + placed, per micro-batch, emulated links included): " + "; ".join(
+        "host path (received + placed, per micro-batch"
+        + (", emulated links included): " if c.wire_s is not None else "): ") + "; ".join(
             f"{m} {_fmt(p['gib_per_s'], '.2f')} GiB/s ({_fmt(p['receive_s'], '.3f')} s receive + "
             f"{_fmt(p['place_s'], '.3f')} s place)" for m, p in paths)
         + f"; one memcpy of a micro-batch here: {c.memcpy_fresh_bytes_per_s / GIB:.2f} GiB/s "
@@ -463,7 +474,7 @@ def format_report(result: runner.BenchResult, summary: dict[str, ModeSummary],
   return "\n".join(lines)
 
 
-def _h2d_s(c: runner.Calibration, summary: dict[str, ModeSummary]) -> float | None:
+def _h2d_s(c: results.Calibration, summary: dict[str, ModeSummary]) -> float | None:
   """One micro-batch's host-to-device seconds: the emulated time, or with real copies the median
   measured in the inline mode (what `tunix-stage simulate` reads from a bench JSON)."""
   if c.h2d_s is not None:
@@ -472,7 +483,20 @@ def _h2d_s(c: runner.Calibration, summary: dict[str, ModeSummary]) -> float | No
   return inline.h2d_s if inline else None
 
 
-def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
+def _wire_s(c: results.Calibration, summary: dict[str, ModeSummary]) -> float | None:
+  """One micro-batch's wire seconds: the emulated time, or over a host's real links the median
+  measured receive of the staged path (else the inline one): what `simulate` reads."""
+  if c.wire_s is not None:
+    return c.wire_s
+  paths = [s.host_path for s in summary.values() if s.host_path]
+  for path in ("staged", "inline"):
+    found = [p["receive_s"] for p in paths if p["path"] == path and p["receive_s"] is not None]
+    if found:
+      return metrics.median(found)
+  return None
+
+
+def to_json(result: results.BenchResult, summary: dict[str, ModeSummary],
             checks: list[Criterion], files: dict[str, str]) -> dict[str, Any]:
   c = result.calibration
   return {
@@ -480,8 +504,8 @@ def to_json(result: runner.BenchResult, summary: dict[str, ModeSummary],
       "interrupted": result.interrupted is not None,
       "interrupted_by": result.interrupted,
       "options": {**dataclasses.asdict(result.options), "modes": list(result.options.modes),
-                  "warmup_steps": runner.WARMUP_STEPS, "sizes": result.options.sizes().as_dict()},
-      "calibration": None if c is None else {**dataclasses.asdict(c), "wire_s": c.wire_s,
+                  "warmup_steps": results.WARMUP_STEPS, "sizes": result.options.sizes().as_dict()},
+      "calibration": None if c is None else {**dataclasses.asdict(c), "wire_s": _wire_s(c, summary),
                                              "h2d_s": _h2d_s(c, summary)},
       "compute_vs_calibration": compute_drift(result, summary),
       "expected_trained_order": expected_order(result),
