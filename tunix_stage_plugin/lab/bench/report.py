@@ -11,9 +11,23 @@ from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.lab.embedded import data as data_lib
 
-HIDDEN_MIN = 0.97  # depth2_prestage must hide at least this much of the inline transfer time
-LIMIT_MAX = 1.03  # and its step be at most this much above the device's limit
-RATIO_MIN = 1.3  # inline / depth2 median step time
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+  """A host's timing checks (None: not judged there, only reported)."""
+
+  hidden_min: float | None  # depth2_prestage hides at least this much of the inline host path
+  limit_max: float  # and its step is at most this much above the device's limit
+  ratio_min: float | None  # inline / depth2 median step time
+
+
+# The one table of timing targets, per bench host (docs/bench.md "Hosts"): the embedded host's
+# links are sized against the compute, so it must hide them; on tunix's host the host path is what
+# tunix's links make it (often far under the compute), so only the step's distance from its limit
+# is judged.
+TARGETS = {"embedded": Targets(hidden_min=0.97, limit_max=1.03, ratio_min=1.3),
+           "tunix": Targets(hidden_min=None, limit_max=1.15, ratio_min=None)}
 TIMING, CORRECTNESS, MEMORY = "timing", "correctness", "memory"
 # Trainer memory (docs/bench.md, the checks): inline's peak at most its baseline + INLINE_PAYLOADS
 # payloads, a staged mode's at most inline's + (device bound + host bound) payloads + STAGED_SLACK;
@@ -261,17 +275,20 @@ def criteria(result: results.BenchResult, summary: dict[str, ModeSummary]) -> li
   out = []
   pre = summary.get("depth2_prestage")
   tiny = result.options.tiny
-  out.append(_timing(f"depth2_prestage hidden fraction >= {HIDDEN_MIN}",
-                     pre.hidden_fraction if pre else None, HIDDEN_MIN,
-                     ("inline", "depth2_prestage", "resident"), summary, tiny))
+  targets = TARGETS[result.options.host]
+  if targets.hidden_min is not None:
+    out.append(_timing(f"depth2_prestage hidden fraction >= {targets.hidden_min}",
+                       pre.hidden_fraction if pre else None, targets.hidden_min,
+                       ("inline", "depth2_prestage", "resident"), summary, tiny))
   over_limit = pre.step_over_limit if pre else None
-  out.append(_timing(f"depth2_prestage step <= {LIMIT_MAX} x limit",
-                     None if over_limit is None else -over_limit, -LIMIT_MAX,
+  out.append(_timing(f"depth2_prestage step <= {targets.limit_max} x limit",
+                     None if over_limit is None else -over_limit, -targets.limit_max,
                      ("depth2_prestage",), summary, tiny, shown=over_limit))
   inline, depth2 = summary.get("inline"), summary.get("depth2")
-  ratio = inline.median_step_s / depth2.median_step_s if inline and depth2 else None
-  out.append(_timing(f"inline / depth2 median step ratio >= {RATIO_MIN}", ratio, RATIO_MIN,
-                     ("inline", "depth2"), summary, tiny))
+  if targets.ratio_min is not None:
+    ratio = inline.median_step_s / depth2.median_step_s if inline and depth2 else None
+    out.append(_timing(f"inline / depth2 median step ratio >= {targets.ratio_min}", ratio,
+                       targets.ratio_min, ("inline", "depth2"), summary, tiny))
   if result.options.scenario == "bursty":
     depth1 = summary.get("depth1")
     gain = depth1.median_step_s / depth2.median_step_s if depth1 and depth2 else None
@@ -447,7 +464,7 @@ def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
         "host path (received + placed, per micro-batch"
         + (", emulated links included): " if c.wire_s is not None else "): ") + "; ".join(
             f"{m} {_fmt(p['gib_per_s'], '.2f')} GiB/s ({_fmt(p['receive_s'], '.3f')} s receive + "
-            f"{_fmt(p['place_s'], '.3f')} s place)" for m, p in paths)
+            f"{_fmt(p['place_s'], '.3f')} s place{_of_compute(p, c)})" for m, p in paths)
         + f"; one memcpy of a micro-batch here: {c.memcpy_fresh_bytes_per_s / GIB:.2f} GiB/s "
         f"into fresh memory, {c.memcpy_warm_bytes_per_s / GIB:.2f} GiB/s warm")
   overlaps = [(m, s.h2d_overlap) for m, s in summary.items() if s.h2d_overlap is not None]
@@ -472,6 +489,13 @@ def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
     lines.append(f"WARNING: * no quiet step at all for {', '.join(noisy)}: its figures are noise "
                  "from other processes; rerun on a quiet machine")
   return "\n".join(lines)
+
+
+def _of_compute(path: dict[str, Any], c: results.Calibration) -> str:
+  """A micro-batch's host path as a share of its compute (what staging can hide behind it)."""
+  if path["receive_s"] is None or path["place_s"] is None:
+    return ""
+  return f" = {(path['receive_s'] + path['place_s']) / c.compute_s:.2f} x compute"
 
 
 def _h2d_s(c: results.Calibration, summary: dict[str, ModeSummary]) -> float | None:

@@ -153,9 +153,10 @@ async def _quiet_calibration(host: host_lib.BenchHost, sizes: data_lib.Sizes,
   assert best is not None
   noisy = best.foreign_cores is not None and best.foreign_cores > cpu.QUIET_CORES
   if noisy:
+    sized = ("the links are sized for the compute measured then, which the modes may not see"
+             if best.wire_bytes_per_s is not None else "the modes may measure another compute")
     say(f"calibration stayed noisy: other processes used {best.foreign_cores:.2f} cores at the "
-        f"quietest of {attempt} tries; the links are sized for the compute measured then, which "
-        "the modes may not see (the report compares them)")
+        f"quietest of {attempt} tries; {sized} (the report compares them)")
   return dataclasses.replace(best, tries=attempt, noisy=noisy)
 
 

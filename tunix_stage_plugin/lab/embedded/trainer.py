@@ -24,7 +24,7 @@ from tunix_stage_plugin.lab.embedded import data as data_lib
 DATA_AXIS = "data"
 
 
-def _init_params(sizes: data_lib.Sizes, seed: int) -> dict[str, Any]:
+def init_params(sizes: data_lib.Sizes, seed: int) -> dict[str, Any]:
   keys = iter(jax.random.split(jax.random.key(seed), 2 + 4 * sizes.layers))
   d = sizes.d_model
 
@@ -48,7 +48,7 @@ def _norm(x: jax.Array, gain: jax.Array) -> jax.Array:
   return (x - mean) * jax.lax.rsqrt(var + 1e-5) * gain
 
 
-def _logits(sizes: data_lib.Sizes, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+def logits(sizes: data_lib.Sizes, params: dict[str, Any], tokens: jax.Array) -> jax.Array:
   b, t = tokens.shape
   h, dh = sizes.heads, sizes.d_model // sizes.heads
   x = params["embed"][tokens] + params["pos"][None, :t]
@@ -63,9 +63,9 @@ def _logits(sizes: data_lib.Sizes, params: dict[str, Any], tokens: jax.Array) ->
   return x @ params["embed"].T
 
 
-def _loss(sizes: data_lib.Sizes, params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
+def loss(sizes: data_lib.Sizes, params: dict[str, Any], batch: dict[str, jax.Array]) -> jax.Array:
   tokens = batch["tokens"]
-  logp = jax.nn.log_softmax(_logits(sizes, params, tokens)[:, :-1])
+  logp = jax.nn.log_softmax(logits(sizes, params, tokens)[:, :-1])
   nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   if sizes.payload == data_lib.PAYLOAD_RL:
     # Every field reaches the parameters (a corrupted transfer changes the digest): the loss
@@ -90,8 +90,8 @@ def _compiled(sizes: data_lib.Sizes, learning_rate: float
 
   @jax.jit
   def fwd_bwd(params, grads, batch):
-    loss, g = jax.value_and_grad(functools.partial(_loss, sizes))(params, batch)
-    return loss, jax.tree.map(jnp.add, grads, g)
+    value, g = jax.value_and_grad(functools.partial(loss, sizes))(params, batch)
+    return value, jax.tree.map(jnp.add, grads, g)
 
   @jax.jit
   def update(params, opt_state, grads, count):
@@ -114,7 +114,7 @@ class Trainer:
     self._replicated = NamedSharding(self.mesh, PartitionSpec())
     self._split = NamedSharding(self.mesh, PartitionSpec(DATA_AXIS))
     self._fwd_bwd, self._update, optimizer = _compiled(sizes, learning_rate)
-    self.params = jax.device_put(_init_params(sizes, seed), self._replicated)
+    self.params = jax.device_put(init_params(sizes, seed), self._replicated)
     self.opt_state = jax.device_put(optimizer.init(self.params), self._replicated)
     self.grads = jax.tree.map(jnp.zeros_like, self.params)
     self.accumulated = 0
@@ -151,9 +151,9 @@ class Trainer:
     return jax.block_until_ready(placed)
 
   def fwd_bwd(self, placed: dict[str, jax.Array]) -> float:
-    loss, self.grads = self._fwd_bwd(self.params, self.grads, placed)
+    value, self.grads = self._fwd_bwd(self.params, self.grads, placed)
     self.accumulated += 1
-    return float(loss)  # waits for the device
+    return float(value)  # waits for the device
 
   def update(self) -> int:
     if self.accumulated == 0:

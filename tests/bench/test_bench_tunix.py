@@ -1,0 +1,129 @@
+"""`tunix-stage bench --host tunix`: the A/B on real tunix processes (lab/tunix).
+
+Every test starts real trainer node processes (tunix's GrpcRemoteExecutionServer, TrainerWorker
+and PeftTrainer on a 2-device CPU mesh) and drives them with tunix's DistributedRLEngine and
+StandardRLProgram from this process. --tiny runs: their step times mean nothing, so only the
+structure and the correctness checks are asserted (timing claims live in the bench's figures,
+docs/bench.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tunix.experimental.orchestrator.rl_program",
+                    reason="tunix's experimental stack (google/tunix main) is not importable")
+
+# pylint: disable=wrong-import-position
+from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.lab.bench import host as host_lib
+from tunix_stage_plugin.lab.bench import results
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.tunix import bench as tunix_bench
+
+pytestmark = pytest.mark.tunix
+
+CORRECTNESS = ("same param_digest in every mode and round",
+               "expected trained_order in every mode and round",
+               "peak staged device batches <= bound")
+
+
+def _bench(tmp_path, *args, timeout=600):
+  out = tmp_path / "out"
+  done = subprocess.run(
+      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--host", "tunix", "--tiny",
+       "--quick", "--steps", "1", "--microbatches", "2", "--out", str(out), *args],
+      capture_output=True, text=True, timeout=timeout)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return out, json.loads((out / "bench.json").read_text()), done
+
+
+def test_every_mode_on_tunix_trains_the_same_parameters_in_order(tmp_path):
+  out, report, done = _bench(tmp_path)
+  assert report["options"]["host"] == "tunix"
+  assert "tunix-stage bench on the tunix host" in done.stdout
+  calibration = report["calibration"]
+  assert calibration["wire_bytes_per_s"] is None and calibration["h2d"] == "real"
+  assert calibration["sync_s"] == 0.0
+  verdicts = {c["name"]: c["passed"] for c in report["criteria"]}
+  assert all(verdicts[name] is True for name in CORRECTNESS), verdicts
+  assert {r["mode"] for r in report["runs"]} == {"inline", "depth1", "depth2", "depth2_prestage",
+                                                 "resident"}
+  modes = report["modes"]
+  # Staged modes staged (the trainer's store held a batch) without falling back; inline and
+  # resident held none.
+  for mode in ("depth1", "depth2", "depth2_prestage"):
+    assert modes[mode]["peak_device_batches"] >= 1 and modes[mode]["fallbacks"] == 0, mode
+    assert modes[mode]["host_path"]["path"] == "staged"
+  assert modes["inline"]["peak_device_batches"] == 0
+  assert modes["inline"]["host_path"]["path"] == "inline"
+  assert calibration["wire_s"] > 0  # the measured receive, what `simulate` reads
+  assert (out / "trace.json").exists() and (out / "timeline.png").exists()
+
+  # The same JSON through the host-agnostic tools: simulate's check and --compare.
+  check = subprocess.run(
+      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "simulate", "--check",
+       str(out / "bench.json"), "--json", "-"], capture_output=True, text=True, timeout=120)
+  assert check.returncode == 0, check.stderr
+  assert set(json.loads(check.stdout)["modes"]) == set(modes)
+  compare = subprocess.run(
+      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--compare",
+       str(out / "bench.json"), str(out / "bench.json")], capture_output=True, text=True,
+      timeout=120)
+  assert compare.returncode == 0, compare.stderr
+  assert "depth2_prestage" in compare.stdout
+
+
+def test_inline_runs_with_nothing_of_the_plugin_installed_on_either_side():
+  """The inline mode is tunix byte for byte: the node it runs on reports no plugin (checked when
+  the host connects), and in this process nothing is installed while tunix's loop runs it; a
+  staged mode installs the plugin here for its run only."""
+  options = results.BenchOptions(host="tunix", tiny=True, microbatches=2, steps=1)
+  host = host_lib.load(options)
+  seen: dict[str, list[bool]] = {"inline": [], "depth2_prestage": []}
+
+  async def main():
+    await host.open()
+    try:
+      make = data_lib.BatchMaker(options.sizes(), options.seed)
+      for mode, installed in seen.items():
+        node = host.nodes[host.node_for(mode)]
+        await node.handle.asubmit("bench_setup")
+        await host._job(node, mode, 2, make,  # pylint: disable=protected-access
+                        on_step=lambda installed=installed: installed.append(
+                            manager.is_installed()))
+    finally:
+      await host.close()
+
+  host.start(lambda _: None)
+  try:
+    assert host.info == {}  # filled in by open()
+    asyncio.run(main())
+  finally:
+    assert host.stop() == 0
+  assert host.info[tunix_bench.PLAIN]["plugin"] is False
+  assert host.info[tunix_bench.PLUGIN]["plugin"] is True
+  assert seen == {"inline": [False, False], "depth2_prestage": [True, True]}
+  assert not manager.is_installed()
+
+
+def test_over_tunix_message_cap_inline_takes_the_plugins_path_and_trains_the_same(tmp_path):
+  """160 MiB micro-batches (over tunix's 128 MiB cap): tunix's unary call cannot carry them, so
+  inline runs on the plugin's node staging nothing, and every mode still trains the same
+  parameters."""
+  options = results.BenchOptions(host="tunix", tiny=True, payload_mib=160)
+  host = tunix_bench.BenchHost(options)
+  assert host.over_cap(options.sizes())
+  assert host.node_for("inline") == tunix_bench.PLUGIN
+  assert host.node_for("resident") == tunix_bench.PLAIN
+  _, report, _ = _bench(tmp_path, "--payload_mib", "160", "--modes",
+                        "inline,depth2_prestage,resident")
+  verdicts = {c["name"]: c["passed"] for c in report["criteria"]}
+  assert all(verdicts[name] is True for name in CORRECTNESS), verdicts
+  assert report["modes"]["inline"]["peak_device_batches"] == 0  # nothing staged
+  assert report["modes"]["inline"]["host_path"]["path"] == "inline"

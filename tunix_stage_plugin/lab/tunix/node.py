@@ -1,0 +1,321 @@
+"""A tunix trainer node for the bench: tunix's GrpcRemoteExecutionServer serving a TrainerWorker
+around a PeftTrainer, on a 2-device CPU mesh (or the accelerator's devices).
+
+    python -m tunix_stage_plugin.lab.tunix.node --spec JSON
+
+With `"plugin": false` in the spec the plugin is never installed (tunix byte for byte: the
+bench's inline mode); with true it is installed for the trainer role. The model is the embedded bench's decoder LM
+(lab/embedded/trainer.py) as a flax nnx module, its loss reading every payload byte; the bench's
+own bookkeeping sits around tunix's classes, never inside them:
+
+- a wrapper around the PeftTrainer (as tunix's trainer node binds one to its mesh) times each
+  fwd_bwd and update on the device (until ready), records which micro-batch trained, and swaps a
+  resident micro-batch's id for its placed arrays;
+- a PeftTrainer subclass times `_prepare_payload` (the placement, on whichever lane runs it);
+- `bench_*` methods on the TrainerWorker subclass: setup (the initial state again), resident
+  placement, the timeline, the clock, and a run's figures.
+
+Prints one JSON line (port, pid) once it serves, then serves until stdin closes.
+docs/bench.md "Hosts".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import portpicker
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tunix.experimental.train import peft_trainer_v2
+from tunix.experimental.worker import remote_execution
+from tunix.experimental.worker import trainer_worker
+from tunix.sft import sharding_utils
+
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.lab import rss
+from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.lab.embedded import trainer as trainer_lib
+
+MB = "mb"  # a micro-batch's (step, index), int32: which one trained, staged or inline alike
+RESIDENT = "resident"  # in place of the arrays: the (step, index) of a resident micro-batch
+LEARNING_RATE = 1e-3
+AXES = ("fsdp",)  # the data sharding axis: the batch split over the mesh's devices
+
+
+def identity(payload: dict[str, Any]) -> tuple[int, int]:
+  step, index = (int(v) for v in np.asarray(payload[RESIDENT if RESIDENT in payload else MB]))
+  return step, index
+
+
+class BenchLM(nnx.Module):
+  """The embedded bench's decoder LM (trainer.logits), one nnx.Param per array."""
+
+  def __init__(self, sizes: data_lib.Sizes, seed: int) -> None:
+    self.sizes = sizes
+    params = trainer_lib.init_params(sizes, seed)
+    self.embed, self.pos = nnx.Param(params["embed"]), nnx.Param(params["pos"])
+    self.layer_keys = tuple(params["layers"][0])
+    for n, layer in enumerate(params["layers"]):
+      for key, value in layer.items():
+        setattr(self, f"layer{n}_{key}", nnx.Param(value))
+
+  def params(self) -> dict[str, Any]:
+    return {"embed": self.embed.value, "pos": self.pos.value,
+            "layers": [{k: getattr(self, f"layer{n}_{k}").value for k in self.layer_keys}
+                       for n in range(self.sizes.layers)]}
+
+
+# PeftTrainer calls loss_fn(model, **payload) and nnx's grad wants every argument named: one
+# function per payload kind (data.PAYLOADS), each reading every array but the id.
+def dense_loss(model: BenchLM, tokens: jax.Array, ballast: jax.Array, mb: jax.Array) -> jax.Array:
+  del mb
+  return trainer_lib.loss(model.sizes, model.params(), {"tokens": tokens, "ballast": ballast})
+
+
+def rl_loss(model: BenchLM, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
+            loss_mask: jax.Array, advantages: jax.Array, old_logprobs: jax.Array,
+            ref_logprobs: jax.Array, routed_experts: jax.Array, mb: jax.Array) -> jax.Array:
+  del mb
+  return trainer_lib.loss(model.sizes, model.params(), {
+      "tokens": tokens, "positions": positions, "segment_ids": segment_ids,
+      "loss_mask": loss_mask, "advantages": advantages, "old_logprobs": old_logprobs,
+      "ref_logprobs": ref_logprobs, "routed_experts": routed_experts})
+
+
+LOSSES = {data_lib.PAYLOAD_DENSE: dense_loss, data_lib.PAYLOAD_RL: rl_loss}
+
+
+class Clocked:
+  """The node's timeline, and which micro-batch each lane is on."""
+
+  def __init__(self) -> None:
+    self.timeline = timeline_lib.Timeline()
+    self.inline = threading.local()  # set while a fwd_bwd runs: its placement is inline
+
+
+class TimedTrainer(peft_trainer_v2.PeftTrainer):
+  """PeftTrainer whose placement (`_prepare_payload`) is timed until its arrays are ready."""
+
+  clocked: Clocked
+
+  def _prepare_payload(self, payload: Any) -> Any:
+    step, index = identity(payload)
+    lane = "inline" if getattr(self.clocked.inline, "on", False) else "staging"
+    start = time.perf_counter()
+    placed = jax.block_until_ready(super()._prepare_payload(payload))
+    nbytes = sum(a.nbytes for k, a in payload.items() if k != MB)
+    self.clocked.timeline.add(tracks.TRAINER_H2D, f"s{step}-m{index}", start, time.perf_counter(),
+                              step=step, lane=lane, bytes=nbytes)
+    return placed
+
+
+class MeshBound:
+  """The PeftTrainer bound to its mesh around compute (as tunix's trainer node binds it), each
+  call timed on the device; everything else passes through."""
+
+  def __init__(self, trainer: TimedTrainer, mesh: Mesh, clocked: Clocked) -> None:
+    self._trainer = trainer
+    self.mesh = mesh
+    self._clocked = clocked
+    self.resident: dict[tuple[int, int], Any] = {}
+    self.trained: list[str] = []
+    self.step = 0  # the updates so far: the step a fwd_bwd belongs to
+
+  def __getattr__(self, name: str) -> Any:
+    return getattr(self._trainer, name)
+
+  def fwd_bwd(self, payload: Any, **kwargs: Any) -> Any:
+    step, index = identity(payload)
+    if RESIDENT in payload:
+      payload = self.resident[(step, index)]
+    self.trained.append(data_lib.mb_id(step, index))
+    self._clocked.inline.on = True
+    start = time.perf_counter()
+    try:
+      with self.mesh:
+        result = self._trainer.fwd_bwd(payload, **kwargs)
+        jax.block_until_ready(nnx.state(self._trainer.grad_accumulator))
+    finally:
+      self._clocked.inline.on = False
+    placed = [s.end for s in self._clocked.timeline.spans(tracks.TRAINER_H2D)
+              if s.end >= start and dict(s.args)["lane"] == "inline"]
+    self._clocked.timeline.add(tracks.DEVICE_COMPUTE, f"fwd_bwd s{step}-m{index}",
+                               max([start, *placed]), time.perf_counter(), step=self.step,
+                               kind="fwd_bwd", index=index)
+    return result
+
+  def update(self, **kwargs: Any) -> Any:
+    start = time.perf_counter()
+    with self.mesh:
+      result = self._trainer.update(**kwargs)
+      jax.block_until_ready(nnx.state(self._trainer.model))
+    self._clocked.timeline.add(tracks.DEVICE_COMPUTE, f"update s{self.step}", start,
+                               time.perf_counter(), step=self.step, kind="update")
+    self.step += 1
+    return result
+
+  def close(self) -> None:
+    with self.mesh:
+      self._trainer.close()
+
+
+def _copied(tree: Any) -> Any:
+  return jax.tree.map(jnp.copy, tree)
+
+
+class BenchWorker(trainer_worker.TrainerWorker):
+  """TrainerWorker plus the bench's own calls (bench_*)."""
+
+  spec: dict[str, Any]
+  clocked: Clocked
+  initial: tuple[Any, Any] | None = None
+  baseline: int | None = None
+
+  def bench_info(self) -> dict[str, Any]:
+    return {"platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+            "pid": os.getpid(), "plugin": hasattr(trainer_worker.TrainerWorker, "stage_batch")}
+
+  def bench_clock(self) -> float:
+    return time.perf_counter()
+
+  def bench_setup(self) -> int | None:
+    """The initial parameters, optimizer state and accumulator again (compiled functions kept),
+    an empty timeline and resident set, the staging store's peaks and this process's peak RSS
+    from now."""
+    trainer = self._trainer
+    if self.initial is None:
+      self.initial = (_copied(nnx.state(trainer.model)), _copied(nnx.state(trainer.optimizer)))
+    else:
+      nnx.update(trainer.model, _copied(self.initial[0]))
+      nnx.update(trainer.optimizer, _copied(self.initial[1]))
+    trainer.grad_accumulator.reset()
+    trainer.resident.clear()
+    trainer.trained.clear()
+    trainer.step = 0
+    self.clocked.timeline.clear()
+    store = _store(self)
+    if store is not None:
+      store.stats.peak = store.stats.peak_host = 0
+    self.baseline = rss.reset_peak()
+    return self.baseline
+
+  def bench_place_resident(self, ids: list[tuple[int, int]]) -> int:
+    """Builds these micro-batches here and places them; an array shared by several (a position's
+    bulk array) is placed once."""
+    trainer = self._trainer
+    sizes = data_lib.Sizes(**self.spec["sizes"])
+    make = data_lib.BatchMaker(sizes, self.spec["seed"])
+    placed: dict[int, tuple[np.ndarray, Any]] = {}  # id(array): (array, its placement)
+
+    def place(array: np.ndarray) -> Any:  # as PeftTrainer places a payload (shard_input)
+      return jax.block_until_ready(sharding_utils.shard_input({"x": array}, AXES)["x"])
+
+    with trainer.mesh:
+      for step, index in ids:
+        arrays = make(step, index).arrays
+        for array in arrays.values():
+          if id(array) not in placed:
+            placed[id(array)] = (array, place(array))
+        trainer.resident[(step, index)] = {**{k: placed[id(a)][1] for k, a in arrays.items()},
+                                           MB: place(np.array([step, index], np.int32))}
+    return len(trainer.resident)
+
+  def bench_timeline(self) -> list[timeline_lib.Span]:
+    return self.clocked.timeline.spans()
+
+  def bench_finish(self) -> dict[str, Any]:
+    trainer = self._trainer
+    state = nnx.state(trainer.model, nnx.Param)
+    digest = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+      digest.update(jax.tree_util.keystr(path).encode())
+      digest.update(np.asarray(leaf).tobytes())
+    store = _store(self)
+    plugin = store is not None  # (an empty store is falsy: it has a length)
+    return {
+        "param_digest": digest.hexdigest(), "trained_order": list(trainer.trained),
+        "rss": {"baseline": self.baseline, "peak": rss.peak()},
+        "store": {"peak": store.stats.peak if plugin else 0,
+                  "peak_host": store.stats.peak_host if plugin else 0},
+        "max_device_batches": store.max_device_batches if plugin else 0,
+        "device_memory": {"baseline": None, "sampled_peak": None, "allocator_peak": None},
+    }
+
+
+def _store(worker: BenchWorker) -> Any:
+  """The plugin's staging store for this worker (None on a node without the plugin)."""
+  if not worker.spec["plugin"]:
+    return None
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.hosts.tunix import installation
+  return installation.current().staging_of(worker).store
+
+
+def make_trainer(spec: dict[str, Any], mesh: Mesh, clocked: Clocked) -> MeshBound:
+  sizes = data_lib.Sizes(**spec["sizes"])
+  replicated = NamedSharding(mesh, PartitionSpec())
+  with mesh:
+    model = BenchLM(sizes, spec["seed"])
+    nnx.update(model, jax.tree.map(lambda x: jax.device_put(x, replicated), nnx.state(model)))
+    trainer = TimedTrainer(model, optax.adamw(LEARNING_RATE), peft_trainer_v2.TrainingConfig(
+        eval_every_n_steps=10**9, gradient_accumulation_steps=spec["microbatches"],
+        data_sharding_axis=AXES, pbar_description=None))
+  trainer.clocked = clocked
+  trainer.with_loss_fn(LOSSES[sizes.payload])
+  return MeshBound(trainer, mesh, clocked)
+
+
+def serve(spec: dict[str, Any]) -> None:
+  if spec["plugin"]:
+    # pylint: disable-next=import-outside-toplevel
+    import tunix_stage_plugin
+    # pylint: disable-next=import-outside-toplevel
+    from tunix_stage_plugin.core import config as config_lib
+    activation = tunix_stage_plugin.install(config_lib.resolve(
+        {"mode": "stage", "max_device_batches": spec["max_device_batches"],
+         "max_host_batches": spec["max_host_batches"], "codec": spec["codec"]}, env={}),
+        quiet=True)
+    if not activation.installed:
+      raise SystemExit(f"tunix-stage bench node: the plugin did not install: {activation.line}")
+  devices = np.array(jax.devices())
+  mesh = Mesh(devices.reshape(len(devices), 1), ("fsdp", "tp"))
+  clocked = Clocked()
+  worker = BenchWorker(lambda: make_trainer(spec, mesh, clocked), worker_id="bench")
+  worker.spec, worker.clocked = spec, clocked
+  worker.initialize()
+
+  async def main() -> None:
+    port = portpicker.pick_unused_port()
+    server = remote_execution.GrpcRemoteExecutionServer(worker)
+    await server.start_serving_async(port)
+    print(json.dumps({"port": port, "pid": os.getpid()}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
+    await server.stop_serving()
+
+  asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+  parser.add_argument("--spec", required=True,
+                      help="JSON: plugin (bool), sizes (data.Sizes fields), seed, microbatches, "
+                      "max_device_batches, max_host_batches, codec")
+  args = parser.parse_args(argv)
+  serve(json.loads(args.spec))
+
+
+if __name__ == "__main__":
+  main()
