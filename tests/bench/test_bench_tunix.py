@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -127,3 +129,54 @@ def test_over_tunix_message_cap_inline_takes_the_plugins_path_and_trains_the_sam
   assert all(verdicts[name] is True for name in CORRECTNESS), verdicts
   assert report["modes"]["inline"]["peak_device_batches"] == 0  # nothing staged
   assert report["modes"]["inline"]["host_path"]["path"] == "inline"
+
+
+def _children(pid: int) -> set[int]:
+  """The processes whose parent is `pid` (from /proc)."""
+  found = set()
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat", encoding="ascii") as f:
+          fields = f.read().rsplit(")", 1)[1].split()
+      except OSError:
+        continue
+      if int(fields[1]) == pid:
+        found.add(int(entry))
+  return found
+
+
+def test_ctrl_c_stops_both_nodes_and_writes_the_runs_so_far(tmp_path):
+  """SIGINT to the whole process group (as a terminal's Ctrl-C) while a mode run is going: the
+  bench exits 130 with the finished runs in its JSON, and neither node process is left."""
+  out = tmp_path / "out"
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--host", "tunix", "--tiny",
+       "--steps", "3", "--microbatches", "2", "--out", str(out), "--png", "", "--trace", ""],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    nodes: set[int] = set()
+    for line in proc.stderr:  # progress lines; the first finished run says "round 1/"
+      nodes |= _children(proc.pid)
+      if "round 1/" in line:
+        break
+    assert len(nodes) == 2, nodes
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  assert proc.returncode == 130, err[-3000:]
+  assert "interrupted by SIGINT" in err
+  report = json.loads((out / "bench.json").read_text())
+  assert report["interrupted"] is True and report["runs"]
+  assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in nodes), nodes
+
+
+def _zombie(pid: int) -> bool:
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+  except OSError:
+    return True

@@ -49,12 +49,15 @@ def _check_codec_modes(p: inputs.Problems, modes: tuple[str, ...], codec: str | 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser = subparsers.add_parser(
       "bench",
-      help="run the staging A/B (inline, depth1, depth2, depth2_prestage, resident)",
+      help="run the staging A/B (inline, depth1, depth2, depth2_prestage, resident) on the "
+      "embedded host or tunix's",
       description=textwrap.fill(
-          "Run the staging A/B on the embedded host: a JAX trainer process serving gRPC on "
-          "127.0.0.1, an orchestrator driving it through the stage pipeline, and emulated links "
-          "calibrated to production's proportions (wire 0.8 x and host-to-device 0.4 x the "
-          "compute of one micro-batch). The modes alternate in rounds; the table reports medians. "
+          "Run the staging A/B. On the embedded host (the default): a JAX trainer process "
+          "serving gRPC on 127.0.0.1, an orchestrator driving it through the stage pipeline, and "
+          "emulated links calibrated to production's proportions (wire 0.8 x and host-to-device "
+          "0.4 x the compute of one micro-batch). With --host tunix: trainer node processes of "
+          "tunix's own classes driven by tunix's own train loop, over tunix's real links (the "
+          "payload size is the knob). The modes alternate in rounds; the table reports medians. "
           "Writes a JSON report, a PNG timeline and a Chrome/Perfetto trace.", 78) + "\n\n" +
       textwrap.fill(
           "Exit 0 when the run completed and every correctness check passed (a timing check "
@@ -365,6 +368,11 @@ def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
     if caught.signum is None:
       print(f"tunix-stage bench: error: {e}", file=sys.stderr)
       return 1
+  except Exception:  # pylint: disable=broad-except
+    if caught.signum is None:
+      raise  # a bug: its traceback is the report
+    # else: the signal reached the trainer side too (a Ctrl-C reaches the process group), and a
+    # call in flight failed with it; the interrupted report follows
   finally:
     caught.raising = False
   if caught.signum is not None:

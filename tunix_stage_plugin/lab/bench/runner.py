@@ -37,8 +37,10 @@ def payloads_held(options: results.BenchOptions) -> tuple[int, str]:
   # the last one placed back from JAX before it makes another, core/buffers.py).
   staged = options.max_device_batches + options.max_host_batches + 2
   on_trainer = max(m, staged)
-  return m + on_trainer, (f"{m} built once on the orchestrator (one per position of a step), "
-                          f"up to {on_trainer} on the trainer")
+  built = f"{m} built once on the orchestrator (one per position of a step)"
+  if options.host == "tunix":  # two trainer nodes: resident and inline on one, staged on the other
+    return m + m + staged, f"{built}, up to {m} and {staged} on the two trainer nodes"
+  return m + on_trainer, f"{built}, up to {on_trainer} on the trainer"
 
 
 def run_bench(options: results.BenchOptions, progress: Callable[[str], None] = lambda _: None, *,

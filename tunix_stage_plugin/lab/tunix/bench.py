@@ -27,8 +27,9 @@ import subprocess
 import sys
 import time
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import grpc
 import numpy as np
 from tunix.experimental.common import datatypes
 from tunix.experimental.orchestrator import distributed_rl_engine
@@ -108,11 +109,14 @@ class BenchHost:
     return sizes.payload_bytes > cap - chunked.CAP_MARGIN
 
   def start(self, say: host_lib.Say) -> None:
-    say("starting two tunix trainer nodes (GrpcRemoteExecutionServer, TrainerWorker, PeftTrainer; "
-        "2-device CPU mesh): one without the plugin, one with it")
+    say("starting two tunix trainer nodes (GrpcRemoteExecutionServer, TrainerWorker, PeftTrainer "
+        "on a mesh of JAX's devices; on CPU two): one without the plugin, one with it")
     o = self.options
     env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    # JAX_PLATFORMS as given here ('' lets JAX choose an accelerator); on CPU, two devices.
+    env.update(JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", ""),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                          + " --xla_force_host_platform_device_count=2").strip(),
                PYTHONWARNINGS="ignore")
     procs = {}
     for kind in (PLAIN, PLUGIN):  # both start before either is waited for: JAX starts overlap
@@ -167,7 +171,30 @@ class BenchHost:
       if handle is not None:
         await handle.close()
 
+  @contextlib.contextmanager
+  def _failures(self, what: str) -> Iterator[None]:
+    """A failed call to a node (tunix's remote-error envelope, gRPC's own errors) as one line
+    naming what ran and, for a node that exited, its exit code and last stderr line."""
+    try:
+      yield
+    except (RuntimeError, grpc.aio.AioRpcError) as e:
+      gone = [f"the {kind} node exited with code {n.proc.returncode}: {_stderr_tail(n.proc)}"
+              for kind, n in self.nodes.items() if n.proc.poll() is not None]
+      first = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError)
+               else str(e).splitlines()[0])
+      raise host_lib.HostError(f"{what} on tunix's host failed: {first}"
+                               + "".join(f"; {g}" for g in gone)) from e
+
   async def calibrate(self, sizes: data_lib.Sizes) -> results.Calibration:
+    with self._failures("the calibration"):
+      return await self._calibrate(sizes)
+
+  async def run_mode(self, calibration: results.Calibration, mode: str, round_: int,
+                     make: data_lib.BatchMaker) -> results.ModeRun:
+    with self._failures(f"the {mode} run"):
+      return await self._run_mode(calibration, mode, round_, make)
+
+  async def _calibrate(self, sizes: data_lib.Sizes) -> results.Calibration:
     """Compiles (one resident step on each node, so no mode run's memory holds a compilation),
     then measures compute and its memory on resident data over the other steps, on the node
     without the plugin, and the other processes' cores meanwhile."""
@@ -203,8 +230,8 @@ class BenchHost:
       return PLUGIN
     return PLAIN
 
-  async def run_mode(self, calibration: results.Calibration, mode: str, round_: int,
-                     make: data_lib.BatchMaker) -> results.ModeRun:
+  async def _run_mode(self, calibration: results.Calibration, mode: str, round_: int,
+                      make: data_lib.BatchMaker) -> results.ModeRun:
     o = self.options
     node = self.nodes[self.node_for(mode)]
     await node.handle.asubmit("bench_setup")

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -298,14 +300,27 @@ def serve(spec: dict[str, Any]) -> None:
   worker.initialize()
 
   async def main() -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C reaches the whole process group
+      loop.add_signal_handler(signum, stop.set)
     port = portpicker.pick_unused_port()
     server = remote_execution.GrpcRemoteExecutionServer(worker)
     await server.start_serving_async(port)
     print(json.dumps({"port": port, "pid": os.getpid()}), flush=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until stdin closes
+    # Until stdin closes (the bench is done, or gone) or a signal comes; the reader is a daemon
+    # thread, so a signal need not wait for stdin.
+    threading.Thread(target=_set_when_closed, args=(loop, stop), daemon=True).start()
+    await stop.wait()
     await server.stop_serving()
 
   asyncio.run(main())
+
+
+def _set_when_closed(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+  sys.stdin.read()
+  with contextlib.suppress(RuntimeError):  # the loop already closed (a signal stopped it)
+    loop.call_soon_threadsafe(stop.set)
 
 
 def main(argv: list[str] | None = None) -> None:
