@@ -68,6 +68,23 @@ def update_duration(spans: Iterable[timeline_lib.Span], step: int) -> float:
              and dict(s.args).get("kind") == "update")
 
 
+def calibrated(spans: Iterable[timeline_lib.Span], steps: Iterable[int]) -> tuple[float, float]:
+  """A calibration's compute: the median fwd_bwd over `steps` and the median update."""
+  spans = list(spans)
+  compute = statistics.median(d for step in steps for d in fwd_bwd_durations(spans, step))
+  update = statistics.median(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE
+                             and dict(s.args).get("kind") == "update")
+  return compute, update
+
+
+def compute_memory(rss: dict, held_bytes: int) -> int | None:
+  """The compute's own working set: a process's peak above its baseline and the `held_bytes` of
+  payloads it held meanwhile (None where /proc cannot tell)."""
+  if rss["peak"] is None or rss["baseline"] is None:
+    return None
+  return max(0, rss["peak"] - rss["baseline"] - held_bytes)
+
+
 def step_limit(microbatches: int, fwd_bwd_s: float, update_s: float, sync_s: float) -> float:
   """The shortest step the device allows: M fwd_bwd, the update and the weight sync, no waiting."""
   return microbatches * fwd_bwd_s + update_s + sync_s

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import os
-import statistics
 import time
 from typing import Callable
 
@@ -125,10 +124,7 @@ class BenchHost:
     foreign = load.lap()  # over the measured steps only
     memory = (await self.client.call("finish"))["rss"]
     spans = await self.client.call("timeline")
-    warm = range(CALIBRATION_STEPS - 1)
-    compute = statistics.median(d for step in warm for d in metrics.fwd_bwd_durations(spans, step))
-    update = statistics.median(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE
-                               and dict(s.args)["kind"] == "update")
+    compute, update = metrics.calibrated(spans, range(CALIBRATION_STEPS - 1))
     payload = sizes.payload_bytes
     info = await self.client.call("info")
     real = self.options.h2d == "real" or (self.options.h2d == "auto" and info["platform"] != "cpu")
@@ -140,8 +136,7 @@ class BenchHost:
         devices=tuple(info["devices"]),
         sync_s=self.options.sync_ratio * compute, clock_offset_s=offset,
         clock_uncertainty_s=uncertainty, foreign_cores=foreign,
-        compute_memory_bytes=None if memory["peak"] is None or memory["baseline"] is None else max(
-            0, memory["peak"] - memory["baseline"] - self.options.microbatches * payload))
+        compute_memory_bytes=metrics.compute_memory(memory, self.options.microbatches * payload))
 
   async def run_mode(self, calibration: results.Calibration, mode: str, round_: int,
                        make: data_lib.BatchMaker) -> results.ModeRun:

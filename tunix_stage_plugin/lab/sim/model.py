@@ -11,7 +11,6 @@ The same semantics as the embedded trainer, with sleeps in the event loop's virt
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import timeline as timeline_lib

@@ -7,7 +7,6 @@ pipeline's own code (its races, its depth, its prestage) runs exactly as on a tr
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import re
 from typing import AsyncIterator

@@ -22,7 +22,6 @@ import dataclasses
 import gc
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -210,10 +209,7 @@ class BenchHost:
     foreign = load.lap()
     finish = await node.handle.asubmit("bench_finish")
     spans = await node.handle.asubmit("bench_timeline")
-    compute = statistics.median(d for step in range(CALIBRATION_STEPS - 1)
-                                for d in metrics.fwd_bwd_durations(spans, step))
-    update = statistics.median(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE
-                               and dict(s.args)["kind"] == "update")
+    compute, update = metrics.calibrated(spans, range(CALIBRATION_STEPS - 1))
     memory, payload = finish["rss"], sizes.payload_bytes
     info = self.info[PLAIN]
     return results.Calibration(
@@ -221,8 +217,7 @@ class BenchHost:
         h2d_bytes_per_s=None, h2d="real", platform=info["platform"],
         devices=tuple(info["devices"]), sync_s=0.0, clock_offset_s=node.offset,
         clock_uncertainty_s=node.uncertainty, foreign_cores=foreign,
-        compute_memory_bytes=None if memory["peak"] is None or memory["baseline"] is None else max(
-            0, memory["peak"] - memory["baseline"] - o.microbatches * payload))
+        compute_memory_bytes=metrics.compute_memory(memory, o.microbatches * payload))
 
   def node_for(self, mode: str) -> str:
     kind = modes_lib.BY_NAME[mode].plan["kind"]

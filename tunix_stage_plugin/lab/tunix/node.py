@@ -141,6 +141,9 @@ class MeshBound:
 
   def fwd_bwd(self, payload: Any, **kwargs: Any) -> Any:
     step, index = identity(payload)
+    # What reached it: placed ahead (the plugin's stage), resident, or the payload itself.
+    source = ("resident" if RESIDENT in payload else
+              "staged" if isinstance(payload[MB], jax.Array) else "inline")
     if RESIDENT in payload:
       payload = self.resident[(step, index)]
     self.trained.append(data_lib.mb_id(step, index))
@@ -156,7 +159,7 @@ class MeshBound:
               if s.end >= start and dict(s.args)["lane"] == "inline"]
     self._clocked.timeline.add(tracks.DEVICE_COMPUTE, f"fwd_bwd s{step}-m{index}",
                                max([start, *placed]), time.perf_counter(), step=self.step,
-                               kind="fwd_bwd", index=index)
+                               kind="fwd_bwd", index=index, source=source)
     return result
 
   def update(self, **kwargs: Any) -> Any:
