@@ -334,9 +334,10 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
               since: float, offset: float) -> dict[str, dict[str, float | int | None]]:
   """metrics.host_path's figures over tunix's real links, after `since` (the node's clock; its
   `offset` to this process's): a staged micro-batch's receive is its stage call (this process's
-  span) less its placement on the staging lane; an inline one's is the wait from the device
-  finishing the micro-batch before it (tunix's loop sends the next one only then) to its
-  placement starting (a step's first micro-batch, after the boundary, is left out)."""
+  span; the trainer answers once the payload is received and places it next on its staging
+  lane); an inline one's is the wait from the device finishing the micro-batch before it (tunix's
+  loop sends the next one only then) to its placement starting (a step's first micro-batch, after
+  the boundary, is left out)."""
   spans = [s for s in spans if s.end >= since]
   calls = [s.duration for s in stage_calls if s.end >= since + offset]
   compute = sorted((s for s in spans if s.track == tracks.DEVICE_COMPUTE), key=lambda s: s.end)
@@ -345,8 +346,7 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
     places = [s for s in spans if s.track == tracks.TRAINER_H2D and dict(s.args)["lane"] == lane]
     place_s = metrics.median([s.duration for s in places])
     if path == "staged":
-      receive_s = (None if not calls or place_s is None
-                   else max(0.0, metrics.median(calls) - place_s))
+      receive_s = metrics.median(calls) if places else None
     else:
       waits = []
       for s in places:
