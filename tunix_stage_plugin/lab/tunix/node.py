@@ -100,12 +100,16 @@ def rl_loss(model: BenchLM, tokens: jax.Array, positions: jax.Array, segment_ids
 LOSSES = {data_lib.PAYLOAD_DENSE: dense_loss, data_lib.PAYLOAD_RL: rl_loss}
 
 
+class _Lane(threading.local):
+  inline = False  # this thread runs a fwd_bwd: a placement here is the inline one
+
+
 class Clocked:
-  """The node's timeline, and which micro-batch each lane is on."""
+  """The node's timeline, and whether the current thread is inside a fwd_bwd."""
 
   def __init__(self) -> None:
     self.timeline = timeline_lib.Timeline()
-    self.inline = threading.local()  # set while a fwd_bwd runs: its placement is inline
+    self.lane = _Lane()
 
 
 class TimedTrainer(peft_trainer_v2.PeftTrainer):
@@ -115,7 +119,7 @@ class TimedTrainer(peft_trainer_v2.PeftTrainer):
 
   def _prepare_payload(self, payload: Any) -> Any:
     step, index = identity(payload)
-    lane = "inline" if getattr(self.clocked.inline, "on", False) else "staging"
+    lane = "inline" if self.clocked.lane.inline else "staging"
     start = time.perf_counter()
     placed = jax.block_until_ready(super()._prepare_payload(payload))
     nbytes = sum(a.nbytes for k, a in payload.items() if k != MB)
@@ -147,14 +151,14 @@ class MeshBound:
     if RESIDENT in payload:
       payload = self.resident[(step, index)]
     self.trained.append(data_lib.mb_id(step, index))
-    self._clocked.inline.on = True
+    self._clocked.lane.inline = True
     start = time.perf_counter()
     try:
       with self.mesh:
         result = self._trainer.fwd_bwd(payload, **kwargs)
         jax.block_until_ready(nnx.state(self._trainer.grad_accumulator))
     finally:
-      self._clocked.inline.on = False
+      self._clocked.lane.inline = False
     placed = [s.end for s in self._clocked.timeline.spans(tracks.TRAINER_H2D)
               if s.end >= start and dict(s.args)["lane"] == "inline"]
     self._clocked.timeline.add(tracks.DEVICE_COMPUTE, f"fwd_bwd s{step}-m{index}",
