@@ -11,6 +11,14 @@ one node share its receive buffers, so the second path's first call would find t
 size is staged once first (its receive buffers made: that first call is reported on its own),
 then `--runs` times; each stage is dropped again (reset) before the next. Prints a markdown table
 of the medians, and each node's peak RSS. Needs tunix's experimental stack (docs/tunix.md).
+
+    python tools/measure_tunix_path.py --job [--runs 3] [--max_device_batches 2]
+        [--max_staged_batches 2]
+
+measures instead the 256 MiB job of tests/hosts/tunix/test_grpc.py (2 steps x 4 micro-batches of
+256 MiB through a real StandardRLProgram) once per run on a fresh node, over the side channel and
+through the chunked stream: per run the wall, the trainer node's RSS before the job and its peak,
+the receive buffers the pool made and reused, and the store's peak counts (device, host).
 """
 
 from __future__ import annotations
@@ -67,12 +75,51 @@ async def time_stages(port: int, sizes: list[int], runs: int) -> dict[int, tuple
   return found
 
 
+def measure_job(runs: int, max_device_batches: int, max_staged_batches: int) -> None:
+  """Prints one line per run and path of the 256 MiB job (--job)."""
+  payloads = [micro_batch(256, n) for n in range(node_lib.STEPS * node_lib.MICRO)]
+  print(f"256 MiB job, TUNIX_STAGE_MAX_DEVICE_BATCHES={max_device_batches}, "
+        f"TUNIX_MAX_STAGED_BATCHES={max_staged_batches}")
+  for path, worker in (("side channel", "bulk_big"), ("chunked stream", "all_over_cap")):
+    for run in range(runs):
+      # pylint: disable-next=protected-access
+      proc, ports = node_lib._start_node("plugin", max_device_batches)
+      try:
+        port = ports[worker]
+        baseline = node_lib.reset_peak_rss(port)
+        start = time.perf_counter()
+        _, _, reports = node_lib.run_program(
+            port, staged=True, payloads=payloads,
+            settings={"max_staged_batches": max_staged_batches})
+        wall = time.perf_counter() - start
+        seen, peak = node_lib.trained(port)
+        if seen != [node_lib.fingerprint(p["experts"]) for p in payloads]:
+          raise RuntimeError(f"{path}: the trainer did not train each micro-batch once, in order")
+        pool, store = node_lib.pool_stats(port), node_lib.ask_node(port, "store_stats")
+        staged = sum(r.stage_metrics["stage/staged"] for r in reports)
+        print(f"{path} run {run + 1}: {wall:.1f} s, peak RSS {peak / GIB:.2f} GiB (from "
+              f"{baseline / GIB:.2f}, +{(peak - baseline) / GIB:.2f}); receive buffers "
+              f"{pool['made']} made, {pool['reused']} reused; store peak {store['peak']} "
+              f"device, {store['peak_host']} host; {staged} staged", flush=True)
+      finally:
+        node_lib._stop_node(proc)  # pylint: disable=protected-access
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
   parser.add_argument("--sizes_mib", default="16,64,120,1024",
                       help="micro-batch sizes in MiB, comma-separated (default: 16,64,120,1024)")
   parser.add_argument("--runs", type=int, default=3, help="timed runs per size (default: 3)")
+  parser.add_argument("--job", action="store_true",
+                      help="measure the 256 MiB job per run instead of stage_batch per size")
+  parser.add_argument("--max_device_batches", type=int, default=2,
+                      help="--job: the trainer's TUNIX_STAGE_MAX_DEVICE_BATCHES (default: 2)")
+  parser.add_argument("--max_staged_batches", type=int, default=2,
+                      help="--job: the orchestrator's TUNIX_MAX_STAGED_BATCHES (default: 2)")
   args = parser.parse_args()
+  if args.job:
+    measure_job(args.runs, args.max_device_batches, args.max_staged_batches)
+    return
   sizes = [int(s) for s in args.sizes_mib.split(",")]
   results, memory = {}, {}
   manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True)

@@ -56,6 +56,8 @@ TEST_CAP = 512 << 20  # the reference node's raised cap
 # 256 MiB of ids per micro-batch (8 x 16 x 2048 x 512 int16), twice tunix's cap; routed in the
 # first 8 layers (different in every micro-batch, spread over all 256 MiB), -1 past them.
 BIG_LAYERS, BIG_TOP_K, BIG_ROUTED = 2048, 512, 8
+# The plugin node's TUNIX_STAGE_MAX_DEVICE_BATCHES (2 unless _start_node is told otherwise).
+NODE_DEPTH = "STAGE_TEST_NODE_MAX_DEVICE_BATCHES"
 
 
 def batch(seed, layers=LAYERS, top_k=TOP_K, routed=None):
@@ -96,8 +98,9 @@ def serve(kind: str) -> None:
   from tunix_stage_plugin.hosts.tunix import installation
 
   if kind == "plugin":
+    depth = int(os.environ.get(NODE_DEPTH, "2"))
     assert tunix_stage_plugin.install(
-        config_lib.resolve({"mode": "stage", "max_device_batches": 2}, env={})).installed
+        config_lib.resolve({"mode": "stage", "max_device_batches": depth}, env={})).installed
   else:
     remote_execution._MAX_MESSAGE_BYTES = TEST_CAP  # pylint: disable=protected-access
   mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("fsdp", "tp"))
@@ -186,6 +189,10 @@ def serve(kind: str) -> None:
     def reset_peak_rss(self):
       return rss.reset_peak()
 
+    def store_stats(self):  # the plugin's node only: this worker's staged-batch store
+      stats = installation.current().staging_of(self).store.stats
+      return {"peak": stats.peak, "peak_host": stats.peak_host}
+
     def parameters(self):
       state = nnx.state(self._trainer.model, nnx.Param)
       return {jax.tree_util.keystr(path): np.asarray(leaf).tobytes()
@@ -270,10 +277,11 @@ pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
 
 
-def _start_node(kind):
+def _start_node(kind, max_device_batches=2):
   env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
              PYTHONWARNINGS="ignore")
+  env[NODE_DEPTH] = str(max_device_batches)
   proc = subprocess.Popen([sys.executable, __file__, "serve", kind], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   line = proc.stdout.readline()
@@ -336,10 +344,10 @@ class OnePerItem:
 
 
 def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=None,
-                program_cls=rl_program.StandardRLProgram):
+                program_cls=rl_program.StandardRLProgram, settings=None):
   """Trains `payloads` (default: STEPS x MICRO small micro-batches) through a real
   StandardRLProgram (or `program_cls`, a subclass) and engine; `cap` raises this process's
-  message cap for the run."""
+  message cap for the run; `settings` adds to the orchestrator's staging settings."""
   payloads = [batch(n) for n in range(steps * MICRO)] if payloads is None else payloads
   assert len(payloads) == steps * MICRO
   reports = []
@@ -364,7 +372,8 @@ def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=No
 
   manager.uninstall("tunix", quiet=True)
   if staged:
-    manager.install(config_lib.resolve({"mode": "stage", "codec": codec}, env={}), quiet=True)
+    manager.install(config_lib.resolve({"mode": "stage", "codec": codec, **(settings or {})},
+                                       env={}), quiet=True)
   upstream_cap = remote_execution._MAX_MESSAGE_BYTES  # pylint: disable=protected-access
   remote_execution._MAX_MESSAGE_BYTES = cap or upstream_cap  # pylint: disable=protected-access
   try:
@@ -748,12 +757,15 @@ def test_every_256_mib_micro_batch_trains_through_the_side_channel(node, big_pay
   order, to the parameters of the raised-cap inline job."""
   caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
   port = node["bulk_big"]
-  before, chunked_before = bulk_calls(port), chunked_calls(port)
+  before, chunked_before, pool_before = bulk_calls(port), chunked_calls(port), pool_stats(port)
   staged, inline, wall, peak, baseline = run_big_job(port, big_payloads, big_reference)
   assert bulk_calls(port) - before == collections.Counter(stage_batch=staged, fwd_bwd=inline)
   assert chunked_calls(port) == chunked_before
+  # Each call's 256 MiB went into a pooled buffer, and buffers nothing referenced were reused.
+  pool = {k: v - pool_before[k] for k, v in pool_stats(port).items()}
+  assert pool["made"] + pool["reused"] == STEPS * MICRO and pool["reused"] >= 1, pool
   assert re.search(r"tunix-stage: bulk side channel to 127\.0\.0\.1:\d+ for micro-batch calls "
                    r">= 1 MiB", caplog.text), caplog.text
   print(f"\n256 MiB x {STEPS * MICRO} micro-batches staged, over the side channel: {wall:.1f} s, "
         f"trainer node peak RSS {gib(peak)} (from {gib(baseline)}); {staged} staged, {inline} "
-        "inline")
+        f"inline; receive buffers: {pool['made']} made, {pool['reused']} reused")
