@@ -335,12 +335,13 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
   """metrics.host_path's figures over tunix's real links, after `since` (the node's clock; its
   `offset` to this process's): a staged micro-batch's receive is its stage call (this process's
   span; the trainer answers once the payload is received and places it next on its staging
-  lane); an inline one's is the wait from the device finishing the micro-batch before it (tunix's
-  loop sends the next one only then) to its placement starting (a step's first micro-batch, after
-  the boundary, is left out)."""
+  lane); an inline one's is the wait from the answer to the fwd_bwd before it (tunix's loop sends
+  the next one only then) to its placement starting (a step's first micro-batch, after the
+  update, is left out)."""
   spans = [s for s in spans if s.end >= since]
   calls = [s.duration for s in stage_calls if s.end >= since + offset]
-  compute = sorted((s for s in spans if s.track == tracks.DEVICE_COMPUTE), key=lambda s: s.end)
+  computations = sorted((dict(s.args) for s in spans if s.track == tracks.DEVICE_COMPUTE),
+                        key=lambda args: args["answered"])
   out = {}
   for path, lane in (("staged", "staging"), ("inline", "inline")):
     places = [s for s in spans if s.track == tracks.TRAINER_H2D and dict(s.args)["lane"] == lane]
@@ -350,9 +351,9 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
     else:
       waits = []
       for s in places:
-        before = [c for c in compute if c.end <= s.start]
-        if before and dict(before[-1].args)["kind"] == "fwd_bwd":
-          waits.append(s.start - before[-1].end)
+        before = [c for c in computations if c["answered"] <= s.start]
+        if before and before[-1]["kind"] == "fwd_bwd":
+          waits.append(s.start - before[-1]["answered"])
       receive_s = metrics.median(waits)
     nbytes = metrics.median([dict(s.args)["bytes"] for s in places])
     rate = (nbytes / (receive_s + place_s) / (1 << 30)

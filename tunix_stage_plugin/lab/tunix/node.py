@@ -8,9 +8,10 @@ bench's inline mode); with true it is installed for the trainer role. The model 
 (lab/embedded/trainer.py) as a flax nnx module, its loss reading every payload byte; the bench's
 own bookkeeping sits around tunix's classes, never inside them:
 
-- a wrapper around the PeftTrainer (as tunix's trainer node binds one to its mesh) times each
-  fwd_bwd and update on the device (until ready), records which micro-batch trained, and swaps a
-  resident micro-batch's id for its placed arrays;
+- a wrapper around the PeftTrainer (as tunix's trainer node binds one to its mesh) records
+  which micro-batch trained and swaps a resident micro-batch's id for its placed arrays; each
+  fwd_bwd's and update's device span is recorded by a watcher thread once its output is ready,
+  so the calls still answer once XLA has the work queued, as tunix's do;
 - a PeftTrainer subclass times `_prepare_payload` (the placement, on whichever lane runs it);
 - `bench_*` methods on the TrainerWorker subclass: setup (the initial state again), resident
   placement, the timeline, the clock, and a run's figures.
@@ -24,9 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import queue
 import signal
 import sys
 import threading
@@ -104,18 +107,66 @@ class _Lane(threading.local):
   inline = False  # this thread runs a fwd_bwd: a placement here is the inline one
 
 
+@dataclasses.dataclass
+class _Dispatched:
+  """A computation tunix handed to XLA, its output not yet ready."""
+
+  name: str
+  queued: float  # when it could start: the call's start, after an inline placement
+  answered: float  # when the call returned (tunix answers once XLA has the work queued)
+  output: Any  # a fresh output of the computation: ready when it has ended
+  args: dict[str, Any]
+
+
 class Clocked:
-  """The node's timeline, and whether the current thread is inside a fwd_bwd."""
+  """The node's timeline, whether the current thread is inside a fwd_bwd, and a watcher that
+  records each computation's device span once its output is ready, so the calls stay tunix's
+  own (answered once queued) and the spans are still the device's: a computation starts when
+  it is queued or when the one before it ends, whichever is later."""
 
   def __init__(self) -> None:
     self.timeline = timeline_lib.Timeline()
     self.lane = _Lane()
+    self._queue: queue.Queue[_Dispatched] = queue.Queue()
+    self._last_end = 0.0
+    threading.Thread(target=self._watch, name="bench-device-spans", daemon=True).start()
+
+  def dispatched(self, item: _Dispatched) -> None:
+    self._queue.put(item)
+
+  def drain(self) -> None:
+    """Returns once every computation dispatched so far has its span."""
+    self._queue.join()
+
+  def _watch(self) -> None:
+    while True:
+      item = self._queue.get()
+      try:
+        jax.block_until_ready(item.output)
+        end = time.perf_counter()
+        start = min(max(item.queued, self._last_end), end)
+        self._last_end = end
+        self.timeline.add(tracks.DEVICE_COMPUTE, item.name, start, end,
+                          answered=item.answered, **item.args)
+      finally:
+        self._queue.task_done()
 
 
 class TimedTrainer(peft_trainer_v2.PeftTrainer):
-  """PeftTrainer whose placement (`_prepare_payload`) is timed until its arrays are ready."""
+  """PeftTrainer whose placement (`_prepare_payload`) is timed until its arrays are ready, and
+  whose bookkeeping seams keep each computation's fresh output (the loss, the gradient norm)
+  for the device span watcher."""
 
   clocked: Clocked
+  output: Any = None
+
+  def _record_fwd_bwd(self, train_loss: Any, aux: Any) -> None:
+    self.output = train_loss
+    super()._record_fwd_bwd(train_loss, aux)
+
+  def _record_update(self, grad_norm: Any) -> int:
+    self.output = grad_norm
+    return super()._record_update(grad_norm)
 
   def _prepare_payload(self, payload: Any) -> Any:
     step, index = identity(payload)
@@ -156,23 +207,23 @@ class MeshBound:
     try:
       with self.mesh:
         result = self._trainer.fwd_bwd(payload, **kwargs)
-        jax.block_until_ready(nnx.state(self._trainer.grad_accumulator))
     finally:
       self._clocked.lane.inline = False
     placed = [s.end for s in self._clocked.timeline.spans(tracks.TRAINER_H2D)
               if s.end >= start and dict(s.args)["lane"] == "inline"]
-    self._clocked.timeline.add(tracks.DEVICE_COMPUTE, f"fwd_bwd s{step}-m{index}",
-                               max([start, *placed]), time.perf_counter(), step=self.step,
-                               kind="fwd_bwd", index=index, source=source)
+    self._clocked.dispatched(_Dispatched(
+        f"fwd_bwd s{step}-m{index}", max([start, *placed]), time.perf_counter(),
+        self._trainer.output, {"step": self.step, "kind": "fwd_bwd", "index": index,
+                               "source": source}))
     return result
 
   def update(self, **kwargs: Any) -> Any:
     start = time.perf_counter()
     with self.mesh:
       result = self._trainer.update(**kwargs)
-      jax.block_until_ready(nnx.state(self._trainer.model))
-    self._clocked.timeline.add(tracks.DEVICE_COMPUTE, f"update s{self.step}", start,
-                               time.perf_counter(), step=self.step, kind="update")
+    self._clocked.dispatched(_Dispatched(f"update s{self.step}", start, time.perf_counter(),
+                                         self._trainer.output,
+                                         {"step": self.step, "kind": "update"}))
     self.step += 1
     return result
 
@@ -214,6 +265,7 @@ class BenchWorker(trainer_worker.TrainerWorker):
     trainer.resident.clear()
     trainer.trained.clear()
     trainer.step = 0
+    self.clocked.drain()
     self.clocked.timeline.clear()
     store = _store(self)
     if store is not None:
@@ -243,9 +295,11 @@ class BenchWorker(trainer_worker.TrainerWorker):
     return len(trainer.resident)
 
   def bench_timeline(self) -> list[timeline_lib.Span]:
+    self.clocked.drain()
     return self.clocked.timeline.spans()
 
   def bench_finish(self) -> dict[str, Any]:
+    self.clocked.drain()
     trainer = self._trainer
     state = nnx.state(trainer.model, nnx.Param)
     digest = hashlib.sha256()
