@@ -153,9 +153,10 @@ class Clocked:
 
 
 class TimedTrainer(peft_trainer_v2.PeftTrainer):
-  """PeftTrainer whose placement (`_prepare_payload`) is timed until its arrays are ready, and
-  whose bookkeeping seams keep each computation's fresh output (the loss, the gradient norm)
-  for the device span watcher."""
+  """PeftTrainer whose placement (`_prepare_payload`) is timed as the host spends it (tunix does
+  not wait for the copy to end: XLA orders it before the computation that reads it), and whose
+  bookkeeping seams keep each computation's fresh output (the loss, the gradient norm) for the
+  device span watcher."""
 
   clocked: Clocked
   output: Any = None
@@ -172,7 +173,7 @@ class TimedTrainer(peft_trainer_v2.PeftTrainer):
     step, index = identity(payload)
     lane = "inline" if self.clocked.lane.inline else "staging"
     start = time.perf_counter()
-    placed = jax.block_until_ready(super()._prepare_payload(payload))
+    placed = super()._prepare_payload(payload)
     nbytes = sum(a.nbytes for k, a in payload.items() if k != MB)
     self.clocked.timeline.add(tracks.TRAINER_H2D, f"s{step}-m{index}", start, time.perf_counter(),
                               step=step, lane=lane, bytes=nbytes)
