@@ -734,3 +734,32 @@ def test_a_bench_beside_a_busy_core_calibrates_again_and_says_it_stayed_noisy(tm
   assert progress.count("calibrating again: other processes used") == runner.CALIBRATION_TRIES - 1
   assert "calibration stayed noisy: other processes used" in progress
   assert "note: calibration stayed noisy" in result.stdout
+
+
+def test_the_report_says_when_inline_is_within_noise_of_resident():
+  """A host path that hardly shows in the step (inline 2 % above resident): the hidden fractions
+  divide noise by noise, and the report says so; a real gap gets no such note."""
+  near = _result(inline=_run("inline", 4.08), depth2_prestage=_run("depth2_prestage", 4.05))
+  summary = report.summarize(near)
+  text = report.format_report(near, summary, report.criteria(near, summary))
+  assert "note: inline's step is within 2.0% of resident's" in text
+  far = _result()  # inline 10 s, resident 4 s
+  summary = report.summarize(far)
+  assert "is within" not in report.format_report(far, summary, report.criteria(far, summary))
+
+
+def test_a_tunix_run_is_judged_by_the_tunix_checks_and_reports_real_links():
+  """--host tunix: links are real (no wire time), no weight sync; the one timing check is the
+  step's distance from its limit (1.15), and tunix's inline memory allows 6 payloads."""
+  result = _result()
+  result.options = dataclasses.replace(result.options, host="tunix")
+  result.calibration = dataclasses.replace(result.calibration, wire_bytes_per_s=None, sync_s=0.0)
+  summary = report.summarize(result)
+  checks = report.criteria(result, summary)
+  timing = [c.name for c in checks if c.kind == report.TIMING]
+  assert timing == ["depth2_prestage step <= 1.15 x limit"]
+  assert any(c.name.startswith("trainer memory: inline peak <= baseline + compute + 6 x")
+             for c in checks)
+  text = report.format_report(result, summary, checks)
+  assert "tunix's own links on 127.0.0.1 (nothing emulated)" in text and "no weight sync" in text
+  assert report.to_json(result, summary, checks, {})["options"]["host"] == "tunix"

@@ -180,3 +180,39 @@ def _zombie(pid: int) -> bool:
       return f.read().rsplit(")", 1)[1].split()[0] == "Z"
   except OSError:
     return True
+
+
+def test_a_node_killed_mid_bench_ends_it_with_one_line_and_nothing_left(tmp_path):
+  """SIGKILL to one trainer node once the first mode run finished: the next call to it fails,
+  the bench says in one line which run failed and that the node exited, exits 1, and the other
+  node is stopped too."""
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--host", "tunix", "--tiny",
+       "--quick", "--steps", "1", "--microbatches", "2", "--out", str(tmp_path / "out"),
+       "--png", "", "--trace", ""],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    nodes: set[int] = set()
+    for line in proc.stderr:
+      nodes |= _children(proc.pid)
+      if "round 1/" in line:  # inline ran on the node without the plugin; staged modes follow
+        break
+    assert len(nodes) == 2, nodes
+    (plugin_node,) = [pid for pid in nodes if b'"plugin": true' in _cmdline(pid)]
+    os.kill(plugin_node, signal.SIGKILL)
+    out, err = proc.communicate(timeout=180)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 1, out[-2000:] + err[-3000:]
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("tunix-stage bench: error: the depth1 run on tunix's host failed: "), last
+  assert "the plugin node exited with code -9" in last, last
+  assert "Traceback" not in err
+  assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in nodes), nodes
+
+
+def _cmdline(pid: int) -> bytes:
+  with open(f"/proc/{pid}/cmdline", "rb") as f:
+    return f.read()

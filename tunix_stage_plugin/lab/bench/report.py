@@ -38,6 +38,8 @@ CHECKS = {"embedded": HostChecks(hidden_min=0.97, limit_max=1.03, ratio_min=1.3,
           "tunix": HostChecks(hidden_min=None, limit_max=1.15, ratio_min=None,
                               inline_payloads=6)}
 TIMING, CORRECTNESS, MEMORY = "timing", "correctness", "memory"
+# Inline within this share of resident: nothing much to hide, the report says so.
+SMALL_GAP = 0.05
 STAGED_SLACK = 0.10
 RUNTIME_SLACK_BYTES = 64 << 20
 GIB = 1 << 30
@@ -438,6 +440,13 @@ def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
         f"micro-batch, the modes measured {drift['measured_s']:.3f} s ({drift['ratio']:.2f} x, "
         f"margin {COMPUTE_MARGIN:.0%}), so the wire and host-to-device times were not the "
         f"{o.wire_ratio:g} x and {o.h2d_ratio:g} x of compute asked for; rerun on a quiet machine")
+  inline, resident = summary.get("inline"), summary.get("resident")
+  if inline and resident and inline.median_step_s < (1 + SMALL_GAP) * resident.median_step_s:
+    gap = inline.median_step_s / resident.median_step_s - 1
+    lines.append(
+        f"note: inline's step is within {gap:.1%} of resident's: the host path hardly shows in "
+        "the step at this payload (its share of the compute: the host path line below), so the "
+        "hidden fractions divide noise by noise")
   if o.tiny:
     lines.append(f"{TINY_NA}: --tiny's model is too small for its step times to mean anything, "
                  "so the timing checks and hidden fractions (even negative ones) judge nothing")

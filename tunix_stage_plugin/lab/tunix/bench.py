@@ -40,6 +40,7 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.hosts.tunix import chunked
+from tunix_stage_plugin.hosts.tunix import probes
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import host as host_lib
@@ -179,8 +180,14 @@ class BenchHost:
     except (RuntimeError, grpc.aio.AioRpcError) as e:
       gone = [f"the {kind} node exited with code {n.proc.returncode}: {_stderr_tail(n.proc)}"
               for kind, n in self.nodes.items() if n.proc.poll() is not None]
-      first = (f"{e.code().name}: {e.details()}" if isinstance(e, grpc.aio.AioRpcError)
-               else str(e).splitlines()[0])
+      if isinstance(e, grpc.aio.AioRpcError):
+        first = f"{e.code().name}: {e.details()}"
+      elif probes.remote_error_type(e) is not None:  # tunix's envelope of a node's exception
+        first = f"{probes.remote_error_type(e)}: {probes.remote_error_message(e)}"
+      elif gone:
+        first = str(e).split("\n", 1)[0]
+      else:
+        raise  # not a node's failure: this process's own, with its traceback
       raise host_lib.HostError(f"{what} on tunix's host failed: {first}"
                                + "".join(f"; {g}" for g in gone)) from e
 
