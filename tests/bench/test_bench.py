@@ -10,13 +10,13 @@ import selectors
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 import tunix_stage_plugin
+from tests import procs
 from tests.core.trace_check import partial_overlaps
 from tunix_stage_plugin.lab.bench import meta as meta_lib
 from tunix_stage_plugin.lab.bench import metrics
@@ -493,24 +493,6 @@ def test_criteria_hold_their_figures_as_numbers_and_the_table_is_unchanged():
   assert "FAIL  depth2_prestage step <= 1.03 x limit: 1.038" in text
 
 
-def _trainer_children(pid: int) -> list[int]:
-  """trainer_main processes whose parent is `pid` (from /proc)."""
-  found = []
-  for entry in os.listdir("/proc"):
-    if not entry.isdigit():
-      continue
-    try:
-      with open(f"/proc/{entry}/stat", encoding="ascii") as f:
-        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-      with open(f"/proc/{entry}/cmdline", "rb") as f:
-        cmdline = f.read()
-    except (OSError, ValueError, IndexError):
-      continue
-    if ppid == pid and b"tunix_stage_plugin.lab.embedded.trainer_main" in cmdline:
-      found.append(int(entry))
-  return found
-
-
 def _read_until(proc: subprocess.Popen, pattern: str, timeout_s: float) -> str:
   """stderr lines up to the first that holds `pattern` (a bounded wait on the pipe)."""
   seen = []
@@ -542,7 +524,7 @@ def test_a_signal_stops_the_bench_cleanly_with_a_partial_json(sig, code, whole_g
                           start_new_session=True)
   try:
     _read_until(proc, "round 1/100000 inline", 120)
-    trainers = _trainer_children(proc.pid)
+    trainers = procs.children(proc.pid, b"tunix_stage_plugin.lab.embedded.trainer_main")
     assert len(trainers) == 1
     if whole_group:
       os.killpg(proc.pid, sig)

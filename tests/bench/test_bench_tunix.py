@@ -22,6 +22,7 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
                     reason="tunix's experimental stack (google/tunix main) is not importable")
 
 # pylint: disable=wrong-import-position
+from tests import procs
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.lab.bench import host as host_lib
 from tunix_stage_plugin.lab.bench import results
@@ -29,6 +30,7 @@ from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.tunix import bench as tunix_bench
 
 pytestmark = pytest.mark.tunix
+NODE = b"tunix_stage_plugin.lab.tunix.node"  # a trainer node's command line
 
 CORRECTNESS = ("same param_digest in every mode and round",
                "expected trained_order in every mode and round",
@@ -131,21 +133,6 @@ def test_over_tunix_message_cap_inline_takes_the_plugins_path_and_trains_the_sam
   assert report["modes"]["inline"]["host_path"]["path"] == "inline"
 
 
-def _children(pid: int) -> set[int]:
-  """The processes whose parent is `pid` (from /proc)."""
-  found = set()
-  for entry in os.listdir("/proc"):
-    if entry.isdigit():
-      try:
-        with open(f"/proc/{entry}/stat", encoding="ascii") as f:
-          fields = f.read().rsplit(")", 1)[1].split()
-      except OSError:
-        continue
-      if int(fields[1]) == pid:
-        found.add(int(entry))
-  return found
-
-
 def test_ctrl_c_stops_both_nodes_and_writes_the_runs_so_far(tmp_path):
   """SIGINT to the whole process group (as a terminal's Ctrl-C) while a mode run is going: the
   bench exits 130 with the finished runs in its JSON, and neither node process is left."""
@@ -157,7 +144,7 @@ def test_ctrl_c_stops_both_nodes_and_writes_the_runs_so_far(tmp_path):
   try:
     nodes: set[int] = set()
     for line in proc.stderr:  # progress lines; the first finished run says "round 1/"
-      nodes |= _children(proc.pid)
+      nodes |= set(procs.children(proc.pid, NODE))
       if "round 1/" in line:
         break
     assert len(nodes) == 2, nodes
@@ -171,15 +158,7 @@ def test_ctrl_c_stops_both_nodes_and_writes_the_runs_so_far(tmp_path):
   assert "interrupted by SIGINT" in err
   report = json.loads((out / "bench.json").read_text())
   assert report["interrupted"] is True and report["runs"]
-  assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in nodes), nodes
-
-
-def _zombie(pid: int) -> bool:
-  try:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-  except OSError:
-    return True
+  assert not any(procs.running(pid) for pid in nodes), nodes
 
 
 def test_a_node_killed_mid_bench_ends_it_with_one_line_and_nothing_left(tmp_path):
@@ -194,11 +173,11 @@ def test_a_node_killed_mid_bench_ends_it_with_one_line_and_nothing_left(tmp_path
   try:
     nodes: set[int] = set()
     for line in proc.stderr:
-      nodes |= _children(proc.pid)
+      nodes |= set(procs.children(proc.pid, NODE))
       if "round 1/" in line:  # inline ran on the node without the plugin; staged modes follow
         break
     assert len(nodes) == 2, nodes
-    (plugin_node,) = [pid for pid in nodes if b'"plugin": true' in _cmdline(pid)]
+    (plugin_node,) = procs.children(proc.pid, b'"plugin": true')
     os.kill(plugin_node, signal.SIGKILL)
     out, err = proc.communicate(timeout=180)
   finally:
@@ -210,9 +189,4 @@ def test_a_node_killed_mid_bench_ends_it_with_one_line_and_nothing_left(tmp_path
   assert last.startswith("tunix-stage bench: error: the depth1 run on tunix's host failed: "), last
   assert "the plugin node exited with code -9" in last, last
   assert "Traceback" not in err
-  assert all(not os.path.exists(f"/proc/{pid}") or _zombie(pid) for pid in nodes), nodes
-
-
-def _cmdline(pid: int) -> bytes:
-  with open(f"/proc/{pid}/cmdline", "rb") as f:
-    return f.read()
+  assert not any(procs.running(pid) for pid in nodes), nodes

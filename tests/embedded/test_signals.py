@@ -19,11 +19,12 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
 
+from tests import procs
 from tests.embedded.support import (bulk_frame, bulk_header, call, process_state, raw_bulk_call,
                                     wait_for)
 from tunix_stage_plugin.lab import rss
@@ -37,15 +38,6 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 MIB = 1 << 20
 _PR_SET_CHILD_SUBREAPER = 36
 COMPUTE_THREAD = "trainer-compute_0"
-
-
-def _running(pid: int) -> bool:
-  """True while /proc shows the pid and it is not a zombie."""
-  try:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-      return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-  except FileNotFoundError:
-    return False
 
 
 def _peak_bytes(pid: int) -> int:
@@ -87,7 +79,7 @@ def test_the_trainer_exits_when_its_parent_is_sigkilled(watch):
     trainer_pid = None
     try:
       trainer_pid = int(parent.stdout.readline())
-      assert _running(trainer_pid)
+      assert procs.running(trainer_pid)
       parent.kill()  # SIGKILL: no cleanup runs in the parent
       parent.wait(20)
       # The orphaned trainer is now this process's child: reap it and read its exit status.
@@ -101,7 +93,7 @@ def test_the_trainer_exits_when_its_parent_is_sigkilled(watch):
         parent.wait()
       parent.stdin.close()
       parent.stdout.close()
-      if trainer_pid is not None and _running(trainer_pid):
+      if trainer_pid is not None and procs.running(trainer_pid):
         os.kill(trainer_pid, signal.SIGKILL)
         os.waitpid(trainer_pid, 0)
 
@@ -154,7 +146,7 @@ def test_sigterm_during_a_long_weight_sync_exits_after_the_grace_and_says_so():
     assert "Traceback" not in _log(log.name)  # the abandoned call is one line, not a crash
     assert len(errors) == 1 and isinstance(errors[0], client_lib.TrainerGoneError), errors
     assert str(errors[0]).startswith(f"trainer at {trainer.address} went away during weight_sync")
-    assert not _running(trainer.pid)
+    assert not procs.running(trainer.pid)
 
 
 def test_a_second_signal_while_stopping_exits_at_once():
@@ -177,7 +169,7 @@ def test_stop_kills_a_trainer_that_outlasts_the_wait():
                        match=f"trainer {trainer.pid} did not exit within 1 s of SIGTERM; killed"):
       trainer.stop(timeout_s=1)
     assert trainer.proc.returncode == -signal.SIGKILL
-  assert not _running(trainer.pid)
+  assert not procs.running(trainer.pid)
   assert trainer.stop() == -signal.SIGKILL  # idempotent
 
 
@@ -215,7 +207,7 @@ def test_a_stopped_trainer_is_reported_within_the_liveness_bound():
   finally:
     os.kill(trainer.pid, signal.SIGCONT)
     code = trainer.stop()
-  assert code == 0 and not _running(trainer.pid)
+  assert code == 0 and not procs.running(trainer.pid)
   for method, answer in zip(["heartbeat", "fwd_bwd", "reset_staged", "update"], answers):
     assert isinstance(answer, client_lib.TrainerUnresponsiveError), (method, answer)
     text = str(answer)

@@ -21,6 +21,8 @@ import uuid
 
 import pytest
 
+from tests import procs
+
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "recipes" / "local_launcher.sh"
 VENV_BIN = Path(sys.executable).parent
@@ -51,14 +53,6 @@ def processes_with(marker: str) -> list[int]:
 
 def reported_pids(output: str) -> dict[str, int]:
   return {m[1]: int(m[2]) for m in re.finditer(r"started (\w+) pid=(\d+)", output)}
-
-
-def pid_alive(pid: int) -> bool:
-  try:
-    state = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[0]
-  except (OSError, IndexError):
-    return False
-  return state not in ("Z", "X")
 
 
 @pytest.fixture
@@ -104,7 +98,7 @@ def assert_nothing_left(launch, output: str) -> None:
   left = processes_with(launch.marker)
   assert left == [], [(pid, _cmdline(pid)) for pid in left]
   for name, pid in reported_pids(output).items():
-    assert not pid_alive(pid), f"{name} pid={pid} is still running"
+    assert not procs.running(pid), f"{name} pid={pid} is still running"
 
 
 def test_local_host_tunix_says_when_tunix_is_not_installed(launch):
@@ -229,7 +223,7 @@ def test_local_launcher_stops_everything_when_terminated(launch, tmp_path: Path,
   """SIGTERM to the launcher once it has started the trainer (it may still be starting up) or
   the orchestrator (the job is running): it exits 143 and stops all it started."""
   def started_and_alive(seen: str) -> None:
-    assert all(pid_alive(pid) for pid in reported_pids(seen).values())
+    assert all(procs.running(pid) for pid in reported_pids(seen).values())
 
   rc, out = _start_and_signal(launch, tmp_path, signal.SIGTERM, after,
                               check_started=started_and_alive, timeout=30)
@@ -316,7 +310,7 @@ def test_sigkill_to_the_launcher_leaves_no_process_behind(launch, tmp_path: Path
   assert {"trainer", "orchestrator"} <= set(pids), out
   deadline = time.monotonic() + 30
   while time.monotonic() < deadline and (
-      processes_with(launch.marker) or any(pid_alive(p) for p in pids.values())):
+      processes_with(launch.marker) or any(procs.running(p) for p in pids.values())):
     time.sleep(0.1)
   assert_nothing_left(launch, out)
 

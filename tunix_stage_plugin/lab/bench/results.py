@@ -16,6 +16,9 @@ from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 
 WARMUP_STEPS = 1
+# A calibration's resident steps: the first compiles; the medians and the compute's memory use
+# the others.
+CALIBRATION_STEPS = 3
 
 
 def mode_codec(stage_codec: str, mode: str) -> codec_lib.Codec | None:

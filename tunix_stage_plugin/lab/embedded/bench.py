@@ -29,7 +29,6 @@ from tunix_stage_plugin.lab.embedded import process as process_lib
 
 BURSTY_HEAD, BURSTY_HEAD_SLOWDOWN = 1 / 3, 1.6  # the first third of a step's transfers
 BURSTY_SPIKE_P, BURSTY_SPIKE_SLOWDOWN = 0.2, 2.0  # and a fifth of all, at random
-CALIBRATION_STEPS = 3  # the first compiles; the medians and the compute's memory use the others
 
 
 def plan_for(mode: str, steps: int, microbatches: int, sync_s: float) -> job_lib.JobPlan:
@@ -99,7 +98,6 @@ class BenchHost:
   async def open(self) -> None:
     assert self.trainer is not None
     self.client = client_lib.WorkerClient(self.trainer.address)
-    await self.client.__aenter__()
     await self.client.wait_ready()
     self.engine = engine_lib.EmbeddedEngine(self.client, transfer_slowdown=transfer_slowdown(
         self.options.scenario, self.options.seed, self.options.microbatches))
@@ -107,7 +105,7 @@ class BenchHost:
   async def close(self) -> None:
     client, self.client = self.client, None
     if client is not None:
-      await client.__aexit__(None, None, None)
+      await client.close()
 
   async def calibrate(self, sizes: data_lib.Sizes) -> results.Calibration:
     """Compiles (one resident step), then measures compute and its memory on resident data over
@@ -116,7 +114,7 @@ class BenchHost:
     assert self.client is not None and self.engine is not None and self.trainer is not None
     offset, uncertainty = await self.client.clock_offset()
     load = cpu.ForeignLoad([os.getpid(), self.trainer.pid])
-    for steps in (1, CALIBRATION_STEPS - 1):
+    for steps in (1, results.CALIBRATION_STEPS - 1):
       await self.client.call("setup", sizes=sizes.as_dict(), seed=self.options.seed)
       plan = job_lib.JobPlan(steps, self.options.microbatches, kind="resident")
       load.start()
@@ -124,7 +122,7 @@ class BenchHost:
     foreign = load.lap()  # over the measured steps only
     memory = (await self.client.call("finish"))["rss"]
     spans = await self.client.call("timeline")
-    compute, update = metrics.calibrated(spans, range(CALIBRATION_STEPS - 1))
+    compute, update = metrics.calibrated(spans, range(results.CALIBRATION_STEPS - 1))
     payload = sizes.payload_bytes
     info = await self.client.call("info")
     real = self.options.h2d == "real" or (self.options.h2d == "auto" and info["platform"] != "cpu")

@@ -22,6 +22,7 @@ import dataclasses
 import gc
 import json
 import os
+import selectors
 import subprocess
 import sys
 import time
@@ -52,7 +53,6 @@ from tunix_stage_plugin.lab.tunix import node as node_lib
 
 ACTOR = datatypes.Role.ACTOR
 PLAIN, PLUGIN = "plain", "plugin"  # the two trainer nodes
-CALIBRATION_STEPS = 3  # the first compiles; the medians and the compute's memory use the others
 CLOCK_SAMPLES = 7
 RPC_TIMEOUT_S = 600.0  # a call's deadline: a 1 GiB micro-batch's first call pays its buffers
 START_TIMEOUT_S = 300.0
@@ -209,14 +209,14 @@ class BenchHost:
     await plugin.handle.asubmit("bench_setup")
     await self._job(plugin, "resident", 1, None)
     load = cpu.ForeignLoad([os.getpid(), *self.pids])
-    for steps in (1, CALIBRATION_STEPS - 1):
+    for steps in (1, results.CALIBRATION_STEPS - 1):
       await node.handle.asubmit("bench_setup")
       load.start()
       await self._job(node, "resident", steps, None)
     foreign = load.lap()
     finish = await node.handle.asubmit("bench_finish")
     spans = await node.handle.asubmit("bench_timeline")
-    compute, update = metrics.calibrated(spans, range(CALIBRATION_STEPS - 1))
+    compute, update = metrics.calibrated(spans, range(results.CALIBRATION_STEPS - 1))
     memory, payload = finish["rss"], sizes.payload_bytes
     info = self.info[PLAIN]
     return results.Calibration(
@@ -386,7 +386,6 @@ async def _clock_offset(handle: Any) -> tuple[float, float]:
 
 def _first_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
   """The node's first stdout line (its port), or None when it exits or stays silent that long."""
-  import selectors  # pylint: disable=import-outside-toplevel
   with selectors.DefaultSelector() as selector:
     selector.register(proc.stdout, selectors.EVENT_READ)
     if not selector.select(timeout_s):
