@@ -12,7 +12,7 @@ import dataclasses
 import json
 import threading
 import time
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +61,22 @@ class Timeline:
   def clear(self) -> None:
     with self._lock:
       self._spans.clear()
+
+
+async def clock_offset(remote_clock: Callable[[], Awaitable[float]], samples: int = 7
+                       ) -> tuple[float, float]:
+  """(offset, uncertainty): the other process's perf_counter (as `remote_clock` asks it) +
+  offset = this process's. Takes the sample with the shortest round trip; its error is at most
+  half that round trip."""
+  best: tuple[float, float] | None = None
+  for _ in range(samples):
+    t0 = time.perf_counter()
+    remote = await remote_clock()
+    t1 = time.perf_counter()
+    if best is None or t1 - t0 < 2 * best[1]:
+      best = ((t0 + t1) / 2 - remote, (t1 - t0) / 2)
+  assert best is not None
+  return best
 
 
 def shifted(spans: Iterable[Span], offset: float, prefix: str = "") -> list[Span]:

@@ -117,14 +117,20 @@ def host_path(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
   for path, (method, lane) in HOST_PATHS.items():
     receives = [s for s in spans if s.track == tracks.TRAINER_RECEIVE and s.name == method]
     places = [s for s in spans if s.track == tracks.TRAINER_H2D and dict(s.args)["lane"] == lane]
-    receive_s = median([s.duration for s in receives])
-    place_s = median([s.duration for s in places])
-    nbytes = median([dict(s.args)["bytes"] for s in places])
-    rate = (nbytes / (receive_s + place_s) / (1 << 30)
-            if receive_s is not None and place_s is not None and receive_s + place_s > 0 else None)
-    out[path] = {"microbatches": len(places), "receive_s": receive_s, "place_s": place_s,
-                 "bytes": nbytes, "gib_per_s": rate}
+    out[path] = path_figures(median([s.duration for s in receives]), places)
   return out
+
+
+def path_figures(receive_s: float | None, places: Sequence[timeline_lib.Span]
+                 ) -> dict[str, float | int | None]:
+  """One host path's figures: its median receive (given) and placement (from its TRAINER_H2D
+  spans) seconds of one micro-batch, and its bytes over their sum (GiB/s)."""
+  place_s = median([s.duration for s in places])
+  nbytes = median([dict(s.args)["bytes"] for s in places])
+  rate = (nbytes / (receive_s + place_s) / (1 << 30)
+          if receive_s is not None and place_s is not None and receive_s + place_s > 0 else None)
+  return {"microbatches": len(places), "receive_s": receive_s, "place_s": place_s,
+          "bytes": nbytes, "gib_per_s": rate}
 
 
 def warmed_up(spans: Iterable[timeline_lib.Span], warmup_steps: int) -> float:

@@ -30,6 +30,7 @@ from typing import Any
 
 import grpc
 
+from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import wire
 from tunix_stage_plugin.transport import bulk as bulk_lib
@@ -370,15 +371,9 @@ class WorkerClient:
         f"{self.liveness_s:g} s, --liveness_s)")
 
   async def clock_offset(self, samples: int = 7) -> tuple[float, float]:
-    """(offset, uncertainty): trainer perf_counter + offset = this process's perf_counter.
+    """(offset, uncertainty): trainer perf_counter + offset = this process's (timeline)."""
 
-    Takes the sample with the shortest round trip; its error is at most half that round trip.
-    """
-    best: tuple[float, float] | None = None
-    for _ in range(samples):
-      t0 = time.perf_counter()
-      remote = (await self.call("heartbeat"))["time"]
-      t1 = time.perf_counter()
-      if best is None or t1 - t0 < 2 * best[1]:
-        best = ((t0 + t1) / 2 - remote, (t1 - t0) / 2)
-    return best
+    async def remote_clock() -> float:
+      return (await self.call("heartbeat"))["time"]
+
+    return await timeline_lib.clock_offset(remote_clock, samples)

@@ -82,6 +82,17 @@ def loss(sizes: data_lib.Sizes, params: dict[str, Any], batch: dict[str, jax.Arr
   return (nll * weights).mean()
 
 
+def params_digest(params: Any) -> str:
+  """sha256 over every parameter's path, dtype, shape and bytes, in tree order: equal digests,
+  the same parameters bit for bit."""
+  h = hashlib.sha256()
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    value = np.asarray(leaf)
+    h.update(f"{jax.tree_util.keystr(path)}:{value.dtype}:{value.shape};".encode())
+    h.update(value.tobytes())
+  return h.hexdigest()
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled(sizes: data_lib.Sizes, learning_rate: float
               ) -> tuple[Any, Any, optax.GradientTransformation]:
@@ -166,10 +177,4 @@ class Trainer:
     return self.updates
 
   def digest(self) -> str:
-    """sha256 over every parameter's dtype, shape and bytes, in tree order."""
-    h = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(self.params):
-      value = np.asarray(leaf)
-      h.update(f"{jax.tree_util.keystr(path)}:{value.dtype}:{value.shape};".encode())
-      h.update(value.tobytes())
-    return h.hexdigest()
+    return params_digest(self.params)

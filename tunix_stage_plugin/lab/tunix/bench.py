@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -160,7 +161,8 @@ class BenchHost:
       node.handle = remote_execution.ActorHandle.from_address(
           f"grpc://127.0.0.1:{node.port}", rpc_timeout_s=RPC_TIMEOUT_S)
       self.info[kind] = await node.handle.asubmit("bench_info")
-      node.offset, node.uncertainty = await _clock_offset(node.handle)
+      node.offset, node.uncertainty = await timeline_lib.clock_offset(
+          functools.partial(node.handle.asubmit, "bench_clock"), CLOCK_SAMPLES)
     if self.info[PLAIN]["plugin"] or not self.info[PLUGIN]["plugin"]:
       raise host_lib.HostError(f"the plain node must run without the plugin and the plugin's "
                                f"node with it; they report {self.info}")
@@ -352,7 +354,6 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
   out = {}
   for path, lane in (("staged", "staging"), ("inline", "inline")):
     places = [s for s in spans if s.track == tracks.TRAINER_H2D and dict(s.args)["lane"] == lane]
-    place_s = metrics.median([s.duration for s in places])
     if path == "staged":
       receive_s = metrics.median(calls) if places else None
     else:
@@ -362,26 +363,8 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
         if before and before[-1]["kind"] == "fwd_bwd":
           waits.append(s.start - before[-1]["answered"])
       receive_s = metrics.median(waits)
-    nbytes = metrics.median([dict(s.args)["bytes"] for s in places])
-    rate = (nbytes / (receive_s + place_s) / (1 << 30)
-            if receive_s is not None and place_s is not None and receive_s + place_s > 0 else None)
-    out[path] = {"microbatches": len(places), "receive_s": receive_s, "place_s": place_s,
-                 "bytes": nbytes, "gib_per_s": rate}
+    out[path] = metrics.path_figures(receive_s, places)
   return out
-
-
-async def _clock_offset(handle: Any) -> tuple[float, float]:
-  """The node's perf_counter against this process's, from the quickest of CLOCK_SAMPLES round
-  trips: (offset, half that round trip)."""
-  best = None
-  for _ in range(CLOCK_SAMPLES):
-    sent = time.perf_counter()
-    remote = await handle.asubmit("bench_clock")
-    back = time.perf_counter()
-    if best is None or back - sent < best[1] - best[0]:
-      best = (sent, back, remote)
-  sent, back, remote = best
-  return (sent + back) / 2 - remote, (back - sent) / 2
 
 
 def _first_line(proc: subprocess.Popen, timeout_s: float) -> str | None:

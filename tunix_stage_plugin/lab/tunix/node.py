@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import queue
@@ -302,15 +301,11 @@ class BenchWorker(trainer_worker.TrainerWorker):
   def bench_finish(self) -> dict[str, Any]:
     self.clocked.drain()
     trainer = self._trainer
-    state = nnx.state(trainer.model, nnx.Param)
-    digest = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-      digest.update(jax.tree_util.keystr(path).encode())
-      digest.update(np.asarray(leaf).tobytes())
     store = _store(self)
     plugin = store is not None  # (an empty store is falsy: it has a length)
     return {
-        "param_digest": digest.hexdigest(), "trained_order": list(trainer.trained),
+        "param_digest": trainer_lib.params_digest(nnx.state(trainer.model, nnx.Param)),
+        "trained_order": list(trainer.trained),
         "rss": {"baseline": self.baseline, "peak": rss.peak()},
         "store": {"peak": store.stats.peak if plugin else 0,
                   "peak_host": store.stats.peak_host if plugin else 0},
