@@ -58,6 +58,7 @@ CLOCK_SAMPLES = 7
 RPC_TIMEOUT_S = 600.0  # a call's deadline: a 1 GiB micro-batch's first call pays its buffers
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
+EXIT_WAIT_S = 2.0  # after a failed call: how long a node's exit may take to be seen
 
 
 class _Items:
@@ -180,8 +181,10 @@ class BenchHost:
     try:
       yield
     except (RuntimeError, grpc.aio.AioRpcError) as e:
+      # A node killed mid-call closes its socket a moment before its exit can be reaped.
+      deadline = time.monotonic() + EXIT_WAIT_S
       gone = [f"the {kind} node exited with code {n.proc.returncode}: {_stderr_tail(n.proc)}"
-              for kind, n in self.nodes.items() if n.proc.poll() is not None]
+              for kind, n in self.nodes.items() if _exited(n.proc, deadline)]
       if isinstance(e, grpc.aio.AioRpcError):
         first = f"{e.code().name}: {e.details()}"
       elif probes.remote_error_type(e) is not None:  # tunix's envelope of a node's exception
@@ -365,6 +368,15 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
       receive_s = metrics.median(waits)
     out[path] = metrics.path_figures(receive_s, places)
   return out
+
+
+def _exited(proc: subprocess.Popen, deadline: float) -> bool:
+  """Whether `proc` has exited, waiting for it until `deadline` (time.monotonic) at most."""
+  try:
+    proc.wait(max(0.0, deadline - time.monotonic()))
+  except subprocess.TimeoutExpired:
+    return False
+  return True
 
 
 def _first_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
