@@ -329,7 +329,7 @@ def test_a_sigstopped_trainer_fails_the_job_within_the_call_deadline_plus_a_shor
 def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   """An orchestrator SIGKILLed mid-step with two micro-batches staged on the trainer (device
   bound 2: both slots held); the next one, against the same TrainerWorker, stages from its first
-  step with 0 fallbacks and no slot wait, and nothing is left staged."""
+  step with 0 fallbacks (its first stage drops the dead one's two), and nothing is left staged."""
   port = node.ports["staged"]
   # The first micro-batch's train holds the step (tunix trains it inline: nothing is staged
   # yet) while the pipeline stages the next two, one per device slot.
@@ -356,7 +356,11 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   after = _staging_state(port)
   assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [0] * test_grpc.STEPS
   assert reports[0].stage_metrics["stage/staged"] >= 1  # staged from its first step
-  assert after["stats"]["slot_waits"] == held["stats"]["slot_waits"], (held, after)
+  # The first stage dropped the dead one's two batches, so no placement waited them out (that
+  # would be 30 s and an unplaced fallback). A slot wait may still be counted: a stage racing the
+  # train call whose take frees its slot waits that moment, by design (docs/design.md).
+  assert after["stats"]["dropped"] - held["stats"]["dropped"] == 2, (held, after)
+  assert after["stats"]["unplaced"] == held["stats"]["unplaced"], (held, after)
   assert after["keys"] == []
   del params, inputs
   # The trainer said so, in one line naming the count and the dead session.
@@ -501,7 +505,9 @@ def test_a_trainer_killed_mid_transfer_fails_the_call_at_once_leaving_nothing(st
     assert took < deadline_s / 2, took  # generous: it is about the kernel noticing, not a deadline
     # grpcio closes the dead trainer's connection attempts on threads of its own: a bounded poll.
     wait_for(lambda: _open_fds() == fds, 10, f"back to the {fds} fds this process had")
-    assert set(threading.enumerate()) == threads
+    # Its aio poller thread ends once the faulted loop's last channel is gone: a bounded poll too.
+    wait_for(lambda: set(threading.enumerate()) == threads, 10,
+             f"back to the threads {sorted(t.name for t in threads)} this process had")
     print(f"\ntrainer SIGKILLed mid-transfer: the call failed {took:.2f} s after ({error[2]:.60})")
   finally:
     _stop_node(lone, code=-signal.SIGKILL if lone.proc.poll() is not None else 0)
