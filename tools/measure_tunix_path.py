@@ -99,7 +99,8 @@ def measure_job(runs: int, max_device_batches: int, max_staged_batches: int) -> 
         staged = sum(r.stage_metrics["stage/staged"] for r in reports)
         print(f"{path} run {run + 1}: {wall:.1f} s, peak RSS {peak / GIB:.2f} GiB (from "
               f"{baseline / GIB:.2f}, +{(peak - baseline) / GIB:.2f}); receive buffers "
-              f"{pool['made']} made, {pool['reused']} reused; store peak {store['peak']} "
+              f"{pool['made']} made, {pool['reused']} reused (bound {pool['bound']} transfers: "
+              f"{pool['bound_waits']} waited, {pool['over_bound']} over); store peak {store['peak']} "
               f"device, {store['peak_host']} host; {staged} staged", flush=True)
       finally:
         node_lib._stop_node(proc)  # pylint: disable=protected-access

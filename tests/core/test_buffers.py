@@ -4,10 +4,12 @@ the JAX alias case is tests/embedded/test_bulk.py)."""
 from __future__ import annotations
 
 import pickle
+import threading
 
 import numpy as np
 import pytest
 
+from tests.embedded.support import wait_for
 from tunix_stage_plugin.core import buffers as buffers_lib
 
 MIB = 1 << 20
@@ -93,3 +95,50 @@ def test_a_chunk_sink_refuses_streams_that_break_their_sizes(chunks, message):
     for chunk in chunks:
       sink.write(chunk)
     sink.finish()
+
+
+def test_a_bounded_pool_waits_for_a_transfer_to_come_back_before_making_more():
+  pool = buffers_lib.HostBufferPool()
+  pool.set_bound(2, wait_s=60)  # long: the release below, not the wait's end, lets it go
+  first, second = pool.take_all([4 * MIB, 2 * MIB]), pool.take_all([4 * MIB, 2 * MIB])
+  got = []
+  third = threading.Thread(target=lambda: got.append(pool.take_all([4 * MIB, 2 * MIB])))
+  third.start()
+  try:
+    wait_for(lambda: pool.bound_waits == 1, 10, "the third transfer waiting for the bound")
+    assert not got  # two transfers' buffers are in use: it cannot go ahead
+    addresses = sorted(b.ctypes.data for b in first)
+    del first  # the first transfer's arrays are gone
+  finally:
+    third.join(30)
+  assert sorted(b.ctypes.data for b in got[0]) == addresses
+  assert (pool.made, pool.reused, pool.over_bound) == (4, 2, 0)
+  del second
+
+
+def test_a_bounded_pool_goes_ahead_after_its_wait_and_counts_it():
+  pool = buffers_lib.HostBufferPool()
+  pool.set_bound(1, wait_s=0)
+  held = pool.take_all([2 * MIB])
+  more = pool.take_all([2 * MIB])  # nothing comes back: it makes its own, as unbounded
+  assert more[0].ctypes.data != held[0].ctypes.data
+  assert (pool.made, pool.bound_waits, pool.over_bound) == (2, 1, 1)
+  small = [pool.take_all([MIB - 1]) for _ in range(3)]  # not pooled: never waits
+  assert pool.bound_waits == 1 and len(small) == 3
+  pool.set_bound(None)
+  pool.take_all([2 * MIB])
+  assert (pool.made, pool.bound_waits) == (3, 1)
+
+
+@pytest.mark.parametrize("bound, wait_s, message", [
+    (0, 1.0, "a pool bound must be an int >= 1 \\(transfers\\) or None; got 0"),
+    (True, 1.0, "a pool bound must be an int >= 1 \\(transfers\\) or None; got True"),
+    (2.0, 1.0, "a pool bound must be an int >= 1 \\(transfers\\) or None; got 2.0"),
+    (2, -1, "a pool bound's wait must be 0-3600 seconds; got -1"),
+    (2, float("nan"), "a pool bound's wait must be 0-3600 seconds; got nan"),
+])
+def test_a_bad_pool_bound_is_refused(bound, wait_s, message):
+  pool = buffers_lib.HostBufferPool()
+  with pytest.raises(ValueError, match=message):
+    pool.set_bound(bound, wait_s)
+  assert pool.bound is None

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from tests.embedded.support import bulk_connection, bulk_frame, closed_by_peer
+from tests.embedded.support import bulk_connection, bulk_frame, closed_by_peer, wait_for
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.transport import bulk
 from tunix_stage_plugin.transport import frames
@@ -199,3 +199,36 @@ def test_the_pool_gets_a_buffer_back_from_jax_as_soon_as_its_placed_array_is_gon
     del placed
   assert pool.made == 1 and pool.reused == 4 and len(addresses) == 1
 
+
+
+def test_a_bounded_pool_counts_a_placed_buffer_until_the_computation_reading_it_ends():
+  """On CPU a placed micro-batch is its receive buffer, and JAX holds it until the computation
+  that reads it ends, after every Python reference is gone (as after tunix's fwd_bwd, which
+  answers once the work is queued). A bounded pool's next transfer waits for that end and reuses
+  the buffer; an unbounded one would make a third (it waits a millisecond at most)."""
+  jax = pytest.importorskip("jax")
+  jnp = jax.numpy
+
+  @jax.jit
+  def total(a):  # seconds of work on CPU: still running when the next transfer arrives
+    spin = jax.lax.fori_loop(0, 6000, lambda i, x: jnp.sin(x) + 1.0, a[:1 << 16])
+    return a.sum() + 0.0 * spin.sum()
+
+  pool = buffers_lib.HostBufferPool()
+  pool.set_bound(2, wait_s=120)  # long: the computation's end, not the wait's, lets it go
+  device = jax.devices("cpu")[0]
+  buffers = [pool.take_all([4 * MIB])[0] for _ in range(2)]
+  addresses = [b.ctypes.data for b in buffers]
+  for value, buffer in enumerate(buffers):
+    buffer.view(np.float32)[:] = value + 1
+  computing = jax.device_put(buffers[0].view(np.float32), device)
+  staged = jax.device_put(buffers[1].view(np.float32), device)
+  if computing.unsafe_buffer_pointer() != addresses[0]:
+    pytest.skip("this JAX copies on device_put here: a placed array holds no receive buffer")
+  result = total(computing)  # queued (JAX dispatches asynchronously)
+  del buffers, computing  # only the computation holds the first buffer now
+  assert not result.is_ready()  # precondition: the transfer below comes while it computes
+  third = pool.take_all([4 * MIB])[0]
+  assert third.ctypes.data == addresses[0] and (pool.made, pool.over_bound) == (2, 0)
+  assert pool.bound_waits == 1
+  assert float(result) == 1.0 * MIB and float(staged[0]) == 2.0

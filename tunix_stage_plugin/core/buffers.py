@@ -7,6 +7,13 @@ project's VMs a fresh copy runs at a third of a warm one, docs/performance.md), 
 path takes its large buffers from a `HostBufferPool`: a buffer goes back to the pool only when no
 array, view or JAX alias references it any more (CPython's reference count of its owner), so a
 placement that aliases it on CPU keeps it out of the pool for as long as it lives.
+
+A pool can be bounded in transfers (`set_bound`): a transfer that would find that many transfers'
+worth of its buffers already in use waits, bounded, for one to come back before it makes more.
+On CPU a trainer's in-use buffers are its staged micro-batches *and* the ones whose computation
+has not ended (tunix's fwd_bwd answers once the work is queued), so the bound is what keeps the
+receive of a micro-batch two ahead from adding a buffer while an earlier one still computes
+(docs/tunix.md, "Where the trainer's memory goes").
 """
 
 from __future__ import annotations
@@ -25,6 +32,9 @@ POOL_MIN_BYTES = 1 << 20  # smaller buffers are allocated fresh: their faults co
 # a fresh buffer's faults at FAULT_BYTES_PER_S would take) for one to come back from JAX.
 RELEASE_WAIT_S = 0.05
 FAULT_BYTES_PER_S = 4 << 30
+# A bounded pool's transfer waits this long at most for in-use buffers to come back (computations
+# that end); then it makes its buffers as an unbounded pool would, and counts it (`over_bound`).
+BOUND_WAIT_S = 2.0
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -63,6 +73,21 @@ class HostBufferPool:
     self._slots: list[_Slot] = []
     self.made = 0  # buffers allocated (each paid its page faults once)
     self.reused = 0
+    self.bound: int | None = None  # transfers whose pooled buffers may be in use at once
+    self.bound_wait_s = BOUND_WAIT_S
+    self.bound_waits = 0  # transfers that waited for buffers to come back (the bound reached)
+    self.over_bound = 0  # of those, the ones that found none back in time and made more
+
+  def set_bound(self, transfers: int | None, wait_s: float = BOUND_WAIT_S) -> None:
+    """At most `transfers` transfers' worth of pooled bytes in use at once (None: unbounded); a
+    transfer beyond it waits at most `wait_s` for a release, then goes ahead anyway."""
+    if transfers is not None and (not isinstance(transfers, int) or isinstance(transfers, bool)
+                                  or transfers < 1):
+      raise ValueError(f"a pool bound must be an int >= 1 (transfers) or None; got {transfers!r}")
+    if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not 0 <= wait_s < 3600:
+      raise ValueError(f"a pool bound's wait must be 0-3600 seconds; got {wait_s!r}")
+    with self._lock:
+      self.bound, self.bound_wait_s = transfers, float(wait_s)
 
   def take(self, nbytes: int) -> np.ndarray:
     if not isinstance(nbytes, int) or nbytes < 0:
@@ -122,7 +147,31 @@ class HostBufferPool:
     return max(0, missing)
 
   def take_all(self, sizes: Sequence[int]) -> list[np.ndarray]:
+    """One transfer's buffers, within the pool's bound (see `set_bound`)."""
+    self._within_bound(sum(n for n in sizes if isinstance(n, int) and n >= POOL_MIN_BYTES))
     return [self.take(n) for n in sizes]
+
+  def _within_bound(self, nbytes: int) -> None:
+    """Waits (bounded) while `bound` transfers of `nbytes` would be in use with this one."""
+    with self._lock:
+      bound, wait_s = self.bound, self.bound_wait_s
+    if bound is None or nbytes == 0 or self._in_use() <= (bound - 1) * nbytes:
+      return
+    with self._lock:
+      self.bound_waits += 1
+    deadline, pause = time.monotonic() + wait_s, 0.0005
+    while time.monotonic() < deadline:
+      time.sleep(pause)  # a polling interval: JAX gives buffers back from its own threads
+      pause = min(2 * pause, 0.005)
+      gc.collect(0)  # JAX's deferred releases run in a gc callback (see _await_release)
+      if self._in_use() <= (bound - 1) * nbytes:
+        return
+    with self._lock:
+      self.over_bound += 1
+
+  def _in_use(self) -> int:
+    with self._lock:
+      return sum(s.nbytes for s in self._slots if not s.free())
 
   def held_bytes(self) -> int:
     """Bytes of every pooled buffer, in use or idle."""

@@ -184,7 +184,8 @@ def serve(kind: str) -> None:
 
     def pool_stats(self):  # the plugin's node only: its chunked calls' receive buffers
       pool = installation.current().pool
-      return {"made": pool.made, "reused": pool.reused, "held": pool.held_bytes()}
+      return {"made": pool.made, "reused": pool.reused, "held": pool.held_bytes(),
+              "bound": pool.bound, "bound_waits": pool.bound_waits, "over_bound": pool.over_bound}
 
     def reset_peak_rss(self):
       return rss.reset_peak()
@@ -665,6 +666,26 @@ def test_every_micro_batch_over_the_cap_trains_through_the_stream(node, big_payl
   print(f"\n256 MiB x {STEPS * MICRO} micro-batches staged, through the stream: {wall:.1f} s, "
         f"trainer node peak RSS {gib(peak)} (from {gib(baseline)}); {staged} staged, {inline} "
         f"inline; receive buffers: {pool['made']} made, {pool['reused']} reused")
+
+
+def test_a_fresh_trainers_receive_buffers_stay_within_its_staging_bounds(big_payloads,
+                                                                      big_reference):
+  """The 256 MiB job over the side channel on a fresh trainer node whose one worker stages:
+  tunix's fwd_bwd answers once the work is queued, so micro-batches still computing hold their
+  receive buffers (on CPU the placement is the buffer); the pool counts them, and the trainer
+  keeps at most TUNIX_STAGE_MAX_DEVICE_BATCHES + TUNIX_STAGE_MAX_HOST_BATCHES (2 + 1) of them.
+  Without the bound it made 4 (docs/tunix.md, "Where the trainer's memory goes")."""
+  proc, ports = _start_node("plugin")
+  try:
+    port = ports["bulk_big"]
+    run_big_job(port, big_payloads, big_reference)
+    pool = pool_stats(port)
+    assert pool["bound"] == 3, pool
+    # A transfer that found no buffer back within the bound's wait made one more (counted).
+    assert pool["made"] <= 3 + pool["over_bound"], pool
+    assert pool["made"] + pool["reused"] == STEPS * MICRO, pool
+  finally:
+    _stop_node(proc)
 
 
 def test_an_over_cap_fallback_trains_inline_through_the_stream(node, big_payloads,

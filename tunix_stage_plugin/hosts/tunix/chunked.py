@@ -163,15 +163,16 @@ async def receive(messages: AsyncIterator[bytes], pool: buffers_lib.HostBufferPo
   (request_id, method_name, args, kwargs), its arrays over those buffers. `accept()` runs once
   the header passed (the server sends READY_KEY there).
 
-  Runs on the server's event loop: each chunk costs one copy of at most CHUNK_BYTES there; a
-  large pickle is unpickled on a worker thread."""
+  Runs on the server's event loop: each chunk costs one copy of at most CHUNK_BYTES there; the
+  buffers are taken and a large pickle is unpickled on a worker thread."""
   stream = aiter(messages)
   try:
     first = await anext(stream)
   except StopAsyncIteration:
     raise StreamError("a chunked call ended before its header") from None
   header = decode_header(first, max_bytes)
-  sink = buffers_lib.ChunkSink(header.sizes, pool)
+  # Off the event loop: a bounded pool may wait for a computation to give buffers back.
+  sink = await asyncio.to_thread(buffers_lib.ChunkSink, header.sizes, pool)
   if accept is not None:
     await accept()
   async for chunk in stream:

@@ -73,14 +73,25 @@ class Installation:
     self.serve_side_channel = True
     self.bulk_limits = bulk_lib.BulkLimits()
     self.bulk_calls: collections.Counter[str] = collections.Counter()
+    self._bound_pool()
     live.on_update(self._reconfigure)
 
   def staging_of(self, worker: Any) -> WorkerStaging:
     with self._lock:
       state = self._workers.get(worker)
-      if state is None:
-        state = self._workers[worker] = WorkerStaging(self.live.config)
-      return state
+      if state is not None:
+        return state
+      state = self._workers[worker] = WorkerStaging(self.live.config)
+    self._bound_pool()  # one more worker: room for its staged batches too
+    return state
+
+  def _bound_pool(self) -> None:
+    """The receive buffers in use at once: at most the micro-batches this node's workers may hold
+    staged (their device and host bounds), counting those whose computation has not ended."""
+    config = self.live.config
+    with self._lock:
+      workers = max(1, len(self._workers))
+    self.pool.set_bound(workers * (config.max_device_batches + config.max_host_batches))
 
   def executor_for(self, server: Any) -> executor_lib.MethodExecutor:
     """The server's executor, started on its first routed request (threads start lazily)."""
@@ -102,6 +113,7 @@ class Installation:
       states = list(self._workers.values())
     for state in states:
       state.store.set_bounds(config.max_device_batches, config.max_host_batches)
+    self._bound_pool()
 
   def close(self) -> None:
     """Drops every staged batch, closes every executor (bounded) and side channel and gives back
