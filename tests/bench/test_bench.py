@@ -125,6 +125,26 @@ def test_the_report_states_the_stage_calls_against_compute():
   assert "peak received host buffers 1 of 1" in text
 
 
+def test_the_report_takes_the_pool_wait_out_of_the_stage_calls_verdict():
+  """tunix's host: a stage call's bytes may wait for the trainer's bounded receive pool; the
+  report says how long, and judges the rest against compute (1.2 s call, 0.9 s of it waiting)."""
+  run = dataclasses.replace(_run("depth2_prestage", 4.1, stage_call_s=[1.2, 1.2]),
+                            stage_wait_s=[0.9, 0.9])
+  result = _result(depth2_prestage=run)
+  summary = report.summarize(result)
+  assert summary["depth2_prestage"].stage_wait_s == pytest.approx(0.9)
+  assert summary["depth2_prestage"].to_json()["median_stage_wait_s"] == pytest.approx(0.9)
+  text = report.format_report(result, summary, report.criteria(result, summary))
+  assert ("0.900 s of it its bytes waited for the trainer's receive pool, whose bound counts the "
+          "micro-batches still computing") in text
+  assert "so the step can reach its limit" in text and "bound by the wire" not in text
+  unwaited = _result(depth2_prestage=_run("depth2_prestage", 4.1, stage_call_s=[1.2, 1.2]))
+  summary = report.summarize(unwaited)
+  assert summary["depth2_prestage"].stage_wait_s is None
+  text = report.format_report(unwaited, summary, report.criteria(unwaited, summary))
+  assert "bound by the wire" in text and "receive pool" not in text
+
+
 @pytest.mark.parametrize("override, failing", [
     ({"resident": _run("resident", 3.9)}, "depth2_prestage hidden"),  # 0.967 < 0.97
     ({"depth2_prestage": _run("depth2_prestage", 4.15)}, "depth2_prestage step"),  # 1.04 x

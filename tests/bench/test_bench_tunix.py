@@ -24,6 +24,8 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 # pylint: disable=wrong-import-position
 from tests import procs
 from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.lab.bench import host as host_lib
 from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.lab.embedded import data as data_lib
@@ -190,3 +192,24 @@ def test_a_node_killed_mid_bench_ends_it_with_one_line_and_nothing_left(tmp_path
   assert "the plugin node exited with code -9" in last, last
   assert "Traceback" not in err
   assert not any(procs.running(pid) for pid in nodes), nodes
+
+
+def test_the_host_path_leaves_out_what_the_trainers_receive_pool_held_back():
+  """Spans as a run records them (the node's clock 100 s behind this process's): a stage call of
+  0.5 s whose bytes waited 0.3 s for the bounded pool, and an inline micro-batch placed 0.4 s
+  after the answer before it, 0.1 s of that waiting. The host path counts 0.2 s and 0.3 s."""
+  span = timeline_lib.Span
+  node = [
+      span(tracks.DEVICE_COMPUTE, "c", 0.0, 0.6, (("answered", 0.1), ("kind", "fwd_bwd"))),
+      span(tracks.TRAINER_POOL_WAIT, "pool wait", 0.15, 0.25, (("bytes", 1),)),
+      span(tracks.TRAINER_H2D, "s1-m1", 0.5, 0.6, (("bytes", 1 << 30), ("lane", "inline"),
+                                                   ("step", 1))),
+      span(tracks.TRAINER_POOL_WAIT, "pool wait", 1.0, 1.3, (("bytes", 1),)),
+      span(tracks.TRAINER_H2D, "s1-m2", 1.5, 1.6, (("bytes", 1 << 30), ("lane", "staging"),
+                                                   ("step", 1))),
+  ]
+  calls = [span(tracks.ORCHESTRATOR_STAGE, "stage s1 m2", 100.9, 101.4)]
+  assert tunix_bench.pool_waits(node, calls, offset=100.0) == [pytest.approx(0.3)]
+  path = tunix_bench.host_path(node, calls, since=0.0, offset=100.0)
+  assert path["staged"]["receive_s"] == pytest.approx(0.2)
+  assert path["inline"]["receive_s"] == pytest.approx(0.3)

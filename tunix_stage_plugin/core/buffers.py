@@ -22,7 +22,7 @@ import gc
 import sys
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -77,6 +77,9 @@ class HostBufferPool:
     self.bound_wait_s = BOUND_WAIT_S
     self.bound_waits = 0  # transfers that waited for buffers to come back (the bound reached)
     self.over_bound = 0  # of those, the ones that found none back in time and made more
+    # Told of each such wait (perf_counter start and end, the transfer's pooled bytes): a bench
+    # draws it on its timeline.
+    self.on_bound_wait: Callable[[float, float, int], None] | None = None
 
   def set_bound(self, transfers: int | None, wait_s: float = BOUND_WAIT_S) -> None:
     """At most `transfers` transfers' worth of pooled bytes in use at once (None: unbounded); a
@@ -159,15 +162,18 @@ class HostBufferPool:
       return
     with self._lock:
       self.bound_waits += 1
-    deadline, pause = time.monotonic() + wait_s, 0.0005
-    while time.monotonic() < deadline:
+    started = time.perf_counter()
+    deadline, pause, back = time.monotonic() + wait_s, 0.0005, False
+    while not back and time.monotonic() < deadline:
       time.sleep(pause)  # a polling interval: JAX gives buffers back from its own threads
       pause = min(2 * pause, 0.005)
       gc.collect(0)  # JAX's deferred releases run in a gc callback (see _await_release)
-      if self._in_use() <= (bound - 1) * nbytes:
-        return
-    with self._lock:
-      self.over_bound += 1
+      back = self._in_use() <= (bound - 1) * nbytes
+    if not back:
+      with self._lock:
+        self.over_bound += 1
+    if self.on_bound_wait is not None:
+      self.on_bound_wait(started, time.perf_counter(), nbytes)
 
   def _in_use(self) -> int:
     with self._lock:

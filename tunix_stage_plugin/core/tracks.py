@@ -13,6 +13,7 @@ DEVICE_SYNC = "device/sync"
 TRAINER_H2D = "trainer/h2d"
 TRAINER_DECODE = "trainer/decode"
 TRAINER_RECEIVE = "trainer/receive"
+TRAINER_POOL_WAIT = "trainer/pool-wait"
 ORCHESTRATOR_STAGE = "orchestrator/stage"
 ORCHESTRATOR_TRAIN = "orchestrator/train"
 
@@ -36,6 +37,9 @@ TRACKS = (
     Track(TRAINER_RECEIVE, "embedded server: one large call's bytes arriving on the bulk channel, "
           "from its frame header to its last byte (name: the method; args bytes)",
           "wire in (trainer)"),
+    Track(TRAINER_POOL_WAIT, "tunix bench node: one call's bytes waiting for the trainer's "
+          "bounded receive pool (micro-batches still computing hold their buffers) before they "
+          "are read (args bytes)", "receive pool wait"),
     Track(ORCHESTRATOR_STAGE, "core.pipeline: one engine.stage call, as the orchestrator saw it",
           "stage call"),
     Track(ORCHESTRATOR_TRAIN, "core.pipeline: one engine.train call (args staged)"),

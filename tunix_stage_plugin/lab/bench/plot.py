@@ -14,7 +14,7 @@ COLOURS = {
     "inline": "#d62728", "staged": "#2ca02c", "resident": "#1f77b4", "update": "#444444",
     tracks.DEVICE_SYNC: "#bbbbbb", "h2d/staging": "#ff7f0e", "h2d/inline": "#d62728",
     tracks.TRAINER_RECEIVE: "#9467bd", tracks.ORCHESTRATOR_STAGE: "#8c564b",
-    tracks.TRAINER_DECODE: "#17becf",
+    tracks.TRAINER_DECODE: "#17becf", tracks.TRAINER_POOL_WAIT: "#e377c2",
 }
 LEGEND = (
     ("fwd_bwd, payload sent inline", "inline"), ("fwd_bwd, staged", "staged"),
@@ -22,6 +22,7 @@ LEGEND = (
     ("H2D on the staging thread", "h2d/staging"), ("H2D inline (compute thread)", "h2d/inline"),
     ("compressed payload decoded", tracks.TRAINER_DECODE),
     ("payload received", tracks.TRAINER_RECEIVE),
+    ("bytes waiting for the trainer's receive pool", tracks.TRAINER_POOL_WAIT),
     ("stage call (wire; answered once received)", tracks.ORCHESTRATOR_STAGE),
 )
 

@@ -60,6 +60,9 @@ class ModeSummary:
   update_s: float  # median device time of the update
   limit_s: float  # M x fwd_bwd_s + update_s + weight sync: the device never waiting
   stage_call_s: float | None  # median engine.stage call (wire + H2D + overhead)
+  # median seconds of a stage call spent waiting for the trainer's bounded receive pool (None:
+  # the host reports none)
+  stage_wait_s: float | None
   hidden_fraction: float | None
   fallbacks: int
   peak_host_batches: int
@@ -95,6 +98,7 @@ class ModeSummary:
         "limit_s": self.limit_s,
         "step_over_limit": self.step_over_limit,
         "median_stage_call_s": self.stage_call_s,
+        "median_stage_wait_s": self.stage_wait_s,
         "hidden_fraction": self.hidden_fraction,
         "fallbacks": self.fallbacks,
         "peak_device_batches": self.peak_device_batches,
@@ -188,6 +192,7 @@ def summarize(result: results.BenchResult) -> dict[str, ModeSummary]:
                                    metrics.median([updates[i] for i in used]),
                                    result.calibration.sync_s),
         stage_call_s=metrics.median([d for r in runs for d in r.stage_call_s]),
+        stage_wait_s=metrics.median([d for r in runs for d in r.stage_wait_s]),
         hidden_fraction=None, fallbacks=sum(r.fallbacks for r in runs),
         peak_host_batches=max(r.peak_host_batches for r in runs),
         peak_device_batches=max(r.peak_device_batches for r in runs),
@@ -454,11 +459,15 @@ def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
   if pre and pre.stage_call_s:
     copy = (f"{c.h2d_s:.3f} s" if c.h2d_s is not None
             else f"{_fmt(pre.h2d_s, '.3f')} s measured")
+    held = pre.stage_wait_s or 0.0
     verdict = (f"Each is under the {c.compute_s:.3f} s of compute it hides behind, so the step "
-               "can reach its limit" if pre.stage_call_s < c.compute_s else
+               "can reach its limit" if pre.stage_call_s - held < c.compute_s else
                f"That is more than the {c.compute_s:.3f} s of compute it hides behind: the "
                "step is bound by the wire (a faster link or a codec, --stage_codec, helps)")
     wire = "" if c.wire_s is None else f"; the wire alone is {c.wire_s:.3f} s emulated"
+    if held:
+      wire += (f"; {held:.3f} s of it its bytes waited for the trainer's receive pool, whose "
+               "bound counts the micro-batches still computing: memory held back, not path")
     lines.append(
         f"stage calls: {pre.stage_call_s:.3f} s each (median, measured{wire}), answered once "
         f"the trainer received the payload; its host-to-device copy ({copy}) then runs on the "

@@ -133,6 +133,9 @@ class ModeRun:
   device_memory: dict = dataclasses.field(default_factory=dict)
   h2d_s: float | None = None
   h2d_overlap: float | None = None
+  # Aligned with stage_call_s where the host has one: the seconds of each stage call its bytes
+  # waited for the trainer's bounded receive pool (tunix's host; empty on the embedded one).
+  stage_wait_s: list[float] = dataclasses.field(default_factory=list)
 
   @property
   def step_quiet(self) -> list[bool]:

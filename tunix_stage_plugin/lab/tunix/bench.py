@@ -261,6 +261,7 @@ class BenchHost:
         fwd_bwd_s=[metrics.fwd_bwd_durations(trainer_spans, t.step) for t in timings],
         update_s=[metrics.update_duration(trainer_spans, t.step) for t in timings],
         stage_call_s=[s.duration for s in stage_calls],
+        stage_wait_s=pool_waits(trainer_spans, stage_calls, offset=node.offset),
         fallbacks=sum(r.get("stage/fallbacks", 0) for r in reports), fallback_reasons=[],
         peak_device_batches=finish["store"]["peak"],
         max_device_batches=finish["max_device_batches"] or o.max_device_batches,
@@ -342,6 +343,14 @@ def _record_calls(engine: Any, recorder: timeline_lib.Timeline) -> None:
   engine.stage_train_batch = timed
 
 
+def pool_waits(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Span], *,
+               offset: float) -> list[float]:
+  """Each stage call's seconds (this process's spans) during which its bytes waited for the
+  trainer's bounded receive pool (the node's TRAINER_POOL_WAIT spans, `offset` onto this clock)."""
+  waits = timeline_lib.shifted([s for s in spans if s.track == tracks.TRAINER_POOL_WAIT], offset)
+  return [timeline_lib.busy_time(waits, c.start, c.end) for c in stage_calls]
+
+
 def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Span], *,
               since: float, offset: float) -> dict[str, dict[str, float | int | None]]:
   """metrics.host_path's figures over tunix's real links, after `since` (the node's clock; its
@@ -349,9 +358,13 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
   span; the trainer answers once the payload is received and places it next on its staging
   lane); an inline one's is the wait from the answer to the fwd_bwd before it (tunix's loop sends
   the next one only then) to its placement starting (a step's first micro-batch, after the
-  update, is left out)."""
+  update, is left out). Neither counts the time its bytes waited for the trainer's bounded
+  receive pool: that is memory held back on purpose, not the host path."""
   spans = [s for s in spans if s.end >= since]
-  calls = [s.duration for s in stage_calls if s.end >= since + offset]
+  stage_calls = [c for c in stage_calls if c.end >= since + offset]
+  calls = [c.duration - w for c, w in zip(stage_calls, pool_waits(spans, stage_calls,
+                                                                  offset=offset))]
+  held = [s for s in spans if s.track == tracks.TRAINER_POOL_WAIT]
   computations = sorted((dict(s.args) for s in spans if s.track == tracks.DEVICE_COMPUTE),
                         key=lambda args: args["answered"])
   out = {}
@@ -364,7 +377,8 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
       for s in places:
         before = [c for c in computations if c["answered"] <= s.start]
         if before and before[-1]["kind"] == "fwd_bwd":
-          waits.append(s.start - before[-1]["answered"])
+          answered = before[-1]["answered"]
+          waits.append(s.start - answered - timeline_lib.busy_time(held, answered, s.start))
       receive_s = metrics.median(waits)
     out[path] = metrics.path_figures(receive_s, places)
   return out

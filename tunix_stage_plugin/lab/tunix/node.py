@@ -270,8 +270,13 @@ class BenchWorker(trainer_worker.TrainerWorker):
     store = _store(self)
     if store is not None:
       store.stats.peak = store.stats.peak_host = 0
+      _pool().on_bound_wait = self._pool_waited
     self.baseline = rss.reset_peak()
     return self.baseline
+
+  def _pool_waited(self, start: float, end: float, nbytes: int) -> None:
+    """A call's bytes waited for the bounded receive pool (on the listener's thread)."""
+    self.clocked.timeline.add(tracks.TRAINER_POOL_WAIT, "pool wait", start, end, bytes=nbytes)
 
   def bench_place_resident(self, ids: list[tuple[int, int]]) -> int:
     """Builds these micro-batches here and places them; an array shared by several (a position's
@@ -312,6 +317,13 @@ class BenchWorker(trainer_worker.TrainerWorker):
         "max_device_batches": store.max_device_batches if plugin else 0,
         "device_memory": {"baseline": None, "sampled_peak": None, "allocator_peak": None},
     }
+
+
+def _pool() -> Any:
+  """The plugin's receive pool on this node."""
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.hosts.tunix import installation
+  return installation.current().pool
 
 
 def _store(worker: BenchWorker) -> Any:
