@@ -70,6 +70,7 @@ class HostBufferPool:
 
   def __init__(self) -> None:
     self._lock = threading.Lock()
+    self._admit = threading.Lock()  # bounded transfers take their buffers one at a time
     self._slots: list[_Slot] = []
     self.made = 0  # buffers allocated (each paid its page faults once)
     self.reused = 0
@@ -151,14 +152,18 @@ class HostBufferPool:
 
   def take_all(self, sizes: Sequence[int]) -> list[np.ndarray]:
     """One transfer's buffers, within the pool's bound (see `set_bound`)."""
-    self._within_bound(sum(n for n in sizes if isinstance(n, int) and n >= POOL_MIN_BYTES))
-    return [self.take(n) for n in sizes]
+    pooled = sum(n for n in sizes if isinstance(n, int) and n >= POOL_MIN_BYTES)
+    if self.bound is None or pooled == 0:
+      return [self.take(n) for n in sizes]
+    with self._admit:  # one bounded transfer at a time: the next one counts this one's buffers
+      self._within_bound(pooled)
+      return [self.take(n) for n in sizes]
 
   def _within_bound(self, nbytes: int) -> None:
     """Waits (bounded) while `bound` transfers of `nbytes` would be in use with this one."""
     with self._lock:
       bound, wait_s = self.bound, self.bound_wait_s
-    if bound is None or nbytes == 0 or self._in_use() <= (bound - 1) * nbytes:
+    if bound is None or self._in_use() <= (bound - 1) * nbytes:
       return
     with self._lock:
       self.bound_waits += 1
