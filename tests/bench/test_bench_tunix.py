@@ -209,7 +209,8 @@ def test_the_host_path_leaves_out_what_the_trainers_receive_pool_held_back():
                                                    ("step", 1))),
   ]
   calls = [span(tracks.ORCHESTRATOR_STAGE, "stage s1 m2", 100.9, 101.4)]
-  assert tunix_bench.pool_waits(node, calls, offset=100.0) == [pytest.approx(0.3)]
-  path = tunix_bench.host_path(node, calls, since=0.0, offset=100.0)
+  waits = tunix_bench.pool_waits(node, calls, offset=100.0)
+  assert waits == [pytest.approx(0.3)]
+  path = tunix_bench.host_path(node, calls, waits, since=0.0, offset=100.0)
   assert path["staged"]["receive_s"] == pytest.approx(0.2)
   assert path["inline"]["receive_s"] == pytest.approx(0.3)

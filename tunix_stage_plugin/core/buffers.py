@@ -153,17 +153,18 @@ class HostBufferPool:
   def take_all(self, sizes: Sequence[int]) -> list[np.ndarray]:
     """One transfer's buffers, within the pool's bound (see `set_bound`)."""
     pooled = sum(n for n in sizes if isinstance(n, int) and n >= POOL_MIN_BYTES)
-    if self.bound is None or pooled == 0:
-      return [self.take(n) for n in sizes]
-    with self._admit:  # one bounded transfer at a time: the next one counts this one's buffers
-      self._within_bound(pooled)
-      return [self.take(n) for n in sizes]
-
-  def _within_bound(self, nbytes: int) -> None:
-    """Waits (bounded) while `bound` transfers of `nbytes` would be in use with this one."""
     with self._lock:
       bound, wait_s = self.bound, self.bound_wait_s
-    if bound is None or self._in_use() <= (bound - 1) * nbytes:
+    if bound is None or pooled == 0:
+      return [self.take(n) for n in sizes]
+    with self._admit:  # one bounded transfer at a time: the next one counts this one's buffers
+      self._within_bound(pooled, bound, wait_s)
+      return [self.take(n) for n in sizes]
+
+  def _within_bound(self, nbytes: int, bound: int, wait_s: float) -> None:
+    """Waits (at most `wait_s`) while `bound` transfers of `nbytes` would be in use with this
+    one."""
+    if self._in_use() <= (bound - 1) * nbytes:
       return
     with self._lock:
       self.bound_waits += 1

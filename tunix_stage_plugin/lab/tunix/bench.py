@@ -256,12 +256,13 @@ class BenchHost:
     timings = metrics.step_timings(trainer_spans, range(results.WARMUP_STEPS, o.total_steps))
     warm = metrics.warmed_up(trainer_spans, results.WARMUP_STEPS)
     stage_calls = recorder.spans(tracks.ORCHESTRATOR_STAGE)
+    stage_waits = pool_waits(trainer_spans, stage_calls, offset=node.offset)
     return results.ModeRun(
         mode=mode, round=round_, timings=timings,
         fwd_bwd_s=[metrics.fwd_bwd_durations(trainer_spans, t.step) for t in timings],
         update_s=[metrics.update_duration(trainer_spans, t.step) for t in timings],
         stage_call_s=[s.duration for s in stage_calls],
-        stage_wait_s=pool_waits(trainer_spans, stage_calls, offset=node.offset),
+        stage_wait_s=stage_waits,
         fallbacks=sum(r.get("stage/fallbacks", 0) for r in reports), fallback_reasons=[],
         peak_device_batches=finish["store"]["peak"],
         max_device_batches=finish["max_device_batches"] or o.max_device_batches,
@@ -271,7 +272,8 @@ class BenchHost:
         spans=recorder.spans() + timeline_lib.shifted(trainer_spans, node.offset), origin=origin,
         trainer_rss=finish["rss"],
         orchestrator_rss={"baseline": orchestrator_baseline, "peak": rss.peak()},
-        host_path=host_path(trainer_spans, stage_calls, since=warm, offset=node.offset),
+        host_path=host_path(trainer_spans, stage_calls, stage_waits, since=warm,
+                            offset=node.offset),
         device_memory=finish["device_memory"],
         h2d_s=metrics.median([s.duration for s in trainer_spans if s.track == tracks.TRAINER_H2D
                               and dict(s.args)["step"] >= results.WARMUP_STEPS]),
@@ -351,19 +353,19 @@ def pool_waits(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Sp
   return [timeline_lib.busy_time(waits, c.start, c.end) for c in stage_calls]
 
 
-def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Span], *,
-              since: float, offset: float) -> dict[str, dict[str, float | int | None]]:
+def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Span],
+              stage_waits: list[float], *, since: float, offset: float
+              ) -> dict[str, dict[str, float | int | None]]:
   """metrics.host_path's figures over tunix's real links, after `since` (the node's clock; its
   `offset` to this process's): a staged micro-batch's receive is its stage call (this process's
   span; the trainer answers once the payload is received and places it next on its staging
   lane); an inline one's is the wait from the answer to the fwd_bwd before it (tunix's loop sends
   the next one only then) to its placement starting (a step's first micro-batch, after the
   update, is left out). Neither counts the time its bytes waited for the trainer's bounded
-  receive pool: that is memory held back on purpose, not the host path."""
+  receive pool (`stage_waits`, pool_waits of each stage call): memory held back on purpose, not
+  the host path."""
   spans = [s for s in spans if s.end >= since]
-  stage_calls = [c for c in stage_calls if c.end >= since + offset]
-  calls = [c.duration - w for c, w in zip(stage_calls, pool_waits(spans, stage_calls,
-                                                                  offset=offset))]
+  calls = [c.duration - w for c, w in zip(stage_calls, stage_waits) if c.end >= since + offset]
   held = [s for s in spans if s.track == tracks.TRAINER_POOL_WAIT]
   computations = sorted((dict(s.args) for s in spans if s.track == tracks.DEVICE_COMPUTE),
                         key=lambda args: args["answered"])
