@@ -309,6 +309,39 @@ def test_a_lost_reset_is_retried_before_the_next_step(engine_factory):
   assert len(engine.store) == 0 and engine.trained == [0, 1, 2, 3, 4]
 
 
+def test_the_cleanup_resets_run_together(engine_factory):
+  """A failed stage's own reset and the aborted step's reset of what it staged run at once, so a
+  trainer that does not answer costs the cleanup one reset's timeout, not one per reset. Each
+  reset here waits (bounded) for the other to start; run one after the other, the first times out
+  and is kept for a retry."""
+  orphan_started = threading.Event()  # train 0 fails only once the failed stage's reset began
+  engine = engine_factory(2, stage_outcomes={2: LOST_REPLY}, train_gate={0: orphan_started},
+                          fail_train={0})
+  real_reset, active, peak, resets = engine.reset, [0], [0], []
+  both = asyncio.Event()
+
+  async def reset(keys):
+    resets.append(sorted(engine.key_payload[k] for k in keys))
+    active[0] += 1
+    peak[0] = max(peak[0], active[0])
+    if active[0] == 2:
+      both.set()
+    if 2 in resets[-1]:
+      orphan_started.set()
+    try:
+      await asyncio.wait_for(both.wait(), 10)
+      await real_reset(keys)
+    finally:
+      active[0] -= 1
+
+  engine.reset = reset
+  pipeline = StagePipeline(engine, 2)
+  with pytest.raises(TrainFailed):
+    run(pipeline.run_step(0, source_of([0, 1, 2, 3])))
+  assert peak[0] == 2 and sorted(resets) == [[1], [2]], resets
+  assert pipeline.pending_resets == [] and len(engine.store) == 0
+
+
 class _Unsupported:
   """An engine whose trainer cannot stage at all (as a trainer without the plugin answers)."""
 

@@ -234,14 +234,16 @@ class _Window:
     tasks = self.tasks()
     for task in tasks:
       task.cancel()
-    await asyncio.gather(*tasks, *self.orphan_resets, return_exceptions=True)
+    await asyncio.gather(*tasks, return_exceptions=True)
     # A STAGING entry's key is included: its call may have reached the trainer before the cancel.
     keys = [*extra_keys, *(e.key for e in self.entries
                            if e.status in (_Status.STAGING, _Status.STAGED))]
     self.pull = self.stage = None
     self.entries.clear()
-    if keys:
-      await self.pipeline.reset_quietly(keys)
+    # This reset runs beside the failed stages' own (other keys): against a trainer that does not
+    # answer, the cleanup costs one reset's timeout, not one per reset.
+    resets = [*self.orphan_resets, *([self.pipeline.reset_quietly(keys)] if keys else [])]
+    await asyncio.gather(*resets, return_exceptions=True)
 
 
 class Prestage:
