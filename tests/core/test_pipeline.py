@@ -162,6 +162,29 @@ def test_source_without_a_closing_micro_batch_is_a_contract_error(engine_factory
   assert engine.updates == [] and len(engine.store) == 0
 
 
+@pytest.mark.parametrize("count", [0, 3])
+def test_an_open_ended_step_ends_after_what_its_source_gave(engine_factory, count):
+  """tunix's seam: a step whose scored queue answers no more groups ends without an update; the
+  step's result is its last train call's (None without one), and nothing stays staged."""
+  engine = engine_factory(2)
+
+  async def short_step():
+    for i in range(count):
+      yield MicroBatch(i)
+
+  report = run(StagePipeline(engine, 2, open_ended=True).run_step(0, short_step()))
+  assert engine.trained == list(range(count)) and engine.updates == []
+  assert report.trained == count and report.staged + report.inline == count
+  assert report.result == (None if count == 0 else count)  # the engine answers len(trained)
+  assert len(engine.store) == 0
+
+
+def test_an_open_ended_pipeline_still_trains_a_closing_micro_batch_last(engine_factory):
+  engine = engine_factory(2)
+  report = run(StagePipeline(engine, 2, open_ended=True).run_step(0, source_of(list(range(5)))))
+  assert engine.trained == list(range(5)) and engine.updates == [5] and report.result == 5
+
+
 def test_source_yielding_a_non_micro_batch_is_a_contract_error(engine_factory):
   async def raw():
     yield {"tokens": [1]}

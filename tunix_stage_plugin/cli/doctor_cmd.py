@@ -89,6 +89,8 @@ def _host(report: dict[str, Any], problems: list[str], cfg: config_lib.StageConf
     problems.append(f"tunix is not importable: {type(e).__name__}: {e}. {TUNIX_HINT}")
     return
   report["host"] = adapter.describe()
+  # Which way the train loop is staged in this tunix: through its seam, or the plugin's copy.
+  report["train_loop"] = adapter.describe_loop()
   if manager.is_installed(HOST):  # the bootstrap installed while load() imported tunix
     checks = [{"name": "host probes (passed at install)", "ok": True, "detail": "ok"}]
   else:
@@ -149,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         + (", ".join(report["codecs"]) or f"none installed ({report['codec_extra']})"))
   if "host" in report:
     print(f"host: {report['host'] or 'tunix not importable'}")
+  if report.get("train_loop"):
+    print(f"  train loop: {report['train_loop']}")
   for check in report.get("probes", []):
     print(f"  [{'ok' if check['ok'] else 'FAIL'}] {check['name']}"
           + ("" if check["ok"] else f": {check['detail']}"))

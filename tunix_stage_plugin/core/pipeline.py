@@ -97,7 +97,7 @@ class StepReport:
   prestaged: int = 0  # staged during the previous step boundary and dispatched by key
   peak_staged: int = 0  # most micro-batches staged or staging at once
   fallback_reasons: list[str] = dataclasses.field(default_factory=list)
-  result: Any = None  # what the optimizer-applying train call returned
+  result: Any = None  # what the step's last train call returned (the optimizer-applying one)
 
   def metrics(self) -> dict[str, int]:
     return {
@@ -119,7 +119,7 @@ async def _next_or_end(source: AsyncIterator[MicroBatch]) -> Any:
     return _END
 
 
-async def _settle(awaitable: Awaitable[Any]) -> Any:
+async def settle(awaitable: Awaitable[Any]) -> Any:
   """Awaits `awaitable` to the end even if this task is cancelled meanwhile (cleanup must finish:
   an unfinished reset leaks a device slot); a cancel that arrived is re-raised afterwards."""
   task = asyncio.ensure_future(awaitable)
@@ -183,18 +183,21 @@ class _Window:
     if self.pull is not None and self.pull in done:
       task, self.pull = self.pull, None
       item = task.result()  # a failing source ends the step: raise
-      if item is _END:
+      if item is _END and self.pipeline.open_ended:
+        self.exhausted = True  # the step ends after what it pulled (no optimizer-applying call)
+      elif item is _END:
         raise PipelineContractError(
             f"the micro-batch source of step {self.step} ended after {self.pulled} micro-batch(es) "
             "without one marked closes_step=True")
-      if not isinstance(item, MicroBatch):
+      elif not isinstance(item, MicroBatch):
         raise PipelineContractError(
             f"the micro-batch source of step {self.step} yielded {type(item).__name__}; "
             "accepted: MicroBatch")
-      key = f"{self.pipeline.key_prefix}-s{self.step}-m{self.pulled}"
-      self.entries.append(_Entry(self.pulled, item, key))
-      self.pulled += 1
-      self.exhausted = item.closes_step
+      else:
+        key = f"{self.pipeline.key_prefix}-s{self.step}-m{self.pulled}"
+        self.entries.append(_Entry(self.pulled, item, key))
+        self.pulled += 1
+        self.exhausted = item.closes_step
     if self.stage is not None and self.stage[1] in done:
       (entry, task), self.stage = self.stage, None
       if task.cancelled():
@@ -284,11 +287,15 @@ MAX_KEY_PREFIX = store_lib.MAX_KEY_LEN - 32  # room for "-s<step>-m<index>"
 
 class StagePipeline:
   """Drives one engine; `depth` is TUNIX_MAX_STAGED_BATCHES. `staging=False` trains every
-  micro-batch inline through the same loop (the unstaged baseline)."""
+  micro-batch inline through the same loop (the unstaged baseline). `open_ended`: a step's source
+  may end without a micro-batch that closes it (tunix's loop ends such a step without an update,
+  e.g. when its scored queue answers no group); the step then ends after the micro-batches it
+  pulled, its result the last train call's (None when it had none). Otherwise such a source
+  breaks the contract (PipelineContractError)."""
 
   def __init__(self, engine: StageEngine, depth: int, *, key_prefix: str | None = None,
                timeline: timeline_lib.Timeline | None = None, staging: bool = True,
-               depth_for: DepthFor | None = None) -> None:
+               depth_for: DepthFor | None = None, open_ended: bool = False) -> None:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
     # A per-pipeline prefix keeps keys unique across orchestrator restarts on one trainer.
@@ -303,6 +310,7 @@ class StagePipeline:
     self.timeline = timeline or timeline_lib.Timeline(enabled=False)
     self.staging = staging
     self.depth_for = depth_for
+    self.open_ended = open_ended
     self.unsupported: str | None = None  # why staging stopped for good (the trainer cannot stage)
     self.pending_resets: list[str] = []  # keys whose reset failed: retried before the next step
 
@@ -315,6 +323,13 @@ class StagePipeline:
       raise PipelineContractError(f"depth_for({step}, {self.depth}) returned {depth!r}; "
                                   "accepted: an int >= 0")
     return depth
+
+  def may_prestage(self, next_step: int, steps: int | None,
+                   prestage_next: PrestageNext | None) -> bool:
+    """Whether `next_step` starts staging during this boundary: staging on (and supported), a
+    next step to run (`steps` of them; None: no end), and the host agrees (asked only then)."""
+    return (self.staging and self.unsupported is None and (steps is None or next_step < steps)
+            and (prestage_next is None or _agreed(prestage_next, next_step)))
 
   def stop_staging(self, reason: str) -> None:
     """The trainer said it can never stage: every later micro-batch trains inline, no offer."""
@@ -388,9 +403,7 @@ class StagePipeline:
 
         def after_final_dispatch(next_step: int = step + 1) -> None:
           nonlocal upcoming
-          if (prestage and self.staging and self.unsupported is None
-              and (steps is None or next_step < steps)
-              and (prestage_next is None or _agreed(prestage_next, next_step))):
+          if prestage and self.may_prestage(next_step, steps, prestage_next):
             upcoming = self.prestage(next_step, source_for(next_step))
 
         report = await self.run_step(step, source, prestaged=current,
@@ -400,7 +413,7 @@ class StagePipeline:
         step += 1
     finally:
       if upcoming is not None:
-        await _settle(upcoming.discard())
+        await settle(upcoming.discard())
     return step
 
   async def run_step(
@@ -422,7 +435,7 @@ class StagePipeline:
                 else _Window(self, step, source, stage_closing=True))
     except BaseException:
       if prestaged is not None:
-        await _settle(prestaged.discard())
+        await settle(prestaged.discard())
       raise
     report = window.report
     pending: asyncio.Task | None = None
@@ -444,8 +457,8 @@ class StagePipeline:
           result = pending.result()  # a failed train ends the step: never retried (exactly once)
           pending = None
           report.trained += 1
-          if pending_entry.mb.closes_step:
-            report.result, closed = result, True
+          report.result = result  # the step's result: its last train call's
+          closed = pending_entry.mb.closes_step
         window.handle(done)
     except BaseException as e:
       # The train call in flight (or the one that just failed) may have been dispatched by key
@@ -456,13 +469,13 @@ class StagePipeline:
         # cancellation cuts it short.
         if isinstance(e, asyncio.CancelledError):
           pending.cancel()
-        await _settle(asyncio.gather(pending, return_exceptions=True))
+        await settle(asyncio.gather(pending, return_exceptions=True))
         if pending.cancelled() or pending.exception() is not None:
           extra = (pending_entry.key,) if pending_entry.status is _Status.STAGED else ()
-      await _settle(window.abort(extra))
+      await settle(window.abort(extra))
       raise
-    await _settle(asyncio.gather(*window.orphan_resets))
-    if not closed:
+    await settle(asyncio.gather(*window.orphan_resets))
+    if not closed and not self.open_ended:
       raise PipelineContractError(f"step {step} ended without its optimizer-applying micro-batch")
     log.debug("step %d staging: %s", step, report.metrics())
     return report

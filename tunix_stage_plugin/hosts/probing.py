@@ -1,10 +1,12 @@
 """Capability probes shared by the host adapters: does a host have what the hooks rely on, with
 the expected shape? Probing never changes the host (docs/tunix.md).
 
-A signature says nothing of what a method does. Where a hook reproduces a host method's body
-(tunix's staged train loop), `fingerprint` pins the body it was written against, so a host whose
-body changed is refused rather than silently replaced (docs/tunix.md, "The train loop's
-fingerprint").
+A signature says nothing of what a method does. What a hook relies on in a body (a call it
+makes, an attribute it assigns) is read from the method's parsed code (`Body`), never from its
+text, so a comment or a string cannot satisfy a probe. Where a hook reproduces a host method's
+body (tunix's staged train loop on a tunix without the loop's seam), `fingerprint` pins the body
+it was written against, so a host whose body changed is refused rather than silently replaced
+(docs/tunix.md, "The train loop's fingerprint").
 """
 
 from __future__ import annotations
@@ -68,6 +70,71 @@ def free(cls: type, *attrs: str) -> str | None:
     return (f"{cls.__qualname__} already has {taken} (the host's own, or another copy of the "
             "plugin installed)")
   return None
+
+
+class Body:
+  """A function's parsed code: the calls it makes and the attributes it assigns, by dotted name
+  ("self._prepare_payload", "engine.train_step"), in the order they appear.
+
+  Raises OSError where the source is not available (a host installed without its .py files).
+  """
+
+  def __init__(self, fn: Any) -> None:
+    (self.node,) = ast.parse(textwrap.dedent(inspect.getsource(fn))).body
+
+  def calls(self, name: str) -> list[ast.Call]:
+    """Every call of `name` (a dotted name), in source order."""
+    return [n for n in ast.walk(self.node)
+            if isinstance(n, ast.Call) and dotted(n.func) == name]
+
+  def call_order(self, *names: str) -> list[str]:
+    """Which of `names` are called, each at its first call, in the order of those first calls."""
+    first: dict[str, tuple[int, int]] = {}
+    for name in names:
+      found = self.calls(name)
+      if found:
+        first[name] = min((c.lineno, c.col_offset) for c in found)
+    return sorted(first, key=first.__getitem__)
+
+  def assigns(self, name: str) -> bool:
+    """Whether the body assigns the dotted name `name` (`self._server = ...`)."""
+    for n in ast.walk(self.node):
+      targets = (n.targets if isinstance(n, ast.Assign) else
+                 [n.target] if isinstance(n, (ast.AnnAssign, ast.AugAssign)) else [])
+      if any(dotted(t) == name for t in targets):
+        return True
+    return False
+
+  def iterates(self, name: str, *, is_async: bool) -> list[ast.For | ast.AsyncFor]:
+    """The (async) for loops over the dotted name `name`."""
+    kind = ast.AsyncFor if is_async else ast.For
+    return [n for n in ast.walk(self.node) if isinstance(n, kind) and dotted(n.iter) == name]
+
+  def string_arguments(self, name: str) -> set[str]:
+    """The string constants passed, positionally or by keyword, to calls ending in `.name` or
+    named `name` (`parser.add_argument("--flag")` for "add_argument")."""
+    found = set()
+    for n in ast.walk(self.node):
+      if isinstance(n, ast.Call) and (dotted(n.func) or "").split(".")[-1] == name:
+        for arg in [*n.args, *(k.value for k in n.keywords)]:
+          if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            found.add(arg.value)
+    return found
+
+
+def dotted(node: Any) -> str | None:
+  """`a.b.c` for a Name/Attribute chain; None for anything else (a call's result, a subscript)."""
+  parts = []
+  while isinstance(node, ast.Attribute):
+    parts.append(node.attr)
+    node = node.value
+  if not isinstance(node, ast.Name):
+    return None
+  return ".".join([node.id, *reversed(parts)])
+
+
+def keywords(call: ast.Call) -> set[str]:
+  return {k.arg for k in call.keywords if k.arg is not None}
 
 
 FINGERPRINT_HEX_DIGITS = 16

@@ -41,6 +41,16 @@ HOST_CLASSES = (remote_execution.RemoteExecutionServer, remote_execution.GrpcRem
                 distributed_rl_engine.DistributedRLEngine, rl_program.StandardRLProgram,
                 rl_program.RLStepResult)
 STAGE = config_lib.resolve({"mode": "stage"}, env={})
+# How this tunix's train loop is staged: the plugin's copy (c7d8950) or tunix's seam (c7d8950 with
+# patches/tunix-plugins-entry-point.patch), and the hooks each way installs: server 4, worker 4
+# (with PeftTrainer's seam), engine 3, program 3 (train_stage and the upstream change's two
+# methods) and, through the seam, 3 more (the seam's two methods and last_step_result).
+WAY = probes.loop_way(rl_program.StandardRLProgram)
+HOOKS = {probes.COPY: 14, probes.SEAM: 17}[WAY]
+copy_only = pytest.mark.skipif(WAY != probes.COPY,
+                               reason="the plugin's copy of train_stage only (c7d8950)")
+seam_only = pytest.mark.skipif(WAY != probes.SEAM,
+                               reason="tunix with the train loop's seam only")
 
 
 def snapshot():
@@ -60,7 +70,7 @@ def test_install_uninstall_reinstall_leaves_classes_exactly_as_they_were(clean):
   assert not any(hasattr(rl_program.StandardRLProgram, name) for name in seams)
   for _ in range(2):
     activation = manager.install(STAGE, quiet=True)
-    assert activation.installed and len(activation.hooks) == 13
+    assert activation.installed and len(activation.hooks) == HOOKS
     assert trainer_worker.TrainerWorker.__dict__[patching.SENTINEL] is True
     for name in seams:  # the upstream change's seams: real methods, there while installed
       assert callable(vars(rl_program.StandardRLProgram)[name])
@@ -86,6 +96,7 @@ def test_host_that_has_its_own_stage_batch_gets_nothing(clean, monkeypatch, caps
          "already has ['stage_batch']" in err[0]
 
 
+@copy_only
 def test_tunix_c7d8950_s_train_stage_is_the_body_the_staged_loop_reproduces():
   train_stage = rl_program.StandardRLProgram.train_stage
   assert probing.fingerprint(train_stage) == probes.TRAIN_STAGE_FINGERPRINT
@@ -115,6 +126,7 @@ def newer_train_stage(monkeypatch, tmp_path):
   return train_stage
 
 
+@copy_only
 def test_a_tunix_whose_train_stage_body_changed_gets_nothing(clean, newer_train_stage, capsys):
   found = probing.fingerprint(newer_train_stage)
   assert found != probes.TRAIN_STAGE_FINGERPRINT
@@ -131,6 +143,7 @@ def test_a_tunix_whose_train_stage_body_changed_gets_nothing(clean, newer_train_
       f"TUNIX_STAGE_ACCEPT_TRAIN_STAGE={found})")
 
 
+@copy_only
 def test_the_setting_stages_the_one_body_it_names(clean, newer_train_stage, capsys, caplog):
   found = probing.fingerprint(newer_train_stage)
   accepting = config_lib.resolve({"mode": "stage"},
@@ -138,7 +151,7 @@ def test_the_setting_stages_the_one_body_it_names(clean, newer_train_stage, caps
   before = snapshot()
   with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
     activation = manager.install(accepting, quiet=True)
-  assert activation.installed and len(activation.hooks) == 13
+  assert activation.installed and len(activation.hooks) == HOOKS
   assert vars(rl_program.StandardRLProgram)["train_stage"] is not newer_train_stage
   warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING]
   assert warnings == [
@@ -161,6 +174,7 @@ def test_tunix_s_own_body_stages_whatever_the_setting_names(clean):
   assert manager.install(other, quiet=True).installed
 
 
+@copy_only
 def test_a_train_stage_without_source_gets_nothing(clean, monkeypatch, capsys):
   namespace = dict(vars(rl_program))
   exec(compile(textwrap.dedent(inspect.getsource(rl_program.StandardRLProgram.train_stage)),  # pylint: disable=exec-used
@@ -171,6 +185,46 @@ def test_a_train_stage_without_source_gets_nothing(clean, monkeypatch, capsys):
   assert snapshot() == before
   (line,) = capsys.readouterr().err.strip().splitlines()
   assert "StandardRLProgram.train_stage's body: its source is not available" in line
+
+
+@pytest.mark.skipif("TUNIX_STAGE_TEST_TREE" not in os.environ,
+                    reason="CI names the tree it runs on (.ci/run); a checkout of yours may be "
+                    "either")
+def test_the_train_loop_is_staged_the_way_this_tree_needs(clean):
+  tree = os.environ["TUNIX_STAGE_TEST_TREE"]
+  assert WAY == {"plain": probes.COPY, "patched": probes.SEAM}[tree]
+  activation = manager.install(STAGE, quiet=True)
+  assert activation.installed and probes.describe_loop(WAY) in activation.line
+  assert ("fingerprint" in activation.line) == (WAY == probes.COPY)
+
+
+@seam_only
+def test_through_the_seam_train_stage_is_tunix_s_whatever_its_fingerprint(
+    clean, newer_train_stage):
+  """The fingerprint pins only the body the copy replaces: through the seam, tunix's train_stage
+  (here one statement longer) runs as it is, wrapped, and no setting is needed."""
+  before = snapshot()
+  activation = manager.install(STAGE, quiet=True)
+  assert activation.installed and len(activation.hooks) == HOOKS
+  assert vars(rl_program.StandardRLProgram)["train_stage"].__wrapped__ is newer_train_stage
+  manager.uninstall("tunix", quiet=True)
+  assert snapshot() == before
+
+
+@seam_only
+def test_a_seam_of_another_shape_gets_nothing(clean, monkeypatch, capsys):
+  async def _train_microbatches(self, engine, step, microbatches):  # trains nothing
+    del self, engine, step, microbatches
+
+  monkeypatch.setattr(rl_program.StandardRLProgram, "_train_microbatches", _train_microbatches)
+  before = snapshot()
+  assert not manager.install(STAGE).installed
+  assert snapshot() == before
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert line.endswith(
+      "does not match (program: the train loop's seam (_step_microbatches, _train_microbatches): "
+      "StandardRLProgram._train_microbatches does not call engine.train_step(..., "
+      "accumulate_gradients=, apply_optimizer=) for each of microbatches.batches)"), line
 
 
 def run_fresh(code, **env_updates):
@@ -192,7 +246,7 @@ def test_bootstrap_installs_on_first_tunix_import_only_when_stage():
   lines = [l for l in on.stderr.splitlines() if l.startswith("tunix-stage:")]
   # The commit is named only where pip recorded one (a checkout, not an archive install).
   assert len(lines) == 1 and "staging on for tunix 0.1.8" in lines[0]
-  assert "13 hooks" in lines[0] and "max_staged_batches=3" in lines[0]
+  assert f"{HOOKS} hooks" in lines[0] and "max_staged_batches=3" in lines[0]
   off = run_fresh(PROBE_PATCHED, TUNIX_STAGE_BATCH="off")
   assert off.stdout.split() == ["False", "False"]
   assert "tunix-stage" not in off.stderr

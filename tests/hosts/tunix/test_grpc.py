@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -101,8 +102,9 @@ def serve(kind: str) -> None:
     depth = int(os.environ.get(NODE_DEPTH, "2"))
     assert tunix_stage_plugin.install(
         config_lib.resolve({"mode": "stage", "max_device_batches": depth}, env={})).installed
-  else:
+  elif kind == "plain":
     remote_execution._MAX_MESSAGE_BYTES = TEST_CAP  # pylint: disable=protected-access
+  # "runtime": launched by tunix's runtime, whatever activated there (test_runtime.py).
   mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("fsdp", "tp"))
 
   class TinyLM(nnx.Module):
@@ -229,7 +231,7 @@ def serve(kind: str) -> None:
 
   async def main():
     servers, ports = [], {}
-    for name in PLUGIN_WORKERS if kind == "plugin" else PLAIN_WORKERS:
+    for name in {"plugin": PLUGIN_WORKERS, "plain": PLAIN_WORKERS, "runtime": ("runtime",)}[kind]:
       trainer_cls = OwnPreparingTrainer if name in OWN_PREPARE else ShiftingTrainer
       worker = NodeWorker(functools.partial(make_trainer, trainer_cls), worker_id=name)
       worker.initialize()
@@ -237,6 +239,8 @@ def serve(kind: str) -> None:
       server = remote_execution.GrpcRemoteExecutionServer(worker)
       if kind == "plugin":
         installation.current().serve_side_channel = name not in STREAM_ONLY
+      if kind == "runtime":
+        print(manager_line(), file=sys.stderr, flush=True)
       await server.start_serving_async(port)
       servers.append(server)
       ports[name] = port
@@ -247,6 +251,47 @@ def serve(kind: str) -> None:
     print("stopped", flush=True)
 
   asyncio.run(main())
+
+
+def manager_line() -> str:
+  """What this process's plugin says of itself (for a node launched by tunix's runtime)."""
+  # pylint: disable-next=import-outside-toplevel
+  from tunix_stage_plugin.activation import manager
+  return json.dumps({"installed": manager.is_installed("tunix"),
+                     "hooks": manager.installed_hooks("tunix"),
+                     "site": "site" in sys.modules})  # False: no .pth file ran (python -S)
+
+
+def runtime_trainer_main(argv, context):
+  """A tunix runtime process main (`--process_main=tests.hosts.tunix.test_grpc.runtime_trainer_
+  main`): one trainer node; the plugin is whatever tunix's runtime activated."""
+  del argv, context
+  serve("runtime")
+
+
+def runtime_orchestrator_main(argv, context):
+  """A tunix runtime process main: trains the small job against `--port`, the plugin being
+  whatever tunix's runtime activated; prints one JSON line (parameters' digest, staging metrics,
+  what the plugin says of itself)."""
+  del context
+  import argparse  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--port", type=int, required=True)
+  port = parser.parse_args(argv).port
+  params, inputs, reports = asyncio.run(train(port, [batch(n) for n in range(STEPS * MICRO)],
+                                              STEPS, rl_program.StandardRLProgram))
+  print(json.dumps({"params": digest(params), "inputs": inputs,
+                    "metrics": [getattr(r, "stage_metrics", None) for r in reports],
+                    "plugin": json.loads(manager_line())}), flush=True)
+
+
+def digest(params):
+  """The parameters' bytes as one hex digest (equal digests: bitwise equal parameters)."""
+  h = hashlib.sha256()
+  for name in sorted(params):
+    h.update(name.encode())
+    h.update(params[name])
+  return h.hexdigest()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
@@ -350,27 +395,6 @@ def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=No
   StandardRLProgram (or `program_cls`, a subclass) and engine; `cap` raises this process's
   message cap for the run; `settings` adds to the orchestrator's staging settings."""
   payloads = [batch(n) for n in range(steps * MICRO)] if payloads is None else payloads
-  assert len(payloads) == steps * MICRO
-  reports = []
-
-  async def main():
-    handle = connect(port)
-    engine = distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
-    program = program_cls(
-        algo=types.SimpleNamespace(group_size=2, mini_batch_size=MICRO // 2,
-                                   requires_reference_kl=False),
-        assembler=OnePerItem(), max_staleness=1, sync_weights=False,
-        on_step_end=lambda step, result: reports.append(program.last_step_result))
-    for n, payload in enumerate(payloads):
-      item = datatypes.TrajectoryItem(pair_index=n % 2, group_id=f"g{n // 2}", start_step=0,
-                                      traj=datatypes.Trajectory(reward=0.0))
-      item.payload = payload
-      await program.scored_q.put(item)
-    await program.train_stage(engine, num_steps=steps)
-    result = await handle.asubmit("parameters"), await handle.asubmit("inputs_seen")
-    await handle.close()
-    return result
-
   manager.uninstall("tunix", quiet=True)
   if staged:
     manager.install(config_lib.resolve({"mode": "stage", "codec": codec, **(settings or {})},
@@ -378,10 +402,33 @@ def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=No
   upstream_cap = remote_execution._MAX_MESSAGE_BYTES  # pylint: disable=protected-access
   remote_execution._MAX_MESSAGE_BYTES = cap or upstream_cap  # pylint: disable=protected-access
   try:
-    params, inputs = asyncio.run(main())
+    return asyncio.run(train(port, payloads, steps, program_cls))
   finally:
     remote_execution._MAX_MESSAGE_BYTES = upstream_cap  # pylint: disable=protected-access
     manager.uninstall("tunix", quiet=True)
+
+
+async def train(port, payloads, steps, program_cls):
+  """The job: `payloads` through a StandardRLProgram (or `program_cls`) and a real engine against
+  the worker at `port`; answers the trainer's parameters, the inputs it saw and each step's
+  result, whatever the plugin is doing in this process."""
+  assert len(payloads) == steps * MICRO
+  reports = []
+  handle = connect(port)
+  engine = distributed_rl_engine.DistributedRLEngine([], {ACTOR: handle})
+  program = program_cls(
+      algo=types.SimpleNamespace(group_size=2, mini_batch_size=MICRO // 2,
+                                 requires_reference_kl=False),
+      assembler=OnePerItem(), max_staleness=1, sync_weights=False,
+      on_step_end=lambda step, result: reports.append(program.last_step_result))
+  for n, payload in enumerate(payloads):
+    item = datatypes.TrajectoryItem(pair_index=n % 2, group_id=f"g{n // 2}", start_step=0,
+                                    traj=datatypes.Trajectory(reward=0.0))
+    item.payload = payload
+    await program.scored_q.put(item)
+  await program.train_stage(engine, num_steps=steps)
+  params, inputs = await handle.asubmit("parameters"), await handle.asubmit("inputs_seen")
+  await handle.close()
   return params, inputs, reports
 
 

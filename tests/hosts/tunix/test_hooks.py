@@ -42,11 +42,14 @@ from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts import tunix as tunix_host
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import installation
+from tunix_stage_plugin.hosts.tunix import probes
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
 MB_PER_STEP = 4  # mini_batch_size 2 groups x group_size 2 items, one micro-batch per item
 ALGO = types.SimpleNamespace(group_size=2, mini_batch_size=2, requires_reference_kl=False)
+# How this tunix's train loop is staged: through its seam (patched tree) or the plugin's copy.
+WAY = probes.loop_way(rl_program.StandardRLProgram)
 
 
 @pytest.fixture
@@ -167,8 +170,7 @@ def test_staged_program_trains_every_microbatch_once_in_order(staging):
   assert len(installation.current().staging_of(worker).store) == 0  # nothing left on the device
 
 
-def test_no_cross_step_prestage_at_max_staleness_0_logged_once(staging, caplog, monkeypatch):
-  monkeypatch.setattr(tunix_host.program, "_logged_staleness", False)
+def test_no_cross_step_prestage_at_max_staleness_0_logged_once(staging, caplog):
   with caplog.at_level(logging.INFO, logger="tunix_stage_plugin"):
     trainer, _, reports = run_program(steps=3, max_staleness=0)
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
@@ -712,6 +714,7 @@ def run_cleared(steps=2):
   return trainer, worker, reports, main
 
 
+@pytest.mark.skipif(WAY != probes.COPY, reason="the plugin's copy of train_stage only (c7d8950)")
 def test_a_cleared_queue_ends_tunix_s_step_and_stops_the_staged_loop(staging):
   """The one behaviour the staged loop does not keep (program.py's docstring says why)."""
   trainer, worker, reports, main = run_cleared()
@@ -728,3 +731,75 @@ def test_a_cleared_queue_ends_tunix_s_step_and_stops_the_staged_loop(staging):
   assert [(r.step, r.num_rollouts, r.num_microbatches) for r in reports] == [(0, 2, 2), (1, 0, 0)]
   # The step's last train call answered (one that applied no update); the empty step's, none.
   assert reports[0].train_result is not None and reports[1].train_result is None
+
+
+@pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
+def test_a_cleared_queue_ends_the_step_as_tunix_s_loop_does(staging):
+  """Through the seam the staged loop keeps tunix's behaviour: the step whose queue was cleared
+  ends without an update and is committed and reported, and so is the empty step after it."""
+  reference = []
+  for staged in (True, False):
+    if not staged:
+      manager.uninstall("tunix", quiet=True)
+    trainer, worker, reports, main = run_cleared()
+    asyncio.run(main())
+    reference.append((trainer.calls, [(r.step, r.num_rollouts, r.num_microbatches,
+                                       r.train_result is None) for r in reports]))
+    if staged:
+      assert len(installation.current().staging_of(worker).store) == 0  # nothing left staged
+      assert [r.stage_metrics["stage/staged"] + r.stage_metrics["stage/inline"]
+              for r in reports] == [2, 0]
+  (staged_calls, staged_steps), (plain_calls, plain_steps) = reference
+  assert [c[:2] for c in staged_calls] == [c[:2] for c in plain_calls] == [("fwd", 0), ("fwd", 1)]
+  assert staged_steps == plain_steps == [(0, 2, 2, False), (1, 0, 0, True)]
+
+
+class WrappingProgram(rl_program.StandardRLProgram):
+  """Wraps the per-step loop as a program of the user's own may (the patch's own test does the
+  same), recording what it trains."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.seen = []
+
+  async def _train_microbatches(self, engine, step, microbatches):
+    inner = microbatches.batches
+
+    async def recorded():
+      async for batch, apply_optimizer in inner:
+        self.seen.append((step, int(np.asarray(batch["mb"]).ravel()[0]), apply_optimizer))
+        yield batch, apply_optimizer
+
+    microbatches.batches = recorded()
+    return await super()._train_microbatches(engine, step, microbatches)
+
+
+@pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
+def test_the_seam_way_leaves_train_stage_tunix_s_and_stages_through_the_seam(staging):
+  program_cls = rl_program.StandardRLProgram
+  hooked = vars(program_cls)["train_stage"]
+  assert hooked.__wrapped__.__module__ == rl_program.__name__  # tunix's own, wrapped
+  hooks = manager.installed_hooks()
+  for name in ("train_stage", "_step_microbatches", "_train_microbatches", "last_step_result"):
+    assert f"{rl_program.__name__}.StandardRLProgram.{name}" in hooks
+  line = manager.install(staging, quiet=True).line  # installed already: the same activation
+  assert "program: tunix's train_stage, staged through its seam" in line, line
+  trainer, worker, reports = run_program(steps=3)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)
+  assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 6
+  assert all(r.stage_metrics["stage/prestaged"] >= 1 for r in reports[1:])
+  assert len(installation.current().staging_of(worker).store) == 0
+
+
+@pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
+def test_a_program_overriding_the_seam_is_staged_within_its_steps(staging, caplog):
+  with caplog.at_level(logging.INFO, logger="tunix_stage_plugin"):
+    program, trainer, worker, reports = run_subclass(WrappingProgram)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)
+  assert program.seen == [(s, n, n % MB_PER_STEP == MB_PER_STEP - 1)
+                          for s in range(3) for n in range(s * MB_PER_STEP, (s + 1) * MB_PER_STEP)]
+  assert [r.stage_metrics["stage/prestaged"] for r in reports] == [0, 0, 0]
+  assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 3  # staged within the steps
+  lines = [r.message for r in caplog.records if "overrides _train_microbatches" in r.message]
+  assert len(lines) == 1 and "not across the step boundary" in lines[0]
+  assert len(installation.current().staging_of(worker).store) == 0

@@ -290,9 +290,10 @@ def test_reference_log_probs_over_the_cap_go_in_chunks_to_the_reference_worker(c
         [], {}, inference_workers={datatypes.Role.REFERENCE: handle})
     streams = stream.streams_of(engine)
     try:
-      small = await stream.per_token_logps(engine, streams, datatypes.Role.REFERENCE, big(1, 1))
+      # The engine's own method, hooked: tunix's call below the cap, the stream above it.
+      small = await engine.per_token_logps(datatypes.Role.REFERENCE, items=big(1, 1))
       calls_small = streams.calls
-      large = await stream.per_token_logps(engine, streams, datatypes.Role.REFERENCE, big(2))
+      large = await engine.per_token_logps(datatypes.Role.REFERENCE, items=big(2))
     finally:
       await close(server, handle, engine)
     return small, calls_small, large, streams.calls

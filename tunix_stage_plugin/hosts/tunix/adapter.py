@@ -32,16 +32,34 @@ class TunixAdapter:
   name = "tunix"
   # remote_execution, trainer_worker, distributed_rl_engine, rl_program: the order of Modules.
   trigger_modules = triggers.HOST_TRIGGERS["tunix"]
-  hook_groups = (
+  HOOK_GROUPS = (
       "server: trainer methods off the event loop, a chunked stream for calls over the "
       "message cap",
       "worker: stage_batch/reset_staged/fwd_bwd(stage_key)",
-      "engine: stage_train_batch/reset_staged_batches",
-      "program: staged train loop, _stage_ahead_while_pending/_prestage_across_boundary",
+      "engine: stage_train_batch/reset_staged_batches/per_token_logps",
   )
 
   def __init__(self) -> None:
     self._modules: Modules | None = None
+
+  @property
+  def hook_groups(self) -> tuple[str, ...]:
+    """The hook groups; the program's names the train loop's way once tunix is loaded."""
+    loop = "staged train loop" if self._modules is None else self.describe_loop()
+    return (*self.HOOK_GROUPS,
+            f"program: {loop}, _stage_ahead_while_pending/_prestage_across_boundary")
+
+  def loop_way(self) -> str:
+    """How the train loop is staged in this tunix (probes.SEAM or probes.COPY)."""
+    # pylint: disable-next=import-outside-toplevel
+    from tunix_stage_plugin.hosts.tunix import probes
+    return probes.loop_way(self.modules.program.StandardRLProgram)
+
+  def describe_loop(self) -> str:
+    """The train loop's way in words (the activation line and doctor say it)."""
+    # pylint: disable-next=import-outside-toplevel
+    from tunix_stage_plugin.hosts.tunix import probes
+    return probes.describe_loop(self.loop_way())
 
   @property
   def modules(self) -> Modules:

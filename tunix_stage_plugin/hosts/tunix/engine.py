@@ -9,13 +9,15 @@ UNSUPPORTED when the trainer has no stage_batch at all (no plugin there, or stag
 pipeline asks once instead of sending every payload twice. A malformed or reused key raises.
 A stage over tunix's message cap goes through the trainer's chunked stream (stream.py); one the
 trainer cannot take that way (no stream there) is UNSUPPORTED too.
-train_step itself is not touched: `train_step(None, stage_key=k, ...)` already reaches the
+per_token_logps (a micro-batch to the reference worker) goes the same way when it is large; small
+ones are tunix's own call. train_step itself is not touched: `train_step(None, stage_key=k, ...)` already reaches the
 worker's fwd_bwd through the host's **kwargs, with no payload on the wire.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from tunix.experimental.common import datatypes
@@ -81,6 +83,16 @@ async def reset_staged_batches(self: Any, keys: list[str] | None = None, *,
 
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
           engine_cls: type) -> None:
+  original_logps = engine_cls.__dict__["per_token_logps"]
+
+  @functools.wraps(original_logps)
+  async def per_token_logps(self: Any, role: datatypes.Role, items: Any, **kwargs: Any) -> Any:
+    """tunix's call, unless it carries a micro-batch large enough for the side channel or over
+    tunix's message cap (then it goes that way, to the worker tunix's call would reach)."""
+    if kwargs:  # what the plugin's paths do not carry: tunix's own call
+      return await original_logps(self, role, items, **kwargs)
+    return await stream.per_token_logps(self, stream.streams_of(self), role, items,
+                                        functools.partial(original_logps, self))
 
   async def stage_train_batch(self: Any, payload: Any, *, key: str,
                               role: datatypes.Role = datatypes.Role.ACTOR
@@ -91,3 +103,4 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
 
   registry.set(engine_cls, "stage_train_batch", stage_train_batch)
   registry.set(engine_cls, "reset_staged_batches", reset_staged_batches)
+  registry.set(engine_cls, "per_token_logps", per_token_logps)

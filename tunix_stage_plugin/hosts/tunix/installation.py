@@ -73,8 +73,17 @@ class Installation:
     self.serve_side_channel = True
     self.bulk_limits = bulk_lib.BulkLimits()
     self.bulk_calls: collections.Counter[str] = collections.Counter()
+    self._said: set[str] = set()  # the once-per-installation log lines already said
     self._bound_pool()
     live.on_update(self._reconfigure)
+
+  def first_time(self, what: str) -> bool:
+    """True the first time `what` is asked about in this installation (a line said once)."""
+    with self._lock:
+      if what in self._said:
+        return False
+      self._said.add(what)
+      return True
 
   def staging_of(self, worker: Any) -> WorkerStaging:
     with self._lock:

@@ -1,15 +1,19 @@
 """Capability probes: does this tunix have what each hook relies on, with the expected shape?
 
 Run before anything is patched; any failure means nothing is installed. A probe checks the
-attributes the hooks call or replace (and that the names the hooks add are still free, so a tunix
-that grew its own stage_batch is not silently overridden). The staged train loop reproduces
-StandardRLProgram.train_stage's body, so that body is pinned by its fingerprint: a tunix whose
-loop does more (or else) is refused, unless its fingerprint is accepted by
-TUNIX_STAGE_ACCEPT_TRAIN_STAGE (docs/tunix.md, "The train loop's fingerprint").
+attributes the hooks call or replace, what their bodies do (read from the parsed code, never from
+text), and that the names the hooks add are still free, so a tunix that grew its own stage_batch
+is not silently overridden. The train loop is staged one of two ways (`loop_way`): through the
+loop's seam (`_step_microbatches` / `_train_microbatches`, patches/tunix-plugins-entry-point.patch),
+checked by its parsed code; or, on a tunix without the seam, by the plugin's copy of
+StandardRLProgram.train_stage, whose body is pinned by its fingerprint, so a tunix whose loop does
+more (or else) is refused unless TUNIX_STAGE_ACCEPT_TRAIN_STAGE accepts it (docs/tunix.md, "The
+train loop, two ways").
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import re
@@ -20,11 +24,31 @@ from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.probing import Probe, check as _check, free as _free
 from tunix_stage_plugin.hosts.probing import method as _method, parameters as _params
 
+# The two ways the train loop is staged (program.py).
+SEAM = "seam"  # tunix's train_stage, unchanged; the plugin stages through the loop's seam
+COPY = "copy"  # the plugin's copy of tunix c7d8950's train_stage replaces it (fingerprint-pinned)
+SEAM_METHODS = ("_step_microbatches", "_train_microbatches")
+STEP_MICROBATCHES_FIELDS = frozenset({"batches", "groups", "rewards", "num_rollouts",
+                                      "num_microbatches"})
 # probing.fingerprint of StandardRLProgram.train_stage at tunix c7d8950: the body the staged loop
-# (program.py) reproduces.
+# (program.py) reproduces on a tunix without the seam.
 TRAIN_STAGE_FINGERPRINT = "0db6a891a29dd479"
 TRAIN_STAGE_COMMIT = "c7d8950"
 ACCEPT = config_lib.SETTINGS_BY_FIELD["accept_train_stage"]
+
+
+def loop_way(program_cls: type) -> str:
+  """SEAM when StandardRLProgram defines either of the loop's seam methods (then the seam must
+  have its whole shape, `program_seam` below), else COPY."""
+  return SEAM if any(m in vars(program_cls) for m in SEAM_METHODS) else COPY
+
+
+def describe_loop(way: str) -> str:
+  """The train loop's way, as the activation line and doctor say it."""
+  if way == SEAM:
+    return ("tunix's train_stage, staged through its seam (_step_microbatches, "
+            "_train_microbatches)")
+  return f"the plugin's copy of tunix {TRAIN_STAGE_COMMIT}'s train_stage (fingerprint-pinned)"
 
 
 def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
@@ -61,7 +85,7 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
     handle = remote.GrpcRemoteActorHandle("grpc://127.0.0.1:1", rpc_timeout_s=1.5)  # dials nothing
     request_params = {"request_id", "method_name", "args", "kwargs"}
     return (_method(server, "start_serving_async", params=("port",), coroutine=True, own=True)
-            or (None if "self._server = " in inspect.getsource(server.start_serving_async)
+            or (None if probing.Body(server.start_serving_async).assigns("self._server")
                 else "GrpcRemoteExecutionServer.start_serving_async does not assign self._server")
             or (None if "_server" not in vars(server) else
                 "GrpcRemoteExecutionServer has a class attribute _server")
@@ -85,7 +109,7 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
 
   def trainer_seam() -> str | None:
     # fwd_bwd must prepare through the seam (inline and staged are then the same computation).
-    calls_seam = "self._prepare_payload(" in inspect.getsource(peft.fwd_bwd)
+    calls_seam = bool(probing.Body(peft.fwd_bwd).calls("self._prepare_payload"))
     return (_method(peft, "_prepare_payload", params=("payload",), coroutine=False, own=True)
             or _method(peft, "fwd_bwd", params=("payload",), coroutine=False, own=True)
             or (None if calls_seam else "PeftTrainer.fwd_bwd does not call self._prepare_payload"))
@@ -121,6 +145,42 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
                 if step_fields - fields else None)
             or _free(program, "_stage_ahead_while_pending", "_prestage_across_boundary"))
 
+  def program_seam() -> str | None:
+    # The loop's seam (patches/tunix-plugins-entry-point.patch), by its parsed code: train_stage
+    # makes each step's micro-batches, trains them through _train_microbatches and records the
+    # step's result; _train_microbatches is the per-micro-batch loop the staged one stands in for.
+    made = getattr(m.program, "StepMicrobatches", None)
+    if made is None or not dataclasses.is_dataclass(made):
+      return "rl_program.StepMicrobatches (a dataclass) is missing"
+    missing = STEP_MICROBATCHES_FIELDS - {f.name for f in dataclasses.fields(made)}
+    if missing:
+      return f"rl_program.StepMicrobatches lacks {sorted(missing)}"
+    problem = (_method(program, "_step_microbatches", params=("engine",), coroutine=False,
+                       own=True)
+               or _method(program, "_train_microbatches", params=("engine", "step",
+                                                                  "microbatches"),
+                          coroutine=True, own=True)
+               or _free(program, "last_step_result"))
+    if problem is not None:
+      return problem
+    loop, seam = probing.Body(program.train_stage), probing.Body(program._train_microbatches)  # pylint: disable=protected-access
+    order = loop.call_order("self._step_microbatches", "self._train_microbatches")
+    if order != ["self._step_microbatches", "self._train_microbatches"]:
+      return ("StandardRLProgram.train_stage does not call self._step_microbatches, then "
+              "self._train_microbatches")
+    if loop.calls("engine.train_step"):
+      return "StandardRLProgram.train_stage calls engine.train_step itself, beside the seam"
+    if not loop.assigns("self.last_step_result"):
+      return "StandardRLProgram.train_stage does not assign self.last_step_result"
+    trains = [c for f in seam.iterates("microbatches.batches", is_async=True)
+              for c in ast.walk(f) if isinstance(c, ast.Call)
+              and probing.dotted(c.func) == "engine.train_step"]
+    if not any({"accumulate_gradients", "apply_optimizer"} <= probing.keywords(c)
+               for c in trains):
+      return ("StandardRLProgram._train_microbatches does not call engine.train_step("
+              "..., accumulate_gradients=, apply_optimizer=) for each of microbatches.batches")
+    return None
+
   def program_body() -> str | None:
     train_stage = vars(program).get("train_stage")
     if train_stage is None:
@@ -139,6 +199,11 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
             f"replace{other}; upgrade tunix-stage-plugin, or check that the staged loop still does "
             f"what this body does (docs/tunix.md) and set {ACCEPT.env}={found}")
 
+  if loop_way(program) == SEAM:
+    loop_probe = _check("program: the train loop's seam (_step_microbatches, "
+                        "_train_microbatches)", program_seam)
+  else:
+    loop_probe = _check("program: StandardRLProgram.train_stage's body", program_body)
   return [
       _check("server: RemoteExecutionServer.execute_request routing", server_routing),
       _check("server: a chunked stream beside GrpcRemoteExecutionServer's methods",
@@ -149,7 +214,7 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
       _check("server: RemoteExecutionError [type] envelope", error_envelope),
       _check("engine: DistributedRLEngine.train_step(**kwargs) / _invoke_worker", engine_api),
       _check("program: StandardRLProgram.train_stage / RLStepResult", program_loop),
-      _check("program: StandardRLProgram.train_stage's body", program_body),
+      loop_probe,
   ]
 
 

@@ -313,13 +313,14 @@ async def train_step(engine: Any, streams: Streams, payload: Any, *, role: datat
           "accumulated": accumulate_gradients}
 
 
-async def per_token_logps(engine: Any, streams: Streams, role: datatypes.Role, items: Any) -> Any:
-  """The host's `per_token_logps(role, items=items)`, unless the call takes the side channel or
-  the stream, to the worker the host's method picks (an inference worker of `role`, else the
-  trainer)."""
+async def per_token_logps(engine: Any, streams: Streams, role: datatypes.Role, items: Any,
+                          host_call: Any) -> Any:
+  """`host_call(role, items=items)` (the host's per_token_logps), unless the call takes the side
+  channel or the stream, to the worker the host's method picks (an inference worker of `role`,
+  else the trainer)."""
   # pylint: disable-next=protected-access
   worker = engine._inference_workers.get(role) or engine._trainer_workers.get(role)
   result = await _carry(streams, worker, "per_token_logps", {"items": items})
   if result is _HOST:  # byte for byte the host's own call
-    return await engine.per_token_logps(role, items=items)
+    return await host_call(role, items=items)
   return result
