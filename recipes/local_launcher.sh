@@ -57,6 +57,8 @@ staging (validated by 'tunix-stage config --check'; a bad value stops the launch
   TUNIX_STAGE_MAX_HOST_BATCHES    received-batch host bound, 1..1024 (default 1) trainer
   TUNIX_STAGE_CODEC               stage payload codec, off | on | NAME[:LEVEL] (default off) orchestrator
   TUNIX_STAGE_ACCEPT_TRAIN_STAGE  a changed tunix train loop's fingerprint (default none) both
+  TUNIX_STAGE_METRICS             a folder for each process's metrics record (default none) both
+  TUNIX_STAGE_LOG_EVERY           the per-step line every N steps, 0 none (default 1) both
 The python that runs everything is \$PYTHON (default: the first of this checkout's
 .venv/bin/python, the python next to 'tunix-stage' on PATH, python3, that has the plugin).
 Numbers are decimal ASCII digits ("08" is 8); no value may hold a control character.

@@ -43,7 +43,7 @@ def required_arguments(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def test_the_table_lists_every_subcommand_module():
-  assert SUBCOMMANDS == sorted(["bench", "config", "doctor", "run", "simulate"])
+  assert SUBCOMMANDS == sorted(["bench", "config", "doctor", "report", "run", "simulate"])
 
 
 @pytest.mark.parametrize("name", SUBCOMMANDS)

@@ -11,6 +11,8 @@ import pytest
 
 from tests.embedded.support import wait_for
 from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
 
 MIB = 1 << 20
 
@@ -100,8 +102,8 @@ def test_a_chunk_sink_refuses_streams_that_break_their_sizes(chunks, message):
 def test_a_bounded_pool_waits_for_a_transfer_to_come_back_before_making_more():
   pool = buffers_lib.HostBufferPool()
   pool.set_bound(2, wait_s=60)  # long: the release below, not the wait's end, lets it go
-  told = []
-  pool.on_bound_wait = lambda start, end, nbytes: told.append((end >= start, nbytes))
+  told = timeline_lib.Timeline()  # the pool's waits, as a telemetry sink sees them
+  pool.recorder = told
   first, second = pool.take_all([4 * MIB, 2 * MIB]), pool.take_all([4 * MIB, 2 * MIB])
   got = []
   third = threading.Thread(target=lambda: got.append(pool.take_all([4 * MIB, 2 * MIB])))
@@ -115,7 +117,9 @@ def test_a_bounded_pool_waits_for_a_transfer_to_come_back_before_making_more():
     third.join(30)
   assert sorted(b.ctypes.data for b in got[0]) == addresses
   assert (pool.made, pool.reused, pool.over_bound) == (4, 2, 0)
-  assert told == [(True, 6 * MIB)]  # one wait, for the transfer's pooled bytes
+  (wait,) = told.spans()  # one wait, for the transfer's pooled bytes, that did not run out
+  assert wait.track == tracks.TRAINER_POOL_WAIT and wait.end >= wait.start
+  assert dict(wait.args) == {"bytes": 6 * MIB, "over": False}
   del second
 
 

@@ -26,10 +26,11 @@ def test_defaults_when_env_is_empty():
 def test_env_beats_default_and_explicit_beats_env():
   env = {"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "3",
          "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2", "TUNIX_STAGE_MAX_HOST_BATCHES": "4",
-         "TUNIX_STAGE_CODEC": "off", "TUNIX_STAGE_ACCEPT_TRAIN_STAGE": "0123456789abcdef"}
+         "TUNIX_STAGE_CODEC": "off", "TUNIX_STAGE_ACCEPT_TRAIN_STAGE": "0123456789abcdef",
+         "TUNIX_STAGE_METRICS": "/tmp/job-metrics", "TUNIX_STAGE_LOG_EVERY": "10"}
   cfg = config_lib.resolve(env=env)
-  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches, cfg.max_host_batches) == (
-      "stage", 3, 2, 4)
+  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches, cfg.max_host_batches,
+          cfg.metrics, cfg.log_every) == ("stage", 3, 2, 4, "/tmp/job-metrics", 10)
   assert cfg.enabled and set(cfg.sources.values()) == {"env"}
   cfg = config_lib.resolve({"max_staged_batches": 1, "mode": None}, env=env,
                            explicit_source="flag")
@@ -118,9 +119,9 @@ def test_argparse_flags_beat_env(monkeypatch):
 
 def test_roles_name_the_settings_each_process_reads():
   assert config_lib.fields_for("orchestrator") == ("mode", "max_staged_batches", "codec",
-                                                   "accept_train_stage")
+                                                   "accept_train_stage", "metrics", "log_every")
   assert config_lib.fields_for("trainer") == ("mode", "max_device_batches", "max_host_batches",
-                                              "accept_train_stage")
+                                              "accept_train_stage", "metrics", "log_every")
   assert flags_lib.TRAINER_FIELDS == config_lib.fields_for("trainer")
   with pytest.raises(ValueError, match="unknown role 'rollout'; accepted: orchestrator | trainer"):
     config_lib.fields_for("rollout")
@@ -241,3 +242,16 @@ def test_a_missing_codec_library_is_named_with_the_extra(monkeypatch):
       "TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage",
       "TUNIX_STAGE_CODEC='blosc2-zstd:3': codec blosc2-zstd needs the Python package blosc2, "
       "which is not installed: pip install 'tunix-stage-plugin[codec]'"]
+
+
+@pytest.mark.parametrize("value, expected", [("/tmp/m", "/tmp/m"), (" off ", ""), ("", "")])
+def test_the_metrics_folder_is_a_path_or_off(value, expected):
+  assert config_lib.resolve(env={"TUNIX_STAGE_METRICS": value}).metrics == expected
+
+
+def test_a_long_metrics_path_is_taken_and_a_bad_log_interval_is_refused():
+  long_path = "/tmp/" + "d" * 300
+  assert config_lib.resolve(env={"TUNIX_STAGE_METRICS": long_path}).metrics == long_path
+  with pytest.raises(config_lib.ConfigError, match="TUNIX_STAGE_LOG_EVERY='-1' is invalid; "
+                     "accepted: an integer >= 0 and <= 1000000"):
+    config_lib.resolve(env={"TUNIX_STAGE_LOG_EVERY": "-1"})

@@ -33,10 +33,14 @@ CI_RUN = REPO / ".ci" / "run"
 VENV_BIN = Path(sys.executable).parent
 
 STAGING_VARS = ("TUNIX_STAGE_BATCH", "TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_DEVICE_BATCHES",
-                "TUNIX_STAGE_MAX_HOST_BATCHES", "TUNIX_STAGE_CODEC", "TUNIX_STAGE_ACCEPT_TRAIN_STAGE")
+                "TUNIX_STAGE_MAX_HOST_BATCHES", "TUNIX_STAGE_CODEC", "TUNIX_STAGE_ACCEPT_TRAIN_STAGE",
+                "TUNIX_STAGE_METRICS", "TUNIX_STAGE_LOG_EVERY")
 NO_ACCEPT = ("TUNIX_STAGE_ACCEPT_TRAIN_STAGE", "")  # no changed train loop accepted (the default)
+# The telemetry's two, at their defaults: no metrics record, the per-step line every step.
+TELEMETRY = [("TUNIX_STAGE_METRICS", ""), ("TUNIX_STAGE_LOG_EVERY", "1")]
 STAGING_FLAG_PREFIXES = ("--stage_train_batches", "--max_staged_batches", "--stage_max_device_batches",
-                         "--stage_codec", "--stage_accept_train_stage")
+                         "--stage_codec", "--stage_accept_train_stage", "--stage_metrics",
+                         "--stage_log_every")
 IMAGE = "registry.example/tunix-stage:test"
 
 FAKE_KUBECTL = f"""#!{sys.executable}
@@ -259,10 +263,10 @@ def test_base_run_directly_prints_the_effective_settings(tmp_path: Path):
   proc = run(BASE, env=base_env(tmp_path, TUNIX_STAGE_BATCH="stage", TUNIX_MAX_STAGED_BATCHES="3"))
   assert proc.returncode == 0, proc.stderr
   assert "orchestrator: env [TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_CODEC " \
-         "TUNIX_STAGE_ACCEPT_TRAIN_STAGE] flags " \
+         "TUNIX_STAGE_ACCEPT_TRAIN_STAGE TUNIX_STAGE_METRICS TUNIX_STAGE_LOG_EVERY] flags " \
          "[--stage_train_batches=stage --max_staged_batches=3]" in proc.stdout
   assert ("trainer: env [TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES "
-          "TUNIX_STAGE_MAX_HOST_BATCHES TUNIX_STAGE_ACCEPT_TRAIN_STAGE] flags []") in proc.stdout
+          "TUNIX_STAGE_MAX_HOST_BATCHES TUNIX_STAGE_ACCEPT_TRAIN_STAGE TUNIX_STAGE_METRICS TUNIX_STAGE_LOG_EVERY] flags []") in proc.stdout
   assert "rollout: env [] flags []" in proc.stdout
 
 
@@ -277,7 +281,7 @@ def test_base_gives_the_staging_flags_only_to_a_known_driver(tmp_path: Path, mai
   assert proc.returncode == 0, proc.stderr
   flags = "--stage_train_batches=stage --max_staged_batches=2" if takes_flags else ""
   assert ("orchestrator: env [TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_CODEC "
-          f"TUNIX_STAGE_ACCEPT_TRAIN_STAGE] flags [{flags}]") in proc.stdout
+          f"TUNIX_STAGE_ACCEPT_TRAIN_STAGE TUNIX_STAGE_METRICS TUNIX_STAGE_LOG_EVERY] flags [{flags}]") in proc.stdout
   verdict = ("takes the staging flags" if takes_flags else
              "not a driver known to take the staging flags; it reads the staging settings from "
              "the environment only")
@@ -411,9 +415,9 @@ def test_dry_run_defaults_when_the_variables_are_unset(tmp_path: Path, fake_bin:
   assert {r: len(c) for r, c in roles.items()} == {"orchestrator": 1, "trainer": 1, "rollout": 1}
   (orch,), (trainer,), (rollout,) = roles["orchestrator"], roles["trainer"], roles["rollout"]
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "2"),
-                          ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT]
+                          ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1"),
-                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT]
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT, *TELEMETRY]
   assert env_of(rollout) == []
   for container in (orch, trainer, rollout):
     assert staging_flags(container) == []  # off means off
@@ -425,10 +429,10 @@ def test_dry_run_staging_on(tmp_path: Path, fake_bin: Path, depth: str, bound: s
                           TUNIX_MAX_STAGED_BATCHES=depth, TUNIX_STAGE_MAX_DEVICE_BATCHES=bound))
   (orch,), (trainer,), (rollout,) = roles["orchestrator"], roles["trainer"], roles["rollout"]
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", depth),
-                          ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT]
+                          ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"),
                              ("TUNIX_STAGE_MAX_DEVICE_BATCHES", bound),
-                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT]
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT, *TELEMETRY]
   assert env_of(rollout) == []
   # The orchestrator's driver gets the flags; the trainer reads its bound from the env only.
   assert staging_flags(orch) == ["--stage_train_batches=stage", f"--max_staged_batches={depth}"]
@@ -450,7 +454,7 @@ def test_dry_run_an_unknown_driver_gets_the_environment_and_no_flag(tmp_path: Pa
   assert f"--process_main={main}" in orch["command"]
   assert staging_flags(orch) == []  # it could stop at "unrecognized arguments"
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", "3"),
-                          ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT]
+                          ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
 
 
 def test_dry_run_staging_off_carries_off_and_no_flags(tmp_path: Path, fake_bin: Path):
@@ -458,9 +462,9 @@ def test_dry_run_staging_off_carries_off_and_no_flags(tmp_path: Path, fake_bin: 
                           TUNIX_MAX_STAGED_BATCHES="5", TUNIX_STAGE_MAX_DEVICE_BATCHES="3"))
   (orch,), (trainer,) = roles["orchestrator"], roles["trainer"]
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "5"),
-                          ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT]
+                          ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "3"),
-                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT]
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT, *TELEMETRY]
   assert all(staging_flags(c) == [] for cs in roles.values() for c in cs)
 
 
@@ -471,9 +475,9 @@ def test_dry_run_forwards_the_plugins_normalised_values(tmp_path: Path, fake_bin
   (orch,), (trainer,) = roles["orchestrator"], roles["trainer"]
   accepted = ("TUNIX_STAGE_ACCEPT_TRAIN_STAGE", "0123456789abcdef")  # both run the probes
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", "3"),
-                          ("TUNIX_STAGE_CODEC", "off"), accepted]
+                          ("TUNIX_STAGE_CODEC", "off"), accepted, *TELEMETRY]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "2"),
-                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), accepted]
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), accepted, *TELEMETRY]
   assert staging_flags(orch) == ["--stage_train_batches=stage", "--max_staged_batches=3",
                                  "--stage_accept_train_stage=0123456789abcdef"]
 
@@ -558,10 +562,10 @@ def test_k8s_start_deletes_then_applies_each_role(tmp_path: Path, fake_bin: Path
   assert [list(a) for a in applied] == [[r] for r in roles]
   assert env_of(applied[0]["orchestrator"][0]) == [("TUNIX_STAGE_BATCH", "stage"),
                                                    ("TUNIX_MAX_STAGED_BATCHES", "2"),
-                                                   ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT]
+                                                   ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
   assert env_of(applied[1]["trainer"][0]) == [("TUNIX_STAGE_BATCH", "stage"),
                                               ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1"),
-                                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT]
+                                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT, *TELEMETRY]
 
 
 def test_k8s_stop_one_role_only_deletes(tmp_path: Path, fake_bin: Path):

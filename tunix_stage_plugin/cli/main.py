@@ -17,11 +17,12 @@ import importlib
 from tunix_stage_plugin import __version__
 from tunix_stage_plugin.cli import config_cmd
 from tunix_stage_plugin.cli import doctor_cmd
+from tunix_stage_plugin.cli import report_cmd
 from tunix_stage_plugin.cli import run_cmd
 from tunix_stage_plugin.core import flags as flags_lib
 
 # Each subcommand module offers add_parser(subparsers) and run(args) -> exit code.
-_COMMANDS = (config_cmd, doctor_cmd, run_cmd)
+_COMMANDS = (config_cmd, doctor_cmd, run_cmd, report_cmd)
 # The lab's commands (bench, simulate), imported only to build the parser: the production
 # commands above never load the lab (tunix_stage_plugin.lab).
 _LAB_COMMANDS = ("tunix_stage_plugin.lab.bench.command", "tunix_stage_plugin.lab.sim.command")

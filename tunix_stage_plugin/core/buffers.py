@@ -22,9 +22,12 @@ import gc
 import sys
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
+
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
 ALIGNMENT = 64
 POOL_MIN_BYTES = 1 << 20  # smaller buffers are allocated fresh: their faults cost nothing
@@ -78,9 +81,9 @@ class HostBufferPool:
     self.bound_wait_s = BOUND_WAIT_S
     self.bound_waits = 0  # transfers that waited for buffers to come back (the bound reached)
     self.over_bound = 0  # of those, the ones that found none back in time and made more
-    # Told of each such wait (perf_counter start and end, the transfer's pooled bytes): a bench
-    # draws it on its timeline.
-    self.on_bound_wait: Callable[[float, float, int], None] | None = None
+    # Each such wait is a span (tracks.TRAINER_POOL_WAIT: the transfer's pooled bytes, whether
+    # it ran out): the trainer's telemetry counts it in its step.
+    self.recorder: recorder_lib.Spans = recorder_lib.DISABLED
 
   def set_bound(self, transfers: int | None, wait_s: float = BOUND_WAIT_S) -> None:
     """At most `transfers` transfers' worth of pooled bytes in use at once (None: unbounded); a
@@ -168,18 +171,17 @@ class HostBufferPool:
       return
     with self._lock:
       self.bound_waits += 1
-    started = time.perf_counter()
-    deadline, pause, back = time.monotonic() + wait_s, 0.0005, False
-    while not back and time.monotonic() < deadline:
-      time.sleep(pause)  # a polling interval: JAX gives buffers back from its own threads
-      pause = min(2 * pause, 0.005)
-      gc.collect(0)  # JAX's deferred releases run in a gc callback (see _await_release)
-      back = self._in_use() <= (bound - 1) * nbytes
+    with self.recorder.span(tracks.TRAINER_POOL_WAIT, "pool wait", bytes=nbytes) as args:
+      deadline, pause, back = time.monotonic() + wait_s, 0.0005, False
+      while not back and time.monotonic() < deadline:
+        time.sleep(pause)  # a polling interval: JAX gives buffers back from its own threads
+        pause = min(2 * pause, 0.005)
+        gc.collect(0)  # JAX's deferred releases run in a gc callback (see _await_release)
+        back = self._in_use() <= (bound - 1) * nbytes
+      args["over"] = not back
     if not back:
       with self._lock:
         self.over_bound += 1
-    if self.on_bound_wait is not None:
-      self.on_bound_wait(started, time.perf_counter(), nbytes)
 
   def _in_use(self) -> int:
     with self._lock:

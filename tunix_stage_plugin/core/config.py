@@ -35,6 +35,10 @@ ROLES = (ORCHESTRATOR, TRAINER)
 MAX_DEPTH = 1024
 # Longer raw values are refused before parsing (Python's int() has its own, far larger, limit).
 MAX_VALUE_CHARS = 64
+# The most steps between two per-step lines (TUNIX_STAGE_LOG_EVERY); 0 says none.
+MAX_LOG_EVERY = 1_000_000
+# The longest metrics folder accepted (a path: longer than the other settings' values).
+MAX_PATH_CHARS = 4096
 # How much of a bad value an error message repeats.
 MAX_ECHO = 32
 
@@ -68,6 +72,19 @@ def _parse_codec(text: str) -> str:
   return codec_lib.OFF if spec is None else str(spec)
 
 
+def _parse_log_every(text: str) -> int:
+  return inputs.integer(text, minimum=0, maximum=MAX_LOG_EVERY)
+
+
+def _parse_metrics(text: str) -> str:
+  value = text.strip()
+  if value.lower() == "off":
+    return ""
+  if not value or "\0" in value:
+    raise ValueError(value)
+  return value
+
+
 def _parse_fingerprint(text: str) -> str:
   value = text.strip()
   if not re.fullmatch(r"[0-9a-f]{16}", value):
@@ -98,6 +115,7 @@ class Setting:
   # Launch lines carry its flag even at the default (False: only when set, so a driver that
   # predates the setting keeps its command line).
   flag_at_default: bool = True
+  max_chars: int = MAX_VALUE_CHARS  # longer raw values are refused before parsing
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -176,6 +194,35 @@ SETTINGS: tuple[Setting, ...] = (
         "does (docs/tunix.md).",
         flag_at_default=False,
     ),
+    Setting(
+        field="metrics",
+        env="TUNIX_STAGE_METRICS",
+        flag="stage_metrics",
+        default="",
+        parse=_parse_metrics,
+        accepted="a folder (made if missing) where each staging process writes its metrics "
+        "record, or off",
+        roles=ROLES,
+        metavar="DIR",
+        help="write one JSON-lines record per step of this process's staging figures to "
+        "DIR/<role>-<hostname>-<pid>.jsonl (tunix-stage report reads them; "
+        "docs/observability.md); a folder that cannot be written is said once and the job "
+        "goes on without it.",
+        flag_at_default=False,
+        max_chars=MAX_PATH_CHARS,
+    ),
+    Setting(
+        field="log_every",
+        env="TUNIX_STAGE_LOG_EVERY",
+        flag="stage_log_every",
+        default=1,
+        parse=_parse_log_every,
+        accepted=f"an integer >= 0 and <= {MAX_LOG_EVERY}",
+        roles=ROLES,
+        help="print the per-step line (the step's input wait, transfers and what bounded it) "
+        "every N steps on stderr; 0: never.",
+        flag_at_default=False,
+    ),
 )
 SETTINGS_BY_FIELD = {s.field: s for s in SETTINGS}
 
@@ -197,6 +244,8 @@ class StageConfig:
   max_host_batches: int = 1
   codec: str = "off"
   accept_train_stage: str = ""
+  metrics: str = ""  # "": no record
+  log_every: int = 1
   sources: Mapping[str, str] = dataclasses.field(
       default_factory=lambda: {s.field: SOURCE_DEFAULT for s in SETTINGS}, compare=False
   )
@@ -217,8 +266,8 @@ def parse_value(setting: Setting, raw: Any, origin: str) -> Any:
   if isinstance(raw, bool):  # bool is an int: True must not mean a depth of 1.
     raw = {True: MODE_STAGE, False: MODE_OFF}[raw] if setting.field == "mode" else str(raw)
   text = str(raw)
-  if len(text) > MAX_VALUE_CHARS:
-    raise ConfigError(f"{origin}={echo(text)} is invalid: longer than {MAX_VALUE_CHARS} "
+  if len(text) > setting.max_chars:
+    raise ConfigError(f"{origin}={echo(text)} is invalid: longer than {setting.max_chars} "
                       f"characters; accepted: {setting.accepted}")
   # pylint: disable-next=import-outside-toplevel
   from tunix_stage_plugin.core import codec as codec_lib

@@ -24,8 +24,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import store as store_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
 log = logging.getLogger("tunix_stage_plugin")
 
@@ -175,9 +175,14 @@ class _Window:
         self.report.peak_staged = max(self.report.peak_staged, self.staged_count())
 
   async def _stage(self, entry: _Entry) -> outcome_lib.StageOutcome:
-    with self.pipeline.timeline.span(tracks.ORCHESTRATOR_STAGE,
-                                     f"stage s{self.step} m{entry.index}"):
-      return await self.pipeline.engine.stage(entry.mb.payload, key=entry.key)
+    recorder_lib.CALL.set((self.step, entry.index))  # this task's: what it sends counts here
+    with self.pipeline.recorder.span(tracks.ORCHESTRATOR_STAGE,
+                                     f"stage s{self.step} m{entry.index}", step=self.step,
+                                     index=entry.index) as args:
+      outcome = await self.pipeline.engine.stage(entry.mb.payload, key=entry.key)
+      args["status"] = outcome.status.value if isinstance(outcome, outcome_lib.StageOutcome) \
+          else None
+      return outcome
 
   def handle(self, done: set[asyncio.Task]) -> None:
     if self.pull is not None and self.pull in done:
@@ -294,7 +299,7 @@ class StagePipeline:
   breaks the contract (PipelineContractError)."""
 
   def __init__(self, engine: StageEngine, depth: int, *, key_prefix: str | None = None,
-               timeline: timeline_lib.Timeline | None = None, staging: bool = True,
+               recorder: recorder_lib.Spans = recorder_lib.DISABLED, staging: bool = True,
                depth_for: DepthFor | None = None, open_ended: bool = False) -> None:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
@@ -307,7 +312,7 @@ class StagePipeline:
     self.engine = engine
     self.depth = depth
     self.key_prefix = key_prefix
-    self.timeline = timeline or timeline_lib.Timeline(enabled=False)
+    self.recorder = recorder  # its stage and train calls' spans (core.telemetry)
     self.staging = staging
     self.depth_for = depth_for
     self.open_ended = open_ended
@@ -483,8 +488,9 @@ class StagePipeline:
   async def _train(self, window: _Window, entry: _Entry) -> Any:
     report = window.report
     staged = entry.status is _Status.STAGED
-    with self.timeline.span(tracks.ORCHESTRATOR_TRAIN, f"train s{window.step} m{entry.index}",
-                            staged=staged):
+    recorder_lib.CALL.set((window.step, entry.index))  # this task's: what it sends counts here
+    with self.recorder.span(tracks.ORCHESTRATOR_TRAIN, f"train s{window.step} m{entry.index}",
+                            staged=staged, step=window.step, index=entry.index):
       try:
         trained = await self.engine.train(
             None if staged else entry.mb.payload,

@@ -42,12 +42,19 @@ class Timeline:
         self._spans.append(Span(track, name, start, end, tuple(sorted(args.items()))))
 
   @contextlib.contextmanager
-  def span(self, track: str, name: str, **args: Any) -> Iterator[None]:
+  def span(self, track: str, name: str, **args: Any) -> Iterator[dict[str, Any]]:
+    """Times the block; yields its args (the block may add to them)."""
     start = time.perf_counter()
     try:
-      yield
+      yield args
     finally:
       self.add(track, name, start, time.perf_counter(), **args)
+
+  def record(self, span: Span) -> None:
+    """As a telemetry sink (core.telemetry.recorder.Sink): keeps the span."""
+    if self.enabled:
+      with self._lock:
+        self._spans.append(span)
 
   def spans(self, track: str | None = None) -> list[Span]:
     with self._lock:

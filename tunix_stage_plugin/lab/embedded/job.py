@@ -76,8 +76,9 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
     await engine.client.call("place_resident", [(s, i) for s in range(plan.steps)
                                                 for i in range(plan.microbatches)])
     train_engine = engine.resident()
-  pipeline = pipeline_lib.StagePipeline(train_engine, plan.depth, timeline=timeline,
-                                        staging=plan.kind == "staged")
+  pipeline = pipeline_lib.StagePipeline(
+      train_engine, plan.depth, recorder=timeline or timeline_lib.Timeline(enabled=False),
+      staging=plan.kind == "staged")
   outcomes: list[StepOutcome] = []
   started: dict[int, float] = {}
 

@@ -81,7 +81,7 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
   plan = plan_of(mode)
   trainer = model.SimTrainer(max_device_batches=max_device_batches,
                              max_host_batches=max_host_batches, resident=plan.kind == "resident")
-  pipeline = pipeline_lib.StagePipeline(trainer, plan.depth, timeline=trainer.timeline,
+  pipeline = pipeline_lib.StagePipeline(trainer, plan.depth, recorder=trainer.timeline,
                                         staging=plan.kind == "staged")
   fallbacks = 0
 

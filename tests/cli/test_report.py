@@ -1,0 +1,120 @@
+"""`tunix-stage report` over records the telemetry core wrote (core.telemetry: real files in a
+real folder), and over bad input.
+
+The records come from the aggregators fed spans of steps this test builds, so the figures the
+report prints are checked against what each step was built to hold.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.core.test_telemetry import compute
+from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import process
+from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.timeline import Span
+
+MIB = 1 << 20
+
+
+def write_trainer_job(folder, steps=4, boundary_wait=0.0, pool_waits=0, host_batches=1):
+  """A trainer process's records: `steps` steps of 2 fwd_bwd (1.0 s each) and an update (0.2 s),
+  each micro-batch received (0.4 s, 64 MiB) and placed (0.1 s) beside the computation before it;
+  `boundary_wait` idle seconds before each step's first computation; `pool_waits` receive-pool
+  waits of 0.3 s a step."""
+  tel = process.Telemetry(process.Settings(
+      host="tunix", metrics_dir=str(folder), log_every=0,
+      shaping=(("max_device_batches", 1), ("max_host_batches", host_batches))))
+  tel.trainer(lambda: (1, 1))
+  t = 0.0
+  for _ in range(steps):
+    t += boundary_wait
+    spans = []
+    for _ in range(2):
+      spans += [Span(tracks.TRAINER_RECEIVE, "stage_batch", t, t + 0.4,
+                     (("bytes", 64 * MIB), ("transport", "side"))),
+                Span(tracks.TRAINER_H2D, "s-m", t + 0.4, t + 0.5,
+                     (("bytes", 64 * MIB), ("lane", "staging"))),
+                compute("fwd_bwd", t, t + 1.0)]
+      t += 1.0
+    spans += [Span(tracks.TRAINER_POOL_WAIT, "pool wait", t - 0.5, t - 0.2,
+                   (("bytes", 64 * MIB), ("over", False)))] * pool_waits
+    spans.append(compute("update", t, t + 0.2))
+    t += 0.2
+    for span in spans:
+      tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
+  tel.close()
+  return record_lib.files([str(folder)])
+
+
+def report(*argv, check=True):
+  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", *argv],
+                        capture_output=True, text=True, timeout=60)
+  if check:
+    assert proc.returncode == 0, proc.stderr
+  return proc
+
+
+def test_report_prints_each_step_and_what_held_staging_back(tmp_path):
+  write_trainer_job(tmp_path, boundary_wait=0.5, pool_waits=1)
+  out = report(str(tmp_path)).stdout
+  assert "trainer " in out and "(tunix, 4 steps)" in out
+  steps = [line.split() for line in out.splitlines() if line.startswith("  ") and
+           line.split()[:1] in (["0"], ["1"], ["2"], ["3"])]
+  assert [s[0] for s in steps] == ["0", "1", "2", "3"]
+  # Each step after the first: 2.7 s long, 2.2 s of compute, 0.5 s of boundary wait.
+  assert steps[1][1:6] == ["2.70", "2.20", "0.00", "0.50", "0.00"]
+  assert "bound by: wire in 3 (steps)" in out
+  assert "received by side channel: 6 calls, 0.38 GiB at 0.16 GiB/s" in out
+  assert "TUNIX_STAGE_MAX_HOST_BATCHES=2" in out  # the pool waited: one more host batch
+
+
+def test_report_json_carries_the_records_and_the_summary(tmp_path):
+  write_trainer_job(tmp_path)
+  data = json.loads(report(str(tmp_path), "--json").stdout)
+  (proc,) = data["processes"]
+  assert proc["role"] == "trainer" and [r["step"] for r in proc["records"]] == [0, 1, 2, 3]
+  summary = data["summary"]["trainer"]
+  assert summary["step_s"] == pytest.approx(2.2) and summary["input_wait_s"] == pytest.approx(0)
+  assert summary["bound_by"] == {"compute": 3, "wire": 0, "shared cores": 0}
+  # Inline, each step's 2 micro-batches would have received (0.4 s) and been placed (0.1 s).
+  assert summary["inline_wait_estimate_s"] == pytest.approx(1.0)
+  assert summary["hidden_s"] == pytest.approx(1.0)
+  assert data["summary"]["recommendations"] == [] and data["notes"] == []
+
+
+def test_a_cut_last_line_is_a_note_and_the_rest_is_read(tmp_path):
+  (path,) = write_trainer_job(tmp_path, steps=2)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write('{"schema": "tunix-stage-metr')
+  out = report(path).stdout
+  assert out.startswith(f"note: {path}: its last line is cut short") and "2 steps" in out
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file or folder"),
+    ("", "holds no record"),
+    ('{"schema": "tunix-stage-metrics", "version": 2}\n', "schema version 2 is not one this"),
+    ('{"a": 1}\n{"b": 2}\n', "not a tunix-stage-metrics record"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, content, message):
+  path = tmp_path / "r.jsonl"
+  if content is not None:
+    path.write_text(content)
+  proc = report(str(path), check=False)
+  assert proc.returncode == 2 and proc.stdout == ""
+  (line,) = proc.stderr.strip().splitlines()
+  assert line.startswith("tunix-stage report: error: ") and message in line
+
+
+def test_report_is_a_subcommand_that_needs_a_path():
+  assert "report" in cli_main.subcommands()
+  with pytest.raises(SystemExit) as e:
+    cli_main.main(["report"])
+  assert e.value.code == 2

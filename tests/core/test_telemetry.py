@@ -1,0 +1,289 @@
+"""The telemetry core: the recorder's fan-out, the compute watcher over real JAX computations,
+the step aggregators' arithmetic, the record file and its reader, the per-step line.
+
+The trainer aggregator is fed spans built here (its input is spans, whoever records them): each
+test builds a step whose idle, transfers and lane calls it knows, and checks the figures against
+what it built. The orchestrator's figures come from a real pipeline run (tests/core/engines.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tests.core.engines import ThreadedEngine, source_of
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.pipeline import StagePipeline
+from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import lines
+from tunix_stage_plugin.core.telemetry import process
+from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
+from tunix_stage_plugin.core.timeline import Span
+
+MIB = 1 << 20
+
+
+def test_a_recorder_tells_every_sink_and_drops_one_that_raises(caplog):
+  rec = recorder_lib.Recorder()
+  kept = timeline_lib.Timeline()
+
+  class Broken:
+    def record(self, span):
+      raise OSError("disk full")
+
+  rec.add_sink(Broken())
+  rec.add_sink(kept)
+  with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
+    with rec.span(tracks.TRAINER_H2D, "s0-m1", lane="staging") as args:
+      args["bytes"] = 7
+    rec.add(tracks.TRAINER_RECEIVE, "stage_batch", 1.0, 2.0, transport="side", bytes=3)
+  assert [(s.track, dict(s.args)) for s in kept.spans()] == [
+      (tracks.TRAINER_H2D, {"lane": "staging", "bytes": 7}),
+      (tracks.TRAINER_RECEIVE, {"transport": "side", "bytes": 3})]
+  assert [r.message for r in caplog.records] == [
+      "tunix-stage: telemetry: Broken failed (OSError: disk full) and was dropped; staging goes on"]
+
+
+def test_a_live_sink_is_open_around_the_span_on_its_thread():
+  rec = recorder_lib.Recorder()
+  seen = []
+
+  class Live:
+    def record(self, span):
+      seen.append(("record", span.name, threading.current_thread().name))
+
+    def open(self, track, name, args):
+      seen.append(("open", name, threading.current_thread().name))
+      return open(os.devnull, encoding="utf-8")  # any context manager
+
+  rec.add_live_sink(Live())
+
+  def place():
+    with rec.span(tracks.TRAINER_H2D, "s0-m0", lane="staging", bytes=1):
+      seen.append(("work", "s0-m0", threading.current_thread().name))
+
+  thread = threading.Thread(target=place, name="staging-lane")
+  thread.start()
+  thread.join()
+  assert seen == [("open", "s0-m0", "staging-lane"), ("work", "s0-m0", "staging-lane"),
+                  ("record", "s0-m0", "staging-lane")]
+
+
+def test_the_disabled_recorder_takes_no_sink_and_records_nothing():
+  with pytest.raises(RuntimeError, match="disabled"):
+    recorder_lib.DISABLED.add_sink(timeline_lib.Timeline())
+  with recorder_lib.DISABLED.span(tracks.TRAINER_H2D, "x", lane="inline") as args:
+    assert args == {"lane": "inline"}
+  assert not recorder_lib.DISABLED.enabled
+
+
+def test_the_watcher_records_each_computation_when_its_output_is_ready():
+  """Real JAX computations, dispatched asynchronously: the call answers before the output is
+  ready, and the watcher, on its own thread, records the device span once it is."""
+  rec = recorder_lib.Recorder()
+  kept = timeline_lib.Timeline()
+  rec.add_sink(kept)
+  watcher = trainer_lib.ComputeWatcher(rec, jax.block_until_ready)
+  work = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+  x = jnp.ones((512, 512))
+  work(x).block_until_ready()  # compiled
+  queued = []
+  for kind in ("fwd_bwd", "fwd_bwd", "update"):
+    start = time.perf_counter()
+    out = work(x)
+    queued.append(start)
+    watcher.dispatched(kind, start, time.perf_counter(), out, step=0)
+  assert watcher.drain(30)
+  spans = kept.spans(tracks.DEVICE_COMPUTE)
+  assert [s.name for s in spans] == ["fwd_bwd", "fwd_bwd", "update"]
+  for i, s in enumerate(spans):
+    assert s.start >= queued[i] and s.end >= s.start
+    if i:
+      assert s.start >= spans[i - 1].end  # one device: it starts once the one before ended
+  assert dict(spans[0].args)["step"] == 0
+  watcher.close()
+
+
+def test_a_failed_computation_is_not_recorded_and_the_watcher_goes_on():
+  rec = recorder_lib.Recorder()
+  kept = timeline_lib.Timeline()
+  rec.add_sink(kept)
+
+  def wait(output):
+    if output == "broken":
+      raise RuntimeError("XLA error")
+
+  watcher = trainer_lib.ComputeWatcher(rec, wait)
+  watcher.dispatched("fwd_bwd", 0.0, 0.0, "broken")
+  watcher.dispatched("update", 0.0, 0.0, "fine")
+  assert watcher.drain(10)
+  assert [s.name for s in kept.spans()] == ["update"]
+  watcher.close()
+
+
+def compute(kind, start, end, **args):
+  return Span(tracks.DEVICE_COMPUTE, kind, start, end, tuple(sorted({"kind": kind, **args}.items())))
+
+
+def test_a_trainer_step_splits_into_compute_input_wait_and_other_calls():
+  """Two steps; the second: a weight sync (a lane call) in the boundary and 0.2 s of idle before
+  it, a 0.3 s gap mid-step, a 0.1 s gap covered by an eval call on the lane, and one fwd_bwd
+  running beside a receive (slower than the two that ran alone)."""
+  steps = []
+  agg = trainer_lib.TrainerSteps(steps.append, peaks=lambda: (2, 1))
+  feed = [
+      compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.2),
+      Span(tracks.TRAINER_LANE, "prepare_weight_sync", 1.2, 1.5, (("method", "sync"),)),
+      # idle 1.5 -> 1.7: waiting for the first micro-batch (boundary)
+      Span(tracks.TRAINER_RECEIVE, "stage_batch", 1.6, 2.1,
+           (("bytes", 8 * MIB), ("transport", "side"))),
+      Span(tracks.TRAINER_H2D, "s1-m1", 2.1, 2.2, (("bytes", 8 * MIB), ("lane", "staging"))),
+      compute("fwd_bwd", 1.7, 2.7),  # beside the receive and placement: 1.0 s
+      compute("fwd_bwd", 3.0, 3.6),  # 0.3 s idle before it (mid-step)
+      Span(tracks.TRAINER_LANE, "eval", 3.6, 3.7, (("method", "eval"),)),
+      compute("fwd_bwd", 3.7, 4.3),  # after the eval: that gap is no input wait
+      Span(tracks.TRAINER_POOL_WAIT, "pool wait", 2.0, 2.05, (("bytes", 8 * MIB), ("over", True))),
+      compute("update", 4.3, 4.5),
+  ]
+  for span in feed:
+    agg.record(span)
+  first, second = steps
+  assert first["step"] == 0 and first["step_s"] is None
+  assert first["input_wait_s"] == {"mid_step": 0.0, "boundary": None}
+  assert second["step"] == 1
+  assert second["step_s"] == pytest.approx(4.5 - 1.2)
+  assert second["compute_s"] == pytest.approx(1.0 + 0.6 + 0.6 + 0.2)
+  assert second["input_wait_s"]["mid_step"] == pytest.approx(0.3)
+  assert second["input_wait_s"]["boundary"] == pytest.approx(0.2)
+  assert second["other_s"] == pytest.approx(0.3 + 0.1)
+  assert second["microbatches"] == 3
+  c = second["compute"]
+  # Alone: step 0's 1.0 s and this step's two 0.6 s fwd_bwd (median 0.6).
+  assert c["beside_transfer"] == 1 and c["alone_s"] == pytest.approx(0.6)
+  assert c["slowdown_s"] == pytest.approx(1.0 - 0.6)
+  assert second["receive"] == {"calls": 1, "bytes": 8 * MIB, "seconds": pytest.approx(0.5),
+                               "by_transport": {"side": {"calls": 1, "bytes": 8 * MIB,
+                                                         "seconds": pytest.approx(0.5)}}}
+  assert second["place"]["staged"] == 1 and second["place"]["inline"] == 0
+  assert second["pool"] == {"waits": 1, "wait_s": pytest.approx(0.05), "over_bound": 1}
+  assert second["staged"] == {"peak_device": 2, "peak_host": 1}
+  assert second["bound_by"] == analysis.WIRE  # 0.5 s of input wait in a 3.3 s step
+
+
+def test_the_bound_follows_the_largest_loss():
+  base = {"step": 1, "step_s": 2.0, "compute_s": 2.0, "other_s": 0.0,
+          "input_wait_s": {"mid_step": 0.0, "boundary": 0.0},
+          "compute": {"slowdown_s": 0.0}}
+  assert analysis.bound_by(base) == analysis.COMPUTE
+  assert analysis.bound_by({**base, "compute": {"slowdown_s": 0.5}}) == analysis.SHARED_CORES
+  assert analysis.bound_by({**base, "input_wait_s": {"mid_step": 0.01, "boundary": 0.3}}) == \
+      analysis.WIRE
+  # Under the floor (5 % of the step and 20 ms) nothing counts.
+  assert analysis.bound_by({**base, "input_wait_s": {"mid_step": 0.05, "boundary": 0.0}}) == \
+      analysis.COMPUTE
+
+
+def test_the_orchestrator_figures_count_a_real_pipeline_s_calls_by_step():
+  """A real pipeline over the core's engine; sends recorded inside its calls count in their
+  step through the call's context."""
+  tel = process.Telemetry(process.Settings(host="test", log_every=0))
+  engine = ThreadedEngine(2)
+
+  class Sending:
+    async def stage(self, payload, *, key):
+      step, _ = recorder_lib.CALL.get()
+      tel.recorder.add(tracks.ORCHESTRATOR_SEND, "stage_batch", 0.0, 0.5, transport="side",
+                       bytes=MIB, step=step)
+      return await engine.stage(payload, key=key)
+
+    async def train(self, payload, *, stage_key, apply_optimizer):
+      return await engine.train(payload, stage_key=stage_key, apply_optimizer=apply_optimizer)
+
+    async def reset(self, keys):
+      await engine.reset(keys)
+
+  tel.orchestrator()  # this process orchestrates: its aggregator listens
+  pipeline = StagePipeline(Sending(), 2, recorder=tel.recorder)
+  figures = []
+
+  async def main():
+    for step in range(2):
+      report = await pipeline.run_step(step, source_of([step * 10 + i for i in range(4)]))
+      figures.append(tel.orchestrator_step(report, depth=2))
+
+  try:
+    asyncio.run(main())
+  finally:
+    engine.close()
+  for f in figures:
+    assert f["microbatches"] == 4 and f["staged"] + f["inline"] == 4
+    assert f["stage_calls"]["count"] == f["staged"] + f["fallbacks"]["count"]
+    assert f["sent"] == {"side": {"calls": f["stage_calls"]["count"], "bytes": f["staged"] * MIB,
+                                  "seconds": pytest.approx(0.5 * f["staged"]), "gib_s": 2 / 1024}}
+  assert figures[0]["step_s"] is None and figures[1]["step_s"] > 0
+  assert tel.last["orchestrator"]["step"] == 1
+
+
+def test_records_are_written_one_line_per_step_and_read_back(tmp_path):
+  tel = process.Telemetry(process.Settings(host="test", metrics_dir=str(tmp_path / "m"),
+                                           log_every=0, shaping=(("max_host_batches", 1),)))
+  tel.trainer()  # this process trains: its aggregator listens
+  for span in (compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.1),
+               compute("fwd_bwd", 1.2, 2.0), compute("update", 2.0, 2.1)):
+    tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
+  (path,) = record_lib.files([str(tmp_path / "m")])
+  assert os.path.basename(path) == record_lib.file_name("trainer")
+  records, note = record_lib.read(path)
+  assert note is None and [r["step"] for r in records] == [0, 1]
+  assert records[1]["input_wait_s"]["boundary"] == pytest.approx(0.1)
+  assert records[1]["settings"] == {"max_host_batches": 1} and records[1]["host"] == "test"
+  # A killed process's last line is cut short: the whole records before it are read.
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps(records[0])[:40])
+  again, note = record_lib.read(path)
+  assert len(again) == 2 and "its last line is cut short" in note
+  tel.close()
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"schema": "tunix-stage-metrics", "version": 9}', "schema version 9 is not one this"),
+    ('{"schema": "other"}', "not a tunix-stage-metrics record"),
+    ('not json', "not a JSON record"),
+    ('{"schema": "tunix-stage-metrics", "version": 1, "role": "trainer"}', "a trainer record "
+     "without"),
+])
+def test_a_record_file_that_is_not_this_schema_is_refused_in_one_line(tmp_path, line, message):
+  path = tmp_path / "x.jsonl"
+  path.write_text(line + "\n" + line + "\n")
+  with pytest.raises(record_lib.RecordError, match=message) as e:
+    record_lib.read(str(path))
+  assert str(e.value).startswith(f"{path}:1: ") and "\n" not in str(e.value)
+
+
+def test_an_unwritable_record_is_said_once_and_the_job_goes_on(tmp_path, capsys):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  writer = record_lib.Writer(str(blocker / "metrics"), "trainer")  # a folder under a file
+  for step in range(3):
+    writer.write({"step": step})
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert line.startswith(f"tunix-stage: metrics: cannot write {writer.path} (") and line.endswith(
+      "the job goes on without its metrics record")
+
+
+@pytest.mark.parametrize("every, said", [(1, [0, 1, 2, 3]), (2, [0, 2]), (0, [])])
+def test_the_per_step_line_is_said_every_n_steps(capsys, every, said):
+  for step in range(4):
+    lines.say(step, every, f"line {step}")
+  assert capsys.readouterr().err.splitlines() == [f"line {s}" for s in said]

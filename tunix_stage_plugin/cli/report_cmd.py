@@ -1,0 +1,153 @@
+"""`tunix-stage report PATH...`: what staging did in a job, from its processes' metrics records.
+
+Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) and prints, per process
+and step, where the trainer's step went (compute, input wait mid-step and at the boundary, other
+calls, the compute's slowdown beside transfers) and what the orchestrator staged and sent; then
+the job's medians, what staging hid against an inline estimate, the transports' speeds, and which
+setting held staging back (core.telemetry.analysis). docs/observability.md "tunix-stage report".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import lines
+from tunix_stage_plugin.core.telemetry import record as record_lib
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+  parser = subparsers.add_parser(
+      "report",
+      help="what staging did in a job, from its metrics records (TUNIX_STAGE_METRICS)",
+      description="Read the metrics records a job's processes wrote (TUNIX_STAGE_METRICS=DIR "
+      "makes each staging process write DIR/<role>-<host>-<pid>.jsonl, one record per step) "
+      "and print, per step, where each trainer step went and what the orchestrator staged, "
+      "then the job's medians, what staging hid against an inline estimate, the transports' "
+      "speeds and what to change.",
+      epilog="example: tunix-stage report /tmp/job-metrics   (docs/observability.md)")
+  parser.add_argument("paths", nargs="+", metavar="PATH",
+                      help="the folder TUNIX_STAGE_METRICS named, or record files")
+  parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+  parser.set_defaults(run=run)
+
+
+def load(paths: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+  """Every record of `paths`, by process and step; and the notes on files cut short."""
+  records, notes = [], []
+  for path in record_lib.files(paths):
+    found, note = record_lib.read(path)
+    records += found
+    if note is not None:
+      notes.append(note)
+  return records, notes
+
+
+def processes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """One entry per process and role: who it was and its records in step order."""
+  out: dict[tuple[str, str, int], dict[str, Any]] = {}
+  for r in records:
+    key = (r["role"], r["process"]["hostname"], r["process"]["pid"])
+    entry = out.setdefault(key, {"role": r["role"], "host": r["host"],
+                                 "process": f"{key[1]}:{key[2]}", "records": []})
+    entry["records"].append(r)
+  for entry in out.values():
+    entry["records"].sort(key=lambda r: r["step"])
+  return sorted(out.values(), key=lambda e: (e["role"] != record_lib.TRAINER, e["process"]))
+
+
+def _s(seconds: float | None) -> str:
+  return "-" if seconds is None else f"{seconds:.2f}"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+  widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+  return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def trainer_rows(records: list[dict[str, Any]]) -> list[str]:
+  rows = [["step", "step s", "compute", "wait mid", "wait boundary", "other", "slowdown",
+           "received", "placed", "pool waits", "bound by"]]
+  for r in records:
+    wait, received = r["input_wait_s"], r["receive"]
+    rows.append([str(r["step"]), _s(r["step_s"]), _s(r["compute_s"]), _s(wait["mid_step"]),
+                 _s(wait["boundary"]), _s(r["other_s"]), _s(r["compute"]["slowdown_s"]),
+                 f"{received['calls']} / {received['bytes'] / lines.MIB:.1f} MiB",
+                 f"{r['place']['count']} / {_s(r['place']['seconds'])} s",
+                 f"{r['pool']['waits']} ({r['pool']['over_bound']} over)", r["bound_by"]])
+  return _table(rows)
+
+
+def orchestrator_rows(records: list[dict[str, Any]]) -> list[str]:
+  rows = [["step", "micro-batches", "staged", "prestaged", "inline", "fallbacks", "sent",
+           "stage call median"]]
+  for r in records:
+    sent = ", ".join(f"{name} {t['bytes'] / lines.MIB:.1f} MiB" for name, t in r["sent"].items())
+    rows.append([str(r["step"]), str(r["microbatches"]), str(r["staged"]), str(r["prestaged"]),
+                 str(r["inline"]), str(r["fallbacks"]["count"]), sent or "-",
+                 _s(r["stage_calls"]["median_s"])])
+  return _table(rows)
+
+
+def overall_lines(summary: dict[str, Any]) -> list[str]:
+  out = []
+  t = summary.get("trainer")
+  if t is not None:
+    bound = ", ".join(f"{b} in {n}" for b, n in t["bound_by"].items() if n)
+    estimate = t["inline_wait_estimate_s"]
+    share = f" ({t['hidden_s'] / estimate:.0%})" if estimate > 0 else ""
+    out += [f"trainer step: median {_s(t['step_s'])} s = compute {_s(t['compute_s'])} + input "
+            f"wait {_s(t['input_wait_s'])} (mid-step {_s(t['mid_step_s'])}, boundary "
+            f"{_s(t['boundary_s'])}) + other calls {_s(t['other_s'])}; the compute "
+            f"{_s(t['slowdown_s'])} s slower beside transfers",
+            f"bound by: {bound} (steps)",
+            f"staging hid {_s(t['hidden_s'])} s a step of an inline estimate of {_s(estimate)} s "
+            f"of input wait{share}"]
+    for name, tr in t["received"].items():
+      rate = "" if tr["gib_s"] is None else f" at {tr['gib_s']:.2f} GiB/s"
+      out.append(f"received by {lines.TRANSPORT_NAMES.get(name, name)}: {tr['calls']} calls, "
+                 f"{tr['bytes'] / lines.GIB:.2f} GiB{rate}")
+  o = summary.get("orchestrator")
+  if o is not None:
+    kinds = "".join(f", {n} {k}" for k, n in o["fallbacks_by_kind"].items())
+    out.append(f"orchestrator: staged {o['staged']} ({o['prestaged']} across a boundary), "
+               f"inline {o['inline']}, fallbacks {o['fallbacks']}{kinds}; stage call median "
+               f"{_s(o['stage_call_median_s'])} s")
+    for name, tr in o["sent"].items():
+      rate = "" if tr["gib_s"] is None else f" at {tr['gib_s']:.2f} GiB/s"
+      out.append(f"sent by {lines.TRANSPORT_NAMES.get(name, name)}: {tr['calls']} calls, "
+                 f"{tr['bytes'] / lines.GIB:.2f} GiB{rate}")
+  return out
+
+
+def run(args: argparse.Namespace) -> int:
+  try:
+    records, notes = load(args.paths)
+  except record_lib.RecordError as e:
+    print(f"tunix-stage report: error: {e}", file=sys.stderr)
+    return 2
+  procs = processes(records)
+  trainer = [r for p in procs if p["role"] == record_lib.TRAINER for r in p["records"]]
+  orchestrator = [r for p in procs if p["role"] == record_lib.ORCHESTRATOR
+                  for r in p["records"]]
+  summary = analysis.summary(trainer, orchestrator)
+  if args.json:
+    print(json.dumps({"processes": procs, "summary": summary, "notes": notes}, indent=2))
+    return 0
+  for note in notes:
+    print(f"note: {note}")
+  for p in procs:
+    print(f"{p['role']} {p['process']} ({p['host']}, {len(p['records'])} steps)")
+    rows = trainer_rows if p["role"] == record_lib.TRAINER else orchestrator_rows
+    for line in rows(p["records"]):
+      print(f"  {line}")
+  print("overall (medians per step, a first step left out where there are others):")
+  for line in overall_lines(summary):
+    print(f"  {line}")
+  recommendations = summary["recommendations"]
+  print("recommendation: " + ("; ".join(recommendations) if recommendations else
+                              "nothing to change: staging kept the trainer's input ready"))
+  return 0

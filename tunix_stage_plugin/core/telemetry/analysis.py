@@ -1,0 +1,177 @@
+"""What a step's figures say: which part bounds the step, what staging hid against an inline
+estimate, and which setting held staging back (with its memory cost). Read by the per-step line,
+the records and `tunix-stage report` alike, so they never disagree. docs/observability.md
+"Reading the figures".
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+# A part of a step counts once it is at least this share of the step, and at least FLOOR_S.
+SHARE = 0.05
+FLOOR_S = 0.02
+COMPUTE, WIRE, SHARED_CORES = "compute", "wire", "shared cores"
+GIB = 1 << 30
+
+
+def significant(seconds: float | None, step_s: float) -> bool:
+  return seconds is not None and seconds >= max(SHARE * step_s, FLOOR_S)
+
+
+def input_wait(figures: dict[str, Any]) -> float:
+  """A trainer step's input wait, mid-step and at the boundary."""
+  wait = figures["input_wait_s"]
+  return wait["mid_step"] + (wait["boundary"] or 0.0)
+
+
+def step_seconds(figures: dict[str, Any]) -> float:
+  """The step's length (its first has none from the step before: its parts then)."""
+  if figures["step_s"] is not None:
+    return figures["step_s"]
+  return figures["compute_s"] + input_wait(figures) + figures["other_s"]
+
+
+def bound_by(figures: dict[str, Any]) -> str:
+  """What bounds a trainer step: WIRE (the device waited for its input: the host path was on the
+  critical path), SHARED_CORES (the compute ran slower while transfers ran beside it on the same
+  cores), else COMPUTE."""
+  step = step_seconds(figures)
+  if significant(input_wait(figures), step):
+    return WIRE
+  if significant(figures["compute"]["slowdown_s"], step):
+    return SHARED_CORES
+  return COMPUTE
+
+
+def inline_estimate(figures: dict[str, Any]) -> float:
+  """The input wait a trainer step would have had inline: each micro-batch staged in it would
+  have received and been placed between two computations. An upper bound (tunix answers a call
+  once its computation is queued, so its own loop overlaps part of the next call's transfer)."""
+  staged = figures["place"]["staged"]
+  if not staged:
+    return input_wait(figures)
+  receive = figures["receive"]
+  per_receive = receive["seconds"] / receive["calls"] if receive["calls"] else 0.0
+  per_place = figures["place"]["seconds"] / figures["place"]["count"]
+  return input_wait(figures) + staged * (per_receive + per_place)
+
+
+def recommendations(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
+                    ) -> list[str]:
+  """Which setting held staging back, to what, and what it costs: one line each; the settings
+  and the micro-batch size come from the records."""
+  out = []
+  steps = [f for f in trainer if f["step_s"] is not None] or trainer
+  if not steps:
+    return out
+  step_s = statistics.median(step_seconds(f) for f in steps)
+  per_mb = _median([f["place"]["bytes"] / f["place"]["count"] for f in steps
+                    if f["place"]["count"]])
+  mib = f"{per_mb / (1 << 20):.0f} MiB" if per_mb else "one micro-batch"
+  settings = trainer[-1].get("settings", {})
+  o_settings = orchestrator[-1].get("settings", {}) if orchestrator else {}
+  over = sum(f["pool"]["over_bound"] for f in steps)
+  pool_wait = statistics.median(f["pool"]["wait_s"] for f in steps)
+  if over or significant(pool_wait, step_s):
+    host = settings.get("max_host_batches", 1)
+    out.append(f"the trainer's receive pool held transfers back ({pool_wait:.2f} s a step, "
+               f"{over} ran out of their wait): TUNIX_STAGE_MAX_HOST_BATCHES={host + 1} (costs "
+               f"one more receive buffer on the trainer: {mib} of host memory)")
+  refused = sum(f["fallbacks"]["by_kind"].get("refused", 0) for f in orchestrator)
+  if refused:
+    device = settings.get("max_device_batches", 1)
+    out.append(f"{refused} stage(s) were refused (a bound on the trainer was full): "
+               f"TUNIX_STAGE_MAX_DEVICE_BATCHES={device + 1} (costs {mib} of device memory)")
+  mid = statistics.median(f["input_wait_s"]["mid_step"] for f in steps)
+  at_depth = orchestrator and all(f["peak_staged"] >= f["depth"] for f in orchestrator if
+                                  f["depth"])
+  if significant(mid, step_s) and at_depth:
+    depth = o_settings.get("max_staged_batches", orchestrator[-1]["depth"])
+    device = settings.get("max_device_batches", 1)
+    out.append(f"the trainer waited {mid:.2f} s a step mid-step with {depth} micro-batch(es) "
+               f"staged ahead: TUNIX_MAX_STAGED_BATCHES={depth + 1} with "
+               f"TUNIX_STAGE_MAX_DEVICE_BATCHES={max(device, depth + 1)} (costs {mib} of device "
+               "memory per micro-batch more)")
+  boundary = _median([f["input_wait_s"]["boundary"] for f in steps
+                      if f["input_wait_s"]["boundary"] is not None])
+  if significant(boundary, step_s) and orchestrator and not any(
+      f["prestaged"] for f in orchestrator):
+    out.append(f"the trainer waited {boundary:.2f} s at each step boundary and nothing was "
+               "staged across it: let the program prestage (max_staleness >= 1, and "
+               "_prestage_across_boundary answering True)")
+  bounds = [f["bound_by"] for f in steps]
+  if bounds.count(WIRE) > len(bounds) // 2 and not out:
+    out.append("the transfers are slower than the compute they hide behind: compress the "
+               "payload (TUNIX_STAGE_CODEC=on, if its arrays compress) or give the link more "
+               "bandwidth")
+  if bounds.count(SHARED_CORES) > len(bounds) // 2:
+    out.append("the compute runs slower while the receive runs beside it on the same cores: give "
+               "the trainer's host more cores for its receive (nothing staging can change)")
+  return out
+
+
+def _median(values: list[float]) -> float | None:
+  return statistics.median(values) if values else None
+
+
+def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
+            ) -> dict[str, Any]:
+  """A job's figures over its steps (medians per step; a first step, which compiles and has no
+  step before it, is left out where there are others), what staging hid, the transports'
+  speeds and what held staging back."""
+  steps = [f for f in trainer if f["step_s"] is not None] or trainer
+  out: dict[str, Any] = {"trainer_steps": len(trainer), "orchestrator_steps": len(orchestrator)}
+  if steps:
+    wait = [input_wait(f) for f in steps]
+    estimate = [inline_estimate(f) for f in steps]
+    out["trainer"] = {
+        "step_s": statistics.median(step_seconds(f) for f in steps),
+        "compute_s": statistics.median(f["compute_s"] for f in steps),
+        "input_wait_s": statistics.median(wait),
+        "mid_step_s": statistics.median(f["input_wait_s"]["mid_step"] for f in steps),
+        "boundary_s": _median([f["input_wait_s"]["boundary"] for f in steps
+                               if f["input_wait_s"]["boundary"] is not None]),
+        "other_s": statistics.median(f["other_s"] for f in steps),
+        "slowdown_s": _median([f["compute"]["slowdown_s"] for f in steps
+                               if f["compute"]["slowdown_s"] is not None]),
+        "bound_by": {b: [f["bound_by"] for f in steps].count(b)
+                     for b in (COMPUTE, WIRE, SHARED_CORES)},
+        "inline_wait_estimate_s": statistics.median(estimate),
+        "hidden_s": statistics.median(e - w for e, w in zip(estimate, wait)),
+        "received": _transports([f["receive"]["by_transport"] for f in steps]),
+    }
+  if orchestrator:
+    out["orchestrator"] = {
+        "staged": sum(f["staged"] for f in orchestrator),
+        "inline": sum(f["inline"] for f in orchestrator),
+        "prestaged": sum(f["prestaged"] for f in orchestrator),
+        "fallbacks": sum(f["fallbacks"]["count"] for f in orchestrator),
+        "fallbacks_by_kind": _counts([f["fallbacks"]["by_kind"] for f in orchestrator]),
+        "stage_call_median_s": _median([f["stage_calls"]["median_s"] for f in orchestrator
+                                        if f["stage_calls"]["median_s"] is not None]),
+        "sent": _transports([f["sent"] for f in orchestrator]),
+    }
+  out["recommendations"] = recommendations(trainer, orchestrator)
+  return out
+
+
+def _transports(per_step: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+  total: dict[str, dict[str, Any]] = {}
+  for step in per_step:
+    for name, t in step.items():
+      acc = total.setdefault(name, {"calls": 0, "bytes": 0, "seconds": 0.0})
+      for k in ("calls", "bytes", "seconds"):
+        acc[k] += t[k]
+  for t in total.values():
+    t["gib_s"] = t["bytes"] / t["seconds"] / GIB if t["seconds"] > 0 else None
+  return total
+
+
+def _counts(per_step: list[dict[str, int]]) -> dict[str, int]:
+  total: dict[str, int] = {}
+  for step in per_step:
+    for k, n in step.items():
+      total[k] = total.get(k, 0) + n
+  return total

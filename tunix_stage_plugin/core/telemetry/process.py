@@ -1,0 +1,104 @@
+"""One staging process's telemetry: its recorder, and for each side it plays (trainer,
+orchestrator) the step aggregator, the record file and the per-step line. The host's installation
+owns it; with staging off none is made. docs/observability.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+from tunix_stage_plugin.core.telemetry import lines
+from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_lib
+from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """What shapes the telemetry (the staging settings' metrics and log interval) and what each
+  record says shaped the figures (the depths and bounds in force)."""
+
+  host: str
+  metrics_dir: str | None = None  # TUNIX_STAGE_METRICS; None: no record
+  log_every: int = 1  # TUNIX_STAGE_LOG_EVERY; 0: no line
+  shaping: tuple[tuple[str, Any], ...] = ()  # the settings each record carries
+
+  @classmethod
+  def of(cls, host: str, config: Any) -> "Settings":
+    """From a core.config.StageConfig: its metrics folder and log interval, and the settings
+    that shape the figures."""
+    return cls(host=host, metrics_dir=config.metrics or None, log_every=config.log_every,
+               shaping=tuple((f, getattr(config, f)) for f in SHAPING))
+
+
+# The settings a record says it ran with (core.config's fields).
+SHAPING = ("max_staged_batches", "max_device_batches", "max_host_batches", "codec")
+
+
+class Telemetry:
+
+  def __init__(self, settings: Settings) -> None:
+    self.settings = settings
+    self.recorder = recorder_lib.Recorder()
+    self._lock = threading.Lock()
+    self._trainer: trainer_lib.TrainerSteps | None = None
+    self._orchestrator: orchestrator_lib.OrchestratorSteps | None = None
+    self._writers: dict[str, record_lib.Writer] = {}
+    self.last: dict[str, dict[str, Any]] = {}  # each side's last record (tests, the bench)
+
+  def configure(self, settings: Settings) -> None:
+    """New settings (a re-install): the next records follow them."""
+    with self._lock:
+      if settings.metrics_dir != self.settings.metrics_dir:
+        for writer in self._writers.values():
+          writer.close()
+        self._writers = {}
+      self.settings = settings
+
+  def trainer(self, peaks: trainer_lib.Peaks | None = None) -> trainer_lib.TrainerSteps:
+    """The trainer side's aggregator, made (and listening) on first use."""
+    with self._lock:
+      if self._trainer is None:
+        self._trainer = trainer_lib.TrainerSteps(self._trainer_step, peaks)
+        self.recorder.add_sink(self._trainer)
+      return self._trainer
+
+  def orchestrator(self) -> orchestrator_lib.OrchestratorSteps:
+    with self._lock:
+      if self._orchestrator is None:
+        self._orchestrator = orchestrator_lib.OrchestratorSteps()
+        self.recorder.add_sink(self._orchestrator)
+      return self._orchestrator
+
+  def orchestrator_step(self, report: Any, depth: int, note: str = "") -> dict[str, Any]:
+    """A step's figures on the orchestrator (`report`: a core.pipeline.StepReport); written and
+    said like the trainer's. `note` ends the line (e.g. what a codec saved)."""
+    figures = self.orchestrator().step(report, depth)
+    self._emit(record_lib.ORCHESTRATOR, figures, lines.orchestrator_line(figures) + note)
+    return figures
+
+  def _trainer_step(self, figures: dict[str, Any]) -> None:
+    self._emit(record_lib.TRAINER, figures, lines.trainer_line(figures))
+
+  def _emit(self, role: str, figures: dict[str, Any], line: str) -> None:
+    settings = self.settings
+    rec = record_lib.make(role, settings.host, figures, dict(settings.shaping))
+    with self._lock:
+      self.last[role] = rec
+      writer = None
+      if settings.metrics_dir is not None:
+        writer = self._writers.get(role)
+        if writer is None:
+          writer = self._writers[role] = record_lib.Writer(settings.metrics_dir, role)
+    if writer is not None:
+      writer.write(rec)
+    lines.say(figures["step"], settings.log_every, line)
+
+  def close(self) -> None:
+    with self._lock:
+      writers, self._writers = list(self._writers.values()), {}
+    for writer in writers:
+      writer.close()

@@ -1,0 +1,195 @@
+"""The trainer's side: each computation's device time, observed off the compute lane, and one
+figures dict per step (a step ends with its update's computation).
+
+A trainer's calls answer once the work is queued (tunix's fwd_bwd returns before its computation
+ends), so a computation's end is observed on a watcher thread that waits for its output; the call
+and the compute lane never wait for it. A computation starts when it is queued (after an inline
+placement, if the call placed its payload) or when the one before it ends, whichever is later.
+
+Per step: compute (the device busy), input wait (the device idle while the compute lane was not
+busy with a call of its own, so the next micro-batch was not there yet: mid-step, and at the
+boundary before the step's first computation, less the weight sync and any other compute-lane
+call), the receives, placements and buffer-pool waits that ended in it, the compute's slowdown
+while transfers ran beside it (each fwd_bwd against the median of recent ones that ran alone), and
+what bounds the step. docs/observability.md "The trainer's record".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+
+log = logging.getLogger("tunix_stage_plugin")
+FWD_BWD, UPDATE = "fwd_bwd", "update"
+ALONE_WINDOW = 64  # the recent fwd_bwd computations that ran alone, the slowdown's baseline
+WATCH_CLOSE_S = 10.0
+
+
+@dataclasses.dataclass
+class _Dispatched:
+  kind: str
+  queued: float  # when it could start: the call's start, or the end of its inline placement
+  answered: float  # when the call returned
+  output: Any  # an output of the computation: ready when it has ended
+  args: dict[str, Any]
+
+
+class ComputeWatcher:
+  """Records each dispatched computation's device span (tracks.DEVICE_COMPUTE) once `wait(output)`
+  returns, on a daemon thread of its own; in dispatch order (one device, one queue)."""
+
+  def __init__(self, rec: recorder_lib.Recorder, wait: Callable[[Any], None]) -> None:
+    self._recorder = rec
+    self._wait = wait
+    self._queue: queue.SimpleQueue[_Dispatched | threading.Event | None] = queue.SimpleQueue()
+    self._lock = threading.Lock()
+    self._thread: threading.Thread | None = None
+    self._last_end = 0.0
+
+  def dispatched(self, kind: str, queued: float, answered: float, output: Any,
+                 **args: Any) -> None:
+    with self._lock:
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._watch, name="tunix-stage-compute-watch",
+                                        daemon=True)
+        self._thread.start()
+    self._queue.put(_Dispatched(kind, queued, answered, output, args))
+
+  def drain(self, timeout: float | None = None) -> bool:
+    """Waits until every computation dispatched so far is recorded."""
+    with self._lock:
+      if self._thread is None:
+        return True
+    done = threading.Event()
+    self._queue.put(done)
+    return done.wait(timeout)
+
+  def close(self, timeout: float = WATCH_CLOSE_S) -> None:
+    with self._lock:
+      thread, self._thread = self._thread, None
+    if thread is not None:
+      self._queue.put(None)
+      thread.join(timeout)
+
+  def _watch(self) -> None:
+    while True:
+      item = self._queue.get()
+      if item is None:
+        return
+      if isinstance(item, threading.Event):
+        item.set()
+        continue
+      try:
+        self._wait(item.output)
+      except Exception as e:  # pylint: disable=broad-except  (a failed computation: no span)
+        log.debug("tunix-stage: a %s computation failed (%s): not recorded", item.kind, e)
+        continue
+      finally:
+        item.output = None  # its buffers are the device's again
+      end = time.perf_counter()
+      start = min(max(item.queued, self._last_end), end)
+      self._last_end = end
+      self._recorder.add(tracks.DEVICE_COMPUTE, item.kind, start, end, kind=item.kind,
+                         answered=item.answered, **item.args)
+
+
+Peaks = Callable[[], tuple[int, int]]
+"""The most staged micro-batches held at once since the last call, (device, host); resets."""
+
+
+class TrainerSteps:
+  """A Sink: one trainer's spans in, `on_step(figures)` out once per step (on the thread that
+  recorded the step's update computation)."""
+
+  def __init__(self, on_step: Callable[[dict[str, Any]], None],
+               peaks: Peaks | None = None) -> None:
+    self._on_step = on_step
+    self._peaks = peaks
+    self._lock = threading.Lock()
+    self._spans: dict[str, list[timeline_lib.Span]] = collections.defaultdict(list)
+    self._alone: collections.deque[float] = collections.deque(maxlen=ALONE_WINDOW)
+    self._step = 0
+    self._last_end: float | None = None
+
+  def record(self, span: timeline_lib.Span) -> None:
+    with self._lock:
+      self._spans[span.track].append(span)
+      if span.track != tracks.DEVICE_COMPUTE or dict(span.args).get("kind") != UPDATE:
+        return
+      figures = self._close(span)
+    self._on_step(figures)
+
+  def _close(self, update: timeline_lib.Span) -> dict[str, Any]:
+    spans, self._spans = self._spans, collections.defaultdict(list)
+    computations = sorted(spans[tracks.DEVICE_COMPUTE], key=lambda s: s.start)
+    lanes = spans[tracks.TRAINER_LANE]
+    first, end = computations[0].start, update.end
+    prev_end, self._last_end = self._last_end, end
+    busy = timeline_lib.busy_time(computations, first, end)
+    # The device idle mid-step while the compute lane ran no call of its own (e.g. an eval).
+    mid_wait = timeline_lib.idle_time([*computations, *lanes], first, end)
+    boundary = None if prev_end is None else timeline_lib.idle_time(
+        lanes, prev_end, max(prev_end, first))
+    transfers = [*spans[tracks.TRAINER_RECEIVE], *spans[tracks.TRAINER_H2D]]
+    fwd_bwds = [s for s in computations if dict(s.args).get("kind") == FWD_BWD]
+    beside = [s for s in fwd_bwds if timeline_lib.busy_time(transfers, s.start, s.end) > 0]
+    self._alone.extend(s.duration for s in fwd_bwds if s not in beside)
+    alone_s = statistics.median(self._alone) if self._alone else None
+    figures: dict[str, Any] = {
+        "step": self._step,
+        "step_s": None if prev_end is None else end - prev_end,
+        "compute_s": busy,
+        "input_wait_s": {"mid_step": mid_wait, "boundary": boundary},
+        "other_s": timeline_lib.busy_time(lanes, first if prev_end is None else prev_end, end),
+        "microbatches": len(fwd_bwds),
+        "compute": {
+            "fwd_bwd_median_s": statistics.median(s.duration for s in fwd_bwds) if fwd_bwds
+                                else None,
+            "update_s": update.duration,
+            "alone_s": alone_s,
+            "beside_transfer": len(beside),
+            "slowdown_s": (None if alone_s is None else
+                           sum(max(0.0, s.duration - alone_s) for s in beside)),
+        },
+        "receive": _receives(spans[tracks.TRAINER_RECEIVE]),
+        "place": _placements(spans[tracks.TRAINER_H2D]),
+        "pool": {"waits": len(spans[tracks.TRAINER_POOL_WAIT]),
+                 "wait_s": sum(s.duration for s in spans[tracks.TRAINER_POOL_WAIT]),
+                 "over_bound": sum(bool(dict(s.args).get("over"))
+                                   for s in spans[tracks.TRAINER_POOL_WAIT])},
+        "staged": dict(zip(("peak_device", "peak_host"),
+                           self._peaks() if self._peaks is not None else (None, None))),
+    }
+    figures["bound_by"] = analysis.bound_by(figures)
+    self._step += 1
+    return figures
+
+
+def _receives(spans: list[timeline_lib.Span]) -> dict[str, Any]:
+  by_transport: dict[str, dict[str, Any]] = {}
+  for s in spans:
+    args = dict(s.args)
+    t = by_transport.setdefault(args["transport"], {"calls": 0, "bytes": 0, "seconds": 0.0})
+    t["calls"] += 1
+    t["bytes"] += args["bytes"]
+    t["seconds"] += s.duration
+  return {"calls": len(spans), "bytes": sum(t["bytes"] for t in by_transport.values()),
+          "seconds": sum(s.duration for s in spans), "by_transport": by_transport}
+
+
+def _placements(spans: list[timeline_lib.Span]) -> dict[str, Any]:
+  lanes = collections.Counter(dict(s.args)["lane"] for s in spans)
+  return {"count": len(spans), "seconds": sum(s.duration for s in spans),
+          "bytes": sum(dict(s.args)["bytes"] for s in spans),
+          "staged": lanes["staging"], "inline": lanes["inline"]}
