@@ -55,31 +55,6 @@ def test_a_recorder_tells_every_sink_and_drops_one_that_raises(caplog):
       "tunix-stage: telemetry: Broken failed (OSError: disk full) and was dropped; staging goes on"]
 
 
-def test_a_live_sink_is_open_around_the_span_on_its_thread():
-  rec = recorder_lib.Recorder()
-  seen = []
-
-  class Live:
-    def record(self, span):
-      seen.append(("record", span.name, threading.current_thread().name))
-
-    def open(self, track, name, args):
-      seen.append(("open", name, threading.current_thread().name))
-      return open(os.devnull, encoding="utf-8")  # any context manager
-
-  rec.add_live_sink(Live())
-
-  def place():
-    with rec.span(tracks.TRAINER_H2D, "s0-m0", lane="staging", bytes=1):
-      seen.append(("work", "s0-m0", threading.current_thread().name))
-
-  thread = threading.Thread(target=place, name="staging-lane")
-  thread.start()
-  thread.join()
-  assert seen == [("open", "s0-m0", "staging-lane"), ("work", "s0-m0", "staging-lane"),
-                  ("record", "s0-m0", "staging-lane")]
-
-
 def test_the_disabled_recorder_takes_no_sink_and_records_nothing():
   with pytest.raises(RuntimeError, match="disabled"):
     recorder_lib.DISABLED.add_sink(timeline_lib.Timeline())

@@ -1,10 +1,10 @@
 """The spans one process records of its staging path, told to whatever listens (its sinks).
 
-Production code records a span where the work happens (a receive on the listener's thread, a
-placement on the staging lane, a stage call on the orchestrator's loop) and knows nothing of who
-listens: the step aggregators (trainer.py, orchestrator.py), tunix's PerfTracer where a trainer has
-one (hosts/tunix/tracing.py), a bench's timeline (the lab). A recorder with no sink costs one
-branch per span. A sink that raises is dropped with one line: telemetry never fails a job.
+Production code records a span where the work happens (a receive where its bytes end, a
+placement on the staging lane, a stage call on the orchestrator's loop), each on its process's
+perf_counter clock, and knows nothing of who listens: the step aggregators (trainer.py,
+orchestrator.py), tunix's PerfTracer where a trainer has one (hosts/tunix/tracing.py), a bench's
+timeline (the lab). A recorder with no sink costs one branch per span. A sink that raises is dropped with one line: telemetry never fails a job.
 docs/observability.md.
 """
 
@@ -29,18 +29,6 @@ class Sink(Protocol):
     ...
 
 
-class LiveSink(Protocol):
-  """Also told when a live span opens, on the thread running it (tunix's PerfTracer keeps a
-  timeline per thread): `open` returns a context manager entered for the span's length."""
-
-  def record(self, span: timeline_lib.Span) -> None:
-    ...
-
-  def open(self, track: str, name: str, args: dict[str, Any]
-           ) -> contextlib.AbstractContextManager[Any]:
-    ...
-
-
 class Spans(Protocol):
   """Where code records spans: a Recorder (production), or a lab's timeline directly."""
 
@@ -58,7 +46,6 @@ class Recorder:
   def __init__(self) -> None:
     self._lock = threading.Lock()
     self._sinks: tuple[Sink, ...] = ()
-    self._live: tuple[LiveSink, ...] = ()  # also among _sinks
 
   @property
   def enabled(self) -> bool:
@@ -68,15 +55,9 @@ class Recorder:
     with self._lock:
       self._sinks = (*self._sinks, sink)
 
-  def add_live_sink(self, sink: LiveSink) -> None:
-    with self._lock:
-      self._sinks = (*self._sinks, sink)
-      self._live = (*self._live, sink)
-
   def remove_sink(self, sink: Sink) -> None:
     with self._lock:
       self._sinks = tuple(s for s in self._sinks if s is not sink)
-      self._live = tuple(s for s in self._live if s is not sink)
 
   def add(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
     sinks = self._sinks
@@ -95,17 +76,11 @@ class Recorder:
     if not self._sinks:
       yield args
       return
-    with contextlib.ExitStack() as live:
-      for sink in self._live:
-        try:
-          live.enter_context(sink.open(track, name, args))
-        except Exception as e:  # pylint: disable=broad-except
-          self._drop(sink, e)
-      start = time.perf_counter()
-      try:
-        yield args
-      finally:
-        self.add(track, name, start, time.perf_counter(), **args)
+    start = time.perf_counter()
+    try:
+      yield args
+    finally:
+      self.add(track, name, start, time.perf_counter(), **args)
 
   def _drop(self, sink: Sink, error: Exception) -> None:
     self.remove_sink(sink)
@@ -118,8 +93,6 @@ class _Disabled(Recorder):
 
   def add_sink(self, sink: Sink) -> None:
     raise RuntimeError("this recorder is disabled; make a Recorder() to record")
-
-  add_live_sink = add_sink
 
 
 DISABLED = _Disabled()

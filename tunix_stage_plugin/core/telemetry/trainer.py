@@ -133,7 +133,8 @@ class TrainerSteps:
   def _close(self, update: timeline_lib.Span) -> dict[str, Any]:
     spans, self._spans = self._spans, collections.defaultdict(list)
     computations = sorted(spans[tracks.DEVICE_COMPUTE], key=lambda s: s.start)
-    lanes = spans[tracks.TRAINER_LANE]
+    # The compute lane's own calls: the weight sync (the embedded host's DEVICE_SYNC), ...
+    lanes = [*spans[tracks.TRAINER_LANE], *spans[tracks.DEVICE_SYNC]]
     first, end = computations[0].start, update.end
     prev_end, self._last_end = self._last_end, end
     busy = timeline_lib.busy_time(computations, first, end)

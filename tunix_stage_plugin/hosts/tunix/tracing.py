@@ -1,14 +1,14 @@
 """Staging on tunix's own perf timelines, where the trainer has a tunix PerfTracer.
 
 tunix's distributed path emits no span of its own (TrainerWorker.fwd_bwd and update never touch
-the trainer's `perf_tracer_v2`), and its PerfTracer records spans opened on the thread doing the
-work (a host timeline per thread). So where a PeftTrainer was given a `PerfTracer`, the plugin
-opens on it, on the threads doing the work: each staging span (`stage_receive`, `stage_place`,
-`stage_pool_wait`, `stage_fallback`: a live sink on the installation's recorder) and each
-computation the worker runs (`peft_train`, tunix's own name, its device span ended by the
-computation's output), so tunix's own export (PerfMetricsExport, its Perfetto writer) shows
-staging next to the training it feeds. A trainer without one (tunix's NoopTracer, the default)
-gets nothing. docs/observability.md "tunix's perf trace".
+the trainer's `perf_tracer_v2`). So where a PeftTrainer was given a `PerfTracer`, the plugin adds
+to it each staging span the trainer's recorder sees (`stage_receive`, `stage_place`,
+`stage_pool_wait`, `stage_fallback`, on a host timeline of the tracer's per kind, with the span's
+own times: both clocks are perf_counter) and opens a `peft_train` span, tunix's own name, around
+each fwd_bwd and update the worker runs (its device span ended by the computation's output). So
+tunix's own export (PerfMetricsExport, its Perfetto writer) shows staging next to the training it
+feeds. A trainer without one (tunix's NoopTracer, the default) gets nothing. docs/observability.md
+"tunix's perf trace".
 """
 
 from __future__ import annotations
@@ -38,20 +38,24 @@ def tracer_of(trainer: Any) -> tracer_lib.PerfTracer | None:
 
 
 class TracerSink:
-  """A live sink (core.telemetry.recorder.LiveSink): the staging spans on `tracer`."""
+  """A telemetry sink (core.telemetry.recorder.Sink): the staging spans on `tracer`'s timelines.
+
+  tunix's PerfTracer opens host spans only around a block on the thread running it; a staging
+  span is known once it ended (a receive ends on a listener's thread or the event loop), so it is
+  added with its own times to a host timeline of the tracer's that only this sink writes, one per
+  kind of span (`PerfTracer._get_or_create_host_timeline`, checked by the probes), as a span
+  started and stopped at once."""
 
   def __init__(self, tracer: tracer_lib.PerfTracer) -> None:
     self.tracer = tracer
 
   def record(self, span: timeline_lib.Span) -> None:
-    del span  # the tracer timed it itself, live
-
-  def open(self, track: str, name: str, args: dict[str, Any]
-           ) -> contextlib.AbstractContextManager[Any]:
-    span_name = SPAN_NAMES.get(track)
-    if span_name is None:
-      return contextlib.nullcontext()
-    return self.tracer.span(span_name, tags={perf_constants.NAME: name, **args})
+    name = SPAN_NAMES.get(span.track)
+    if name is None:
+      return
+    timeline = self.tracer._get_or_create_host_timeline(f"tunix-stage/{name}")  # pylint: disable=protected-access
+    timeline.start_span(name, span.start, tags={perf_constants.NAME: span.name, **dict(span.args)})
+    timeline.stop_span(span.end)
 
 
 @contextlib.contextmanager
