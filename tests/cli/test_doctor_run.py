@@ -44,6 +44,9 @@ class Adapter:
   def describe(self):
     return "tunix 0.1.8 (commit c7d8950)"
 
+  def describe_loop(self):  # the tunix adapter's: which way the train loop is staged
+    return "the plugin's copy of tunix c7d8950's train_stage (fingerprint-pinned)"
+
   def probe(self, config):
     return [Probe("worker: TrainerWorker.fwd_bwd", self.probes_ok, "fwd_bwd takes no **kwargs"),
             Probe("trainer: PeftTrainer._prepare_payload", True)]
