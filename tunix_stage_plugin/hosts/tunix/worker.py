@@ -23,6 +23,7 @@ from tunix.experimental.common import datatypes
 
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
@@ -150,7 +151,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       if state.target is not None:
         placements.track(state.target, state.store)
     if state.unsupported is not None:
-      result = outcome_lib.unsupported(store_lib.check_key(key), state.unsupported)
+      result = outcome_lib.unsupported(keys_lib.check(key), state.unsupported)
     else:
       state.sessions.admit(state.store, key)  # a new orchestrator: its predecessors' go
       # Two phases on the server's staging lane: answered once received, placed next there.
