@@ -32,7 +32,6 @@ from tunix_stage_plugin.hosts.tunix import installation
 from tunix_stage_plugin.hosts.tunix import program as program_hooks
 from tunix_stage_plugin.hosts.tunix import side
 from tunix_stage_plugin.hosts.tunix import stream
-from tunix_stage_plugin.transport import bulk
 from tunix_stage_plugin.transport import frames
 
 pytestmark = pytest.mark.tunix
@@ -132,20 +131,20 @@ def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_i
     staging):
   """The frame's header and its first MiB come on a raw socket, then nothing: the listener's
   stall bound ends the call, the connection is dropped and the 4 MiB buffer is idle again."""
-  staging.bulk_limits = bulk.BulkLimits(stall_s=0.5)  # read when the server starts
+  staging.bulk_limits = frames.BulkLimits(stall_s=0.5)  # read when the server starts
   worker = new_worker()
   payload = big(mib=4)
 
   async def main():
     server, handle, engine = await serve(worker)
-    port, _ = bulk.read_announcement(await handle.asubmit(side.PORT_METHOD))
+    port, _ = frames.read_announcement(await handle.asubmit(side.PORT_METHOD))
     encoded = chunked.encode(None, "fwd_bwd", (), {"payload": payload, "skip_jit": False})
     transfer = frames.new_transfer_id()
     sizes = [b.nbytes for b in encoded.buffers]
     raw = socket.create_connection(("127.0.0.1", port))
     try:
-      assert raw.recv(1) == bulk.ACCEPTED  # the listener's greeting
-      raw.sendall(bulk.HEADER.pack(bulk.MAGIC, transfer, len(sizes))
+      assert raw.recv(1) == frames.ACCEPTED  # the listener's greeting
+      raw.sendall(frames.FRAME_HEADER.pack(frames.MAGIC, transfer, len(sizes))
                   + struct.pack(f"<{len(sizes)}Q", *sizes) + bytes(encoded.buffers[0][:MIB]))
       with pytest.raises(RuntimeError) as refused:
         await handle.asubmit(side.CALL_METHOD, header=frames.encode_header(

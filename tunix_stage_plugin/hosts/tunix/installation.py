@@ -19,7 +19,8 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts.tunix import sessions as sessions_lib
-from tunix_stage_plugin.transport import bulk as bulk_lib
+from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import listener as listener_lib
 
 # How long uninstall waits for a lane's running call before leaving its daemon thread behind.
 CLOSE_TIMEOUT_S = 10.0
@@ -47,8 +48,8 @@ class SideChannel:
   """One server's bulk side channel (hosts/tunix/side.py): its listener and the transfers its
   calls announced."""
 
-  listener: bulk_lib.BulkListener
-  transfers: bulk_lib.Transfers
+  listener: listener_lib.BulkListener
+  transfers: listener_lib.Transfers
 
 
 class Installation:
@@ -66,12 +67,12 @@ class Installation:
     self.streaming_servers: "weakref.WeakSet[Any]" = weakref.WeakSet()
     self.chunked_calls: collections.Counter[str] = collections.Counter()
     # Each server's side channel, whether servers started from now on get one, the bounds its
-    # listener holds a peer to (a header's bytes included: transport/bulk.py BulkLimits), and
+    # listener holds a peer to (a header's bytes included: transport/frames.py BulkLimits), and
     # the side-channel calls run per method.
     self.side_channels: "weakref.WeakKeyDictionary[Any, SideChannel]" = (
         weakref.WeakKeyDictionary())
     self.serve_side_channel = True
-    self.bulk_limits = bulk_lib.BulkLimits()
+    self.bulk_limits = frames.BulkLimits()
     self.bulk_calls: collections.Counter[str] = collections.Counter()
     self._said: set[str] = set()  # the once-per-installation log lines already said
     self._bound_pool()

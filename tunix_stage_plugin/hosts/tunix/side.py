@@ -9,11 +9,11 @@ from the arrays' memory into pooled aligned buffers, unpickled over them.
 - Trainer: every GrpcRemoteExecutionServer started while staging is installed also runs a
   BulkListener (bound like tunix's server, on every interface) and answers two methods in the
   server's execute_request hook (server.py), before tunix's dispatch: PORT_METHOD (the listener's
-  port and the limits it holds a peer to, transport.bulk.BulkLimits) and CALL_METHOD (a header:
+  port and the limits it holds a peer to, transport.frames.BulkLimits) and CALL_METHOD (a header:
   checked against the cap before any byte is read, its bytes awaited within the listener's
   limits, then the real method run through execute_request, exactly as a unary call). A server
   without the plugin answers both with tunix's AttributeError. The sender queues its calls within
-  the listener's connection cap (transport.bulk.Lease).
+  the listener's connection cap (transport.sender.Lease).
 - Orchestrator: a call to a gRPC trainer handle carrying at least MIN_BYTES out of band goes
   this way when the trainer announced a side channel (asked once per handle; the answer, 'none'
   included, is kept and said in one log line).
@@ -33,9 +33,9 @@ from tunix.experimental.worker import remote_execution
 
 from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
-from tunix_stage_plugin.transport import bulk as bulk_lib
-from tunix_stage_plugin.transport import calls as calls_lib
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import listener as listener_lib
+from tunix_stage_plugin.transport import sender as sender_lib
 
 log = logging.getLogger("tunix_stage_plugin")
 
@@ -62,9 +62,9 @@ class SideChannelError(ConnectionError):
 
 def start(inst: installation_lib.Installation, server: Any) -> None:
   """Starts `server`'s listener (its receive buffers are the installation's pool)."""
-  transfers = bulk_lib.Transfers(inst.bulk_limits)
+  transfers = listener_lib.Transfers(inst.bulk_limits)
   for host in BIND_HOSTS:
-    listener = bulk_lib.BulkListener(inst.pool, transfers, host=host)
+    listener = listener_lib.BulkListener(inst.pool, transfers, host=host)
     try:
       listener.start()
     except OSError as e:
@@ -87,7 +87,7 @@ async def answer(inst: installation_lib.Installation, side: installation_lib.Sid
   """Answers PORT_METHOD or CALL_METHOD (tunix's ExecutionResponse); the hook calls it."""
   if request.method_name == PORT_METHOD:  # where the listener is and the bounds it holds a peer to
     return remote_execution.ExecutionResponse(
-        result=bulk_lib.announcement(side.listener.port, side.transfers.limits),
+        result=frames.announcement(side.listener.port, side.transfers.limits),
         request_id=request.request_id)
   try:
     header = frames.decode_header(_header_bytes(request))
@@ -146,12 +146,12 @@ class Channel:
 
   def __init__(self, address: str) -> None:
     self.address = address
-    self.sender: bulk_lib.BulkSender | None = None
+    self.sender: sender_lib.BulkSender | None = None
     self.known = False
     self._lock: asyncio.Lock | None = None
     self._loop: asyncio.AbstractEventLoop | None = None
 
-  async def open(self, worker: Any) -> bulk_lib.BulkSender | None:
+  async def open(self, worker: Any) -> sender_lib.BulkSender | None:
     """The sender to the trainer's listener, or None when it has none; made once, also under
     concurrent first calls."""
     if self.known:
@@ -165,9 +165,9 @@ class Channel:
         self.known = True
     return self.sender
 
-  async def _ask(self, worker: Any) -> bulk_lib.BulkSender | None:
+  async def _ask(self, worker: Any) -> sender_lib.BulkSender | None:
     try:
-      port, limits = bulk_lib.read_announcement(await worker.asubmit(PORT_METHOD))
+      port, limits = frames.read_announcement(await worker.asubmit(PORT_METHOD))
     except RuntimeError as e:  # tunix's envelope: a trainer without the plugin (or staging off)
       if "[AttributeError]" not in str(e):
         raise
@@ -178,16 +178,16 @@ class Channel:
     host = _host(self.address)
     log.info("tunix-stage: bulk side channel to %s:%d for micro-batch calls >= %d MiB", host, port,
              MIN_BYTES >> 20)
-    return bulk_lib.BulkSender(host, port, limits=limits)
+    return sender_lib.BulkSender(host, port, limits=limits)
 
-  async def call(self, worker: Any, sender: bulk_lib.BulkSender,
+  async def call(self, worker: Any, sender: sender_lib.BulkSender,
                  encoded: chunked.EncodedRequest) -> Any:
     """Sends `encoded`'s header on tunix's call and its bytes on the side channel; the result,
     or tunix's RuntimeError envelope for an error on the trainer."""
     transfer = frames.new_transfer_id()
     header = frames.encode_header(encoded.method, encoded.body, encoded.buffers, transfer)
     try:
-      return await calls_lib.call_with_bytes(worker.asubmit(CALL_METHOD, header=header), sender,
+      return await sender_lib.call_with_bytes(worker.asubmit(CALL_METHOD, header=header), sender,
                                              transfer, encoded.buffers, SEND_FAILURE_GRACE_S)
     except OSError as e:
       sender.close()  # its idle connections may be as broken: the next call connects anew
