@@ -58,8 +58,8 @@ def _serve(workers: list[str]) -> None:
   from tunix.experimental.worker import trainer_worker
 
   def staging_state(self):
-    from tunix_stage_plugin.hosts.tunix import installation
-    inst = installation.current()
+    from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
+    inst = ADAPTER.installation
     state = inst.staging_of(self)
     # JAX drops its alias of a dropped batch's buffer in a gc callback (the pool's take collects
     # the same way before making a buffer): what is in use is what a collection leaves.
@@ -84,14 +84,14 @@ def _orchestrate(port: int) -> None:
   import test_grpc
   from tunix_stage_plugin.hosts.tunix import program
 
-  stage = program.StageEngine.stage
+  stage = program.StagingCalls.stage
 
   async def stage_and_say(self, payload, *, key):
     outcome = await stage(self, payload, key=key)
     print(f"{outcome.status.value} {key}", flush=True)
     return outcome
 
-  program.StageEngine.stage = stage_and_say
+  program.StagingCalls.stage = stage_and_say
   test_grpc.run_program(port, staged=True)
 
 
@@ -178,10 +178,10 @@ from tests.hosts.tunix import test_grpc
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
-from tunix_stage_plugin.hosts.tunix import installation
 from tunix_stage_plugin.hosts.tunix import sessions
 from tunix_stage_plugin.hosts.tunix import side as side_lib
-from tunix_stage_plugin.hosts.tunix import stream as stream_lib
+from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.transport import sender as sender_lib
 
@@ -429,7 +429,7 @@ async def _stage_big(port, seed, key, deadline_s=120.0):
     await engine.reset_staged_batches([key])
     return outcome
   finally:
-    await stream_lib.close_streams(engine)
+    await route.router_of(ADAPTER.installation, engine).close()
     await handle.close()
 
 

@@ -29,13 +29,9 @@ from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import transforms
-
-STAGE_KEY = "stage_key"  # the fwd_bwd keyword that names a staged batch
-# In a staged fwd_bwd's response metadata: why the staged batch was trained from its payload
-# (None: it was trained from its placement).
-PLACEMENT_FALLBACK = "placement_fallback"
 
 
 def model_mesh(model: Any) -> jax.sharding.Mesh:
@@ -158,18 +154,18 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       result = state.store.stage(key, payload, functools.partial(_place, state),
                                  check=functools.partial(_check, state),
                                  defer=executor_lib.defer_on_current_lane())
-    return self._response(staged=result.staged, outcome=result.as_dict())  # pylint: disable=protected-access
+    return self._response(**contract.stage_answer(result))  # pylint: disable=protected-access
 
   def reset_staged(self: Any, keys: list[str] | None = None) -> datatypes.Response:
     """Drops staged batches (all when `keys` is None), freeing their device buffers."""
     dropped = inst.staging_of(self).store.reset(keys)
-    return self._response(dropped=dropped)  # pylint: disable=protected-access
+    return self._response(**contract.reset_answer(dropped))  # pylint: disable=protected-access
 
   @functools.wraps(original_fwd_bwd)
   def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get(STAGE_KEY) is None:
+    if kwargs.get(contract.STAGE_KEY) is None:
       return original_fwd_bwd(self, *args, **kwargs)  # the host's call, untouched
-    key = kwargs.pop(STAGE_KEY)
+    key = kwargs.pop(contract.STAGE_KEY)
     payload = kwargs.pop("payload", args[0] if args else None)
     if payload is not None or len(args) > 1:
       raise ValueError(f"fwd_bwd got a payload and stage_key={key!r}; send one or the other")
@@ -178,17 +174,15 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       staged = inst.staging_of(self).store.take(key)
     except store_lib.PlacementFailed as e:  # received, never placed: the host's own inline call
       response = original_fwd_bwd(self, _unplaced_payload(key, e.payload), **kwargs)
-      response.metadata[PLACEMENT_FALLBACK] = e.reason
-      return response
+      return contract.mark_placement_fallback(response, e.reason)
     with placements.Consume(staged) as consumed:
       response = original_fwd_bwd(self, staged, **kwargs)
     if not consumed.passed:
       raise RuntimeError(f"fwd_bwd(stage_key={key!r}) did not reach the trainer's preparation "
                          "step; the staged batch was prepared for a trainer that prepares there")
-    response.metadata[PLACEMENT_FALLBACK] = consumed.fallback
-    return response
+    return contract.mark_placement_fallback(response, consumed.fallback)
 
   PeftPlacement(peft_cls, registry).apply()
-  registry.set(worker_cls, "stage_batch", stage_batch)
-  registry.set(worker_cls, "reset_staged", reset_staged)
-  registry.set(worker_cls, "fwd_bwd", fwd_bwd)
+  registry.set(worker_cls, contract.STAGE_BATCH, stage_batch)
+  registry.set(worker_cls, contract.RESET_STAGED, reset_staged)
+  registry.set(worker_cls, contract.FWD_BWD, fwd_bwd)
