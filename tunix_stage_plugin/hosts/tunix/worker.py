@@ -115,7 +115,8 @@ class PeftPlacement:
 def _check(state: installation_lib.WorkerStaging, payload: Any) -> None:
   if isinstance(payload, compression.CompressedPayload):
     payload = compression.check(payload)  # refused at once when this trainer cannot decode it
-  state.placement.check(payload)
+  if state.placement.check is not None:
+    state.placement.check(payload)
 
 
 def _place(state: installation_lib.WorkerStaging, payload: Any) -> Any:
