@@ -97,7 +97,7 @@ class Transfers:
     if transfer is not None:
       transfer.future.cancel()  # no-op once received
       if transfer.connection is not None and transfer.future.cancelled():
-        frames.shutdown(transfer.connection)  # its bytes were still coming: their buffers go back now
+        frames.shutdown(transfer.connection)  # its bytes were still coming: their buffers go back
 
   def refuse(self, transfer_id: bytes) -> None:
     """A header refused before it announced its id: a frame for it is dropped at once. An id
