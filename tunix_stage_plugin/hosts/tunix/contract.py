@@ -46,7 +46,6 @@ STREAM_READY_KEY, STREAM_READY = "tunix-stage-chunks", "send"
 UNARY = "unary"  # tunix's own call, byte for byte
 SIDE_CHANNEL = "side channel"  # its header on tunix's call, its bytes on the bulk channel
 STREAM = "stream"  # the chunked stream, for calls over tunix's message cap
-TRANSPORTS = (SIDE_CHANNEL, STREAM, UNARY)
 
 # ---------------------------------------------------------------- what the answers carry
 
