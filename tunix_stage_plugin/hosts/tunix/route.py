@@ -82,13 +82,15 @@ class Router:
     encoded = _encode(worker, method, kwargs)
     transport = await self._choose(worker, encoded)
     if transport == contract.SIDE_CHANNEL:
-      result = await self._side(worker).send(worker, encoded)
+      send = self._side(worker).send(worker, encoded)
     elif transport == contract.STREAM:
-      result = await self._stream(worker).send(encoded)
+      send = self._stream(worker).send(encoded)
     else:
-      return transport, await unary()  # nothing of the encoding is used
-    self.calls[transport] += 1
-    self.bytes[transport] += encoded.nbytes
+      send = unary()  # tunix's call pickles it itself: nothing of the encoding is used
+    result = await send  # every routed call's send is awaited here, and only here
+    if transport != contract.UNARY:
+      self.calls[transport] += 1
+      self.bytes[transport] += encoded.nbytes
     return transport, result
 
   def close_sides(self) -> None:
