@@ -3,8 +3,9 @@ GB/s (of raw bytes), at 1 thread and at every core this process may use.
 
   python tools/measure_codecs.py [--payload_mib 16] [--repeats 3] [--markdown]
 
-Each figure is the best of --repeats runs of core.codec.pack / unpack over one whole micro-batch
-(crc32 included, as staging does it), so it is what one stage pays. lz4 is single-threaded
+Each figure is the best of --repeats runs of the embedded host's pack_arrays / unpack_arrays
+(lab/embedded/data.py) over one whole micro-batch (crc32 included, as staging does it), so it is
+what one stage pays. lz4 is single-threaded
 (its "all" row repeats the 1-thread run); zstd decodes on one thread whatever it was packed with.
 Needs the codec extra: pip install 'tunix-stage-plugin[codec]'.
 """
@@ -46,8 +47,8 @@ def measure(payload_mib: float, repeats: int) -> list[dict]:
       continue
     for threads in (1, cores):
       codec = dataclasses.replace(codec_lib.parse(spec), threads=threads)
-      pack_s, packed = _best(lambda: codec_lib.pack(codec, batch.arrays), repeats)
-      unpack_s, _ = _best(lambda: codec_lib.unpack(packed, threads=threads), repeats)
+      pack_s, packed = _best(lambda: data_lib.pack_arrays(codec, batch.arrays), repeats)
+      unpack_s, _ = _best(lambda: data_lib.unpack_arrays(packed, threads=threads), repeats)
       raw = packed.nbytes
       rows.append({"codec": spec, "threads": threads, "ratio": raw / packed.wire_bytes,
                    "pack_gbps": raw / pack_s / 1e9, "unpack_gbps": raw / unpack_s / 1e9,

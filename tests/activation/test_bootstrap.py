@@ -145,7 +145,8 @@ def test_bootstrap_start_activates_each_host_when_it_is_imported(fake_host, monk
   monkeypatch.setenv("TUNIX_STAGE_BATCH", "on")  # invalid, and still nothing at start
   monkeypatch.setattr(bootstrap, "_started", False)
   monkeypatch.setattr(triggers, "HOST_TRIGGERS", {"fakehost": (f"{fake_host}.watched",)})
-  monkeypatch.setattr(entry_points, "load_adapters", lambda: pytest.fail("no metadata at start"))
+  monkeypatch.setattr(entry_points, "host_entry_points",
+                      lambda: pytest.fail("no metadata at start"))
   monkeypatch.setattr(manager, "activate_from_env", calls.append)
   bootstrap.start()
   bootstrap.start()  # idempotent: one set of watches
@@ -170,7 +171,7 @@ def test_bootstrap_never_raises(monkeypatch, capsys):
 def test_host_triggers_match_the_registered_adapters():
   # The bootstrap watches the static table (no metadata at start-up); it must name the modules
   # each registered adapter's install is triggered by.
-  adapters = entry_points.load_adapters()
+  adapters = {name: ep.load() for name, ep in entry_points.host_entry_points().items()}
   assert {name: tuple(a.trigger_modules) for name, a in adapters.items()} == (
       triggers.HOST_TRIGGERS)
 
@@ -301,7 +302,7 @@ def test_real_adapters_are_registered_and_cheap_to_load():
   code = textwrap.dedent("""
       import sys
       from tunix_stage_plugin.activation import entry_points
-      adapters = entry_points.load_adapters()
+      adapters = {name: ep.load() for name, ep in entry_points.host_entry_points().items()}
       print(','.join(sorted(adapters)),
             any(m.split('.')[0] in ('tunix', 'maxtext', 'jax') for m in sys.modules))
   """)

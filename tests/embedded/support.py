@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from tunix_stage_plugin.transport import bulk
+from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import engine as engine_lib
@@ -116,7 +116,7 @@ def bulk_header(method: str, sizes: list[int], transfer: bytes) -> bytes:
 
 
 def bulk_frame(transfer: bytes, sizes: list[int], payload: bytes = b"") -> bytes:
-  return (bulk.HEADER.pack(bulk.MAGIC, transfer, len(sizes))
+  return (frames.FRAME_HEADER.pack(frames.MAGIC, transfer, len(sizes))
           + struct.pack(f"<{len(sizes)}Q", *sizes) + payload)
 
 
@@ -124,7 +124,7 @@ def bulk_connection(port: int) -> socket.socket:
   """A raw connection to a bulk listener, its greeting read (as a sender does)."""
   sock = socket.create_connection(("127.0.0.1", port))
   sock.settimeout(10)
-  assert sock.recv(1) == bulk.ACCEPTED
+  assert sock.recv(1) == frames.ACCEPTED
   return sock
 
 
@@ -143,7 +143,7 @@ def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
 
 
 async def bulk_port(channel: grpc.aio.Channel) -> int:
-  port, _ = bulk.read_announcement(await channel.unary_unary(wire.BULK_PORT)(b"", timeout=10))
+  port, _ = frames.read_announcement(await channel.unary_unary(wire.BULK_PORT)(b"", timeout=10))
   return port
 
 
@@ -154,7 +154,7 @@ async def bulk_connect(port: int) -> socket.socket:
   sock.setblocking(False)
   try:
     await loop.sock_connect(sock, ("127.0.0.1", port))
-    assert await loop.sock_recv(sock, 1) == bulk.ACCEPTED
+    assert await loop.sock_recv(sock, 1) == frames.ACCEPTED
   except BaseException:
     sock.close()
     raise

@@ -18,14 +18,14 @@ import pytest
 
 from tests.embedded.support import (bulk_connect, bulk_connection, bulk_frame, bulk_header,
                                     bulk_port, call, closed_by_peer, raw_bulk_call, wait_for)
-from tunix_stage_plugin.transport import bulk
+from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 from tunix_stage_plugin.lab.embedded import wire
 
 MIB = 1 << 20
-LIMITS = bulk.BulkLimits()  # what trainer_main enforces
+LIMITS = frames.BulkLimits()  # what trainer_main enforces
 SIZES = data_lib.TINY_SIZES.with_payload_mib(2)  # a micro-batch travels on the bulk channel
 DEPTH = 64  # every call of a test below may stay staged at once
 GUARD_S = 60  # a hang guard, not a timing assertion: the base code waited forever here
@@ -130,10 +130,10 @@ MAX = wire.MAX_BUFFERS
     ([0] * (MAX + 1), lambda t: bulk_frame(t, [0] * (MAX + 1)),
      rf"heartbeat announces {MAX + 1} buffers, above the {MAX} one call may carry; refused "
      "before reading any of its bytes"),
-    ([MIB], lambda t: bulk.HEADER.pack(bulk.MAGIC, t, MAX + 1),
+    ([MIB], lambda t: frames.FRAME_HEADER.pack(frames.MAGIC, t, MAX + 1),
      rf"its bulk frame was refused: it announced {MAX + 1} buffers; a frame carries at most "
      rf"{MAX}"),
-    ([MIB], lambda t: bulk.HEADER.pack(b"XXXX", t, 1) + bytes(8 + MIB),
+    ([MIB], lambda t: frames.FRAME_HEADER.pack(b"XXXX", t, 1) + bytes(8 + MIB),
      r"its bulk frame was refused: not a bulk frame header \(magic b'XXXX'\)"),
 ], ids=["header_buffers", "frame_buffers", "frame_magic"])
 def test_a_refused_header_or_frame_is_answered_on_its_own_call(trainer, header_sizes, frame,
@@ -202,14 +202,14 @@ def test_idle_and_half_sent_connections_are_dropped_and_an_honest_call_then_pass
   idle = [bulk_connection(port) for _ in range(LIMITS.max_connections)]
   try:
     for sock in idle[::2]:
-      sock.sendall(bulk.MAGIC + bytes(6))  # 10 bytes of a frame header
+      sock.sendall(frames.MAGIC + bytes(6))  # 10 bytes of a frame header
     dropped = [closed_by_peer(sock, LIMITS.header_wait_s + 20) for sock in idle]
   finally:
     for sock in idle:
       sock.close()
   assert all(dropped), dropped.count(False)
   for sent in (0, 10):
-    assert (f"closed a bulk connection: {sent} of the {bulk.HEADER.size} bytes of a frame "
+    assert (f"closed a bulk connection: {sent} of the {frames.FRAME_HEADER.size} bytes of a frame "
             f"header, due within {LIMITS.header_wait_s:g} s") in trainer.log()
   (answer,), _ = asyncio.run(_stage_all(trainer.address, _batches(1, 1), "after-idle"))
   assert isinstance(answer, dict) and answer["status"] == "staged", answer
@@ -238,7 +238,7 @@ def test_concurrent_first_bulk_calls_of_a_client_share_one_sender(trainer):
 
 def test_a_frame_slower_than_the_stall_bound_on_an_emulated_link_keeps_coming(trainer):
   """A micro-batch whose emulated wire time exceeds the stall bound: the sender paces it in
-  chunks of at most bulk.PACED_CHUNK_S of link time, so its bytes never pause that long."""
+  chunks of at most pacing.PACED_CHUNK_S of link time, so its bytes never pause that long."""
   batches = _batches(4, 1)
   rate = batches[0].nbytes / (LIMITS.stall_s + 1)
   (answer,), _ = asyncio.run(_stage_all(trainer.address, batches, "slow", wire_bytes_per_s=rate))

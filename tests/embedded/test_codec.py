@@ -148,7 +148,7 @@ def test_a_trainer_without_the_codec_refuses_a_compressed_stage_at_once(monkeypa
   worker.setup(sizes=TINY.as_dict())
   monkeypatch.setattr(codec_lib, "installed", lambda name: False)
   batch = data_lib.make_batch(TINY, 0, 0, 1)
-  packed = data_lib.PackedBatch(0, 1, codec_lib.Packed("blosc2-lz4", dict(batch.arrays)))
+  packed = data_lib.PackedBatch(0, 1, data_lib.PackedArrays("blosc2-lz4", dict(batch.arrays)))
   outcome = worker.stage_batch(packed, key="z-1")
   assert outcome["status"] == "refused"
   assert "codec blosc2-lz4 is not installed on the trainer" in outcome["reason"]

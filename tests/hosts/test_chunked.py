@@ -12,6 +12,8 @@ import pytest
 
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.hosts.tunix import chunked
+from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.hosts.tunix import request as request_lib
 
 MIB = 1 << 20
 CHUNK = chunked.CHUNK_BYTES
@@ -35,7 +37,9 @@ class Messages:
 
 
 def receive(messages, pool=None, max_bytes=1 << 40):
-  return asyncio.run(chunked.receive(messages, pool or buffers_lib.HostBufferPool(), max_bytes))
+  received = asyncio.run(chunked.receive(messages, pool or buffers_lib.HostBufferPool(),
+                                         max_bytes))
+  return received.request
 
 
 def payload():
@@ -46,10 +50,10 @@ def payload():
 
 def test_a_call_round_trips_in_chunks_into_aligned_pooled_buffers_without_a_copy():
   sent = payload()
-  encoded = chunked.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False})
+  encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False})
   assert len(encoded.body) < 4096  # the arrays are out of band
   assert encoded.nbytes == len(encoded.body) + sent["experts"].nbytes + sent["tokens"].nbytes
-  messages = list(encoded.messages())
+  messages = list(chunked.messages(encoded))
   # The header, then each buffer in chunks of at most CHUNK_BYTES, never spanning two buffers.
   sizes = [len(m) for m in messages[1:]]
   experts = sent["experts"].nbytes
@@ -71,20 +75,20 @@ def test_a_call_round_trips_in_chunks_into_aligned_pooled_buffers_without_a_copy
 
 def test_a_large_pickle_travels_as_the_streams_first_part():
   strided = np.arange(4 * MIB, dtype=np.uint8)[::2]  # not contiguous: numpy pickles it in band
-  encoded = chunked.encode("r-1", "stage_batch", (), {"payload": {"a": strided}, "key": "k"})
-  assert len(encoded.body) > chunked.HEADER_BODY_MAX and not encoded.buffers
-  header = chunked.decode_header(next(encoded.messages()), 1 << 40)
+  encoded = request_lib.encode("r-1", "stage_batch", (), {"payload": {"a": strided}, "key": "k"})
+  assert len(encoded.body) > request_lib.HEADER_BODY_MAX and not encoded.buffers
+  header = chunked.decode_header(next(chunked.messages(encoded)), 1 << 40)
   assert header.body is None and header.sizes == [len(encoded.body)]
-  request_id, method, _, kwargs = receive(Messages(encoded.messages()))
+  request_id, method, _, kwargs = receive(Messages(chunked.messages(encoded)))
   assert (request_id, method, kwargs["key"]) == ("r-1", "stage_batch", "k")
   np.testing.assert_array_equal(kwargs["payload"]["a"], strided)
 
 
 def test_over_measures_the_pickle_and_its_buffers_against_the_cap():
-  encoded = chunked.encode(None, "fwd_bwd", (), {"payload": np.zeros(8 * MIB, np.uint8)})
+  encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": np.zeros(8 * MIB, np.uint8)})
   assert encoded.over(8 * MIB)
-  assert encoded.over(encoded.nbytes + chunked.CAP_MARGIN - 1)
-  assert not encoded.over(encoded.nbytes + chunked.CAP_MARGIN)
+  assert encoded.over(encoded.nbytes + request_lib.CAP_MARGIN - 1)
+  assert not encoded.over(encoded.nbytes + request_lib.CAP_MARGIN)
 
 
 def _messages(sizes, chunks, method="fwd_bwd", body=b"x"):
@@ -126,7 +130,7 @@ def test_a_stream_carrying_more_than_it_announced_is_refused_at_the_first_chunk_
 
 
 def test_a_pickle_for_another_method_than_the_header_names_is_refused():
-  encoded = chunked.encode(None, "update", (), {})
+  encoded = request_lib.encode(None, "update", (), {})
   header = pickle.dumps({"method": "fwd_bwd", "body": encoded.body, "sizes": []})
   with pytest.raises(chunked.StreamError, match="not a request for the method its header names"):
     receive(Messages([header]))
@@ -136,7 +140,7 @@ class Sent:
   """What a client's stream yielded (header and chunks), counted as grpc pulls it."""
 
   def __init__(self, encoded, accepted):
-    self._stream = encoded.send(accepted)
+    self._stream = chunked.send(encoded, accepted)
     self.messages = 0
 
   def __aiter__(self):
@@ -155,7 +159,7 @@ async def send_chunked(rpc, encoded):
 
   async def accepted():
     metadata = await calls[0].initial_metadata()
-    return metadata.get(chunked.READY_KEY) == chunked.READY
+    return metadata.get(contract.STREAM_READY_KEY) == contract.STREAM_READY
 
   sent = Sent(encoded, accepted)
   calls.append(rpc(sent, timeout=60))
@@ -168,16 +172,18 @@ async def send_chunked(rpc, encoded):
 async def serve_and_send(payload, cap, max_bytes):
   """A real grpc.aio server and channel on 127.0.0.1, both capped at `cap` bytes a message (as
   tunix caps at 128 MiB), serving the chunked method as the trainer's hook does (header accepted
-  with READY_KEY, then the chunks). Sends `payload` whole (unary), chunked, and chunked to a
+  with STREAM_READY_KEY, then the chunks). Sends `payload` whole (unary), chunked, and chunked to a
   method the server does not have."""
   options = [("grpc.max_send_message_length", cap), ("grpc.max_receive_message_length", cap)]
   pool = buffers_lib.HostBufferPool()
 
   async def execute(request_iterator, context):
     async def accept():
-      await context.send_initial_metadata(((chunked.READY_KEY, chunked.READY),))
+      await context.send_initial_metadata(((contract.STREAM_READY_KEY, contract.STREAM_READY),))
     try:
-      _, method, _, kwargs = await chunked.receive(request_iterator, pool, max_bytes, accept)
+      received = await chunked.receive(request_iterator, pool, max_bytes, accept)
+      _, method, _, kwargs = received.request
+      del received
     except chunked.StreamError as e:
       return pickle.dumps(("refused", str(e)))
     array = kwargs["payload"]
@@ -188,18 +194,20 @@ async def serve_and_send(payload, cap, max_bytes):
     return b"unreachable"
 
   server = grpc.aio.server(options=options)
-  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(chunked.SERVICE, {
-      chunked.METHOD_NAME: grpc.stream_unary_rpc_method_handler(execute),
+  server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(contract.STREAM_SERVICE, {
+      contract.STREAM_METHOD_NAME: grpc.stream_unary_rpc_method_handler(execute),
       "Unary": grpc.unary_unary_rpc_method_handler(unary)}),))
   port = server.add_insecure_port("127.0.0.1:0")
   await server.start()
   try:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
       with pytest.raises(grpc.aio.AioRpcError) as whole:
-        await channel.unary_unary(f"/{chunked.SERVICE}/Unary")(pickle.dumps(payload), timeout=30)
-      encoded = chunked.encode(None, "stage_batch", (), {"payload": payload})
-      chunks = await send_chunked(channel.stream_unary(chunked.METHOD), encoded)
-      missing = await send_chunked(channel.stream_unary(f"/{chunked.SERVICE}/Missing"), encoded)
+        await channel.unary_unary(f"/{contract.STREAM_SERVICE}/Unary")(pickle.dumps(payload),
+                                                                        timeout=30)
+      encoded = request_lib.encode(None, "stage_batch", (), {"payload": payload})
+      chunks = await send_chunked(channel.stream_unary(contract.STREAM_METHOD), encoded)
+      missing = await send_chunked(
+          channel.stream_unary(f"/{contract.STREAM_SERVICE}/Missing"), encoded)
   finally:
     await server.stop(0)
   return encoded, whole.value.code(), chunks, missing
@@ -223,3 +231,12 @@ def test_a_refused_header_is_answered_before_any_chunk_is_sent():
   _, _, (reply, messages), _ = asyncio.run(serve_and_send(sent, 8 * MIB, 16 * MIB))
   assert reply[0] == "refused" and "refused before reading any of its bytes" in reply[1]
   assert messages == 1  # the header only: the client never sent a chunk
+
+
+def test_a_received_call_says_what_its_header_announced_and_when_its_bytes_came():
+  encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": payload()})
+  received = asyncio.run(chunked.receive(Messages(chunked.messages(encoded)),
+                                         buffers_lib.HostBufferPool(), 1 << 40))
+  assert received.request[1] == "fwd_bwd"
+  assert received.nbytes == sum(b.nbytes for b in encoded.buffers)
+  assert received.started <= received.ended

@@ -13,22 +13,23 @@ import pytest
 
 from tests.embedded.support import bulk_connection, bulk_frame, closed_by_peer, wait_for
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.transport import bulk
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import listener as listener_lib
+from tunix_stage_plugin.transport import sender as sender_lib
 
 MIB = 1 << 20
 
 
 @pytest.fixture
 def limits():
-  return bulk.BulkLimits()
+  return frames.BulkLimits()
 
 
 @pytest.fixture
 def listener(limits):
   pool = buffers_lib.HostBufferPool()
-  transfers = bulk.Transfers(limits)
-  server = bulk.BulkListener(pool, transfers)
+  transfers = listener_lib.Transfers(limits)
+  server = listener_lib.BulkListener(pool, transfers)
   server.start()
   yield server, transfers, pool
   before = threading.active_count()
@@ -38,7 +39,7 @@ def listener(limits):
 
 def _send(port: int, transfer_id: bytes, arrays: list[np.ndarray]) -> None:
   async def go() -> None:
-    sender = bulk.BulkSender("127.0.0.1", port)
+    sender = sender_lib.BulkSender("127.0.0.1", port)
     try:
       lease = await sender.lease()
       await sender.send(lease, transfer_id, [memoryview(a).cast("B") for a in arrays])
@@ -71,7 +72,7 @@ def test_a_frame_reaches_its_call_whichever_arrives_first(listener):
   assert pool.made == 2  # the 9 MiB buffer was pooled, once per transfer alive at once
 
 
-@pytest.mark.parametrize("limits", [bulk.BulkLimits(pair_wait_s=0.2)])
+@pytest.mark.parametrize("limits", [frames.BulkLimits(pair_wait_s=0.2)])
 def test_frames_that_no_call_wants_are_dropped_before_anything_is_allocated(listener):
   server, transfers, pool = listener
   ended = secrets.token_bytes(16)
@@ -131,7 +132,7 @@ def test_a_sender_reuses_a_connection_only_after_a_whole_frame(listener):
   connections = []
 
   async def go() -> None:
-    sender = bulk.BulkSender("127.0.0.1", server.port)
+    sender = sender_lib.BulkSender("127.0.0.1", server.port)
     try:
       for _ in range(3):
         transfer_id = secrets.token_bytes(16)

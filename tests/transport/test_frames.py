@@ -12,9 +12,9 @@ import pytest
 
 from tests.transport.test_bulk import limits, listener  # pylint: disable=unused-import  (fixtures)
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.transport import bulk
-from tunix_stage_plugin.transport import calls
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import listener as listener_lib
+from tunix_stage_plugin.transport import sender as sender_lib
 
 MIB = 1 << 20
 
@@ -49,14 +49,14 @@ def test_a_call_and_its_bytes_arrive_together(listener):
   transfer = frames.new_transfer_id()
 
   async def go():
-    sender = bulk.BulkSender("127.0.0.1", server.port)
+    sender = sender_lib.BulkSender("127.0.0.1", server.port)
     received = transfers.expect(transfer, [data.nbytes])
 
     async def header_call():  # the trainer's side: answers once the bytes are in
       return (await asyncio.wrap_future(received)).buffers
 
     try:
-      return await calls.call_with_bytes(header_call(), sender, transfer, views(data), 1.0)
+      return await sender_lib.call_with_bytes(header_call(), sender, transfer, views(data), 1.0)
     finally:
       sender.close()
 
@@ -73,14 +73,14 @@ def test_a_refused_header_ends_its_send_and_closes_the_connection(listener):
   transfer = frames.new_transfer_id()
 
   async def go():
-    sender = bulk.BulkSender("127.0.0.1", server.port)
+    sender = sender_lib.BulkSender("127.0.0.1", server.port)
 
     async def refused():
       raise frames.WireError("refused by its header")
 
     try:
       with pytest.raises(frames.WireError, match="refused by its header"):
-        await calls.call_with_bytes(refused(), sender, transfer, views(data), 1.0)
+        await sender_lib.call_with_bytes(refused(), sender, transfer, views(data), 1.0)
       return list(sender._idle)  # pylint: disable=protected-access
     finally:
       sender.close()
@@ -97,10 +97,10 @@ def test_a_refused_connection_is_the_calls_error_and_no_header_goes_out():
     port = probe.getsockname()[1]  # bound, not listening: connections are refused
 
     async def go():
-      sender = bulk.BulkSender("127.0.0.1", port)
+      sender = sender_lib.BulkSender("127.0.0.1", port)
       never = asyncio.get_running_loop().create_future()
       with pytest.raises(ConnectionRefusedError):
-        await calls.call_with_bytes(never, sender, frames.new_transfer_id(),
+        await sender_lib.call_with_bytes(never, sender, frames.new_transfer_id(),
                                     views(np.zeros(8, np.uint8)), 0.05)
       return never.cancelled()
 
@@ -110,8 +110,8 @@ def test_a_refused_connection_is_the_calls_error_and_no_header_goes_out():
 def test_a_dual_stack_listener_takes_ipv4_connections():
   if not socket.has_ipv6:
     pytest.skip("no IPv6 on this machine")
-  pool, transfers = buffers_lib.HostBufferPool(), bulk.Transfers()
-  server = bulk.BulkListener(pool, transfers, host="::")
+  pool, transfers = buffers_lib.HostBufferPool(), listener_lib.Transfers()
+  server = listener_lib.BulkListener(pool, transfers, host="::")
   try:
     server.start()
   except OSError as e:
@@ -122,7 +122,7 @@ def test_a_dual_stack_listener_takes_ipv4_connections():
     received = transfers.expect(transfer, [data.nbytes])
 
     async def go():
-      sender = bulk.BulkSender("127.0.0.1", server.port)
+      sender = sender_lib.BulkSender("127.0.0.1", server.port)
       try:
         lease = await sender.lease()
         await sender.send(lease, transfer, views(data))

@@ -22,13 +22,14 @@ import sys
 import types
 from typing import Any, Callable
 
+from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 
 Driver = triggers.Driver
 FIELDS = flags_lib.ORCHESTRATOR_FIELDS  # the drivers are orchestrator drivers
-# A driver whose parse function mentions this flag defines the staging flags itself.
+# A driver whose parse function defines this flag (add_argument) defines the staging flags itself.
 NATIVE_MARK = config_lib.SETTINGS_BY_FIELD["mode"].flag
 
 
@@ -62,12 +63,13 @@ def problem(module: types.ModuleType, driver: Driver) -> str | None:
 
 def defines_flags(module: types.ModuleType, driver: Driver) -> bool:
   """Whether the driver's parse function defines the staging flags itself (the upstream change
-  merged): then it needs nothing from the plugin."""
+  merged): its parsed code passes the flag to an `add_argument` call. Then it needs nothing from
+  the plugin."""
   parse = vars(module).get(driver.parse)
   if not isinstance(parse, types.FunctionType):
     return False
   try:
-    return f"--{NATIVE_MARK}" in inspect.getsource(parse)
+    return f"--{NATIVE_MARK}" in probing.Body(parse).string_arguments("add_argument")
   except OSError:  # no source to read (e.g. bytecode only): not known to define them
     return False
 

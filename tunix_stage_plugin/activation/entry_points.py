@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.metadata
-import sys
 from typing import Any
 
 ENTRY_POINT_GROUP = "tunix_stage_plugin.hosts"
@@ -22,14 +21,3 @@ def load_adapter(name: str) -> Any:
         f"{sorted(eps) or 'none'}); is tunix-stage-plugin installed (pip install -e .)?")
   return eps[name].load()
 
-
-def load_adapters() -> dict[str, Any]:
-  """Every registered adapter; one that fails to load is reported in one line and skipped."""
-  adapters = {}
-  for name, ep in host_entry_points().items():
-    try:
-      adapters[name] = ep.load()
-    except Exception as e:  # pylint: disable=broad-except  (one broken adapter must not stop the rest)
-      print(f"tunix-stage: host adapter {name!r} ({ep.value}) failed to load: "
-            f"{type(e).__name__}: {e}", file=sys.stderr)
-  return adapters

@@ -8,10 +8,10 @@ installed is refused with one line naming the extra.
 CHUNK_BYTES, each compressed (blosc2 with byte shuffle at the array's itemsize), with the array's
 dtype, shape and the crc32 of its raw bytes. `unpack_array` decompresses into a fresh
 64-byte-aligned buffer and checks size and crc32, so a corrupted payload raises CodecError and
-never yields a wrong array. `pack`/`unpack` do that for a dict of arrays (the embedded host);
-tunix's TrainerWorker host maps them over a payload's pytree (hosts/tunix/compression.py). The
-compressed chunks are numpy uint8 arrays, so they travel out of band through the embedded wire's
-pickle (lab/embedded/wire.py) and in band through tunix's cloudpickle.
+never yields a wrong array. tunix's TrainerWorker host maps them over a payload's pytree
+(hosts/tunix/compression.py), the embedded host over a dict of arrays (lab/embedded/data.py).
+The compressed chunks are numpy uint8 arrays, so they travel out of band through the embedded
+wire's pickle (lab/embedded/wire.py) and in band through tunix's cloudpickle.
 """
 
 from __future__ import annotations
@@ -130,11 +130,6 @@ class PackedArray:
     return sum(c.nbytes for c in self.chunks)
 
 
-def packs(value: Any) -> bool:
-  """Whether `pack_array` compresses this value (a numpy array of at least MIN_PACK_BYTES)."""
-  return isinstance(value, np.ndarray) and value.nbytes >= MIN_PACK_BYTES
-
-
 def pack_array(codec: Codec, array: np.ndarray) -> PackedArray:
   # Bytes through a uint8 view: the buffer protocol has no format for ml_dtypes' bfloat16.
   data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
@@ -167,34 +162,3 @@ def unpack_array(p: PackedArray, *, threads: int = 0, name: str = "array",
     raise CodecError(f"{name}: crc32 of the decoded bytes differs from the sender's")
   return buf.view(p.dtype).reshape(p.shape)
 
-
-@dataclasses.dataclass
-class Packed:
-  """A dict of arrays as it travels: the large ones PackedArray, the others as they are."""
-
-  codec: str  # Codec.name
-  arrays: dict[str, np.ndarray | PackedArray]  # in the original key order
-
-  @property
-  def nbytes(self) -> int:
-    """The arrays' bytes once decoded."""
-    return sum(a.nbytes for a in self.arrays.values())
-
-  @property
-  def wire_bytes(self) -> int:
-    """The arrays' bytes as they travel."""
-    return sum(a.wire_bytes if isinstance(a, PackedArray) else a.nbytes
-               for a in self.arrays.values())
-
-
-def pack(codec: Codec, arrays: dict[str, np.ndarray]) -> Packed:
-  return Packed(codec.name, {name: pack_array(codec, a) if packs(a) else a
-                             for name, a in arrays.items()})
-
-
-def unpack(packed: Packed, *, threads: int = 0, pool: buffers_lib.HostBufferPool | None = None
-           ) -> dict[str, np.ndarray]:
-  """The arrays, decoded and checked; raises CodecError otherwise."""
-  check_decodable(packed.codec)
-  return {name: unpack_array(a, threads=threads, name=name, pool=pool)
-          if isinstance(a, PackedArray) else a for name, a in packed.arrays.items()}

@@ -22,6 +22,7 @@ import logging
 import secrets
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
+from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import tracks
@@ -199,7 +200,7 @@ class _Window:
             f"the micro-batch source of step {self.step} yielded {type(item).__name__}; "
             "accepted: MicroBatch")
       else:
-        key = f"{self.pipeline.key_prefix}-s{self.step}-m{self.pulled}"
+        key = keys_lib.build(self.pipeline.key_prefix, self.step, self.pulled)
         self.entries.append(_Entry(self.pulled, item, key))
         self.pulled += 1
         self.exhausted = item.closes_step
@@ -287,9 +288,6 @@ class Prestage:
     await self._window.abort()
 
 
-MAX_KEY_PREFIX = store_lib.MAX_KEY_LEN - 32  # room for "-s<step>-m<index>"
-
-
 class StagePipeline:
   """Drives one engine; `depth` is TUNIX_MAX_STAGED_BATCHES. `staging=False` trains every
   micro-batch inline through the same loop (the unstaged baseline). `open_ended`: a step's source
@@ -305,10 +303,7 @@ class StagePipeline:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
     # A per-pipeline prefix keeps keys unique across orchestrator restarts on one trainer.
     key_prefix = f"st{secrets.token_hex(4)}" if key_prefix is None else key_prefix
-    if not isinstance(key_prefix, str) or len(key_prefix) > MAX_KEY_PREFIX:
-      raise ValueError(f"key_prefix must be a str of at most {MAX_KEY_PREFIX} characters from "
-                       f"[A-Za-z0-9._:-]; got {key_prefix!r}")
-    store_lib.check_key(f"{key_prefix}-s0-m0")  # raises naming the rule
+    keys_lib.check_prefix(key_prefix)  # raises naming the rule
     self.engine = engine
     self.depth = depth
     self.key_prefix = key_prefix

@@ -11,37 +11,18 @@ import collections
 import dataclasses
 import enum
 import math
-import re
 import threading
 import time
 from typing import Any, Callable, Iterable
 
+from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core.keys import StageKeyError
 
-_KEY_RE = re.compile(r"[A-Za-z0-9._:-]+")
-MAX_KEY_LEN = 128
-KEY_RULE = f"a str of 1-{MAX_KEY_LEN} characters from [A-Za-z0-9._:-]"
 # How many keys the store remembers, each kind in its own FIFO: keys reset before their stage
 # arrived (that stage is then refused), and keys already used (staging one again is an error).
 # Beyond these many, the oldest are forgotten; keys carry a per-orchestrator prefix and the step.
 REMEMBERED_KEYS = 4096
-
-
-class StageKeyError(KeyError):
-  """A staging key is malformed, already in use, or not staged."""
-
-  def __str__(self) -> str:  # KeyError repr()s its argument; we want the sentence.
-    return str(self.args[0])
-
-
-def check_key(key: Any) -> str:
-  if not isinstance(key, str):
-    raise StageKeyError(f"stage key must be {KEY_RULE}; got {type(key).__name__} {key!r}")
-  if not 1 <= len(key) <= MAX_KEY_LEN:
-    raise StageKeyError(f"stage key must be {KEY_RULE}; got one of length {len(key)}")
-  if not _KEY_RE.fullmatch(key):
-    raise StageKeyError(f"stage key must be {KEY_RULE}; got {key!r}")
-  return key
 
 
 class PlacementFailed(Exception):
@@ -181,7 +162,7 @@ class StagedBatchStore:
     answer is STAGED at once, and `defer(job)` schedules the placement (e.g. next on the staging
     lane); `take` waits for it and raises PlacementFailed when it failed.
     """
-    check_key(key)
+    keys_lib.check(key)
     with self._cond:
       if key in self._entries or key in self._pending or key in self._used:
         raise StageKeyError(f"stage key {key!r} was already used; keys are single-use")
@@ -286,7 +267,7 @@ class StagedBatchStore:
 
     Raises PlacementFailed (carrying the payload) when a deferred placement failed.
     """
-    check_key(key)
+    keys_lib.check(key)
     with self._cond:
       entry = self._entries.get(key)
       if (entry is not None and entry.state is _State.RECEIVED
@@ -328,7 +309,7 @@ class StagedBatchStore:
         for k in self._pending:
           self._remember(self._cancelled, k)
       else:
-        targets = [check_key(k) for k in keys]
+        targets = [keys_lib.check(k) for k in keys]
       dropped = []
       for k in targets:
         entry = self._entries.pop(k, None)

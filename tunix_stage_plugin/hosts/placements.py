@@ -4,7 +4,9 @@ A Placement prepares and places a payload on the staging thread through the trai
 preparation step, and at consume time that same step (its "seam") hands the staged batch through
 instead of preparing again, so a staged micro-batch is prepared exactly once, as inline. tunix's
 PeftTrainer has one (hosts/tunix/worker.py), MaxText's engine another (hosts/maxtext/). Adapters
-register theirs here; the worker hook asks each in order. docs/maxtext.md.
+register theirs here; the worker hook asks each in order. The registry is the process's, not one
+installation's: tunix's worker and MaxText's engine are two adapters' hooks that meet here.
+docs/maxtext.md.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from typing import Any, Callable, Protocol
 
 class Placement(Protocol):
   name: str
+  # Raises for a payload this kind of trainer can never stage (refused before any wait); None
+  # where no payload can be told unstageable before its preparation runs (a failure there is a
+  # failed stage, trained inline).
+  check: Callable[[Any], None] | None
 
   def find(self, trainer: Any) -> tuple[Any, str | None]:
     """(target, None): stage through `target`; (None, reason): this kind, but it can never
     stage; (None, None): not this kind of trainer."""
-
-  def check(self, payload: Any) -> None:
-    """Raises for a payload this kind of trainer can never stage (refused before any wait)."""
 
   def place(self, target: Any, payload: Any) -> Any:
     """On the staging thread: prepare and place `payload`; blocks until the copy is done."""

@@ -6,7 +6,7 @@ makes, an attribute it assigns) is read from the method's parsed code (`Body`), 
 text, so a comment or a string cannot satisfy a probe. Where a hook reproduces a host method's
 body (tunix's staged train loop on a tunix without the loop's seam), `fingerprint` pins the body
 it was written against, so a host whose body changed is refused rather than silently replaced
-(docs/tunix.md, "The train loop's fingerprint").
+(docs/tunix.md, "The train loop, two ways").
 """
 
 from __future__ import annotations

@@ -1,27 +1,72 @@
-"""What both ends of a bulk call agree on: its header, its transfer id, its limits and chunks.
+"""What both ends of a bulk call agree on: the format of its two halves and the limits of the
+channel that carries the bytes.
 
-A bulk call is two messages: its header on the host's gRPC call (the method, the call's pickle
-made with protocol 5 and a `buffer_callback`, so every array is out of band and the pickle stays
-small, the out-of-band buffers' sizes and a fresh 128-bit transfer id) and the buffers' bytes on
-the bulk channel (bulk.py) under that id. The receiver checks the header against its cap before
-any byte is read. docs/design.md "Layout", docs/embedded.md "The bulk channel", docs/tunix.md
-"Which path a call takes".
+A bulk call is its header on the host's own call (`encode_header`: the method, the call's
+protocol-5 pickle with every array out of band, the buffers' sizes, a fresh transfer id) and its
+buffers' bytes on a plain TCP connection under that id (a frame: `frame_header`, then the
+bytes). A connection opens with one byte from the listener, ACCEPTED, or REFUSED and why. The
+listener (listener.py) enforces `BulkLimits`; the sender (sender.py) learns them from the
+listener's `announcement` and lives within them. Why the bytes leave gRPC, and every rule:
+docs/embedded.md "The bulk channel" and "Limits of the bulk channel".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import secrets
+import select
+import socket
+import struct
 from typing import Any, Iterator, Sequence
 
 TRANSFER_ID_BYTES = 16
 MAX_BUFFERS = 1 << 16  # the most buffers one bulk call (its header and its frame) may carry
-CHUNK_BYTES = 4 << 20  # a sender hands the socket (and a pacer) at most this much at once
+CHUNK_BYTES = 4 << 20  # a sender hands the socket at most this much at once
 HEADER_KEYS = frozenset({"method", "body", "sizes", "transfer"})
+
+MAGIC = b"TSB1"
+FRAME_HEADER = struct.Struct(f"<4s{TRANSFER_ID_BYTES}sI")  # magic, transfer id, buffer count
+ACCEPTED = b"+"  # the listener's first byte on a connection it serves
+REFUSED = b"-"  # ... or this, then why (UTF-8), then it closes
+MAX_REFUSAL_BYTES = 1024
 
 
 class WireError(RuntimeError):
   """A message broke the wire format (sizes, order, or an oversized reply)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BulkLimits:
+  """What the listener allows a peer; the sender lives within it (docs/embedded.md "Limits of the
+  bulk channel"). A peer that breaks a bound loses its connection; the call it carried, if any,
+  fails with a WireError naming the bound."""
+
+  # Connections open at once (one thread each); one more is refused with a message. A sender
+  # queues its own sends within this, so only several clients together reach it.
+  max_connections: int = 32
+  # A connection's next frame header (all of it) must arrive within this of the connection's
+  # opening or of its previous frame's end. A sender reuses a connection idle for less than half.
+  header_wait_s: float = 5.0
+  # A frame waits this long for the gRPC header of its call, and a call's header this long for its
+  # frame to begin (they are sent together: milliseconds).
+  pair_wait_s: float = 10.0
+  # A frame's bytes must keep coming: a pause this long fails its call (an emulated link paces
+  # its chunks well within it: lab/embedded/pacing.py).
+  stall_s: float = 10.0
+
+
+def announcement(port: int, limits: BulkLimits) -> bytes:
+  """The listener's answer to "where is your bulk channel": its port and the limits it enforces."""
+  return pickle.dumps({"port": port, "limits": limits}, protocol=5)
+
+
+def read_announcement(message: bytes) -> tuple[int, BulkLimits]:
+  answer = pickle.loads(message)
+  return answer["port"], answer["limits"]
+
+
+# ---------------------------------------------------------------- the call's header
 
 
 def new_transfer_id() -> bytes:
@@ -64,8 +109,37 @@ def announced_bytes(header: dict[str, Any], max_call_bytes: int, setting: str) -
   return total
 
 
+# ---------------------------------------------------------------- the frame
+
+
+def frame_header(transfer: bytes, sizes: Sequence[int]) -> bytes:
+  """What a frame's bytes follow: MAGIC, the transfer id, the buffer count and sizes."""
+  return FRAME_HEADER.pack(MAGIC, transfer, len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
+
+
 def iter_chunks(buffers: Sequence[memoryview], chunk_bytes: int = CHUNK_BYTES
                 ) -> Iterator[memoryview]:
   for view in buffers:
     for start in range(0, view.nbytes, chunk_bytes):
       yield view[start:start + chunk_bytes]
+
+
+# ---------------------------------------------------------------- the connection, either end
+
+
+def family(host: str) -> socket.AddressFamily:
+  return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def hung_up(sock: socket.socket) -> bool:
+  """True once the peer closed its end (or the connection failed); never blocks or reads."""
+  poller = select.poll()
+  poller.register(sock, select.POLLRDHUP)
+  return bool(poller.poll(0))
+
+
+def shutdown(sock: socket.socket) -> None:
+  try:
+    sock.shutdown(socket.SHUT_RDWR)
+  except OSError:
+    pass

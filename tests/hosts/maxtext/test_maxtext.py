@@ -156,9 +156,9 @@ def check_equivalence(devices: int) -> None:
 
 def worker_staged_example(worker, item):
   """Stages `item` once more and returns its placed dynamic half (then drops it)."""
-  from tunix_stage_plugin.hosts.tunix import installation  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER  # pylint: disable=import-outside-toplevel
   worker.stage_batch(item, key="probe-leaf")
-  staged = installation.current().staging_of(worker).store.take("probe-leaf")
+  staged = ADAPTER.installation.staging_of(worker).store.take("probe-leaf")
   return staged.dynamic
 
 
@@ -232,7 +232,7 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.hosts.maxtext import placement as placement_lib
 from tunix_stage_plugin.hosts.tunix import compression
-from tunix_stage_plugin.hosts.tunix import installation
+from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
 pytestmark = pytest.mark.maxtext
 
@@ -278,7 +278,7 @@ def _pair(n_devices=1):
 
 def test_a_refused_stage_trains_inline_to_the_same_bits(staging):
   payloads, reference, engine, worker = _pair()
-  store = installation.current().staging_of(worker).store
+  store = ADAPTER.installation.staging_of(worker).store
   store.set_bounds(1, 1)
   store.slot_wait_s = 0
 
@@ -309,7 +309,7 @@ def test_a_failed_placement_falls_back_to_the_same_bits(staging, monkeypatch):
   for n, item in enumerate(payloads):
     statuses.append(worker.stage_batch(item, key=f"f-{n}").metadata["outcome"]["status"])
     train_one(worker, engine, n, item, statuses[-1], f"f-{n}", snapshots)
-  assert statuses.count("failed") == 1 and len(installation.current().staging_of(worker).store) == 0
+  assert statuses.count("failed") == 1 and len(ADAPTER.installation.staging_of(worker).store) == 0
   assert same_bits(snapshots, reference)
 
 
@@ -332,7 +332,7 @@ def test_a_compressed_stage_is_decoded_and_trains_to_the_same_bits(staging, monk
     assert outcome["status"] == "staged", outcome
     train_one(worker, engine, n, item, "staged", f"z-{n}", snapshots)
   assert same_bits(snapshots, reference)
-  stats = installation.current().staging_of(worker).store.stats
+  stats = ADAPTER.installation.staging_of(worker).store.stats
   assert stats.failed == 0 and stats.consumed == len(payloads)  # each trained from its placement
 
 
@@ -351,7 +351,7 @@ def test_restore_and_close_drop_what_was_staged(staging):
   engine = tiny_engine(me, pyconfig, maxtext)
   worker = trainer_worker.TrainerWorker(lambda: engine)
   worker.initialize()
-  store = installation.current().staging_of(worker).store
+  store = ADAPTER.installation.staging_of(worker).store
   assert worker.stage_batch(payload(datatypes, 0, b=2), key="r-0").metadata["staged"]
   engine.close()
   assert len(store) == 0 and store.stats.dropped == 1

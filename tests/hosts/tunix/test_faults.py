@@ -27,7 +27,6 @@ bounded poll on /proc, a pipe or an exit status.
 from __future__ import annotations
 
 import asyncio
-import functools
 import gc
 import json
 import logging
@@ -59,8 +58,8 @@ def _serve(workers: list[str]) -> None:
   from tunix.experimental.worker import trainer_worker
 
   def staging_state(self):
-    from tunix_stage_plugin.hosts.tunix import installation
-    inst = installation.current()
+    from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
+    inst = ADAPTER.installation
     state = inst.staging_of(self)
     # JAX drops its alias of a dropped batch's buffer in a gc callback (the pool's take collects
     # the same way before making a buffer): what is in use is what a collection leaves.
@@ -85,33 +84,33 @@ def _orchestrate(port: int) -> None:
   import test_grpc
   from tunix_stage_plugin.hosts.tunix import program
 
-  stage = program.StageEngine.stage
+  stage = program.StagingCalls.stage
 
   async def stage_and_say(self, payload, *, key):
     outcome = await stage(self, payload, key=key)
     print(f"{outcome.status.value} {key}", flush=True)
     return outcome
 
-  program.StageEngine.stage = stage_and_say
+  program.StagingCalls.stage = stage_and_say
   test_grpc.run_program(port, staged=True)
 
 
 def _send_and_hang(port: int) -> None:
   """An orchestrator to be killed mid-transfer: stages one BIG micro-batch over the side channel
-  and, once MID_BYTES of it are sent, says so and sends no more (its pacer never returns)."""
+  and, once MID_BYTES of it are sent, says so and sends no more (its chunks stop there)."""
   # pylint: disable=import-outside-toplevel
   sys.path.insert(0, HERE)
   import test_grpc
   from tunix.experimental.orchestrator import distributed_rl_engine as engine_mod
   from tunix_stage_plugin.activation import manager as manager_mod
   from tunix_stage_plugin.core import config
-  from tunix_stage_plugin.transport import bulk
+  from tunix_stage_plugin.transport import sender as sender_lib
 
   async def hang(sent):
     print(f"mid-transfer {sent}", flush=True)
     await asyncio.Event().wait()
 
-  bulk.BulkSender = functools.partial(bulk.BulkSender, pacer=At(MID_BYTES, hang))
+  sender_lib.frame_chunks = At(MID_BYTES, hang)
   manager_mod.install(config.resolve({"mode": "stage"}, env={}), quiet=True)
 
   async def main():
@@ -134,20 +133,22 @@ def big_batch(seed):
 
 
 class At:
-  """A pacer for the orchestrator's BulkSender (its emulated-link hook, bulk.Pacer) that paces
-  nothing: before the first chunk past `nbytes` handed to the kernel it awaits `act(sent)` once.
-  That is the tests' event 'mid-transfer'."""
-
-  bytes_per_s = None  # paces nothing: the sender keeps its own chunk size
+  """How the orchestrator's BulkSender hands a frame's bytes to the socket (its chunks,
+  transport.sender.Chunks, in place of sender.frame_chunks): the same chunks, but before the first
+  chunk past `nbytes` handed to the kernel it awaits `act(sent)` once. That is the tests' event
+  'mid-transfer'."""
 
   def __init__(self, nbytes, act):
     self.nbytes, self.act, self.sent, self.fired = nbytes, act, 0, None
 
-  async def transmit(self, nbytes):
-    if self.fired is None and self.sent >= self.nbytes:
-      self.fired = self.sent
-      await self.act(self.sent)
-    self.sent += nbytes
+  async def __call__(self, buffers):
+    from tunix_stage_plugin.transport import frames  # pylint: disable=import-outside-toplevel
+    for chunk in frames.iter_chunks(buffers):
+      if self.fired is None and self.sent >= self.nbytes:
+        self.fired = self.sent
+        await self.act(self.sent)
+      self.sent += chunk.nbytes
+      yield chunk
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["serve"]:
@@ -177,11 +178,12 @@ from tests.hosts.tunix import test_grpc
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
-from tunix_stage_plugin.hosts.tunix import installation
 from tunix_stage_plugin.hosts.tunix import sessions
 from tunix_stage_plugin.hosts.tunix import side as side_lib
-from tunix_stage_plugin.hosts.tunix import stream as stream_lib
-from tunix_stage_plugin.transport import bulk as bulk_lib
+from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
+from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import sender as sender_lib
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -398,8 +400,8 @@ def _in_use(state):
 
 
 # The trainer's own bound on a transfer whose bytes stop coming: its listener's stall bound, plus
-# the pairing wait for one whose frame never began (transport.bulk.BulkLimits).
-BIG_WAIT_BOUND_S = bulk_lib.BulkLimits().stall_s + bulk_lib.BulkLimits().pair_wait_s
+# the pairing wait for one whose frame never began (transport.frames.BulkLimits).
+BIG_WAIT_BOUND_S = frames.BulkLimits().stall_s + frames.BulkLimits().pair_wait_s
 
 
 def _await_dropped(port):
@@ -427,7 +429,7 @@ async def _stage_big(port, seed, key, deadline_s=120.0):
     await engine.reset_staged_batches([key])
     return outcome
   finally:
-    await stream_lib.close_streams(engine)
+    await route.router_of(ADAPTER.installation, engine).close()
     await handle.close()
 
 
@@ -451,7 +453,7 @@ def _faulted_stage(port, deadline_s, act, monkeypatch):
   error the stage ended with (its type, gRPC code or None, and message) and the seconds from the
   fault to it."""
   pacer = At(MID_BYTES, act)
-  monkeypatch.setattr(bulk_lib, "BulkSender", functools.partial(bulk_lib.BulkSender, pacer=pacer))
+  monkeypatch.setattr(sender_lib, "frame_chunks", pacer)
   faulted = []
 
   async def stage():

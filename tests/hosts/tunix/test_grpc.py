@@ -96,7 +96,7 @@ def serve(kind: str) -> None:
   import tunix_stage_plugin
   from tunix_stage_plugin.core import config as config_lib
   from tunix_stage_plugin.lab import rss
-  from tunix_stage_plugin.hosts.tunix import installation
+  from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
   if kind == "plugin":
     depth = int(os.environ.get(NODE_DEPTH, "2"))
@@ -176,16 +176,16 @@ def serve(kind: str) -> None:
       return list(self._trainer.trained)
 
     def chunked_calls(self):  # the plugin's node only: calls received through the stream
-      return dict(installation.current().chunked_calls)
+      return dict(ADAPTER.installation.chunked_calls)
 
     def bulk_calls(self):  # the plugin's node only: calls received through the side channel
-      return dict(installation.current().bulk_calls)
+      return dict(ADAPTER.installation.bulk_calls)
 
     def peak_rss(self):
       return rss.peak()
 
     def pool_stats(self):  # the plugin's node only: its chunked calls' receive buffers
-      pool = installation.current().pool
+      pool = ADAPTER.installation.pool
       return {"made": pool.made, "reused": pool.reused, "held": pool.held_bytes(),
               "bound": pool.bound, "bound_waits": pool.bound_waits, "over_bound": pool.over_bound}
 
@@ -193,7 +193,7 @@ def serve(kind: str) -> None:
       return rss.reset_peak()
 
     def store_stats(self):  # the plugin's node only: this worker's staged-batch store
-      stats = installation.current().staging_of(self).store.stats
+      stats = ADAPTER.installation.staging_of(self).store.stats
       return {"peak": stats.peak, "peak_host": stats.peak_host}
 
     def parameters(self):
@@ -238,7 +238,7 @@ def serve(kind: str) -> None:
       port = portpicker.pick_unused_port()
       server = remote_execution.GrpcRemoteExecutionServer(worker)
       if kind == "plugin":
-        installation.current().serve_side_channel = name not in STREAM_ONLY
+        ADAPTER.installation.serve_side_channel = name not in STREAM_ONLY
       if kind == "runtime":
         print(manager_line(), file=sys.stderr, flush=True)
       await server.start_serving_async(port)
@@ -317,7 +317,9 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import program as program_hooks
+from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import stream as stream_hooks
+from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -588,7 +590,7 @@ def test_a_micro_batch_over_tunix_message_cap_stages_raw_in_chunks_and_compresse
       outcome = await engine.stage_train_batch(over, key="over-raw")
       dropped = await engine.reset_staged_batches(["over-raw"])
     finally:
-      await stream_hooks.close_streams(engine)
+      await route.router_of(ADAPTER.installation, engine).close()
       await handle.close()
     return outcome, dropped
 
@@ -737,11 +739,11 @@ def test_a_fresh_trainers_receive_buffers_stay_within_its_staging_bounds(big_pay
 
 def test_an_over_cap_fallback_trains_inline_through_the_stream(node, big_payloads,
                                                                big_reference, monkeypatch):
-  """The 2nd and 5th stages are answered refused and failed by the orchestrator's StageEngine
+  """The 2nd and 5th stages are answered refused and failed by the orchestrator's StagingCalls
   itself, without sending (a real refusal needs the trainer's 30 s slot wait; a real failure,
   a broken trainer): the pipeline trains each of those micro-batches inline, and that inline
   call, 256 MiB, goes through the chunked stream like any other."""
-  stage, calls = program_hooks.StageEngine.stage, []
+  stage, calls = program_hooks.StagingCalls.stage, []
 
   async def stage_or_fall_back(self, payload, *, key):
     calls.append(key)
@@ -751,7 +753,7 @@ def test_an_over_cap_fallback_trains_inline_through_the_stream(node, big_payload
       return outcome_lib.failed(key, "injected failure")
     return await stage(self, payload, key=key)
 
-  monkeypatch.setattr(program_hooks.StageEngine, "stage", stage_or_fall_back)
+  monkeypatch.setattr(program_hooks.StagingCalls, "stage", stage_or_fall_back)
   port = node["over_cap_fallback"]
   before = chunked_calls(port)
   params, _, reports = run_program(port, staged=True, payloads=big_payloads)

@@ -41,7 +41,7 @@ from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts import tunix as tunix_host
 from tunix_stage_plugin.hosts.tunix import compression
-from tunix_stage_plugin.hosts.tunix import installation
+from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 from tunix_stage_plugin.hosts.tunix import probes
 
 pytestmark = pytest.mark.tunix
@@ -167,7 +167,7 @@ def test_staged_program_trains_every_microbatch_once_in_order(staging):
   # Steps after the first start with micro-batches staged during the previous boundary.
   assert all(r.stage_metrics["stage/prestaged"] >= 1 for r in reports[1:])
   assert worker.state == datatypes.WorkerState.READY
-  assert len(installation.current().staging_of(worker).store) == 0  # nothing left on the device
+  assert len(ADAPTER.installation.staging_of(worker).store) == 0  # nothing left on the device
 
 
 def test_no_cross_step_prestage_at_max_staleness_0_logged_once(staging, caplog):
@@ -250,7 +250,7 @@ def test_a_subclass_with_its_own_depth_is_honoured(staging):
   assert reports[1].stage_metrics["stage/staged"] == reports[1].stage_metrics["stage/prestaged"] \
       == 0
   assert reports[0].stage_metrics["stage/staged"] >= 1  # staging went on, one ahead
-  assert installation.current().staging_of(worker).store.stats.staged == sum(
+  assert ADAPTER.installation.staging_of(worker).store.stats.staged == sum(
       r.stage_metrics["stage/staged"] for r in reports)
 
 
@@ -275,7 +275,7 @@ def test_failing_stage_falls_back_inline_and_is_counted(staging):
 def test_device_bound_holds_and_order_is_kept(staging):
   trainer, worker, reports = run_program(steps=2)
   assert [c[:2] for c in trainer.calls] == expected_calls(2)
-  stats = installation.current().staging_of(worker).store.stats
+  stats = ADAPTER.installation.staging_of(worker).store.stats
   assert stats.peak == 1 and stats.staged >= 1  # never more than one batch on the device
   assert all(r.stage_metrics["stage/staged"] + r.stage_metrics["stage/inline"] == MB_PER_STEP
              for r in reports)
@@ -419,7 +419,7 @@ def test_a_trainer_without_the_codec_refuses_a_compressed_stage_at_once(staging,
   assert outcome["status"] == "refused"
   assert "codec blosc2-lz4 is not installed on the trainer" in outcome["reason"]
   assert codec_lib.EXTRA in outcome["reason"]
-  assert installation.current().staging_of(worker).store.keys() == []
+  assert ADAPTER.installation.staging_of(worker).store.keys() == []
 
 
 def test_worker_stage_never_touches_state_and_degrades(staging):
@@ -482,7 +482,7 @@ def test_a_subclass_overriding_prepare_payload_is_staged_through_its_override_on
   original = vars(OwnPreparingTrainer)["_prepare_payload"]
   staged, worker, reports = run_program(steps=2, trainer_cls=OwnPreparingTrainer)
   assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 4  # the staged path ran
-  assert installation.current().staging_of(worker).unsupported is None
+  assert ADAPTER.installation.staging_of(worker).unsupported is None
   assert vars(OwnPreparingTrainer)["_prepare_payload"] is not original  # now a seam
   manager.uninstall("tunix", quiet=True)
   assert vars(OwnPreparingTrainer)["_prepare_payload"] is original  # restored exactly
@@ -513,7 +513,7 @@ def test_a_trainer_that_cannot_stage_is_asked_once(staging, caplog):
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
   assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [1, 0, 0]
   assert all(r.stage_metrics["stage/staged"] == 0 for r in reports)
-  assert installation.current().staging_of(worker).unsupported.startswith(
+  assert ADAPTER.installation.staging_of(worker).unsupported.startswith(
       "InstancePreparingTrainer sets _prepare_payload on the instance")
   lines = [r.message for r in caplog.records if "cannot stage" in r.message]
   assert len(lines) == 1, lines
@@ -536,7 +536,7 @@ def test_uninstall_closes_executors_and_drops_staged_batches(staging):
   response = asyncio.run(handle.asubmit("stage_batch", payload={"mb": np.ones((1, 2), np.int32)},
                                         key="u-1"))
   assert response.metadata["staged"]
-  state = installation.current().staging_of(worker)
+  state = ADAPTER.installation.staging_of(worker)
   assert state.store.keys() == ["u-1"]
   lanes = [t for t in threading.enumerate() if t.name.startswith("trainer-")]
   assert lanes, "the stage ran on an executor lane"
@@ -548,7 +548,7 @@ def test_uninstall_closes_executors_and_drops_staged_batches(staging):
 
 def test_a_reinstall_applies_new_depths_to_live_workers(staging):
   worker = trainer_worker.TrainerWorker(RecordingTrainer)
-  store = installation.current().staging_of(worker).store
+  store = ADAPTER.installation.staging_of(worker).store
   assert (store.max_device_batches, store.max_host_batches) == (4, 1)
   manager.install(config_lib.resolve({"mode": "stage", "max_device_batches": 1,
                                       "max_host_batches": 2}, env={}), quiet=True)
@@ -723,7 +723,7 @@ def test_a_cleared_queue_ends_tunix_s_step_and_stops_the_staged_loop(staging):
                      "update, the staged loop cannot"):
     asyncio.run(main())
   assert ("update",) not in trainer.calls and reports == []
-  assert len(installation.current().staging_of(worker).store) == 0  # nothing left staged
+  assert len(ADAPTER.installation.staging_of(worker).store) == 0  # nothing left staged
   manager.uninstall("tunix", quiet=True)
   trainer, _, reports, main = run_cleared()
   asyncio.run(main())  # tunix's own loop: two steps, no update, each committed and reported
@@ -746,7 +746,7 @@ def test_a_cleared_queue_ends_the_step_as_tunix_s_loop_does(staging):
     reference.append((trainer.calls, [(r.step, r.num_rollouts, r.num_microbatches,
                                        r.train_result is None) for r in reports]))
     if staged:
-      assert len(installation.current().staging_of(worker).store) == 0  # nothing left staged
+      assert len(ADAPTER.installation.staging_of(worker).store) == 0  # nothing left staged
       assert [r.stage_metrics["stage/staged"] + r.stage_metrics["stage/inline"]
               for r in reports] == [2, 0]
   (staged_calls, staged_steps), (plain_calls, plain_steps) = reference
@@ -788,7 +788,7 @@ def test_the_seam_way_leaves_train_stage_tunix_s_and_stages_through_the_seam(sta
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
   assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 6
   assert all(r.stage_metrics["stage/prestaged"] >= 1 for r in reports[1:])
-  assert len(installation.current().staging_of(worker).store) == 0
+  assert len(ADAPTER.installation.staging_of(worker).store) == 0
 
 
 @pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
@@ -802,4 +802,4 @@ def test_a_program_overriding_the_seam_is_staged_within_its_steps(staging, caplo
   assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 3  # staged within the steps
   lines = [r.message for r in caplog.records if "overrides _train_microbatches" in r.message]
   assert len(lines) == 1 and "not across the step boundary" in lines[0]
-  assert len(installation.current().staging_of(worker).store) == 0
+  assert len(ADAPTER.installation.staging_of(worker).store) == 0

@@ -27,12 +27,12 @@ from tests.hosts.tunix.test_stream import ACTOR, MIB, big, close, new_worker, se
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.outcome import StageStatus
-from tunix_stage_plugin.hosts.tunix import chunked
-from tunix_stage_plugin.hosts.tunix import installation
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import program as program_hooks
+from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import side
-from tunix_stage_plugin.hosts.tunix import stream
-from tunix_stage_plugin.transport import bulk
+from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 from tunix_stage_plugin.transport import frames
 
 pytestmark = pytest.mark.tunix
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.tunix
 def staging():
   manager.uninstall("tunix", quiet=True)
   assert manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True).installed
-  yield installation.current()
+  yield ADAPTER.installation
   manager.uninstall("tunix", quiet=True)
 
 
@@ -54,17 +54,17 @@ def test_a_stage_and_an_inline_train_call_travel_the_side_channel(staging, caplo
   async def main():
     server, handle, engine = await serve(worker)
     assert server in staging.side_channels
-    streams = stream.streams_of(engine)
+    router = route.router_of(ADAPTER.installation, engine)
     try:
       outcome = await engine.stage_train_batch(staged, key="b-1")
       await engine.train_step(None, role=ACTOR, apply_optimizer=False, stage_key="b-1")
-      result = await stream.train_step(engine, streams, inline, role=ACTOR,
-                                       accumulate_gradients=True, apply_optimizer=True)
+      result = await route.train_step(engine, router, inline, role=ACTOR,
+                                      accumulate_gradients=True, apply_optimizer=True)
     finally:
       await close(server, handle, engine)
-    return outcome, result, streams
+    return outcome, result, router
 
-  outcome, result, streams = asyncio.run(main())
+  outcome, result, router = asyncio.run(main())
   assert outcome.status is StageStatus.STAGED
   assert staging.bulk_calls == {"stage_batch": 1, "fwd_bwd": 1} and not staging.chunked_calls
   (placed, _, _), (payload, kwargs, thread) = worker._trainer.fwd  # pylint: disable=protected-access
@@ -73,7 +73,7 @@ def test_a_stage_and_an_inline_train_call_travel_the_side_channel(staging, caplo
   assert kwargs == {} and thread.startswith("trainer-compute")  # the executor's compute lane
   assert payload["experts"].ctypes.data % 64 == 0 and payload["experts"].flags.writeable
   assert result["updated"] is True and result["fwd_bwd"].metadata["queued"] is True
-  assert streams.bulk_calls == 2 and streams.calls == 0
+  assert router.calls[contract.SIDE_CHANNEL] == 2 and router.calls[contract.STREAM] == 0
   lines = [r.getMessage() for r in caplog.records if "side channel" in r.getMessage()]
   assert len(lines) == 1 and lines[0].startswith("tunix-stage: bulk side channel to 127.0.0.1:")
   assert lines[0].endswith("for micro-batch calls >= 1 MiB"), lines
@@ -86,12 +86,12 @@ def test_below_the_threshold_the_call_is_the_hosts_own(staging):
 
   async def main():
     server, handle, engine = await serve(worker)
-    streams = stream.streams_of(engine)
+    router = route.router_of(ADAPTER.installation, engine)
     host = distributed_rl_engine.DistributedRLEngine.train_step
     try:
       with mock.patch.object(distributed_rl_engine.DistributedRLEngine, "train_step",
                              autospec=True, side_effect=host) as train_step:
-        await program_hooks.StageEngine(engine, streams).train(small, stage_key=None,
+        await program_hooks.StagingCalls(engine, router).train(small, stage_key=None,
                                                                apply_optimizer=False)
     finally:
       await close(server, handle, engine)
@@ -111,17 +111,17 @@ def test_a_trainer_without_a_side_channel_is_asked_once_and_said_in_one_line(sta
 
   async def main():
     server, handle, engine = await serve(worker)
-    streams = stream.streams_of(engine)
+    router = route.router_of(ADAPTER.installation, engine)
     try:
       with mock.patch.object(handle, "asubmit", wraps=handle.asubmit) as asubmit:
         for seed in range(3):
-          await stream.invoke(engine, streams, handle, "fwd_bwd", payload=big(seed, mib=2))
+          await route.invoke(engine, router, handle, "fwd_bwd", payload=big(seed, mib=2))
     finally:
       await close(server, handle, engine)
     return [c.args[0] for c in asubmit.call_args_list]
 
   methods = asyncio.run(main())
-  assert methods == [side.PORT_METHOD] + ["fwd_bwd"] * 3  # asked once; then tunix's own calls
+  assert methods == [contract.SIDE_PORT] + ["fwd_bwd"] * 3  # asked once; then tunix's own calls
   lines = [r.getMessage() for r in caplog.records if "side channel" in r.getMessage()]
   assert len(lines) == 1 and lines[0].startswith("tunix-stage: no side channel on 127.0.0.1:")
   assert lines[0].endswith("calls over the 128 MiB cap use the chunked stream"), lines
@@ -132,28 +132,29 @@ def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_i
     staging):
   """The frame's header and its first MiB come on a raw socket, then nothing: the listener's
   stall bound ends the call, the connection is dropped and the 4 MiB buffer is idle again."""
-  staging.bulk_limits = bulk.BulkLimits(stall_s=0.5)  # read when the server starts
+  staging.bulk_limits = frames.BulkLimits(stall_s=0.5)  # read when the server starts
   worker = new_worker()
   payload = big(mib=4)
 
   async def main():
     server, handle, engine = await serve(worker)
-    port, _ = bulk.read_announcement(await handle.asubmit(side.PORT_METHOD))
-    encoded = chunked.encode(None, "fwd_bwd", (), {"payload": payload, "skip_jit": False})
+    port, _ = frames.read_announcement(await handle.asubmit(contract.SIDE_PORT))
+    encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": payload, "skip_jit": False})
     transfer = frames.new_transfer_id()
     sizes = [b.nbytes for b in encoded.buffers]
     raw = socket.create_connection(("127.0.0.1", port))
     try:
-      assert raw.recv(1) == bulk.ACCEPTED  # the listener's greeting
-      raw.sendall(bulk.HEADER.pack(bulk.MAGIC, transfer, len(sizes))
+      assert raw.recv(1) == frames.ACCEPTED  # the listener's greeting
+      raw.sendall(frames.FRAME_HEADER.pack(frames.MAGIC, transfer, len(sizes))
                   + struct.pack(f"<{len(sizes)}Q", *sizes) + bytes(encoded.buffers[0][:MIB]))
       with pytest.raises(RuntimeError) as refused:
-        await handle.asubmit(side.CALL_METHOD, header=frames.encode_header(
+        await handle.asubmit(contract.SIDE_CALL, header=frames.encode_header(
             "fwd_bwd", encoded.body, encoded.buffers, transfer))
       raw.settimeout(10)
       ended = raw.recv(1) == b""  # the trainer dropped the connection
-      await stream.train_step(engine, stream.streams_of(engine), big(5, mib=4), role=ACTOR,
-                              accumulate_gradients=True, apply_optimizer=False)  # the next works
+      await route.train_step(engine, route.router_of(ADAPTER.installation, engine), big(5, mib=4),
+                             role=ACTOR, accumulate_gradients=True,
+                             apply_optimizer=False)  # the next works
     finally:
       raw.close()
       await close(server, handle, engine)
@@ -187,11 +188,11 @@ def test_a_side_channel_broken_mid_transfer_fails_the_call_clearly_and_the_next_
 
   async def main():
     server, handle, engine = await serve(worker)
-    streams = stream.streams_of(engine)
+    router = route.router_of(ADAPTER.installation, engine)
     try:
       with pytest.raises((RuntimeError, side.SideChannelError)) as failed:
-        await stream.invoke(engine, streams, handle, "fwd_bwd", payload=big(1, mib=24))
-      await stream.invoke(engine, streams, handle, "fwd_bwd", payload=big(2, mib=24))
+        await route.invoke(engine, router, handle, "fwd_bwd", payload=big(1, mib=24))
+      await route.invoke(engine, router, handle, "fwd_bwd", payload=big(2, mib=24))
     finally:
       await close(server, handle, engine)
     return failed.value

@@ -34,10 +34,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.outcome import StageStatus
-from tunix_stage_plugin.hosts.tunix import chunked
-from tunix_stage_plugin.hosts.tunix import installation
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import program as program_hooks
+from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import stream
+from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -79,8 +81,8 @@ def staging():
   over the cap take the chunked stream; the side channel's own tests are in test_side.py."""
   manager.uninstall("tunix", quiet=True)
   assert manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True).installed
-  installation.current().serve_side_channel = False
-  yield installation.current()
+  ADAPTER.installation.serve_side_channel = False
+  yield ADAPTER.installation
   manager.uninstall("tunix", quiet=True)
 
 
@@ -99,7 +101,7 @@ async def serve(worker):
 
 
 async def close(server, handle, engine):
-  await stream.close_streams(engine)
+  await route.router_of(ADAPTER.installation, engine).close()
   await handle.close()
   await server.stop_serving()
 
@@ -118,17 +120,17 @@ def test_an_inline_train_call_over_the_cap_goes_in_chunks_and_runs_on_the_comput
   async def main():
     server, handle, engine = await serve(worker)
     assert server in staging.streaming_servers
-    streams = stream.streams_of(engine)
+    router = route.router_of(ADAPTER.installation, engine)
     try:
       with pytest.raises(grpc.aio.AioRpcError) as unary:  # tunix's own call cannot carry it
         await engine.train_step(sent, role=ACTOR)
-      result = await stream.train_step(engine, streams, sent, role=ACTOR,
-                                       accumulate_gradients=True, apply_optimizer=True)
+      result = await route.train_step(engine, router, sent, role=ACTOR,
+                                      accumulate_gradients=True, apply_optimizer=True)
     finally:
       await close(server, handle, engine)
-    return unary.value.code(), result, streams
+    return unary.value.code(), result, router
 
-  code, result, streams = asyncio.run(main())
+  code, result, router = asyncio.run(main())
   assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
   trainer = worker._trainer  # pylint: disable=protected-access
   (payload, kwargs, thread), = trainer.fwd
@@ -141,8 +143,8 @@ def test_an_inline_train_call_over_the_cap_goes_in_chunks_and_runs_on_the_comput
   assert result["updated"] is True and result["train_step"] == 1 and result["accumulated"]
   assert result["fwd_bwd"].metadata["queued"] is True
   assert staging.chunked_calls == {"fwd_bwd": 1} and trainer.updates == 1
-  assert (streams.calls, streams.bytes) == (1, chunked.encode(
-      None, "fwd_bwd", (), {"payload": sent, "skip_jit": False}).nbytes)
+  sent_bytes = request_lib.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False}).nbytes
+  assert (router.calls[contract.STREAM], router.bytes[contract.STREAM]) == (1, sent_bytes)
 
 
 def test_below_the_cap_the_inline_call_is_the_hosts_own_train_step(cap, staging):
@@ -151,24 +153,24 @@ def test_below_the_cap_the_inline_call_is_the_hosts_own_train_step(cap, staging)
 
   async def main():
     server, handle, engine = await serve(worker)
-    streams = stream.streams_of(engine)
-    stage_engine = program_hooks.StageEngine(engine, streams)
+    router = route.router_of(ADAPTER.installation, engine)
+    calls = program_hooks.StagingCalls(engine, router)
     host = distributed_rl_engine.DistributedRLEngine.train_step
     try:
       with mock.patch.object(distributed_rl_engine.DistributedRLEngine, "train_step",
                              autospec=True, side_effect=host) as train_step:
-        await stage_engine.train(small, stage_key=None, apply_optimizer=False)
-        await stage_engine.train(big(), stage_key=None, apply_optimizer=True)
+        await calls.train(small, stage_key=None, apply_optimizer=False)
+        await calls.train(big(), stage_key=None, apply_optimizer=True)
     finally:
       await close(server, handle, engine)
-    return train_step, streams
+    return train_step, router
 
-  train_step, streams = asyncio.run(main())
+  train_step, router = asyncio.run(main())
   # The small one: exactly the host's call; the big one never reached it (it would be refused).
   assert train_step.call_args_list == [mock.call(mock.ANY, small, role=ACTOR,
                                                  accumulate_gradients=True,
                                                  apply_optimizer=False)]
-  assert streams.calls == 1 and staging.chunked_calls == {"fwd_bwd": 1}
+  assert router.calls[contract.STREAM] == 1 and staging.chunked_calls == {"fwd_bwd": 1}
   assert worker._trainer.updates == 1  # pylint: disable=protected-access
 
 
@@ -200,8 +202,8 @@ def test_a_header_over_the_trainers_cap_is_refused_before_its_bytes(cap, staging
     server, handle, engine = await serve(worker)
     try:
       with pytest.raises(RuntimeError) as refused:
-        await stream.train_step(engine, stream.streams_of(engine), big(), role=ACTOR,
-                                accumulate_gradients=True, apply_optimizer=False)
+        await route.train_step(engine, route.router_of(ADAPTER.installation, engine), big(),
+                               role=ACTOR, accumulate_gradients=True, apply_optimizer=False)
     finally:
       await close(server, handle, engine)
     return str(refused.value)
@@ -225,9 +227,9 @@ def test_a_trainer_without_the_stream_stops_an_over_cap_call_with_one_line(cap):
     try:
       outcome = await engine.stage_train_batch(big(), key="big-1")
       with pytest.raises(stream.PayloadOverCap) as stopped:
-        await stream.train_step(engine, stream.streams_of(engine), big(),
-                                role=ACTOR, accumulate_gradients=True, apply_optimizer=True)
-      await stream.close_streams(engine)
+        await route.train_step(engine, route.router_of(ADAPTER.installation, engine), big(),
+                               role=ACTOR, accumulate_gradients=True, apply_optimizer=True)
+      await route.router_of(ADAPTER.installation, engine).close()
     finally:
       manager.uninstall("tunix", quiet=True)
       await handle.close()
@@ -255,7 +257,7 @@ def test_uninstall_removes_the_stream_from_servers_started_after(cap, staging):
     try:
       channel = grpc.aio.insecure_channel(handle.target_address.replace("grpc://", ""))
       with pytest.raises(grpc.aio.AioRpcError) as missing:
-        await channel.stream_unary(chunked.METHOD)(iter([b"x"]), timeout=10)
+        await channel.stream_unary(contract.STREAM_METHOD)(iter([b"x"]), timeout=10)
       await channel.close()
     finally:
       await handle.close()
@@ -288,15 +290,15 @@ def test_reference_log_probs_over_the_cap_go_in_chunks_to_the_reference_worker(c
                                                        rpc_timeout_s=30)
     engine = distributed_rl_engine.DistributedRLEngine(
         [], {}, inference_workers={datatypes.Role.REFERENCE: handle})
-    streams = stream.streams_of(engine)
+    router = route.router_of(ADAPTER.installation, engine)
     try:
       # The engine's own method, hooked: tunix's call below the cap, the stream above it.
       small = await engine.per_token_logps(datatypes.Role.REFERENCE, items=big(1, 1))
-      calls_small = streams.calls
+      calls_small = router.calls[contract.STREAM]
       large = await engine.per_token_logps(datatypes.Role.REFERENCE, items=big(2))
     finally:
       await close(server, handle, engine)
-    return small, calls_small, large, streams.calls
+    return small, calls_small, large, router.calls[contract.STREAM]
 
   small, calls_small, large, calls = asyncio.run(main())
   np.testing.assert_array_equal(small, big(1, 1)["experts"][:4])

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import importlib
-import inspect
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.hosts import version
-from tunix_stage_plugin.hosts.probing import Probe, check, free, method
+from tunix_stage_plugin.hosts.probing import Body, Probe, check, dotted, free, method
 
 if TYPE_CHECKING:
   from tunix_stage_plugin.core import config as config_lib
@@ -18,6 +17,19 @@ if TYPE_CHECKING:
 DIST = "maxtext"
 ENGINE = triggers.MAXTEXT_ENGINE
 SEAM = "_prepare_batch"
+WAIT = "self._throttler.wait_for_next"  # where fwd_bwd waits for the device
+
+
+def _prepares_first(fwd_bwd: Any) -> str | None:
+  """fwd_bwd's parsed code calls self._prepare_batch(payload) before it waits for the device
+  (maxtext 0.2.5's order): a staged batch is handed through there, before any device work."""
+  body = Body(fwd_bwd)
+  prepares = any([dotted(a) for a in c.args] == ["payload"] for c in body.calls(f"self.{SEAM}"))
+  order = body.call_order(f"self.{SEAM}", WAIT)
+  if prepares and order == [f"self.{SEAM}", WAIT]:
+    return None
+  return (f"MaxTextTrainingEngine.fwd_bwd does not call self.{SEAM}(payload) before waiting "
+          "for the device (maxtext 0.2.5's order)")
 
 
 class MaxTextAdapter:
@@ -52,14 +64,9 @@ class MaxTextAdapter:
       engine = getattr(m, "MaxTextTrainingEngine", None)
       if engine is None:
         return f"{ENGINE} has no MaxTextTrainingEngine"
-      source = inspect.getsource(engine.fwd_bwd)
-      prepared, waited = (source.find(f"self.{SEAM}(payload)"),
-                          source.find("self._throttler.wait_for_next()"))
       return (method(engine, SEAM, params=("payload",), coroutine=False, own=True)
               or method(engine, "fwd_bwd", params=("payload",), coroutine=False, own=True)
-              or (None if 0 <= prepared < waited else
-                  f"MaxTextTrainingEngine.fwd_bwd does not call self.{SEAM}(payload) before "
-                  "waiting for the device (maxtext 0.2.5's order)")
+              or _prepares_first(engine.fwd_bwd)
               or method(engine, "_batch_data_shardings", params=("dynamic_batch",),
                         coroutine=False)
               or free(engine))

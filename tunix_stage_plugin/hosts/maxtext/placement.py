@@ -50,6 +50,7 @@ def _place_leaf(leaf: Any, sharding: Any) -> Any:
 class MaxTextPlacement:
 
   name = "MaxText MaxTextTrainingEngine"
+  check = None  # the engine's _prepare_batch takes any payload; a failure there fails the stage
 
   def __init__(self, module: ModuleType) -> None:
     self.module = module
@@ -76,9 +77,6 @@ class MaxTextPlacement:
                     f"MaxTextTrainingEngine.{SEAM} once per micro-batch and cannot keep that "
                     "promise here")
     return owner, None
-
-  def check(self, payload: Any) -> None:
-    del payload  # the engine's own _prepare_batch decides; a failure there is a failed stage
 
   def place(self, engine: Any, payload: Any) -> Staged:
     generation = self.generation(engine)

@@ -1,4 +1,5 @@
-"""The tunix adapter object the `tunix_stage_plugin.hosts` entry point names."""
+"""The tunix adapter object the `tunix_stage_plugin.hosts` entry point names; while installed it
+holds the installation (installation.py), the state of the hooks it applied."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
   from tunix_stage_plugin.core import patching
   from tunix_stage_plugin.core import config as config_lib
   from tunix_stage_plugin.hosts.probing import Probe
+  from tunix_stage_plugin.hosts.tunix.installation import Installation
 
 DIST = "google-tunix"
 PEFT_TRAINER = "tunix.experimental.train.peft_trainer_v2"
@@ -41,6 +43,14 @@ class TunixAdapter:
 
   def __init__(self) -> None:
     self._modules: Modules | None = None
+    self._installation: Installation | None = None
+
+  @property
+  def installation(self) -> Installation:
+    """The active installation's state (tests, the tunix bench node and doctor read it)."""
+    if self._installation is None:
+      raise RuntimeError("the tunix staging hooks are not installed")
+    return self._installation
 
   @property
   def hook_groups(self) -> tuple[str, ...]:
@@ -83,17 +93,20 @@ class TunixAdapter:
 
   def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
     # pylint: disable=import-outside-toplevel
-    from tunix_stage_plugin.hosts.tunix import engine, installation, program, server, stream, worker
+    from tunix_stage_plugin.hosts.tunix import engine, installation, program, server, worker
     m = self.modules
-    inst = installation.start(live)
-    registry.on_undo(lambda: installation.stop(inst))  # executors closed, staged batches dropped
-    registry.on_undo(stream.drop_streams)  # the orchestrator's stream clients a loop left
+    inst = self._installation = installation.Installation(live)
+    registry.on_undo(self._uninstalled)  # lanes closed, staged batches dropped, channels closed
     server.apply(registry, inst, m.remote_execution.RemoteExecutionServer,
                  m.remote_execution.GrpcRemoteExecutionServer, m.trainer_worker.TrainerWorker)
-    stream.apply_server(registry, inst, m.remote_execution.GrpcRemoteExecutionServer)
     worker.apply(registry, inst, m.trainer_worker.TrainerWorker, m.peft_trainer.PeftTrainer)
     engine.apply(registry, inst, m.engine.DistributedRLEngine)
     program.apply(registry, inst, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
+
+  def _uninstalled(self) -> None:
+    inst, self._installation = self._installation, None
+    if inst is not None:
+      inst.close()
 
 
 ADAPTER = TunixAdapter()

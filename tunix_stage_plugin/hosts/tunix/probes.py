@@ -16,13 +16,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-import re
 from typing import Any
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.probing import Probe, check as _check, free as _free
 from tunix_stage_plugin.hosts.probing import method as _method, parameters as _params
+from tunix_stage_plugin.hosts.tunix import contract
 
 # The two ways the train loop is staged (program.py).
 SEAM = "seam"  # tunix's train_stage, unchanged; the plugin stages through the loop's seam
@@ -105,7 +105,7 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
     return (_method(worker, "fwd_bwd", params=("payload",), coroutine=False, var_kwargs=True,
                     own=True)
             or _method(worker, "_response", params=(), coroutine=False, var_kwargs=True)
-            or _free(worker, "stage_batch", "reset_staged"))
+            or _free(worker, contract.STAGE_BATCH, contract.RESET_STAGED))
 
   def trainer_seam() -> str | None:
     # fwd_bwd must prepare through the seam (inline and staged are then the same computation).
@@ -118,7 +118,8 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
     try:
       m.remote_execution.ExecutionResponse(error_message="m", error_type="StageKeyError").unwrap()
     except RuntimeError as e:
-      if remote_error_type(e) == "StageKeyError":
+      remote = contract.RemoteError.of(e)
+      if remote is not None and (remote.type_name, remote.message) == ("StageKeyError", "m"):
         return None
       return f"the remote error envelope changed: {str(e)[:80]!r}"
     return "ExecutionResponse.unwrap() did not raise for an error response"
@@ -217,18 +218,3 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
       loop_probe,
   ]
 
-
-_REMOTE_ERROR = re.compile(
-    r"RemoteExecutionError \[(?P<type>[A-Za-z_][A-Za-z0-9_.]*)\](: (?P<message>[^\n]*))?")
-
-
-def remote_error_type(error: BaseException) -> str | None:
-  """The remote exception's type name in the host's error envelope (ExecutionResponse.unwrap)."""
-  match = _REMOTE_ERROR.match(str(error))
-  return match["type"] if match else None
-
-
-def remote_error_message(error: BaseException) -> str:
-  """The remote exception's own message (its first line), without the envelope's prefix."""
-  match = _REMOTE_ERROR.match(str(error))
-  return (match["message"] or "") if match else str(error).split("\n", 1)[0]

@@ -39,9 +39,8 @@ next_step)`, whether to stage the next step's first micro-batches during the bou
 `prestage_next`). Prestage rules and the seams: docs/tunix.md.
 
 Every call that carries a micro-batch (a stage, an inline train call, a fallback, the reference
-log-probs request) of at least side.MIN_BYTES goes over the worker's bulk side channel (side.py),
-else, over tunix's message cap, through its chunked stream (stream.py); any other call is the
-host's own.
+log-probs request) takes the transport route.py picks for it (docs/design.md "A micro-batch's
+way").
 """
 
 from __future__ import annotations
@@ -64,12 +63,14 @@ from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import sessions
 from tunix_stage_plugin.hosts.tunix import stream
-from tunix_stage_plugin.hosts.tunix import worker
 
 log = logging.getLogger("tunix_stage_plugin")
 ACTOR = datatypes.Role.ACTOR
@@ -82,18 +83,19 @@ class StagedRLStepResult(rl_program.RLStepResult):
   stage_metrics: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-class StageEngine:
-  """core.pipeline.StageEngine over a DistributedRLEngine; inline calls are the host's calls.
+class StagingCalls:
+  """The pipeline's three calls (core.pipeline.StageEngine: stage, train, reset) as calls of
+  tunix's DistributedRLEngine; an inline train call is tunix's train_step, over the transport
+  `router` picks (route.py).
 
   With a codec (TUNIX_STAGE_CODEC) a stage's payload is compressed on a worker thread, never on
-  the event loop; `raw_bytes` / `sent_bytes` count its array bytes before and after. A call over
-  tunix's message cap travels on `streams` (the engine's chunked streams, stream.py).
+  the event loop; `raw_bytes` / `sent_bytes` count its array bytes before and after.
   """
 
-  def __init__(self, engine: Any, streams: stream.Streams,
+  def __init__(self, engine: Any, router: route.Router,
                codec: codec_lib.Codec | None = None) -> None:
     self._engine = engine
-    self.streams = streams
+    self.router = router
     self.codec = codec
     self.raw_bytes = self.sent_bytes = 0
 
@@ -106,20 +108,22 @@ class StageEngine:
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
                   ) -> outcome_lib.Trained:
-    if stage_key is None:  # the host's own train_step call, unless over tunix's message cap
-      return outcome_lib.Trained(await stream.train_step(
-          self._engine, self.streams, payload, role=ACTOR, accumulate_gradients=True,
+    if stage_key is None:  # tunix's own train_step call, over the transport the router picks
+      return outcome_lib.Trained(await route.train_step(
+          self._engine, self.router, payload, role=ACTOR, accumulate_gradients=True,
           apply_optimizer=apply_optimizer))
     try:
       result = await self._engine.train_step(None, role=ACTOR, accumulate_gradients=True,
-                                             apply_optimizer=apply_optimizer, stage_key=stage_key)
-    except RuntimeError as e:  # the host's remote-error envelope
-      if probes.remote_error_type(e) == outcome_lib.StagedPayloadUnreadable.__name__:
-        raise outcome_lib.StagedPayloadUnreadable(probes.remote_error_message(e)) from e
+                                             apply_optimizer=apply_optimizer,
+                                             **{contract.STAGE_KEY: stage_key})
+    except RuntimeError as e:  # tunix's remote-error envelope
+      remote = contract.RemoteError.of(e)
+      if remote is not None and remote.type_name == outcome_lib.StagedPayloadUnreadable.__name__:
+        raise outcome_lib.StagedPayloadUnreadable(remote.message) from e
       raise
     # train_step answers fwd_bwd's response, or {"fwd_bwd": response, ...} after an update.
     response = result["fwd_bwd"] if apply_optimizer else result
-    return outcome_lib.Trained(result, fallback=response.metadata.get(worker.PLACEMENT_FALLBACK))
+    return outcome_lib.Trained(result, fallback=contract.placement_fallback(response))
 
   async def reset(self, keys: list[str]) -> None:
     # Cleanup, often after a failed call: bounded by a short deadline of its own, never another
@@ -129,8 +133,9 @@ class StageEngine:
 
 
 class _Run:
-  """One staged train_stage run (either way): the pipeline over the program's engine, the streams
-  its calls travel on (closed with the run), and how each step's staging went."""
+  """One staged train_stage run (either way): the pipeline over the program's engine, the router
+  its calls travel through (its stream channels closed with the run), and how each step's staging
+  went."""
 
   def __init__(self, inst: installation_lib.Installation, program: Any, engine: Any,
                num_steps: int | None, *, open_ended: bool) -> None:
@@ -139,11 +144,11 @@ class _Run:
     self.program = program
     self.engine = engine
     self.num_steps = num_steps
-    self.streams = stream.streams_of(engine)
-    self.stage_engine = StageEngine(engine, self.streams, codec_lib.parse(config.codec))
+    self.router = route.router_of(inst, engine)
+    self.calls = StagingCalls(engine, self.router, codec_lib.parse(config.codec))
     # The program's seams (its subclass's overrides included) decide depth and prestage.
     self.pipeline = pipeline_lib.StagePipeline(
-        self.stage_engine, config.max_staged_batches,
+        self.calls, config.max_staged_batches,
         key_prefix=sessions.key_prefix(),  # this process's session
         depth_for=program._stage_ahead_while_pending,  # pylint: disable=protected-access
         open_ended=open_ended)
@@ -155,35 +160,36 @@ class _Run:
   def step_result(self, result: Any, report: pipeline_lib.StepReport) -> StagedRLStepResult:
     """tunix's step result with the step's staging metrics; logs the step's line."""
     metrics = report.metrics()
-    log.info("tunix-stage: step %d %s%s%s", result.step, metrics, _codec_note(self.stage_engine),
-             _stream_note(self.stage_engine))
+    log.info("tunix-stage: step %d %s%s%s", result.step, metrics, _codec_note(self.calls),
+             _transport_note(self.router))
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return StagedRLStepResult(**fields, stage_metrics=metrics)
 
   async def close(self) -> None:
-    await self.streams.close()  # the stream channels belong to this loop
+    await self.router.close()  # the stream channels belong to this loop
 
 
-def _codec_note(engine: StageEngine) -> str:
+def _codec_note(calls: StagingCalls) -> str:
   """The compressed stages so far, for the step's log line ("" without a codec)."""
-  if engine.codec is None or not engine.sent_bytes:
+  if calls.codec is None or not calls.sent_bytes:
     return ""
-  mib = 1 << 20
-  return (f"; codec {engine.codec}: staged arrays {engine.raw_bytes / mib:.1f} MiB sent as "
-          f"{engine.sent_bytes / mib:.1f} MiB (ratio {engine.raw_bytes / engine.sent_bytes:.2f})")
+  mib = request_lib.MIB
+  return (f"; codec {calls.codec}: staged arrays {calls.raw_bytes / mib:.1f} MiB sent as "
+          f"{calls.sent_bytes / mib:.1f} MiB (ratio {calls.raw_bytes / calls.sent_bytes:.2f})")
 
 
-def _stream_note(engine: StageEngine) -> str:
+def _transport_note(router: route.Router) -> str:
   """The calls sent over the side channel and in chunks so far, for the step's log line ("" when
   none was)."""
-  streams, note = engine.streams, ""
-  if streams.bulk_calls:
-    note += (f"; over the side channel: {streams.bulk_calls} calls, "
-             f"{streams.bulk_bytes / chunked.MIB:.1f} MiB")
-  if streams.calls:
-    note += (f"; over the {stream.message_cap() / chunked.MIB:.0f} MiB message cap: "
-             f"{streams.calls} calls, {streams.bytes / chunked.MIB:.1f} MiB sent in "
-             f"{chunked.CHUNK_BYTES // chunked.MIB} MiB chunks")
+  mib, note = request_lib.MIB, ""
+  calls, sent = router.calls, router.bytes
+  if calls[contract.SIDE_CHANNEL]:
+    note += (f"; over the side channel: {calls[contract.SIDE_CHANNEL]} calls, "
+             f"{sent[contract.SIDE_CHANNEL] / mib:.1f} MiB")
+  if calls[contract.STREAM]:
+    note += (f"; over the {stream.message_cap() / mib:.0f} MiB message cap: "
+             f"{calls[contract.STREAM]} calls, {sent[contract.STREAM] / mib:.1f} MiB sent in "
+             f"{chunked.CHUNK_BYTES // mib} MiB chunks")
   return note
 
 

@@ -1,64 +1,91 @@
-"""RemoteExecutionServer (gRPC and in-process): a TrainerWorker's requests go through the executor.
+"""tunix's trainer servers (RemoteExecutionServer, gRPC and in-process): where every received call
+enters the plugin, and where the side channel and the chunked stream start and stop with tunix's
+server.
 
-The host runs a sync worker method inline on the server's event loop (for the in-process server,
-the caller's loop), so a stage request waits behind a running fwd_bwd and behind the
-step-boundary calls (update, weight sync). With the hook, a server bound to a TrainerWorker sends
-trainer compute to one FIFO thread (arrival order, one thread touching trainer state, as on the
-loop today), stage_batch to the staging thread, and answers heartbeat/info/reset_staged on the
-loop at once (core.executor's lanes). Servers bound to anything else (rollout,
-inference, tests' objects) run the host's code unchanged. The hook is on the base class, so the
-gRPC server and the in-process one route alike; the gRPC server's stop_serving also joins the
-executor's threads (an in-process server's go when the server is collected) and closes its
-bulk side channel. The side channel's two methods (side.py) are answered here, before tunix's
-dispatch, on any gRPC server that has one; tunix's own servers answer them AttributeError.
+- `execute_request` (both servers): the side channel's own two methods are answered by side.py
+  on a server that has one; every other call goes to the lanes (lanes.py), which send a
+  TrainerWorker's methods to their threads and run anything else as tunix does.
+- `start_serving_async` and `_server` (gRPC server): the grpc.aio server tunix creates there gets
+  the chunked stream's method (stream.handler) before tunix starts it (grpc takes handlers only
+  before start): `_server` becomes a property that sees tunix's assignment while the wrapped
+  `start_serving_async` runs (the value stays in the instance's `__dict__`). Once started, the
+  server's side channel listens (side.listen).
+- `stop_serving` (gRPC server): the side channel stops, then tunix's stop, then the server's
+  lanes are joined (an in-process server's go when the server is collected).
 
 The compute thread does not inherit thread-local JAX contexts entered around the serving loop
 (`with mesh:` around asyncio.run); bind the mesh in the trainer, as tunix's trainer node does.
+docs/tunix.md "What it hooks".
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
-import inspect
 from typing import Any
 
 from tunix_stage_plugin.core import patching
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.hosts.tunix import side as side_lib
+from tunix_stage_plugin.hosts.tunix import stream as stream_lib
+
+# The server whose start_serving_async is running in this context (its grpc server gets the
+# stream's handler when tunix assigns it).
+_starting: contextvars.ContextVar[Any] = contextvars.ContextVar("tunix_stage_starting_server",
+                                                                default=None)
 
 
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
           server_cls: type, grpc_server_cls: type, trainer_worker_cls: type) -> None:
   original_execute = server_cls.__dict__["execute_request"]
+  original_start = grpc_server_cls.__dict__["start_serving_async"]
   original_stop = grpc_server_cls.__dict__["stop_serving"]
+  inst.lanes = lanes_lib.Lanes(original_execute, trainer_worker_cls)
 
   @functools.wraps(original_execute)
   async def execute_request(self: Any, request: Any) -> Any:
-    if request.method_name in side_lib.METHODS:
+    if request.method_name in contract.SIDE_METHODS:
       side = inst.side_channels.get(self)
       if side is not None:
         return await side_lib.answer(inst, side, self, request)
-    instance = self.bound_instance
-    # The real type, not isinstance: tests bind spec'd mocks that claim to be TrainerWorkers.
-    if not issubclass(type(instance), trainer_worker_cls):
-      return await original_execute(self, request)
-    name = request.method_name or "__call__"
-    if inspect.iscoroutinefunction(getattr(instance, name, None)):
-      return await original_execute(self, request)  # async methods leave the loop when they await
-    # execute_sync_request is the host's own resolve-call-and-wrap-errors step.
-    return await inst.executor_for(self).run(name, self.execute_sync_request, request)
+    return await inst.lanes.dispatch(self, request, lanes_lib.Receipt(
+        contract.UNARY, request.method_name or "__call__"))
+
+  def get_server(self: Any) -> Any:
+    return self.__dict__.get("_server")
+
+  def set_server(self: Any, value: Any) -> None:
+    self.__dict__["_server"] = value
+    if value is not None and _starting.get() is self:  # tunix made it and has not started it yet
+      value.add_generic_rpc_handlers((stream_lib.handler(inst, self),))
+      inst.streaming_servers.add(self)
+
+  @functools.wraps(original_start)
+  async def start_serving_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+    token = _starting.set(self)
+    try:
+      result = await original_start(self, *args, **kwargs)
+    finally:
+      _starting.reset(token)
+    if self in inst.streaming_servers and inst.serve_side_channel:
+      side_lib.listen(inst, self)  # started with tunix's server; stop_serving closes it
+    return result
 
   @functools.wraps(original_stop)
   async def stop_serving(self: Any, *args: Any, **kwargs: Any) -> Any:
     # No new bytes (its threads joined off the loop); calls already received run on their lanes.
     await asyncio.to_thread(side_lib.stop, inst, self)
     result = await original_stop(self, *args, **kwargs)
-    executor = inst.pop_executor(self)
+    executor = inst.lanes.pop(self)
     if executor is not None:
       # Joins the lanes (a running fwd_bwd finishes first) without holding the loop.
       await asyncio.to_thread(executor.close)
     return result
 
   registry.set(server_cls, "execute_request", execute_request)
+  registry.set(grpc_server_cls, "_server", property(get_server, set_server))
+  registry.set(grpc_server_cls, "start_serving_async", start_serving_async)
   registry.set(grpc_server_cls, "stop_serving", stop_serving)

@@ -23,13 +23,17 @@ import re
 import secrets
 import threading
 
+from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import store as store_lib
 
 log = logging.getLogger("tunix_stage_plugin")
 
-SESSION = secrets.token_hex(4)  # this orchestrator process's session
+# This orchestrator process's session, and its loops so far. Per process, not per installation:
+# a loop's prefix must never come back while a trainer remembers its keys (an uninstall and
+# install in one process keep counting).
+SESSION = secrets.token_hex(4)
 _loops = itertools.count()
-_SESSION_KEY = re.compile(r"ts([0-9a-f]{8})\.[0-9]+-s[0-9]+-m[0-9]+")
+_SESSION_PREFIX = re.compile(r"ts([0-9a-f]{8})\.[0-9]+")
 REMEMBERED_SESSIONS = 64  # a worker remembers the last these many sessions it saw
 
 
@@ -40,7 +44,8 @@ def key_prefix() -> str:
 
 def session_of(key: str) -> str | None:
   """The session a pipeline key carries (None for a key that carries none)."""
-  match = _SESSION_KEY.fullmatch(key) if isinstance(key, str) else None
+  parsed = keys_lib.parse(key)
+  match = None if parsed is None else _SESSION_PREFIX.fullmatch(parsed.prefix)
   return match.group(1) if match else None
 
 

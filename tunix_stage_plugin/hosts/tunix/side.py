@@ -1,22 +1,19 @@
-"""The bulk side channel on tunix's host: a micro-batch's bytes beside tunix's gRPC call.
+"""The bulk side channel on tunix's host, both ends: a call's header on tunix's own gRPC call, its
+arrays' bytes beside it on the transport's bulk channel (tunix_stage_plugin.transport).
 
-tunix sends a call as one cloudpickled unary message (0.14-0.40 GiB/s at 16-120 MiB measured:
-the bytes are copied in and out of pickles and grpc slices), and the chunked stream (stream.py)
-moves about 1.5-1.8 GiB/s. The side channel is the transport's (tunix_stage_plugin.transport):
-the call's header on tunix's own gRPC call, its arrays' bytes on a plain TCP connection straight
-from the arrays' memory into pooled aligned buffers, unpickled over them.
+Why: tunix's unary call copies every byte in and out of pickles and gRPC slices; the bulk
+channel sends the arrays from their own memory into the trainer's pooled aligned buffers
+(docs/performance.md has the figures).
 
 - Trainer: every GrpcRemoteExecutionServer started while staging is installed also runs a
-  BulkListener (bound like tunix's server, on every interface) and answers two methods in the
-  server's execute_request hook (server.py), before tunix's dispatch: PORT_METHOD (the listener's
-  port and the limits it holds a peer to, transport.bulk.BulkLimits) and CALL_METHOD (a header:
-  checked against the cap before any byte is read, its bytes awaited within the listener's
-  limits, then the real method run through execute_request, exactly as a unary call). A server
-  without the plugin answers both with tunix's AttributeError. The sender queues its calls within
-  the listener's connection cap (transport.bulk.Lease).
-- Orchestrator: a call to a gRPC trainer handle carrying at least MIN_BYTES out of band goes
-  this way when the trainer announced a side channel (asked once per handle; the answer, 'none'
-  included, is kept and said in one log line).
+  BulkListener, bound like tunix's server (`listen`, from server.py). Its server answers the two
+  contract.SIDE_METHODS before tunix's dispatch (`answer`): the listener's port and limits, and a
+  call's header, whose bytes are awaited within the listener's limits and whose request then goes
+  to the lanes (lanes.py) like any received call. A server without the plugin answers both with
+  tunix's AttributeError.
+- Orchestrator: `SideChannel` asks a trainer once whether it has one (the answer, "none"
+  included, is kept and said in one log line) and sends calls over it; route.py decides which
+  calls.
 
 docs/tunix.md "Which path a call takes"; docs/security.md "The side channel".
 """
@@ -25,23 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import pickle
 import traceback
 from typing import Any
 
 from tunix.experimental.worker import remote_execution
 
-from tunix_stage_plugin.hosts.tunix import chunked
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
-from tunix_stage_plugin.transport import bulk as bulk_lib
-from tunix_stage_plugin.transport import calls as calls_lib
+from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
+from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import listener as listener_lib
+from tunix_stage_plugin.transport import sender as sender_lib
 
 log = logging.getLogger("tunix_stage_plugin")
 
-PORT_METHOD = "tunix_stage_bulk_port"
-CALL_METHOD = "tunix_stage_bulk_call"
-METHODS = frozenset({PORT_METHOD, CALL_METHOD})
 # Calls carrying at least this many out-of-band bytes use the side channel (below it, tunix's
 # own call costs less than the header's extra round trip).
 MIN_BYTES = 1 << 20
@@ -60,11 +55,11 @@ class SideChannelError(ConnectionError):
 # ---------------------------------------------------------------- trainer side
 
 
-def start(inst: installation_lib.Installation, server: Any) -> None:
+def listen(inst: installation_lib.Installation, server: Any) -> None:
   """Starts `server`'s listener (its receive buffers are the installation's pool)."""
-  transfers = bulk_lib.Transfers(inst.bulk_limits)
+  transfers = listener_lib.Transfers(inst.bulk_limits)
   for host in BIND_HOSTS:
-    listener = bulk_lib.BulkListener(inst.pool, transfers, host=host)
+    listener = listener_lib.BulkListener(inst.pool, transfers, host=host)
     try:
       listener.start()
     except OSError as e:
@@ -84,34 +79,34 @@ def stop(inst: installation_lib.Installation, server: Any) -> None:
 
 async def answer(inst: installation_lib.Installation, side: installation_lib.SideChannel,
                  server: Any, request: Any) -> Any:
-  """Answers PORT_METHOD or CALL_METHOD (tunix's ExecutionResponse); the hook calls it."""
-  if request.method_name == PORT_METHOD:  # where the listener is and the bounds it holds a peer to
+  """Answers contract.SIDE_PORT or SIDE_CALL (tunix's ExecutionResponse); server.py calls it."""
+  if request.method_name == contract.SIDE_PORT:  # where the listener is, the bounds it holds
     return remote_execution.ExecutionResponse(
-        result=bulk_lib.announcement(side.listener.port, side.transfers.limits),
+        result=frames.announcement(side.listener.port, side.transfers.limits),
         request_id=request.request_id)
   try:
     header = frames.decode_header(_header_bytes(request))
     method = header["method"]
     try:
-      frames.announced_bytes(header, inst.max_stream_bytes, CAP_SETTING)
+      nbytes = frames.announced_bytes(header, inst.max_stream_bytes, CAP_SETTING)
     except frames.WireError:
       side.transfers.refuse(header["transfer"])  # its frame is dropped at once
       raise
     # Bounded by the listener's limits (the frame begins within pair_wait_s, no pause longer
     # than stall_s); the transfer ends on every path.
     received = await side.transfers.receive(header["transfer"], header["sizes"])
+    receipt = lanes_lib.Receipt(contract.SIDE_CHANNEL, method, nbytes, received.started,
+                                received.ended)
     buffers = received.buffers
     del received
-    request_id, method_name, args, kwargs = pickle.loads(header["body"], buffers=buffers)
+    request_id, method_name, args, kwargs = request_lib.decode(
+        header["body"], buffers, method, "side-channel call", frames.WireError)
     del buffers  # the arrays over them are all that is kept
-    if method_name != method:
-      raise frames.WireError(f"{method}: the side-channel call's pickle is not a request for the "
-                             "method its header names")
     inst.bulk_calls[method] += 1
     inner = remote_execution.ExecutionRequest(request_id=request_id, method_name=method_name,
                                               args=args, kwargs=kwargs)
     del args, kwargs
-    return await server.execute_request(inner)  # as a unary call: the executor's lanes
+    return await inst.lanes.dispatch(server, inner, receipt)
   except Exception as e:  # pylint: disable=broad-except  (travels back, as tunix's handler does)
     return remote_execution.ExecutionResponse(error_message=str(e), error_type=type(e).__name__,
                                               traceback=traceback.format_exc(),
@@ -119,82 +114,88 @@ async def answer(inst: installation_lib.Installation, side: installation_lib.Sid
 
 
 def _header_bytes(request: Any) -> bytes:
-  if request.args or set(request.kwargs) != {"header"}:
-    raise frames.WireError(f"{CALL_METHOD} takes one keyword argument, header (bytes)")
-  header = request.kwargs["header"]
+  if request.args or set(request.kwargs) != {contract.SIDE_HEADER}:
+    raise frames.WireError(f"{contract.SIDE_CALL} takes one keyword argument, "
+                           f"{contract.SIDE_HEADER} (bytes)")
+  header = request.kwargs[contract.SIDE_HEADER]
   if not isinstance(header, bytes):
-    raise frames.WireError(f"{CALL_METHOD}'s header must be bytes; got {type(header).__name__}")
+    raise frames.WireError(f"{contract.SIDE_CALL}'s header must be bytes; got "
+                           f"{type(header).__name__}")
   return header
 
 
 # ---------------------------------------------------------------- orchestrator side
 
 
-def wanted(encoded: chunked.EncodedRequest) -> bool:
+def wanted(encoded: request_lib.EncodedRequest) -> bool:
   """Whether a call goes to the side channel (when its trainer has one): enough bytes out of
   band, and a pickle small enough to travel in the header."""
-  return (sum(b.nbytes for b in encoded.buffers) >= MIN_BYTES
-          and len(encoded.body) <= chunked.HEADER_BODY_MAX)
+  return (encoded.out_of_band_bytes >= MIN_BYTES
+          and len(encoded.body) <= request_lib.HEADER_BODY_MAX)
 
 
 def _host(address: str) -> str:
   return address.rsplit(":", 1)[0].strip("[]")
 
 
-class Channel:
-  """One trainer's side channel: asked for once (the answer, a sender or None, is kept)."""
+class SideChannel:
+  """One trainer's side channel, as the orchestrator sees it: asked for once (`offered`; the
+  answer, a sender or none, is kept), then each call's header and bytes sent together (`send`)."""
 
   def __init__(self, address: str) -> None:
     self.address = address
-    self.sender: bulk_lib.BulkSender | None = None
-    self.known = False
+    self._sender: sender_lib.BulkSender | None = None
+    self._known = False
     self._lock: asyncio.Lock | None = None
     self._loop: asyncio.AbstractEventLoop | None = None
 
-  async def open(self, worker: Any) -> bulk_lib.BulkSender | None:
-    """The sender to the trainer's listener, or None when it has none; made once, also under
-    concurrent first calls."""
-    if self.known:
-      return self.sender
+  async def offered(self, worker: Any, cap: int) -> bool:
+    """Whether the trainer behind `worker` has a side channel; asked once, also under concurrent
+    first calls (`cap`: tunix's message cap, for the log line)."""
+    if self._known:
+      return self._sender is not None
     loop = asyncio.get_running_loop()
     if self._lock is None or self._loop is not loop:  # asyncio locks belong to their loop
       self._lock, self._loop = asyncio.Lock(), loop
     async with self._lock:
-      if not self.known:
-        self.sender = await self._ask(worker)
-        self.known = True
-    return self.sender
+      if not self._known:
+        self._sender = await self._ask(worker, cap)
+        self._known = True
+    return self._sender is not None
 
-  async def _ask(self, worker: Any) -> bulk_lib.BulkSender | None:
+  async def _ask(self, worker: Any, cap: int) -> sender_lib.BulkSender | None:
     try:
-      port, limits = bulk_lib.read_announcement(await worker.asubmit(PORT_METHOD))
+      port, limits = frames.read_announcement(await worker.asubmit(contract.SIDE_PORT))
     except RuntimeError as e:  # tunix's envelope: a trainer without the plugin (or staging off)
-      if "[AttributeError]" not in str(e):
+      remote = contract.RemoteError.of(e)
+      if remote is None or remote.type_name != AttributeError.__name__:
         raise
       log.info("tunix-stage: no side channel on %s (tunix-stage-plugin is not installed there, "
                "or staging is off there): calls over the %d MiB cap use the chunked stream",
-               self.address, remote_execution._MAX_MESSAGE_BYTES >> 20)  # pylint: disable=protected-access
+               self.address, cap >> 20)
       return None
     host = _host(self.address)
     log.info("tunix-stage: bulk side channel to %s:%d for micro-batch calls >= %d MiB", host, port,
              MIN_BYTES >> 20)
-    return bulk_lib.BulkSender(host, port, limits=limits)
+    return sender_lib.BulkSender(host, port, limits=limits)
 
-  async def call(self, worker: Any, sender: bulk_lib.BulkSender,
-                 encoded: chunked.EncodedRequest) -> Any:
-    """Sends `encoded`'s header on tunix's call and its bytes on the side channel; the result,
-    or tunix's RuntimeError envelope for an error on the trainer."""
+  async def send(self, worker: Any, encoded: request_lib.EncodedRequest) -> Any:
+    """Sends `encoded`'s header on tunix's call and its bytes on the side channel (once
+    `offered`); the result, or the trainer's error in tunix's envelope (contract.RemoteError.of
+    reads it)."""
+    assert self._sender is not None, "send only once the trainer offered a side channel"
     transfer = frames.new_transfer_id()
     header = frames.encode_header(encoded.method, encoded.body, encoded.buffers, transfer)
     try:
-      return await calls_lib.call_with_bytes(worker.asubmit(CALL_METHOD, header=header), sender,
-                                             transfer, encoded.buffers, SEND_FAILURE_GRACE_S)
+      return await sender_lib.call_with_bytes(
+          worker.asubmit(contract.SIDE_CALL, **{contract.SIDE_HEADER: header}), self._sender,
+          transfer, encoded.buffers, SEND_FAILURE_GRACE_S)
     except OSError as e:
-      sender.close()  # its idle connections may be as broken: the next call connects anew
+      self._sender.close()  # its idle connections may be as broken: the next call connects anew
       raise SideChannelError(
           f"tunix-stage: the side channel to {self.address} broke while sending {encoded.method}'s "
-          f"{encoded.nbytes / chunked.MIB:.1f} MiB ({type(e).__name__}: {e})") from None
+          f"{encoded.nbytes / request_lib.MIB:.1f} MiB ({type(e).__name__}: {e})") from None
 
   def close(self) -> None:
-    if self.sender is not None:
-      self.sender.close()
+    if self._sender is not None:
+      self._sender.close()

@@ -23,18 +23,15 @@ from tunix.experimental.common import datatypes
 
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import transforms
-
-STAGE_KEY = "stage_key"  # the fwd_bwd keyword that names a staged batch
-# In a staged fwd_bwd's response metadata: why the staged batch was trained from its payload
-# (None: it was trained from its placement).
-PLACEMENT_FALLBACK = "placement_fallback"
 
 
 def model_mesh(model: Any) -> jax.sharding.Mesh:
@@ -118,7 +115,8 @@ class PeftPlacement:
 def _check(state: installation_lib.WorkerStaging, payload: Any) -> None:
   if isinstance(payload, compression.CompressedPayload):
     payload = compression.check(payload)  # refused at once when this trainer cannot decode it
-  state.placement.check(payload)
+  if state.placement.check is not None:
+    state.placement.check(payload)
 
 
 def _place(state: installation_lib.WorkerStaging, payload: Any) -> Any:
@@ -150,25 +148,25 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       if state.target is not None:
         placements.track(state.target, state.store)
     if state.unsupported is not None:
-      result = outcome_lib.unsupported(store_lib.check_key(key), state.unsupported)
+      result = outcome_lib.unsupported(keys_lib.check(key), state.unsupported)
     else:
       state.sessions.admit(state.store, key)  # a new orchestrator: its predecessors' go
       # Two phases on the server's staging lane: answered once received, placed next there.
       result = state.store.stage(key, payload, functools.partial(_place, state),
                                  check=functools.partial(_check, state),
                                  defer=executor_lib.defer_on_current_lane())
-    return self._response(staged=result.staged, outcome=result.as_dict())  # pylint: disable=protected-access
+    return self._response(**contract.stage_answer(result))  # pylint: disable=protected-access
 
   def reset_staged(self: Any, keys: list[str] | None = None) -> datatypes.Response:
     """Drops staged batches (all when `keys` is None), freeing their device buffers."""
     dropped = inst.staging_of(self).store.reset(keys)
-    return self._response(dropped=dropped)  # pylint: disable=protected-access
+    return self._response(**contract.reset_answer(dropped))  # pylint: disable=protected-access
 
   @functools.wraps(original_fwd_bwd)
   def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
-    if kwargs.get(STAGE_KEY) is None:
+    if kwargs.get(contract.STAGE_KEY) is None:
       return original_fwd_bwd(self, *args, **kwargs)  # the host's call, untouched
-    key = kwargs.pop(STAGE_KEY)
+    key = kwargs.pop(contract.STAGE_KEY)
     payload = kwargs.pop("payload", args[0] if args else None)
     if payload is not None or len(args) > 1:
       raise ValueError(f"fwd_bwd got a payload and stage_key={key!r}; send one or the other")
@@ -177,17 +175,15 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       staged = inst.staging_of(self).store.take(key)
     except store_lib.PlacementFailed as e:  # received, never placed: the host's own inline call
       response = original_fwd_bwd(self, _unplaced_payload(key, e.payload), **kwargs)
-      response.metadata[PLACEMENT_FALLBACK] = e.reason
-      return response
+      return contract.mark_placement_fallback(response, e.reason)
     with placements.Consume(staged) as consumed:
       response = original_fwd_bwd(self, staged, **kwargs)
     if not consumed.passed:
       raise RuntimeError(f"fwd_bwd(stage_key={key!r}) did not reach the trainer's preparation "
                          "step; the staged batch was prepared for a trainer that prepares there")
-    response.metadata[PLACEMENT_FALLBACK] = consumed.fallback
-    return response
+    return contract.mark_placement_fallback(response, consumed.fallback)
 
   PeftPlacement(peft_cls, registry).apply()
-  registry.set(worker_cls, "stage_batch", stage_batch)
-  registry.set(worker_cls, "reset_staged", reset_staged)
-  registry.set(worker_cls, "fwd_bwd", fwd_bwd)
+  registry.set(worker_cls, contract.STAGE_BATCH, stage_batch)
+  registry.set(worker_cls, contract.RESET_STAGED, reset_staged)
+  registry.set(worker_cls, contract.FWD_BWD, fwd_bwd)

@@ -1,10 +1,10 @@
 """Async client for the trainer's generic method-call service, with an emulated wire.
 
 Concurrent calls share one HTTP/2 connection and one emulated link (`LinkPacer`): a stage's bytes
-and an inline train's bytes on the bulk channel (bulk.py) queue for the same bandwidth, as on a
+and an inline train's bytes on the bulk channel (transport/) queue for the same bandwidth, as on a
 real NIC. Only payload bytes are paced (the bulk bytes); headers and small unary calls are not.
 A bulk call holds a connection for its bytes before its header goes out: the client's one
-`BulkSender` sends on at most the trainer's cap of connections (bulk.BulkLimits, announced by
+`BulkSender` sends on at most the trainer's cap of connections (frames.BulkLimits, announced by
 BulkPort), further calls wait for one, and a connection the trainer refuses (other clients hold
 the cap) fails the call at once with the trainer's reason (docs/embedded.md "Limits of the bulk
 channel").
@@ -33,8 +33,8 @@ import grpc
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import wire
-from tunix_stage_plugin.transport import bulk as bulk_lib
-from tunix_stage_plugin.transport import calls as calls_lib
+from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import sender as sender_lib
 
 _ADDRESS_RE = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
 
@@ -152,7 +152,7 @@ class WorkerClient:
     self._unary = self._channel.unary_unary(wire.CALL)
     self._bulk_header = self._channel.unary_unary(wire.CALL_BULK)
     self._bulk_port = self._channel.unary_unary(wire.BULK_PORT)
-    self._sender: bulk_lib.BulkSender | None = None
+    self._sender: sender_lib.BulkSender | None = None
     self._sender_made = asyncio.Lock()  # concurrent first bulk calls make one sender
     # The watchdog (docs/embedded.md "Liveness bound"): quiet for silence_s with calls in flight
     # -> a heartbeat with probe_s to answer; none -> every call in flight fails.
@@ -310,21 +310,22 @@ class WorkerClient:
       self.unresponsive = error
     self._flights.clear()
 
-  async def _bulk_sender(self, timeout: float) -> bulk_lib.BulkSender:
+  async def _bulk_sender(self, timeout: float) -> sender_lib.BulkSender:
     """The client's one sender, made by its first bulk call (the others wait for it)."""
     async with self._sender_made:
       if self._sender is None:
-        port, limits = bulk_lib.read_announcement(await self._bulk_port(b"", timeout=timeout))
-        self._sender = bulk_lib.BulkSender(self._host, port, self.pacer, limits)
+        port, limits = frames.read_announcement(await self._bulk_port(b"", timeout=timeout))
+        self._sender = sender_lib.BulkSender(self._host, port, limits)
     return self._sender
 
   async def _call_bulk(self, encoded: wire.EncodedCall, timeout: float, pace: float) -> bytes:
     """The header on gRPC and the bytes on the bulk channel, at once, once a connection for the
     bytes is held (within the trainer's cap: this client's sends queue for one, each ending
     within the bulk channel's bounds); the call's answer wins."""
-    return await calls_lib.call_with_bytes(self._bulk_header(encoded.header, timeout=timeout),
-                                           await self._bulk_sender(timeout), encoded.transfer,
-                                           encoded.buffers, SEND_FAILURE_GRACE_S, pace)
+    return await sender_lib.call_with_bytes(self._bulk_header(encoded.header, timeout=timeout),
+                                            await self._bulk_sender(timeout), encoded.transfer,
+                                            encoded.buffers, SEND_FAILURE_GRACE_S,
+                                            self.pacer.chunks(pace))
 
   async def _diagnose(self, e: grpc.aio.AioRpcError, method: str, waited: float, timeout: float,
                       expected: float) -> BaseException:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.core import codec as codec_lib
 
 MIB = 1 << 20
 
@@ -211,13 +212,48 @@ def make_batch(sizes: Sizes, seed: int, step: int, index: int) -> Batch:
 
 
 @dataclasses.dataclass
+class PackedArrays:
+  """A dict of arrays as it travels: the large ones codec.PackedArray, the others as they are."""
+
+  codec: str  # codec.Codec.name
+  arrays: dict[str, np.ndarray | codec_lib.PackedArray]  # in the original key order
+
+  @property
+  def nbytes(self) -> int:
+    """The arrays' bytes once decoded."""
+    return sum(a.nbytes for a in self.arrays.values())
+
+  @property
+  def wire_bytes(self) -> int:
+    """The arrays' bytes as they travel."""
+    return sum(a.wire_bytes if isinstance(a, codec_lib.PackedArray) else a.nbytes
+               for a in self.arrays.values())
+
+
+def pack_arrays(codec: codec_lib.Codec, arrays: dict[str, np.ndarray]) -> PackedArrays:
+  """Each array of at least codec.MIN_PACK_BYTES compressed (codec.pack_array)."""
+  return PackedArrays(codec.name, {
+      name: codec_lib.pack_array(codec, a)
+      if isinstance(a, np.ndarray) and a.nbytes >= codec_lib.MIN_PACK_BYTES else a
+      for name, a in arrays.items()})
+
+
+def unpack_arrays(packed: PackedArrays, *, threads: int = 0,
+                  pool: buffers_lib.HostBufferPool | None = None) -> dict[str, np.ndarray]:
+  """The arrays, decoded and checked; raises codec.CodecError otherwise."""
+  codec_lib.check_decodable(packed.codec)
+  return {name: codec_lib.unpack_array(a, threads=threads, name=name, pool=pool)
+          if isinstance(a, codec_lib.PackedArray) else a for name, a in packed.arrays.items()}
+
+
+@dataclasses.dataclass
 class PackedBatch:
   """A micro-batch whose large arrays travel compressed (TUNIX_STAGE_CODEC; core.codec): only a
   stage sends one, and the trainer unpacks it on its staging lane before placing it."""
 
   step: int
   index: int
-  packed: Any  # core.codec.Packed
+  packed: PackedArrays
 
   @property
   def mb_id(self) -> str:
@@ -232,18 +268,14 @@ class PackedBatch:
     return self.packed.wire_bytes
 
 
-def pack_batch(codec: Any, batch: Batch) -> PackedBatch:
-  # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.core import codec as codec_lib
-  return PackedBatch(batch.step, batch.index, codec_lib.pack(codec, batch.arrays))
+def pack_batch(codec: codec_lib.Codec, batch: Batch) -> PackedBatch:
+  return PackedBatch(batch.step, batch.index, pack_arrays(codec, batch.arrays))
 
 
 def unpack_batch(packed: PackedBatch, pool: Any = None) -> Batch:
   """Decoded into buffers from `pool` (a core.buffers.HostBufferPool) when given; raises
   core.codec.CodecError for a payload that does not decode to what it announced."""
-  # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.core import codec as codec_lib
-  return Batch(packed.step, packed.index, codec_lib.unpack(packed.packed, pool=pool))
+  return Batch(packed.step, packed.index, unpack_arrays(packed.packed, pool=pool))
 
 
 def expected_order(steps: int, microbatches: int) -> list[str]:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable, Sequence
+
+from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import sender as sender_lib
 
 
 # The event loop sleeps in whole milliseconds (epoll's timeout), so a sender ahead of its link by
@@ -23,6 +26,10 @@ MIN_SLEEP_S = 0.002
 # put the link behind for the rest of the transfer. A longer gap is the link idle: the next chunk
 # starts when it is sent.
 CATCH_UP_S = 0.05
+# A paced chunk takes at most this much of its link's time, so even the cap's worth of calls
+# sharing a slow emulated link pause each frame far less than the listener's stall bound
+# (frames.BulkLimits.stall_s): at most 10 chunks a second a link, however slow.
+PACED_CHUNK_S = 0.1
 
 
 class LinkPacer:
@@ -64,6 +71,20 @@ class LinkPacer:
     delay = self._free_at - now
     if delay >= MIN_SLEEP_S:
       await self._sleep(delay)
+
+  def chunks(self, pace: float = 1.0) -> sender_lib.Chunks:
+    """How a bulk sender hands a frame's bytes to this link (transport.sender.Chunks): each chunk
+    once it crossed, `pace` times slower than the link's rate (the bench's bursty scenario)."""
+
+    async def paced(buffers: Sequence[memoryview]) -> AsyncIterator[memoryview]:
+      chunk_bytes = frames.CHUNK_BYTES
+      if self.bytes_per_s is not None:
+        chunk_bytes = max(1, min(chunk_bytes, int(self.bytes_per_s / pace * PACED_CHUNK_S)))
+      for chunk in frames.iter_chunks(buffers, chunk_bytes):
+        await self.transmit(round(chunk.nbytes * pace))
+        yield chunk
+
+    return paced
 
 
 class SharedLink:

@@ -4,7 +4,7 @@ The server's event loop only moves messages: it never copies a payload, unpickle
 or waits for the device. Each method runs on its core.executor lane (compute, staging or inline),
 and a large call's unpickling runs on that lane too (work on the loop delays every other call:
 measured, a ping waits 452 ms behind a 0.5 s handler run there). A large call's bytes arrive on
-the bulk channel (transport/bulk.py), received by its own threads into pooled aligned buffers.
+the bulk channel (transport/listener.py), received by its own threads into pooled aligned buffers.
 
 A large call is refused by its header, before any of its bytes are read: more buffers than a call
 may carry or more than `max_call_bytes` announced, or a bulk frame whose sizes differ from the
@@ -27,7 +27,8 @@ from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.lab.embedded import wire
-from tunix_stage_plugin.transport import bulk as bulk_lib
+from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import listener as listener_lib
 
 log = logging.getLogger("tunix_stage_plugin.lab.embedded")
 
@@ -63,8 +64,8 @@ class WorkerServer:
     self._executor = executor
     self._timeline = timeline or timeline_lib.Timeline(enabled=False)
     self.pool = pool or buffers_lib.HostBufferPool()  # where large calls' bytes are received
-    self._transfers = bulk_lib.Transfers()
-    self._bulk = bulk_lib.BulkListener(self.pool, self._transfers, host=BIND_HOST)
+    self._transfers = listener_lib.Transfers()
+    self._bulk = listener_lib.BulkListener(self.pool, self._transfers, host=BIND_HOST)
     self._server: grpc.aio.Server | None = None
     self.port: int | None = None
 
@@ -116,7 +117,7 @@ class WorkerServer:
       return wire.encode_error(e)
 
   async def _bulk_port(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-    return bulk_lib.announcement(self._bulk.port, self._bulk.limits)
+    return frames.announcement(self._bulk.port, self._bulk.limits)
 
   async def _call_bulk(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     method = "?"

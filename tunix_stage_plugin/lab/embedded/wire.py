@@ -7,7 +7,7 @@ bytes (in-band pickling costs a copy into fresh memory each way; docs/performanc
 - Small calls (out-of-band bytes <= STREAM_THRESHOLD) are re-pickled in band and sent as one unary
   gRPC message.
 - Larger ones send their header (method, pickle, buffer sizes and a fresh transfer id) as one
-  unary gRPC message, and the buffers' bytes on the bulk channel (transport/bulk.py), straight
+  unary gRPC message, and the buffers' bytes on the bulk channel (transport/sender.py), straight
   from the arrays' memory, paced in chunks of at most CHUNK_BYTES (the header, its checks and the
   chunks are transport/frames.py's, shared with tunix's host). The trainer receives them into aligned
   buffers (core.buffers) and unpickles over them: the arrays come back writable and aligned with

@@ -41,8 +41,8 @@ from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.hosts.tunix import chunked
-from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import host as host_lib
@@ -108,7 +108,7 @@ class BenchHost:
   def over_cap(self, sizes: data_lib.Sizes) -> bool:
     """Whether a micro-batch is over tunix's message cap (its unary call would refuse it)."""
     cap = remote_execution._MAX_MESSAGE_BYTES  # pylint: disable=protected-access
-    return sizes.payload_bytes > cap - chunked.CAP_MARGIN
+    return sizes.payload_bytes > cap - request_lib.CAP_MARGIN
 
   def start(self, say: host_lib.Say) -> None:
     say("starting two tunix trainer nodes (GrpcRemoteExecutionServer, TrainerWorker, PeftTrainer "
@@ -185,10 +185,11 @@ class BenchHost:
       deadline = time.monotonic() + EXIT_WAIT_S
       gone = [f"the {kind} node exited with code {n.proc.returncode}: {_stderr_tail(n.proc)}"
               for kind, n in self.nodes.items() if _exited(n.proc, deadline)]
+      remote = contract.RemoteError.of(e)  # tunix's envelope of a node's exception
       if isinstance(e, grpc.aio.AioRpcError):
         first = f"{e.code().name}: {e.details()}"
-      elif probes.remote_error_type(e) is not None:  # tunix's envelope of a node's exception
-        first = f"{probes.remote_error_type(e)}: {probes.remote_error_message(e)}"
+      elif remote is not None:
+        first = f"{remote.type_name}: {remote.message}"
       elif gone:
         first = str(e).split("\n", 1)[0]
       else:

@@ -270,7 +270,7 @@ class BenchWorker(trainer_worker.TrainerWorker):
     store = _store(self)
     if store is not None:
       store.stats.peak = store.stats.peak_host = 0
-      _pool().on_bound_wait = self._pool_waited
+      _installation().pool.on_bound_wait = self._pool_waited
     self.baseline = rss.reset_peak()
     return self.baseline
 
@@ -319,20 +319,18 @@ class BenchWorker(trainer_worker.TrainerWorker):
     }
 
 
-def _pool() -> Any:
-  """The plugin's receive pool on this node."""
+def _installation() -> Any:
+  """The plugin's installation on this node (its receive pool, each worker's staging)."""
   # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.hosts.tunix import installation
-  return installation.current().pool
+  from tunix_stage_plugin.hosts.tunix import adapter
+  return adapter.ADAPTER.installation
 
 
 def _store(worker: BenchWorker) -> Any:
   """The plugin's staging store for this worker (None on a node without the plugin)."""
   if not worker.spec["plugin"]:
     return None
-  # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.hosts.tunix import installation
-  return installation.current().staging_of(worker).store
+  return _installation().staging_of(worker).store
 
 
 def make_trainer(spec: dict[str, Any], mesh: Mesh, clocked: Clocked) -> MeshBound:

@@ -1,22 +1,11 @@
-"""The bulk byte channel of both hosts: a call's array bytes on a plain TCP connection.
+"""The trainer's end of the bulk channel: a listener that receives each call's bytes into pooled
+aligned buffers and hands them to the call that announced them.
 
-Why not gRPC for the bytes: grpcio's Python path copies every byte twice on each side (into and
-out of its slices) and pays a Python message per chunk, about 0.5-1 GiB/s on this project's
-2-core machines, while a socket sends the arrays from the caller's own memory and receives them
-straight into the aligned buffer that is placed: one kernel copy per side, 2.5-4 GiB/s
-(docs/performance.md). The call itself (method, pickle, sizes, deadline, liveness, errors) stays
-on gRPC; only the bytes travel here, keyed by the 128-bit transfer id the call's header carries.
-(Newer tunix took the same route: a bulk TCP side channel next to its gRPC service.)
-
-A connection opens with one byte from the listener (ACCEPTED), or a refusal (REFUSED and why)
-before it closes; then frames follow, each MAGIC, the transfer id (16 bytes), the buffer count
-(u32) and sizes (u64 each), then the buffers' bytes in order. The listener binds where its host
-says (the embedded trainer: 127.0.0.1; tunix's trainer: where tunix's server listens), never
-unpickles, and fills buffers only for a transfer a gRPC call has announced (and whose sizes
-passed that call's cap). Every wait on a peer is bounded by `BulkLimits`, the one place its rules
-live (the listener enforces them, the sender learns them from the BulkPort answer): connections,
-a frame header's wait, the pairing of a frame with its call's header, and a pause in a frame's
-bytes. docs/embedded.md "The bulk channel" and "Limits of the bulk channel", docs/tunix.md.
+Its host binds it (the embedded trainer: 127.0.0.1; tunix's trainer: where tunix's server
+listens). It never unpickles anything, fills buffers only for a transfer a call's header announced
+(after that header passed its cap), and bounds every wait on a peer by `frames.BulkLimits`. The
+format: frames.py; the rules: docs/embedded.md "The bulk channel" and "Limits of the bulk
+channel".
 """
 
 from __future__ import annotations
@@ -26,64 +15,23 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
-import pickle
-import select
 import socket
 import struct
 import threading
 import time
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.transport import frames as wire
+from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport.frames import WireError
 
 log = logging.getLogger("tunix_stage_plugin.transport")
 
-MAGIC = b"TSB1"
-HEADER = struct.Struct(f"<4s{wire.TRANSFER_ID_BYTES}sI")  # magic, transfer id, buffer count
-ACCEPTED = b"+"  # the listener's first byte on a connection it serves
-REFUSED = b"-"  # ... or this, then why (UTF-8), then it closes
-MAX_REFUSAL_BYTES = 1024
 RECV_BYTES = 16 << 20  # one recv_into asks for at most this much
 REMEMBERED = 4096  # ended transfer ids remembered, so a late frame for one is dropped at once
-IDLE_KEPT = 4  # a sender keeps at most this many idle connections for reuse
-# A paced chunk takes at most this much of its link's time, so even the cap's worth of calls
-# sharing a slow emulated link pause each frame far less than stall_s (at most 10 chunks a second
-# a link, however slow).
-PACED_CHUNK_S = 0.1
 STOPPING = "the trainer is stopping: its bulk listener closed before this call's bytes arrived"
-
-
-@dataclasses.dataclass(frozen=True)
-class BulkLimits:
-  """What the listener allows a peer; the sender lives within it (docs/embedded.md "Limits of the
-  bulk channel"). A peer that breaks a bound loses its connection; the call it carried, if any,
-  fails with a WireError naming the bound."""
-
-  # Connections open at once (one thread each); one more is refused with a message. A sender
-  # queues its own sends within this, so only several clients together reach it.
-  max_connections: int = 32
-  # A connection's next frame header (all of it) must arrive within this of the connection's
-  # opening or of its previous frame's end. A sender reuses a connection idle for less than half.
-  header_wait_s: float = 5.0
-  # A frame waits this long for the gRPC header of its call, and a call's header this long for its
-  # frame to begin (they are sent together: milliseconds).
-  pair_wait_s: float = 10.0
-  # A frame's bytes must keep coming: a pause this long fails its call. A paced sender's chunks
-  # take at most PACED_CHUNK_S of link time each, so a slow emulated link never pauses this long.
-  stall_s: float = 10.0
-
-
-def announcement(port: int, limits: BulkLimits) -> bytes:
-  """The BulkPort answer: where the listener is and the limits it enforces."""
-  return pickle.dumps({"port": port, "limits": limits}, protocol=5)
-
-
-def read_announcement(message: bytes) -> tuple[int, BulkLimits]:
-  answer = pickle.loads(message)
-  return answer["port"], answer["limits"]
 
 
 @dataclasses.dataclass
@@ -112,7 +60,7 @@ class Transfers:
   id nobody holds as ended (`refuse`), so its frame is dropped at once, and never touches an id
   another call holds."""
 
-  def __init__(self, limits: BulkLimits = BulkLimits()) -> None:
+  def __init__(self, limits: frames.BulkLimits = frames.BulkLimits()) -> None:
     self.limits = limits
     self._cond = threading.Condition()
     self._open: dict[bytes, _Transfer] = {}
@@ -127,15 +75,15 @@ class Transfers:
       waiting = [t for t in self._open.values() if not t.claimed]
       self._cond.notify_all()
     for transfer in waiting:
-      _fail(transfer, wire.WireError(STOPPING))
+      _fail(transfer, WireError(STOPPING))
 
   def expect(self, transfer_id: bytes, sizes: list[int]) -> concurrent.futures.Future:
     """Called for a call's header: its bytes will arrive under `transfer_id`."""
     with self._cond:
       if self._closed:
-        raise wire.WireError(STOPPING)
+        raise WireError(STOPPING)
       if transfer_id in self._open or transfer_id in self._ended:
-        raise wire.WireError("a bulk transfer id was used twice; ids are single-use")
+        raise WireError("a bulk transfer id was used twice; ids are single-use")
       transfer = self._open[transfer_id] = _Transfer(list(sizes))
       self._cond.notify_all()
       return transfer.future
@@ -149,7 +97,7 @@ class Transfers:
     if transfer is not None:
       transfer.future.cancel()  # no-op once received
       if transfer.connection is not None and transfer.future.cancelled():
-        _shutdown(transfer.connection)  # its bytes were still coming: their buffers go back now
+        frames.shutdown(transfer.connection)  # its bytes were still coming: their buffers go back
 
   def refuse(self, transfer_id: bytes) -> None:
     """A header refused before it announced its id: a frame for it is dropped at once. An id
@@ -167,7 +115,7 @@ class Transfers:
       arrival = asyncio.wrap_future(future)
       await asyncio.wait({arrival}, timeout=self.limits.pair_wait_s)
       if not arrival.done() and self._give_up(transfer_id):
-        raise wire.WireError(
+        raise WireError(
             f"no bulk frame for this call began within {self.limits.pair_wait_s:g} s of its "
             "header (BulkLimits.pair_wait_s): its bytes never arrived on the bulk channel")
       return await arrival
@@ -265,13 +213,6 @@ def _receive_into(sock: socket.socket, buffers: Sequence[np.ndarray], stall_s: f
   return None
 
 
-def _hung_up(sock: socket.socket) -> bool:
-  """True once the peer closed its end (or the connection failed); never blocks or reads."""
-  poller = select.poll()
-  poller.register(sock, select.POLLRDHUP)
-  return bool(poller.poll(0))
-
-
 class BulkListener:
   """Receives frames on `host`: a thread per connection (so the event loop moves no bytes),
   each frame into buffers from `pool`, delivered to the call that announced it; `transfers`
@@ -291,7 +232,7 @@ class BulkListener:
     self.port: int | None = None
 
   def start(self) -> int:
-    sock = socket.socket(_family(self._host), socket.SOCK_STREAM)
+    sock = socket.socket(frames.family(self._host), socket.SOCK_STREAM)
     try:
       if sock.family == socket.AF_INET6:  # "::" takes IPv4 connections too, as tunix's "[::]"
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -319,7 +260,7 @@ class BulkListener:
         if held >= self.limits.max_connections:
           # A connection whose peer closed it is on its way out (its thread, reading, sees the
           # end at once): it does not count, unless its thread waits for a call instead.
-          held = sum(c in self._claiming or not _hung_up(c) for c in self._connections)
+          held = sum(c in self._claiming or not frames.hung_up(c) for c in self._connections)
         if not stopping and held < self.limits.max_connections:
           self._connections.add(conn)
           self._threads = [t for t in self._threads if t.is_alive()]
@@ -340,7 +281,7 @@ class BulkListener:
     try:
       conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       conn.settimeout(self.limits.header_wait_s)
-      conn.sendall(ACCEPTED)
+      conn.sendall(frames.ACCEPTED)
       while self._receive_frame(conn):
         pass
     except _Late as e:
@@ -358,13 +299,13 @@ class BulkListener:
     what = f"a frame header, due within {wait:g} s of the connection's last frame or its " \
            "opening (BulkLimits.header_wait_s)"
     deadline = time.monotonic() + wait
-    head = _recv_exact(conn, HEADER.size, deadline, what)
+    head = _recv_exact(conn, frames.FRAME_HEADER.size, deadline, what)
     if head is None:
       return False
-    magic, transfer_id, count = HEADER.unpack(head)
-    refused = (f"not a bulk frame header (magic {magic!r})" if magic != MAGIC else
-               f"it announced {count} buffers; a frame carries at most {wire.MAX_BUFFERS}"
-               if count > wire.MAX_BUFFERS else None)
+    magic, transfer_id, count = frames.FRAME_HEADER.unpack(head)
+    refused = (f"not a bulk frame header (magic {magic!r})" if magic != frames.MAGIC else
+               f"it announced {count} buffers; a frame carries at most {frames.MAX_BUFFERS}"
+               if count > frames.MAX_BUFFERS else None)
     sizes: list[int] = []
     if refused is None and count:
       raw_sizes = _recv_exact(conn, 8 * count, deadline, what)
@@ -381,13 +322,13 @@ class BulkListener:
     if refused is not None:  # its call, if one announced its id, hears why
       log.warning("dropped a bulk connection: %s", refused)
       if not isinstance(claimed, str):
-        _fail(claimed, wire.WireError(f"its bulk frame was refused: {refused}"))
+        _fail(claimed, WireError(f"its bulk frame was refused: {refused}"))
       return False
     if isinstance(claimed, str):
       log.debug("dropped a bulk frame: %s", claimed)
       return False
     if sizes != claimed.sizes:
-      _fail(claimed, wire.WireError(
+      _fail(claimed, WireError(
           f"the bulk frame announced buffer sizes {sizes!r:.80} where the call's header "
           f"announced {claimed.sizes!r:.80}"))
       return False
@@ -397,7 +338,7 @@ class BulkListener:
     if failure is not None:
       buffers.clear()  # back to the pool: nothing else holds them
       log.info("a bulk frame failed: %s", failure)
-      _fail(claimed, wire.WireError(failure))
+      _fail(claimed, WireError(failure))
       return False
     try:
       claimed.future.set_result(Received(buffers, started, time.perf_counter()))
@@ -428,30 +369,11 @@ class BulkListener:
       thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _shutdown(sock: socket.socket) -> None:
-  try:
-    sock.shutdown(socket.SHUT_RDWR)
-  except OSError:
-    pass
-
-
-def _family(host: str) -> socket.AddressFamily:
-  return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-class Pacer(Protocol):
-  """An emulated link the sender waits on before each chunk (the embedded host's LinkPacer)."""
-
-  bytes_per_s: float | None  # None: not paced
-
-  async def transmit(self, nbytes: int) -> None: ...
-
-
 def _refuse(conn: socket.socket, why: str) -> None:
   """Tells a connection why it is refused, never blocking the accepting thread."""
   try:
     conn.setblocking(False)
-    conn.send(REFUSED + why.encode()[:MAX_REFUSAL_BYTES - 1])
+    conn.send(frames.REFUSED + why.encode()[:frames.MAX_REFUSAL_BYTES - 1])
     conn.shutdown(socket.SHUT_WR)
   except OSError:
     pass
@@ -462,141 +384,3 @@ def _fail(transfer: _Transfer, error: BaseException) -> None:
     transfer.future.set_exception(error)
   except concurrent.futures.InvalidStateError:
     pass
-
-
-class Lease:
-  """One connection a sender holds for one frame, and its slot within the listener's cap.
-
-  `sent` gives the connection back once its frame went out: idle for the next frame (its slot
-  free at once) or closed. A closed one's slot stays taken until `end` (the call has its answer):
-  until then the listener may still count the connection, its thread waiting for the call's
-  header to claim the frame already sent."""
-
-  __slots__ = ("sock", "_sender", "_connection_back", "_slot_back")
-
-  def __init__(self, sender: "BulkSender", sock: socket.socket) -> None:
-    self.sock = sock
-    self._sender = sender
-    self._connection_back = False
-    self._slot_back = False
-
-  def sent(self, whole: bool) -> None:
-    """The frame went out (`whole`) or not (the connection then closes)."""
-    if not self._connection_back:
-      self._connection_back = True
-      if self._sender._keep_idle(self.sock, whole):  # pylint: disable=protected-access
-        self._free_slot()
-
-  def end(self) -> None:
-    """The call is over, whatever happened: its connection and slot are back."""
-    self.sent(False)
-    self._free_slot()
-
-  def _free_slot(self) -> None:
-    if not self._slot_back:
-      self._slot_back = True
-      self._sender._slots.release()  # pylint: disable=protected-access
-
-
-class BulkSender:
-  """The orchestrator's side: frames sent on connections it leases within the listener's
-  `limits` (a call waits for one when all are in use), from the arrays' own memory, each chunk
-  paced by the emulated link first (if any). A connection is reused only after a whole frame went
-  out."""
-
-  def __init__(self, host: str, port: int, pacer: Pacer | None = None,
-               limits: BulkLimits = BulkLimits()) -> None:
-    self._address = (host, port)
-    self._pacer = pacer
-    self.limits = limits
-    self._slots = asyncio.Semaphore(limits.max_connections)
-    self._idle: list[tuple[socket.socket, float]] = []  # (connection, idle since)
-    self._waiting = 0  # calls waiting for a slot
-    self.sent_bytes = 0  # the buffers' bytes handed to the kernel, frames' headers excluded
-
-  async def lease(self) -> Lease:
-    """A connection for one frame: an idle one, or a new one the listener accepted. Raises
-    WireError, naming the cap, when the listener refuses a new one. The caller ends the lease
-    (`Lease.end`) once its call is over."""
-    self._waiting += 1
-    try:
-      await self._slots.acquire()
-    finally:
-      self._waiting -= 1
-    try:
-      sock = self._reusable() or await self._connect()
-    except BaseException:
-      self._slots.release()
-      raise
-    return Lease(self, sock)
-
-  def _reusable(self) -> socket.socket | None:
-    """The most recent idle connection still well inside the listener's header wait; older or
-    closed ones are closed."""
-    now, fresh = time.monotonic(), []
-    for sock, since in self._idle:
-      if now - since < self.limits.header_wait_s / 2 and not _hung_up(sock):
-        fresh.append((sock, since))
-      else:
-        sock.close()
-    self._idle = fresh
-    return self._idle.pop()[0] if self._idle else None
-
-  async def _connect(self) -> socket.socket:
-    loop = asyncio.get_running_loop()
-    sock = socket.socket(_family(self._address[0]), socket.SOCK_STREAM)
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-      await loop.sock_connect(sock, self._address)
-      answer = await loop.sock_recv(sock, MAX_REFUSAL_BYTES)
-      if answer != ACCEPTED:
-        while answer[:1] == REFUSED and len(answer) < MAX_REFUSAL_BYTES:
-          more = await loop.sock_recv(sock, MAX_REFUSAL_BYTES - len(answer))
-          if not more:
-            break
-          answer += more
-        why = (answer[1:].decode(errors="replace") if answer[:1] == REFUSED else
-               f"it answered {answer[:16]!r} where {ACCEPTED!r} accepts")
-        raise wire.WireError(f"the trainer's bulk listener at {self._address[0]}:"
-                             f"{self._address[1]} refused a connection: {why}")
-    except BaseException:
-      sock.close()
-      raise
-    return sock
-
-  def _keep_idle(self, sock: socket.socket, whole: bool) -> bool:
-    """Keeps a connection whose whole frame went out for the next frame (always while calls
-    wait for a slot, so one of them takes it instead of connecting anew; else up to IDLE_KEPT);
-    closes it otherwise."""
-    if whole and (self._waiting or len(self._idle) < IDLE_KEPT):
-      self._idle.append((sock, time.monotonic()))
-      return True
-    sock.close()
-    return False
-
-  async def send(self, lease: Lease, transfer_id: bytes, buffers: Sequence[memoryview],
-                 pace: float = 1.0) -> None:
-    """Sends one frame on `lease`'s connection, then gives the connection back (`Lease.sent`)."""
-    loop = asyncio.get_running_loop()
-    sizes = [b.nbytes for b in buffers]
-    header = HEADER.pack(MAGIC, transfer_id, len(sizes)) + struct.pack(f"<{len(sizes)}Q", *sizes)
-    chunk_bytes = wire.CHUNK_BYTES
-    if self._pacer is not None and self._pacer.bytes_per_s is not None:
-      chunk_bytes = max(1, min(chunk_bytes, int(self._pacer.bytes_per_s / pace * PACED_CHUNK_S)))
-    whole = False
-    try:
-      await loop.sock_sendall(lease.sock, header)
-      for chunk in wire.iter_chunks(buffers, chunk_bytes):
-        if self._pacer is not None:
-          await self._pacer.transmit(round(chunk.nbytes * pace))
-        await loop.sock_sendall(lease.sock, chunk)
-        self.sent_bytes += chunk.nbytes
-      whole = True
-    finally:
-      lease.sent(whole)
-
-  def close(self) -> None:
-    idle, self._idle = self._idle, []
-    for sock, _ in idle:
-      sock.close()

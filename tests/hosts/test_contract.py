@@ -1,0 +1,54 @@
+"""The wire contract between the tunix hooks' two ends (hosts/tunix/contract.py, no tunix
+needed): what an answer carries is built and read in one place, and a remote error is read from
+tunix's envelope once, into a type callers match on."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.hosts.tunix import contract
+
+
+def response(**fields):
+  """What tunix's ExecutionResponse holds (its fields, not its class: tunix is absent here)."""
+  base = {"result": None, "error_message": None, "error_type": None, "traceback": None,
+          "metadata": {}}
+  return types.SimpleNamespace(**{**base, **fields})
+
+
+def test_an_answer_is_read_back_as_it_was_built():
+  outcome = outcome_lib.refused("ts0badcafe.0-s1-m2", "host bound reached")
+  assert contract.stage_outcome(response(metadata=contract.stage_answer(outcome))) == outcome
+  assert contract.dropped_keys(response(metadata=contract.reset_answer(["a", "b"]))) == ["a", "b"]
+  trained = contract.mark_placement_fallback(response(), "its placement failed")
+  assert contract.placement_fallback(trained) == "its placement failed"
+  assert contract.placement_fallback(response()) is None
+
+
+def test_a_remote_error_keeps_tunixs_envelope_and_is_matched_by_its_type():
+  failed = response(error_message="stage key 'k' was already used\nsecond line",
+                    error_type="StageKeyError", traceback="Traceback ...")
+  with pytest.raises(RuntimeError) as raised:
+    contract.unwrap(failed)
+  error = raised.value
+  assert isinstance(error, contract.RemoteError)
+  assert (error.type_name, error.message) == ("StageKeyError", "stage key 'k' was already used")
+  assert str(error) == ("RemoteExecutionError [StageKeyError]: stage key 'k' was already used\n"
+                        "second line\nRemote traceback:\nTraceback ...")
+  # tunix's own call raises the envelope as a plain RuntimeError: read the same way.
+  parsed = contract.RemoteError.of(RuntimeError(str(error)))
+  assert (parsed.type_name, parsed.message) == (error.type_name, error.message)
+  assert contract.RemoteError.of(error) is error
+  assert contract.RemoteError.of(RuntimeError("[AttributeError] in a message")) is None
+  assert contract.RemoteError.of(ValueError("RemoteExecutionError [X]: y")) is None
+  assert contract.unwrap(response(result=3)) == 3
+
+
+def test_a_missing_module_is_named_only_by_a_module_not_found_error():
+  missing = contract.RemoteError("ModuleNotFoundError", "No module named 'tunix_stage_plugin.x'")
+  assert missing.missing_module == "tunix_stage_plugin.x"
+  other = contract.RemoteError("ImportError", "No module named 'tunix_stage_plugin'")
+  assert other.missing_module is None

@@ -1,0 +1,132 @@
+"""The wire contract between the orchestrator's hooks and the trainer's on tunix's host: the methods
+the plugin adds to a TrainerWorker and its server, their keywords, what their answers carry, the
+names of the transports a call may take, and the remote errors both ends answer with.
+
+Each name is written here once and both ends import it from here; what an answer carries is
+built and read by the pair of functions below; tunix's error envelope (the RuntimeError
+`ExecutionResponse.unwrap` raises) is parsed here and nowhere else, into a `RemoteError` that
+callers match by its type's name. Stage keys: core/keys.py. Imports no tunix (the plain suite
+reads it). docs/design.md "A micro-batch's way".
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tunix_stage_plugin.core import outcome as outcome_lib
+
+# ---------------------------------------------------------------- TrainerWorker's methods
+
+STAGE_BATCH = "stage_batch"  # (payload, key) -> a StageOutcome (stage_answer)
+RESET_STAGED = "reset_staged"  # (keys=None) -> the dropped keys (reset_answer)
+FWD_BWD = "fwd_bwd"  # tunix's; the plugin adds the keyword STAGE_KEY
+UPDATE = "update"  # tunix's
+PER_TOKEN_LOGPS = "per_token_logps"  # tunix's (the reference worker's)
+STAGE_KEY = "stage_key"  # fwd_bwd(stage_key=k): train the batch staged under k
+
+# ---------------------------------------------------------------- the trainer server's own methods
+
+# The side channel's two methods, answered by the trainer's server before tunix's dispatch.
+SIDE_PORT = "tunix_stage_bulk_port"  # () -> transport.frames.announcement(port, limits)
+SIDE_CALL = "tunix_stage_bulk_call"  # (header=bytes) -> the call's response, its bytes beside it
+SIDE_METHODS = frozenset({SIDE_PORT, SIDE_CALL})
+SIDE_HEADER = "header"  # SIDE_CALL's one keyword
+
+# The chunked stream: a gRPC client-stream method on the trainer's own server port.
+STREAM_SERVICE = "tunix_stage.ExecutionStream"
+STREAM_METHOD_NAME = "Execute"
+STREAM_METHOD = f"/{STREAM_SERVICE}/{STREAM_METHOD_NAME}"
+# The trainer's initial metadata once it accepted a stream's header: the client sends the chunks
+# only then (a refusal or a missing method is answered before any chunk is sent).
+STREAM_READY_KEY, STREAM_READY = "tunix-stage-chunks", "send"
+
+# ---------------------------------------------------------------- how a call travelled
+
+UNARY = "unary"  # tunix's own call, byte for byte
+SIDE_CHANNEL = "side channel"  # its header on tunix's call, its bytes on the bulk channel
+STREAM = "stream"  # the chunked stream, for calls over tunix's message cap
+
+# ---------------------------------------------------------------- what the answers carry
+
+_OUTCOME, _STAGED, _DROPPED = "outcome", "staged", "dropped"
+# In a staged fwd_bwd's answer: why the staged batch was trained from its payload (None: from its
+# placement).
+_PLACEMENT_FALLBACK = "placement_fallback"
+
+
+def stage_answer(outcome: outcome_lib.StageOutcome) -> dict[str, Any]:
+  """stage_batch's answer (the worker's response metadata)."""
+  return {_STAGED: outcome.staged, _OUTCOME: outcome.as_dict()}
+
+
+def stage_outcome(response: Any) -> outcome_lib.StageOutcome:
+  return outcome_lib.StageOutcome.from_dict(response.metadata[_OUTCOME])
+
+
+def reset_answer(dropped: list[str]) -> dict[str, Any]:
+  return {_DROPPED: dropped}
+
+
+def dropped_keys(response: Any) -> list[str]:
+  return response.metadata[_DROPPED]
+
+
+def mark_placement_fallback(response: Any, reason: str | None) -> Any:
+  """A staged fwd_bwd's response, saying how its batch was trained."""
+  response.metadata[_PLACEMENT_FALLBACK] = reason
+  return response
+
+
+def placement_fallback(response: Any) -> str | None:
+  return response.metadata.get(_PLACEMENT_FALLBACK)
+
+
+# ---------------------------------------------------------------- remote errors
+
+_ENVELOPE = re.compile(
+    r"RemoteExecutionError \[(?P<type>[A-Za-z_][A-Za-z0-9_.]*)\](: (?P<message>[^\n]*))?")
+_MISSING_MODULE = re.compile(r"No module named '(?P<module>[^']+)'")
+
+
+class RemoteError(RuntimeError):
+  """An exception raised on the other end: its type's name and its message's first line.
+
+  Its text is tunix's envelope (`RemoteExecutionError [Type]: message`, then the remote
+  traceback), so a caller that catches tunix's RuntimeError sees what it saw before."""
+
+  def __init__(self, type_name: str, message: str, text: str | None = None) -> None:
+    super().__init__(text if text is not None
+                     else f"RemoteExecutionError [{type_name}]: {message}")
+    self.type_name = type_name
+    self.message = message
+
+  @classmethod
+  def of(cls, error: BaseException) -> "RemoteError | None":
+    """`error` as a RemoteError: itself, or the envelope tunix's own call raised parsed; None
+    for any other exception."""
+    if isinstance(error, RemoteError):
+      return error
+    match = _ENVELOPE.match(str(error)) if isinstance(error, RuntimeError) else None
+    if match is None:
+      return None
+    return cls(match["type"], match["message"] or "", str(error))
+
+  @property
+  def missing_module(self) -> str | None:
+    """The module a ModuleNotFoundError names (None for any other error)."""
+    if self.type_name != ModuleNotFoundError.__name__:
+      return None
+    match = _MISSING_MODULE.search(self.message)
+    return match["module"] if match else None
+
+
+def unwrap(response: Any) -> Any:
+  """A response's result, or its error as a RemoteError (the plugin's transports get tunix's
+  ExecutionResponse itself: nothing to parse)."""
+  if response.error_message is None:
+    return response.result
+  text = f"RemoteExecutionError [{response.error_type}]: {response.error_message}"
+  if response.traceback:
+    text = f"{text}\nRemote traceback:\n{response.traceback}"
+  raise RemoteError(str(response.error_type), response.error_message.split("\n", 1)[0], text)

@@ -1,0 +1,147 @@
+"""The orchestrator's one decision per call that may carry a micro-batch (a stage, the inline or
+fallback fwd_bwd of one, the reference model's log-probs): which transport takes it, from its
+size and what the trainer offers. `Router.call` decides once, sends the call that way and awaits
+it.
+
+The first that fits: the side channel (side.py) when at least side.MIN_BYTES travel out of band,
+the pickle fits in a header, and the trainer announced one; the chunked stream (stream.py) when
+the call is over tunix's message cap; else tunix's own call, byte for byte. The size is the
+call's out-of-band encoding (request.py: no copy), made only for tunix's gRPC handle, the only
+one with a cap and a side channel (its in-process handle passes objects). docs/tunix.md "Which
+path a call takes"; docs/design.md "A micro-batch's way".
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Any, Awaitable, Callable
+
+from tunix.experimental.common import datatypes
+from tunix.experimental.worker import remote_execution
+
+from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.hosts.tunix import side as side_lib
+from tunix_stage_plugin.hosts.tunix import stream as stream_lib
+
+
+def _encode(worker: Any, method: str, kwargs: dict[str, Any]
+            ) -> request_lib.EncodedRequest | None:
+  """The call encoded out of band when `worker` is tunix's gRPC handle; None otherwise, or when
+  it does not pickle (tunix's own call reports that)."""
+  if not issubclass(type(worker), remote_execution.GrpcRemoteActorHandle):  # the real type
+    return None
+  try:
+    return request_lib.encode(None, method, (), kwargs)  # the tuple tunix's request pickles
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+class Router:
+  """One engine's transports to its trainers: each handle's side channel and stream client, made
+  on first use, and what each transport carried (`calls`, `bytes`, by contract.SIDE_CHANNEL and
+  contract.STREAM). The program's staged run closes its stream channels when it ends (`close`);
+  uninstall closes what is left (`close_sides`)."""
+
+  def __init__(self) -> None:
+    self._sides: "weakref.WeakKeyDictionary[Any, side_lib.SideChannel]" = (
+        weakref.WeakKeyDictionary())
+    self._streams: "weakref.WeakKeyDictionary[Any, stream_lib.StreamClient]" = (
+        weakref.WeakKeyDictionary())
+    self.calls: collections.Counter[str] = collections.Counter()
+    self.bytes: collections.Counter[str] = collections.Counter()
+
+  def _side(self, handle: Any) -> side_lib.SideChannel:
+    side = self._sides.get(handle)
+    if side is None:
+      side = self._sides[handle] = side_lib.SideChannel(stream_lib.address_of(handle))
+    return side
+
+  def _stream(self, handle: Any) -> stream_lib.StreamClient:
+    client = self._streams.get(handle)
+    if client is None:
+      client = self._streams[handle] = stream_lib.StreamClient(handle)
+    return client
+
+  async def _choose(self, worker: Any, encoded: request_lib.EncodedRequest | None) -> str:
+    if encoded is None:
+      return contract.UNARY
+    cap = stream_lib.message_cap()
+    if side_lib.wanted(encoded) and await self._side(worker).offered(worker, cap):
+      return contract.SIDE_CHANNEL
+    if encoded.over(cap):
+      return contract.STREAM
+    return contract.UNARY
+
+  async def call(self, worker: Any, method: str, kwargs: dict[str, Any],
+                 unary: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
+    """`method(**kwargs)` on the trainer behind `worker`, over the transport that takes it:
+    (that transport, the result). `unary()` is tunix's own call for it."""
+    encoded = _encode(worker, method, kwargs)
+    transport = await self._choose(worker, encoded)
+    if transport == contract.SIDE_CHANNEL:
+      send = self._side(worker).send(worker, encoded)
+    elif transport == contract.STREAM:
+      send = self._stream(worker).send(encoded)
+    else:
+      send = unary()  # tunix's call pickles it itself: nothing of the encoding is used
+    result = await send  # every routed call's send is awaited here, and only here
+    if transport != contract.UNARY:
+      self.calls[transport] += 1
+      self.bytes[transport] += encoded.nbytes
+    return transport, result
+
+  def close_sides(self) -> None:
+    for side in list(self._sides.values()):
+      side.close()
+
+  async def close(self) -> None:
+    """Closes the side channels' connections and the stream channels (on the event loop they
+    were made on)."""
+    self.close_sides()
+    for client in list(self._streams.values()):
+      await client.close()
+
+
+def router_of(inst: installation_lib.Installation, engine: Any) -> Router:
+  """`engine`'s router, one per DistributedRLEngine and installation."""
+  return inst.router_of(engine, Router)
+
+
+async def invoke(engine: Any, router: Router, worker: Any, method: str, **kwargs: Any) -> Any:
+  """tunix's `engine._invoke_worker(worker, method, **kwargs)`, over the transport that takes it."""
+  _, result = await router.call(
+      worker, method, kwargs,
+      lambda: engine._invoke_worker(worker, method, **kwargs))  # pylint: disable=protected-access
+  return result
+
+
+async def train_step(engine: Any, router: Router, payload: Any, *, role: datatypes.Role,
+                     accumulate_gradients: bool, apply_optimizer: bool) -> Any:
+  """tunix's `engine.train_step(payload, ...)`, byte for byte, unless its fwd_bwd takes the side
+  channel or the stream: then that fwd_bwd goes there with the same keywords, and `update` and
+  the answer are tunix's train_step's (distributed_rl_engine.DistributedRLEngine.train_step)."""
+  worker = engine._trainer_workers.get(role)  # pylint: disable=protected-access
+  transport, fwd_bwd = await router.call(
+      worker, contract.FWD_BWD, {"payload": payload, "skip_jit": False},
+      lambda: engine.train_step(payload, role=role, accumulate_gradients=accumulate_gradients,
+                                apply_optimizer=apply_optimizer))
+  if transport == contract.UNARY or not apply_optimizer:
+    return fwd_bwd  # tunix's whole train_step's answer, or the routed fwd_bwd's
+  step = await engine._invoke_worker(worker, contract.UPDATE)  # pylint: disable=protected-access
+  return {"fwd_bwd": fwd_bwd, "updated": True, "train_step": step,
+          "accumulated": accumulate_gradients}
+
+
+async def per_token_logps(engine: Any, router: Router, role: datatypes.Role, items: Any,
+                          host_call: Callable[..., Awaitable[Any]]) -> Any:
+  """`host_call(role, items=items)` (tunix's per_token_logps), unless the call takes the side
+  channel or the stream, to the worker tunix's method picks (an inference worker of `role`, else
+  the trainer)."""
+  # pylint: disable-next=protected-access
+  worker = engine._inference_workers.get(role) or engine._trainer_workers.get(role)
+  _, result = await router.call(worker, contract.PER_TOKEN_LOGPS, {"items": items},
+                                lambda: host_call(role, items=items))
+  return result
