@@ -67,7 +67,9 @@ MIB = 1 << 20
 
 
 def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, round_=0,
-         stage_call_s=(), grown_mib=None):
+         stage_call_s=(), grown_mib=None, job_side=((0.105, 0.19, 0.0),)):
+  """A mode run of one timed step (0.1 s mid-step and 0.2 s boundary idle on the bench's clock);
+  `job_side`: the trainer's own record of it (mid-step, boundary, other calls), None: none."""
   timings = [metrics.StepTiming(1, seconds, 0.1, 0.2, seconds - 0.3)]
   if grown_mib is None:  # what each mode may hold, in 1 MiB payloads (docs/bench.md, the checks)
     grown_mib = {"inline": 2, "resident": 3}.get(mode, 4)
@@ -78,7 +80,10 @@ def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, rou
       trained_order=order or data_lib.expected_order(2, 2), param_digest=digest,
       step_foreign_cores=[foreign], spans=[], origin=0.0,
       trainer_rss={"baseline": 900 * MIB, "peak": (900 + grown_mib) * MIB},
-      orchestrator_rss={"baseline": 100 * MIB, "peak": 120 * MIB})
+      orchestrator_rss={"baseline": 100 * MIB, "peak": 120 * MIB},
+      job_side=None if job_side is None else [
+          {"input_wait_s": {"mid_step": mid, "boundary": boundary}, "other_s": other}
+          for mid, boundary, other in job_side])
 
 
 def _result(**overrides):
@@ -100,7 +105,7 @@ def test_criteria_pass_on_a_good_result_and_the_table_shows_every_mode():
   result = _result()
   summary = report.summarize(result)
   checks = report.criteria(result, summary)
-  assert [c.passed for c in checks] == [True] * 8
+  assert [c.passed for c in checks] == [True] * 9
   pre = summary["depth2_prestage"]
   assert pre.hidden_fraction == pytest.approx(5.9 / 6)
   # limit = 2 x 1.7 fwd_bwd + 0.1 update + 0.5 weight sync = 4.0 s
@@ -110,10 +115,25 @@ def test_criteria_pass_on_a_good_result_and_the_table_shows_every_mode():
     assert mode in table
   assert "limit" in table.splitlines()[0] and "1.025" in table
   text = report.format_report(result, summary, checks)
-  assert text.count("PASS") == 8 and "FAIL" not in text
+  assert text.count("PASS") == 9 and "FAIL" not in text
   inline = table.splitlines()[2].split()
   assert inline[-2:] == ["0.88", "0.12"]  # trainer and orchestrator peaks, GiB
   assert "stage calls:" not in text  # no stage call was recorded
+
+
+def test_the_job_side_figures_must_agree_with_the_bench_s():
+  """Within 10 % or 20 ms per step: a record 50 ms off the bench's boundary idle fails, one 15 ms
+  off passes; the weight sync (other calls) the record keeps apart counts in the boundary."""
+  off = _result(depth2=_run("depth2", 7.0, job_side=((0.1, 0.25, 0.0),)))
+  (check,) = [c for c in report.criteria(off, report.summarize(off)) if "job-side" in c.name]
+  assert check.passed is False and check.value == 1
+  assert "depth2 s1: mid 0.100 vs 0.100 s, boundary 0.250 vs 0.200 s" in check.detail
+  near = _result(depth2=_run("depth2", 7.0, job_side=((0.1, 0.085, 0.1),)))
+  (check,) = [c for c in report.criteria(near, report.summarize(near)) if "job-side" in c.name]
+  assert check.passed is True and check.detail.startswith("5 of 5 steps agree")
+  none = _result(inline=_run("inline", 10.0, job_side=None))
+  (check,) = [c for c in report.criteria(none, report.summarize(none)) if "job-side" in c.name]
+  assert check.passed is True and "no record where the trainer has no plugin: inline" in check.detail
 
 
 def test_the_report_states_the_stage_calls_against_compute():
@@ -274,7 +294,7 @@ def test_tiny_marks_the_timing_checks_not_applicable():
   result.options = dataclasses.replace(result.options, tiny=True)
   summary = report.summarize(result)
   checks = report.criteria(result, summary)
-  assert [c.verdict for c in checks] == ["n/a (tiny)"] * 3 + ["PASS"] * 5
+  assert [c.verdict for c in checks] == ["n/a (tiny)"] * 3 + ["PASS"] * 6
   assert [c.passed for c in checks if c.kind == report.TIMING] == [None] * 3
   assert checks[2].detail == f"{10 / 11:.3f}"  # the figure is still shown
   table = report.format_table(result, summary)
@@ -292,13 +312,13 @@ def test_a_partial_result_summarizes_the_runs_that_finished():
       result, report.summarize(result)), {"json": "x"})
   assert as_json["interrupted"] is True and as_json["interrupted_by"] == "SIGTERM"
   assert as_json["calibration"] is None and as_json["runs"] == [] and as_json["modes"] == {}
-  assert [c["passed"] for c in as_json["criteria"]] == [None] * 8
+  assert [c["passed"] for c in as_json["criteria"]] == [None] * 9
   result.calibration = _result().calibration
   result.runs = [_run("inline", 10.0), _run("depth1", 7.0)]
   summary = report.summarize(result)
   assert list(summary) == ["inline", "depth1"]
   assert [c.passed for c in report.criteria(result, summary)] == [None, None, None, True, True,
-                                                                  True, True, True]
+                                                                  True, True, True, True]
 
 
 @pytest.fixture(name="tiny_run", scope="module")
@@ -370,6 +390,13 @@ def test_the_tiny_run_records_its_context_and_checks_as_numbers(tiny_run):
   modes = report_json["modes"]
   assert ratio["value"] == pytest.approx(modes["inline"]["median_step_s"]
                                          / modes["depth2"]["median_step_s"])
+  # The trainer's own per-step records (what a job writes) agree with the bench's idle, in
+  # every mode: the embedded trainer stages in each, so each run has them.
+  (job_side,) = [c for c in report_json["criteria"] if c["name"].startswith("job-side")]
+  assert job_side["passed"] is True and job_side["value"] == 0, job_side
+  for run in report_json["runs"]:
+    (step,) = run["job_side"]
+    assert step["agrees"] and step["bench_mid_s"] == run["mid_step_idle_s"][0], run
 
 
 def test_the_tiny_run_says_run_k_of_n_and_the_time_left(tiny_run):
@@ -504,6 +531,7 @@ def test_criteria_hold_their_figures_as_numbers_and_the_table_is_unchanged():
       (pytest.approx(4.15 / 4.0), "<=", 1.03, False),
       (pytest.approx(10 / 7), ">=", 1.3, True),
       (1, "<=", 1, True), (0, "<=", 0, True), (1, "<=", 2, True),
+      (0, "<=", 0, True),  # job-side figures: no step off
       # memory: inline 2 MiB above baseline <= 2 x 1 MiB + 64 MiB; staged 4 MiB <= (2 + 2 x 1)
       # x 1.1 + 64 MiB
       (2 * MIB, "<=", 66 * MIB, True),

@@ -207,7 +207,7 @@ def test_the_orchestrator_figures_count_a_real_pipeline_s_calls_by_step():
     assert f["sent"] == {"side": {"calls": f["stage_calls"]["count"], "bytes": f["staged"] * MIB,
                                   "seconds": pytest.approx(0.5 * f["staged"]), "gib_s": 2 / 1024}}
   assert figures[0]["step_s"] is None and figures[1]["step_s"] > 0
-  assert tel.last["orchestrator"]["step"] == 1
+  assert [r["step"] for r in tel.history["orchestrator"]] == [0, 1]
 
 
 def test_records_are_written_one_line_per_step_and_read_back(tmp_path):

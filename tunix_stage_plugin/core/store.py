@@ -99,6 +99,7 @@ class StagedBatchStore:
     # they keep holding a device slot until then.
     self._draining = 0
     self.stats = StoreStats()
+    self._window_peaks = (0, 0)  # (device, host) since take_peaks last ran
 
   def __len__(self) -> int:
     with self._cond:
@@ -111,6 +112,14 @@ class StagedBatchStore:
     with self._cond:
       self.max_device_batches, self.max_host_batches = max_device_batches, max_host_batches
       self._cond.notify_all()
+
+  def take_peaks(self) -> tuple[int, int]:
+    """The most device slots and host buffers held at once since the last call (or the start);
+    the peaks then start again from what is held now (a step's peaks, for its telemetry)."""
+    with self._cond:
+      peaks = self._window_peaks
+      self._window_peaks = (self._held(), self._held_host())
+      return peaks
 
   def keys(self) -> list[str]:
     with self._cond:
@@ -208,8 +217,10 @@ class StagedBatchStore:
     return outcome_lib.staged(key)
 
   def _note_peaks(self) -> None:
-    self.stats.peak = max(self.stats.peak, self._held())
-    self.stats.peak_host = max(self.stats.peak_host, self._held_host())
+    held, held_host = self._held(), self._held_host()
+    self.stats.peak = max(self.stats.peak, held)
+    self.stats.peak_host = max(self.stats.peak_host, held_host)
+    self._window_peaks = (max(self._window_peaks[0], held), max(self._window_peaks[1], held_host))
 
   def _place_received(self, key: str, entry: _Entry, prepare: Callable[[Any], Any]) -> None:
     """The deferred phase: waits for a device slot, then places (on the caller's thread)."""

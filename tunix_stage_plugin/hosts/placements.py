@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from typing import Any, Callable, Protocol
+
+from tunix_stage_plugin.core import tracks
 
 
 class Placement(Protocol):
@@ -30,6 +33,14 @@ class Placement(Protocol):
 
   def place(self, target: Any, payload: Any) -> Any:
     """On the staging thread: prepare and place `payload`; blocks until the copy is done."""
+
+  def computation(self, target: Any, kind: str) -> Any:
+    """Right after `target`'s fwd_bwd or update (`kind`) returned, on the same thread: an output
+    of the computation it queued, ready once that computation ended (the telemetry's watcher
+    waits for it, off the compute lane); None where there is none to watch."""
+
+  def tracer(self, target: Any) -> Any:
+    """`target`'s tunix PerfTracer, where it has one (hosts/tunix/tracing.py); else None."""
 
 
 _lock = threading.Lock()
@@ -126,7 +137,13 @@ def seam(original: Callable[[Any, Any], Any], resolve: Callable[[Any, Any], Any]
   @functools.wraps(original)
   def wrapper(self: Any, payload: Any) -> Any:
     if not _consuming.active:
-      return original(self, payload)
+      if _inline.recorder is None:
+        return original(self, payload)
+      with _inline.recorder.span(tracks.TRAINER_H2D, "inline", lane="inline",
+                                 bytes=_inline.nbytes):
+        prepared = original(self, payload)
+      _inline.ended = time.perf_counter()
+      return prepared
     _consuming.active = False
     if payload is not _consuming.staged:
       raise RuntimeError(f"the staged batch was replaced on its way from fwd_bwd to {name}; "
@@ -135,6 +152,36 @@ def seam(original: Callable[[Any, Any], Any], resolve: Callable[[Any, Any], Any]
     return resolve(self, payload)
 
   return wrapper
+
+
+class _Inline(threading.local):
+  """The telemetry of a fwd_bwd on this thread that prepares its payload inline."""
+
+  recorder: Any = None  # core.telemetry's Spans while such a call runs
+  nbytes: int | None = None
+  ended: float | None = None  # when its preparation ended (perf_counter)
+
+
+_inline = _Inline()
+
+
+class Inline:
+  """`with Inline(recorder, nbytes) as i:` around a trainer call that may prepare its payload
+  inline: the seam on this thread records that preparation (tracks.TRAINER_H2D, lane inline),
+  and `i.ended` says when it ended (None: the call prepared nothing)."""
+
+  def __init__(self, recorder: Any, nbytes: int | None) -> None:
+    self.recorder = recorder
+    self.nbytes = nbytes
+    self.ended: float | None = None
+
+  def __enter__(self) -> "Inline":
+    _inline.recorder, _inline.nbytes, _inline.ended = self.recorder, self.nbytes, None
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.ended = _inline.ended
+    _inline.recorder = _inline.nbytes = _inline.ended = None
 
 
 def note_fallback(reason: str) -> None:

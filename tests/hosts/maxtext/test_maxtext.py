@@ -230,6 +230,7 @@ from tunix.experimental.worker import trainer_worker
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.hosts.maxtext import placement as placement_lib
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
@@ -434,3 +435,29 @@ def test_end_to_end_staged_maxtext_trainer_matches_one_without_the_plugin():
   assert sum(m["stage/staged"] for m in metrics) > 0, metrics
   assert all(m["stage/fallbacks"] == 0 for m in metrics), metrics
   assert staged_params == plain_params  # byte for byte
+
+
+def test_the_trainer_records_each_step_of_a_maxtext_engine(staging, tmp_path):
+  """The job's telemetry on MaxText's engine behind tunix's worker: each step's record names
+  the maxtext host, its micro-batches and their staged placements, and is written to the
+  metrics folder; the staged training is still bitwise the inline one."""
+  folder = tmp_path / "metrics"
+  for host in ("tunix", "maxtext"):  # the same settings, now with a metrics folder
+    manager.install(config_lib.resolve({"mode": "stage", "max_device_batches": 2,
+                                        "metrics": str(folder), "log_every": 0}, env={}),
+                    host=host, quiet=True)
+  payloads, reference, engine, worker = _pair()  # the reference trains inline: STEPS records
+  snapshots, _ = train(worker, engine, payloads, ahead=1)
+  assert same_bits(snapshots, reference)
+  installation = ADAPTER.installation
+  assert installation.drain(60)
+  records = list(installation.telemetry.history["trainer"])
+  assert [r["step"] for r in records] == list(range(2 * STEPS))
+  assert {r["host"] for r in records} == {"maxtext"}
+  assert all(r["microbatches"] == MICRO and r["compute_s"] > 0 for r in records)
+  inline, staged = records[:STEPS], records[STEPS:]
+  assert [r["place"]["inline"] for r in inline] == [MICRO] * STEPS
+  assert sum(r["place"]["staged"] for r in staged) == STEPS * MICRO
+  (path,) = record_lib.files([str(folder)])
+  written, note = record_lib.read(path)
+  assert note is None and [r["step"] for r in written] == [r["step"] for r in records]

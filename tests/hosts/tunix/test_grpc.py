@@ -59,6 +59,8 @@ TEST_CAP = 512 << 20  # the reference node's raised cap
 BIG_LAYERS, BIG_TOP_K, BIG_ROUTED = 2048, 512, 8
 # The plugin node's TUNIX_STAGE_MAX_DEVICE_BATCHES (2 unless _start_node is told otherwise).
 NODE_DEPTH = "STAGE_TEST_NODE_MAX_DEVICE_BATCHES"
+# The observed node's metrics folder (TUNIX_STAGE_METRICS of its install).
+NODE_METRICS = "STAGE_TEST_NODE_METRICS"
 
 
 def batch(seed, layers=LAYERS, top_k=TOP_K, routed=None):
@@ -102,6 +104,10 @@ def serve(kind: str) -> None:
     depth = int(os.environ.get(NODE_DEPTH, "2"))
     assert tunix_stage_plugin.install(
         config_lib.resolve({"mode": "stage", "max_device_batches": depth}, env={})).installed
+  elif kind == "observed":  # the plugin with a metrics record (test_observability.py)
+    assert tunix_stage_plugin.install(config_lib.resolve(
+        {"mode": "stage", "max_device_batches": 2, "metrics": os.environ[NODE_METRICS]},
+        env={})).installed
   elif kind == "plain":
     remote_execution._MAX_MESSAGE_BYTES = TEST_CAP  # pylint: disable=protected-access
   # "runtime": launched by tunix's runtime, whatever activated there (test_runtime.py).
@@ -196,6 +202,19 @@ def serve(kind: str) -> None:
       stats = ADAPTER.installation.staging_of(self).store.stats
       return {"peak": stats.peak, "peak_host": stats.peak_host}
 
+    def perf_spans(self):
+      """The observed node: the span names on its trainer's tunix PerfTracer (exported as tunix
+      exports them), and a Perfetto file of them written by tunix's own writer."""
+      from tunix.perf.experimental import trace_writer  # pylint: disable=import-outside-toplevel
+      tracer = traced[0]
+      tracer.synchronize()
+      timelines = tracer.export()
+      names = {span.name for timeline in timelines.values() for step in timeline.all_steps
+               for span in step.values()}
+      folder = os.environ[NODE_METRICS]
+      trace_writer.PerfettoTraceWriter(folder).write_timelines(timelines)
+      return sorted(names), sorted(os.listdir(folder))
+
     def parameters(self):
       state = nnx.state(self._trainer.model, nnx.Param)
       return {jax.tree_util.keystr(path): np.asarray(leaf).tobytes()
@@ -216,7 +235,15 @@ def serve(kind: str) -> None:
       self.prepare_calls += 1
       return super()._prepare_payload({**payload, "tokens": (payload["tokens"] + 2) % TOKENS})
 
+  from tunix.perf.experimental import tracer as perf_tracer
+  traced = []  # the observed node's PerfTracer, its spans exported by perf_spans()
+
   def make_trainer(trainer_cls=ShiftingTrainer):
+    extra = {}
+    if kind == "observed":
+      traced.append(perf_tracer.PerfTracer(
+          devices=jax.devices(), export_fn=lambda timelines: timelines))
+      extra["perf_tracer_v2"] = traced[-1]
     with mesh:
       model = TinyLM(nnx.Rngs(0))
       nnx.update(model, jax.tree.map(
@@ -225,13 +252,15 @@ def serve(kind: str) -> None:
           model, optax.adamw(1e-2),
           peft_trainer_v2.TrainingConfig(eval_every_n_steps=1000,
                                          gradient_accumulation_steps=MICRO,
-                                         data_sharding_axis=("fsdp",), pbar_description=None))
+                                         data_sharding_axis=("fsdp",), pbar_description=None),
+          **extra)
     trainer.with_loss_fn(loss_fn)
     return MeshBound(trainer)
 
   async def main():
     servers, ports = [], {}
-    for name in {"plugin": PLUGIN_WORKERS, "plain": PLAIN_WORKERS, "runtime": ("runtime",)}[kind]:
+    for name in {"plugin": PLUGIN_WORKERS, "plain": PLAIN_WORKERS, "runtime": ("runtime",),
+                 "observed": ("observed",)}[kind]:
       trainer_cls = OwnPreparingTrainer if name in OWN_PREPARE else ShiftingTrainer
       worker = NodeWorker(functools.partial(make_trainer, trainer_cls), worker_id=name)
       worker.initialize()
@@ -325,10 +354,10 @@ pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
 
 
-def _start_node(kind, max_device_batches=2):
+def _start_node(kind, max_device_batches=2, **extra_env):
   env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             PYTHONWARNINGS="ignore")
+             PYTHONWARNINGS="ignore", **extra_env)
   env[NODE_DEPTH] = str(max_device_batches)
   proc = subprocess.Popen([sys.executable, __file__, "serve", kind], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -522,15 +551,15 @@ needs_codec = pytest.mark.skipif(not codec_lib.installed(codec_lib.DEFAULT_CODEC
 
 
 @needs_codec
-def test_compressed_staging_is_bit_identical_and_sends_fewer_bytes(node, inline, caplog):
-  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
+def test_compressed_staging_is_bit_identical_and_sends_fewer_bytes(node, inline, capsys):
   params, inputs, reports = run_program(node["compressed"], staged=True, codec="on")
   staged_count = sum(r.stage_metrics["stage/staged"] for r in reports)
   assert inputs.count("P('fsdp',)") == staged_count >= STEPS * MICRO // 2, inputs
   assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [0] * STEPS
   assert params == inline  # byte for byte, decoded on the trainer's staging lane
-  ratios = [float(m) for m in re.findall(r"\(ratio ([0-9.]+)\)", caplog.text)]
-  assert len(ratios) == STEPS and all(r > 2 for r in ratios), caplog.text
+  lines = capsys.readouterr().err  # the per-step line says what the codec saved
+  ratios = [float(m) for m in re.findall(r"\(ratio ([0-9.]+)\)", lines)]
+  assert len(ratios) == STEPS and all(r > 2 for r in ratios), lines
 
 
 @needs_codec
@@ -693,12 +722,11 @@ def run_big_job(port, payloads, reference):
 
 
 def test_every_micro_batch_over_the_cap_trains_through_the_stream(node, big_payloads,
-                                                                  big_reference, caplog):
+                                                                  big_reference, capsys):
   """Every micro-batch is 256 MiB, twice tunix's cap, and the cap is the upstream one in both
   processes: each stage and each inline train call (the step's first, not staged) goes through
   the chunked stream; each micro-batch trains exactly once, in order, to the parameters of the
   raised-cap inline job."""
-  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
   port = node["all_over_cap"]
   before, pool_before = chunked_calls(port), pool_stats(port)
   staged, inline, wall, peak, baseline = run_big_job(port, big_payloads, big_reference)
@@ -706,8 +734,10 @@ def test_every_micro_batch_over_the_cap_trains_through_the_stream(node, big_payl
   # inline ones by fwd_bwd (update and the resets stayed unary).
   assert chunked_calls(port) - before == collections.Counter(stage_batch=staged,
                                                              fwd_bwd=inline)
-  notes = re.findall(r"over the 128 MiB message cap: (\d+) calls", caplog.text)
-  assert [int(n) for n in notes][-1] == STEPS * MICRO, caplog.text
+  # Each step's line says what the stream carried: every micro-batch of the job.
+  lines = capsys.readouterr().err
+  sent = re.findall(r"(\d+) x 256\.0 MiB by chunked stream", lines)
+  assert len(sent) == STEPS and sum(int(n) for n in sent) == STEPS * MICRO, lines
   # Each call's 256 MiB went into a pooled buffer (its small arrays are not pooled), and buffers
   # nothing referenced any more were reused.
   pool = {k: v - pool_before[k] for k, v in pool_stats(port).items()}

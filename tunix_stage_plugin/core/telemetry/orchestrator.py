@@ -67,6 +67,8 @@ def _sent(spans: list[timeline_lib.Span]) -> dict[str, dict[str, Any]]:
   out: dict[str, dict[str, Any]] = {}
   for s in spans:
     args = dict(s.args)
+    if args["bytes"] is None:  # a call that crossed no wire (an in-process handle)
+      continue
     t = out.setdefault(args["transport"], {"calls": 0, "bytes": 0, "seconds": 0.0})
     t["calls"] += 1
     t["bytes"] += args["bytes"]

@@ -5,6 +5,7 @@ owns it; with staging off none is made. docs/observability.md.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 from typing import Any
@@ -34,6 +35,8 @@ class Settings:
                shaping=tuple((f, getattr(config, f)) for f in SHAPING))
 
 
+HISTORY = 1024  # recent records kept per side in memory
+
 # The settings a record says it ran with (core.config's fields).
 SHAPING = ("max_staged_batches", "max_device_batches", "max_host_batches", "codec")
 
@@ -46,8 +49,11 @@ class Telemetry:
     self._lock = threading.Lock()
     self._trainer: trainer_lib.TrainerSteps | None = None
     self._orchestrator: orchestrator_lib.OrchestratorSteps | None = None
+    self._trainer_host = settings.host
     self._writers: dict[str, record_lib.Writer] = {}
-    self.last: dict[str, dict[str, Any]] = {}  # each side's last record (tests, the bench)
+    # Each side's recent records (the bench compares them with its own figures).
+    self.history: dict[str, collections.deque[dict[str, Any]]] = {
+        role: collections.deque(maxlen=HISTORY) for role in record_lib.FIELDS}
 
   def configure(self, settings: Settings) -> None:
     """New settings (a re-install): the next records follow them."""
@@ -58,13 +64,33 @@ class Telemetry:
         self._writers = {}
       self.settings = settings
 
-  def trainer(self, peaks: trainer_lib.Peaks | None = None) -> trainer_lib.TrainerSteps:
-    """The trainer side's aggregator, made (and listening) on first use."""
+  def trainer(self, peaks: trainer_lib.Peaks | None = None,
+              host: str | None = None) -> trainer_lib.TrainerSteps:
+    """The trainer side's aggregator, made (and listening) on first use; `host`, when given,
+    names the trainer's kind in its records from now on (the settings' host by default)."""
     with self._lock:
       if self._trainer is None:
         self._trainer = trainer_lib.TrainerSteps(self._trainer_step, peaks)
         self.recorder.add_sink(self._trainer)
+      if host is not None:
+        self._trainer_host = host
       return self._trainer
+
+  def restart(self) -> None:
+    """A new run in the same process (the bench's modes): each side listening starts again from
+    step 0, its history empty."""
+    with self._lock:
+      if self._trainer is not None:
+        old, self._trainer = self._trainer, trainer_lib.TrainerSteps(self._trainer_step,
+                                                                     self._trainer.peaks)
+        self.recorder.remove_sink(old)
+        self.recorder.add_sink(self._trainer)
+      if self._orchestrator is not None:
+        old, self._orchestrator = self._orchestrator, orchestrator_lib.OrchestratorSteps()
+        self.recorder.remove_sink(old)
+        self.recorder.add_sink(self._orchestrator)
+      for history in self.history.values():
+        history.clear()
 
   def orchestrator(self) -> orchestrator_lib.OrchestratorSteps:
     with self._lock:
@@ -81,13 +107,14 @@ class Telemetry:
     return figures
 
   def _trainer_step(self, figures: dict[str, Any]) -> None:
-    self._emit(record_lib.TRAINER, figures, lines.trainer_line(figures))
+    self._emit(record_lib.TRAINER, figures, lines.trainer_line(figures), self._trainer_host)
 
-  def _emit(self, role: str, figures: dict[str, Any], line: str) -> None:
+  def _emit(self, role: str, figures: dict[str, Any], line: str, host: str | None = None
+            ) -> None:
     settings = self.settings
-    rec = record_lib.make(role, settings.host, figures, dict(settings.shaping))
+    rec = record_lib.make(role, host or settings.host, figures, dict(settings.shaping))
     with self._lock:
-      self.last[role] = rec
+      self.history[role].append(rec)
       writer = None
       if settings.metrics_dir is not None:
         writer = self._writers.get(role)

@@ -104,6 +104,10 @@ class ComputeWatcher:
                          answered=item.answered, **item.args)
 
 
+# What a trainer's step is made of.
+TRACKS = frozenset({tracks.DEVICE_COMPUTE, tracks.DEVICE_SYNC, tracks.TRAINER_LANE,
+                    tracks.TRAINER_RECEIVE, tracks.TRAINER_H2D, tracks.TRAINER_POOL_WAIT})
+
 Peaks = Callable[[], tuple[int, int]]
 """The most staged micro-batches held at once since the last call, (device, host); resets."""
 
@@ -115,7 +119,7 @@ class TrainerSteps:
   def __init__(self, on_step: Callable[[dict[str, Any]], None],
                peaks: Peaks | None = None) -> None:
     self._on_step = on_step
-    self._peaks = peaks
+    self.peaks = peaks
     self._lock = threading.Lock()
     self._spans: dict[str, list[timeline_lib.Span]] = collections.defaultdict(list)
     self._alone: collections.deque[float] = collections.deque(maxlen=ALONE_WINDOW)
@@ -123,6 +127,8 @@ class TrainerSteps:
     self._last_end: float | None = None
 
   def record(self, span: timeline_lib.Span) -> None:
+    if span.track not in TRACKS:  # another side's (an orchestrator in the same process)
+      return
     with self._lock:
       self._spans[span.track].append(span)
       if span.track != tracks.DEVICE_COMPUTE or dict(span.args).get("kind") != UPDATE:
@@ -170,7 +176,7 @@ class TrainerSteps:
                  "over_bound": sum(bool(dict(s.args).get("over"))
                                    for s in spans[tracks.TRAINER_POOL_WAIT])},
         "staged": dict(zip(("peak_device", "peak_host"),
-                           self._peaks() if self._peaks is not None else (None, None))),
+                           self.peaks() if self.peaks is not None else (None, None))),
     }
     figures["bound_by"] = analysis.bound_by(figures)
     self._step += 1

@@ -50,6 +50,7 @@ def _place_leaf(leaf: Any, sharding: Any) -> Any:
 class MaxTextPlacement:
 
   name = "MaxText MaxTextTrainingEngine"
+  host = "maxtext"
   check = None  # the engine's _prepare_batch takes any payload; a failure there fails the stage
 
   def __init__(self, module: ModuleType) -> None:
@@ -109,6 +110,16 @@ class MaxTextPlacement:
     if isinstance(staged.dynamic, dict):
       return {**staged.dynamic, **staged.static}
     return staged.dynamic
+
+  def computation(self, engine: Any, kind: str) -> Any:
+    # What the engine's own throttler waits on: fwd_bwd's loss (also kept in _cached_losses),
+    # the last computation update queued there (its gradient norm).
+    if kind == "fwd_bwd":
+      return engine._cached_losses[-1]  # pylint: disable=protected-access
+    return engine._throttler._inflight_queue.queue[-1][0]  # pylint: disable=protected-access
+
+  def tracer(self, engine: Any) -> None:
+    del engine  # MaxText's engine takes no tunix PerfTracer
 
   def apply(self, registry: patching.PatchRegistry) -> None:
     cls = self.engine_cls

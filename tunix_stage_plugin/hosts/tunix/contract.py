@@ -44,7 +44,7 @@ STREAM_READY_KEY, STREAM_READY = "tunix-stage-chunks", "send"
 # ---------------------------------------------------------------- how a call travelled
 
 UNARY = "unary"  # tunix's own call, byte for byte
-SIDE_CHANNEL = "side channel"  # its header on tunix's call, its bytes on the bulk channel
+SIDE_CHANNEL = "side"  # its header on tunix's call, its bytes on the bulk channel
 STREAM = "stream"  # the chunked stream, for calls over tunix's message cap
 
 # ---------------------------------------------------------------- what the answers carry

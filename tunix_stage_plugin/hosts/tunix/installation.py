@@ -19,6 +19,9 @@ from typing import Any, Callable
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.core.telemetry import process as telemetry_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.hosts.tunix import sessions as sessions_lib
 from tunix_stage_plugin.transport import frames
@@ -30,6 +33,7 @@ CLOSE_TIMEOUT_S = 10.0
 # before any of its bytes is read. Far above a production micro-batch (5 GB), far below what a
 # corrupt header could claim.
 MAX_STREAM_BYTES = 64 << 30
+HOST = "tunix"  # the host the records name (a trainer's own kind, e.g. maxtext, where it has one)
 
 
 class WorkerStaging:
@@ -77,8 +81,52 @@ class Installation:
     # Orchestrator side: each engine's router (route.Router; made there, since it needs tunix).
     self.routers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
     self._said: set[str] = set()  # the once-per-installation log lines already said
+    # Both sides: what staging does in this process, step by step (core.telemetry): every span
+    # the staging path records (the receive pool's waits included), the watcher of each
+    # computation (made on the first), tunix's PerfTracers told of the staging spans.
+    self.telemetry = telemetry_lib.Telemetry(telemetry_lib.Settings.of(HOST, live.config))
+    self.pool.recorder = self.telemetry.recorder
+    # A trainer's step figures listen from the start (its first stages arrive before its first
+    # computation); in a process that only orchestrates they see no span of theirs.
+    self.telemetry.trainer(self._take_peaks)
+    self._watcher: trainer_telemetry.ComputeWatcher | None = None
+    self._tracers: list[Any] = []
     self._bound_pool()
     live.on_update(self._reconfigure)
+
+  @property
+  def recorder(self) -> recorder_lib.Recorder:
+    return self.telemetry.recorder
+
+  def watcher(self, wait: Callable[[Any], None], host: str) -> trainer_telemetry.ComputeWatcher:
+    """The computations' watcher (`wait` blocks until an output is ready), made with this
+    process's trainer-side step figures on the first computation of a `host` trainer."""
+    with self._lock:
+      if self._watcher is None:
+        self.telemetry.trainer(host=host)
+        self._watcher = trainer_telemetry.ComputeWatcher(self.telemetry.recorder, wait)
+      return self._watcher
+
+  def drain(self, timeout: float | None = None) -> bool:
+    """Waits until every computation dispatched so far is recorded (a bench between its runs)."""
+    with self._lock:
+      watcher = self._watcher
+    return watcher is None or watcher.drain(timeout)
+
+  def trace_into(self, tracer: Any, make_sink: Callable[[Any], recorder_lib.Sink]) -> None:
+    """Tells `tracer` (a trainer's tunix PerfTracer) of the staging spans from now on (once)."""
+    with self._lock:
+      if any(t is tracer for t in self._tracers):
+        return
+      self._tracers.append(tracer)
+    self.telemetry.recorder.add_sink(make_sink(tracer))
+
+  def _take_peaks(self) -> tuple[int, int]:
+    """The most staged micro-batches held at once, over this node's workers, since last asked."""
+    with self._lock:
+      states = list(self._workers.values())
+    peaks = [state.store.take_peaks() for state in states]
+    return (sum(p[0] for p in peaks), sum(p[1] for p in peaks))
 
   def first_time(self, what: str) -> bool:
     """True the first time `what` is asked about in this installation (a line said once)."""
@@ -114,6 +162,7 @@ class Installation:
     self.pool.set_bound(workers * (config.max_device_batches + config.max_host_batches))
 
   def _reconfigure(self, config: config_lib.StageConfig) -> None:
+    self.telemetry.configure(telemetry_lib.Settings.of(HOST, config))
     with self._lock:
       states = list(self._workers.values())
     for state in states:
@@ -135,4 +184,7 @@ class Installation:
       state.store.reset()
     if self.lanes is not None:
       self.lanes.close(CLOSE_TIMEOUT_S)
+    if self._watcher is not None:
+      self._watcher.close()
+    self.telemetry.close()
     self.pool.trim()

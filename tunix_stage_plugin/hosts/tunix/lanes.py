@@ -6,20 +6,28 @@ tunix runs a sync worker method on the server's event loop, so a stage request w
 a running fwd_bwd and the step boundary's calls. Here a server bound to a TrainerWorker sends
 trainer compute to one FIFO thread, stage_batch to the staging thread, and answers heartbeat,
 info and reset_staged at once (core.executor's lanes); a server bound to anything else (rollout,
-inference, the reference worker, tests' objects) runs tunix's own dispatch. docs/design.md "A
-micro-batch's way".
+inference, the reference worker, tests' objects) runs tunix's own dispatch. The job's telemetry
+sees each call here too: a receipt's receive (its bytes' arrival), and each compute-lane call that
+is no computation of the trainer's own (the weight sync, a checkpoint), which holds the device
+between steps. docs/design.md "A micro-batch's way", docs/observability.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import threading
 import weakref
 from typing import Any, Awaitable, Callable
 
 from tunix_stage_plugin.core import executor as executor_lib
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
+# The compute-lane calls the worker's hooks observe as computations (worker.py); every other call
+# on that lane is the lane's own (tracks.TRAINER_LANE).
+COMPUTATIONS = frozenset({"fwd_bwd", "update"})
 
 @dataclasses.dataclass(frozen=True)
 class Receipt:
@@ -38,16 +46,19 @@ class Lanes:
   """Each server's method executor (started on its first routed call), and the one dispatch."""
 
   def __init__(self, host_execute: Callable[[Any, Any], Awaitable[Any]],
-               trainer_worker_cls: type) -> None:
+               trainer_worker_cls: type, recorder: recorder_lib.Recorder) -> None:
     self._host_execute = host_execute  # tunix's own RemoteExecutionServer.execute_request
     self._trainer_worker_cls = trainer_worker_cls
+    self._recorder = recorder
     self._lock = threading.Lock()
     self._executors: "weakref.WeakKeyDictionary[Any, executor_lib.MethodExecutor]" = (
         weakref.WeakKeyDictionary())
 
   async def dispatch(self, server: Any, request: Any, receipt: Receipt) -> Any:
     """`request` run for `server` as its method's lane says; tunix's ExecutionResponse."""
-    del receipt  # how it came changes nothing of where it runs
+    if receipt.started is not None:  # how it came changes nothing of where it runs
+      self._recorder.add(tracks.TRAINER_RECEIVE, receipt.method, receipt.started, receipt.ended,
+                         transport=receipt.transport, bytes=receipt.nbytes)
     instance = server.bound_instance
     # The real type, not isinstance: tests bind spec'd mocks that claim to be TrainerWorkers.
     if not issubclass(type(instance), self._trainer_worker_cls):
@@ -56,7 +67,16 @@ class Lanes:
     if inspect.iscoroutinefunction(getattr(instance, name, None)):
       return await self._host_execute(server, request)  # async methods leave the loop on await
     # execute_sync_request is tunix's own resolve-call-and-wrap-errors step.
-    return await self.executor_for(server).run(name, server.execute_sync_request, request)
+    executor = self.executor_for(server)
+    run = server.execute_sync_request
+    if executor.lane_of(name) is executor_lib.Lane.COMPUTE and name not in COMPUTATIONS:
+      run = functools.partial(self._lane_call, name, run)
+    return await executor.run(name, run, request)
+
+  def _lane_call(self, name: str, run: Callable[[Any], Any], request: Any) -> Any:
+    """A compute-lane call of the lane's own, timed on the lane."""
+    with self._recorder.span(tracks.TRAINER_LANE, name, method=name):
+      return run(request)
 
   def executor_for(self, server: Any) -> executor_lib.MethodExecutor:
     """The server's executor, started on its first routed request (threads start lazily)."""

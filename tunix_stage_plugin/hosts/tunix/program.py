@@ -61,7 +61,6 @@ from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.hosts import probing
-from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
@@ -70,7 +69,6 @@ from tunix_stage_plugin.hosts.tunix import probes
 from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import sessions
-from tunix_stage_plugin.hosts.tunix import stream
 
 log = logging.getLogger("tunix_stage_plugin")
 ACTOR = datatypes.Role.ACTOR
@@ -146,10 +144,12 @@ class _Run:
     self.num_steps = num_steps
     self.router = route.router_of(inst, engine)
     self.calls = StagingCalls(engine, self.router, codec_lib.parse(config.codec))
+    inst.telemetry.orchestrator()  # this process orchestrates: its step figures listen
     # The program's seams (its subclass's overrides included) decide depth and prestage.
     self.pipeline = pipeline_lib.StagePipeline(
         self.calls, config.max_staged_batches,
         key_prefix=sessions.key_prefix(),  # this process's session
+        recorder=inst.recorder,
         depth_for=program._stage_ahead_while_pending,  # pylint: disable=protected-access
         open_ended=open_ended)
 
@@ -158,12 +158,11 @@ class _Run:
                                       self.program._prestage_across_boundary)  # pylint: disable=protected-access
 
   def step_result(self, result: Any, report: pipeline_lib.StepReport) -> StagedRLStepResult:
-    """tunix's step result with the step's staging metrics; logs the step's line."""
-    metrics = report.metrics()
-    log.info("tunix-stage: step %d %s%s%s", result.step, metrics, _codec_note(self.calls),
-             _transport_note(self.router))
+    """tunix's step result with the step's staging metrics; the step's figures recorded and
+    said (the job's telemetry)."""
+    self.inst.telemetry.orchestrator_step(report, self.pipeline.depth, _codec_note(self.calls))
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-    return StagedRLStepResult(**fields, stage_metrics=metrics)
+    return StagedRLStepResult(**fields, stage_metrics=report.metrics())
 
   async def close(self) -> None:
     await self.router.close()  # the stream channels belong to this loop
@@ -176,21 +175,6 @@ def _codec_note(calls: StagingCalls) -> str:
   mib = request_lib.MIB
   return (f"; codec {calls.codec}: staged arrays {calls.raw_bytes / mib:.1f} MiB sent as "
           f"{calls.sent_bytes / mib:.1f} MiB (ratio {calls.raw_bytes / calls.sent_bytes:.2f})")
-
-
-def _transport_note(router: route.Router) -> str:
-  """The calls sent over the side channel and in chunks so far, for the step's log line ("" when
-  none was)."""
-  mib, note = request_lib.MIB, ""
-  calls, sent = router.calls, router.bytes
-  if calls[contract.SIDE_CHANNEL]:
-    note += (f"; over the side channel: {calls[contract.SIDE_CHANNEL]} calls, "
-             f"{sent[contract.SIDE_CHANNEL] / mib:.1f} MiB")
-  if calls[contract.STREAM]:
-    note += (f"; over the {stream.message_cap() / mib:.0f} MiB message cap: "
-             f"{calls[contract.STREAM]} calls, {sent[contract.STREAM] / mib:.1f} MiB sent in "
-             f"{chunked.CHUNK_BYTES // mib} MiB chunks")
-  return note
 
 
 def _may_prestage(inst: installation_lib.Installation, program: Any) -> bool:

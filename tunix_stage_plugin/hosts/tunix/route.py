@@ -20,6 +20,8 @@ from typing import Any, Awaitable, Callable
 from tunix.experimental.common import datatypes
 from tunix.experimental.worker import remote_execution
 
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import request as request_lib
@@ -45,7 +47,8 @@ class Router:
   contract.STREAM). The program's staged run closes its stream channels when it ends (`close`);
   uninstall closes what is left (`close_sides`)."""
 
-  def __init__(self) -> None:
+  def __init__(self, recorder: recorder_lib.Spans = recorder_lib.DISABLED) -> None:
+    self._recorder = recorder  # each call's send, by transport (the job's telemetry)
     self._sides: "weakref.WeakKeyDictionary[Any, side_lib.SideChannel]" = (
         weakref.WeakKeyDictionary())
     self._streams: "weakref.WeakKeyDictionary[Any, stream_lib.StreamClient]" = (
@@ -87,7 +90,11 @@ class Router:
       send = self._stream(worker).send(encoded)
     else:
       send = unary()  # tunix's call pickles it itself: nothing of the encoding is used
-    result = await send  # every routed call's send is awaited here, and only here
+    call = recorder_lib.CALL.get()  # the pipeline's call this send belongs to (its step)
+    with self._recorder.span(tracks.ORCHESTRATOR_SEND, method, transport=transport,
+                             bytes=None if encoded is None else encoded.nbytes,
+                             step=None if call is None else call[0]):
+      result = await send  # every routed call's send is awaited here, and only here
     if transport != contract.UNARY:
       self.calls[transport] += 1
       self.bytes[transport] += encoded.nbytes
@@ -107,7 +114,7 @@ class Router:
 
 def router_of(inst: installation_lib.Installation, engine: Any) -> Router:
   """`engine`'s router, one per DistributedRLEngine and installation."""
-  return inst.router_of(engine, Router)
+  return inst.router_of(engine, lambda: Router(inst.recorder))
 
 
 async def invoke(engine: Any, router: Router, worker: Any, method: str, **kwargs: Any) -> Any:

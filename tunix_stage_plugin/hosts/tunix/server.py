@@ -43,7 +43,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
   original_execute = server_cls.__dict__["execute_request"]
   original_start = grpc_server_cls.__dict__["start_serving_async"]
   original_stop = grpc_server_cls.__dict__["stop_serving"]
-  inst.lanes = lanes_lib.Lanes(original_execute, trainer_worker_cls)
+  inst.lanes = lanes_lib.Lanes(original_execute, trainer_worker_cls, inst.recorder)
 
   @functools.wraps(original_execute)
   async def execute_request(self: Any, request: Any) -> Any:

@@ -59,12 +59,10 @@ class TracerSink:
 
 
 @contextlib.contextmanager
-def computation(tracer: tracer_lib.PerfTracer, devices: Any, step: int, micro_batch: int | None
-                ) -> Iterator[Any]:
-  """A `peft_train` span around one fwd_bwd or update call; yield the waitlist, and hand it the
-  computation's output (`async_end`) so its device span ends when the device does."""
-  tags = {perf_constants.STEP: step, perf_constants.ROLE: "actor"}
-  if micro_batch is not None:
-    tags[perf_constants.MICRO_BATCH] = micro_batch
-  with tracer.span(perf_constants.PEFT_TRAIN, devices, tags=tags) as waitlist:
+def computation(tracer: tracer_lib.PerfTracer, trainer: Any, mesh: Any) -> Iterator[Any]:
+  """A `peft_train` span around one fwd_bwd or update call on `trainer` (a PeftTrainer; its step,
+  as its own train() tags it); yields the waitlist the caller hands the computation's output
+  (`async_end`), so its device span ends when the device does."""
+  tags = {perf_constants.STEP: trainer._train_steps, perf_constants.ROLE: "actor"}  # pylint: disable=protected-access
+  with tracer.span(perf_constants.PEFT_TRAIN, mesh.devices, tags=tags) as waitlist:
     yield waitlist

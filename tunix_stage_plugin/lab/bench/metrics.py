@@ -150,3 +150,27 @@ def placement_overlap(spans: Iterable[timeline_lib.Span], since: float = float("
   if not placed or total <= 0:
     return None
   return sum(timeline_lib.busy_time(compute, s.start, s.end) for s in placed) / total
+
+
+# The job-side figures agree with the bench's when within this share of the bench's, or AGREE_S.
+AGREE_SHARE, AGREE_S = 0.10, 0.020
+
+
+def job_side_agreement(timings: Sequence[StepTiming], records: Sequence[dict]
+                       ) -> list[dict[str, float | int | bool]]:
+  """Per timed step: the bench's mid-step and boundary idle (from its own device spans) beside
+  the trainer's own record of the same step (core.telemetry: what a user's job writes), and
+  whether they agree (within AGREE_SHARE of the bench's, or AGREE_S, whichever is larger). The
+  record's boundary counts the compute lane's own calls (a weight sync) apart, as "other": here
+  they are added back, as the bench's boundary idle holds them."""
+  out = []
+  for timing, record in zip(timings, records):
+    wait = record["input_wait_s"]
+    job_boundary = (wait["boundary"] or 0.0) + record["other_s"]
+    pairs = ((timing.mid_step_idle, wait["mid_step"]), (timing.boundary_idle, job_boundary))
+    out.append({"step": timing.step, "bench_mid_s": timing.mid_step_idle,
+                "job_mid_s": wait["mid_step"], "bench_boundary_s": timing.boundary_idle,
+                "job_boundary_s": job_boundary,
+                "agrees": all(abs(job - bench) <= max(AGREE_SHARE * bench, AGREE_S)
+                              for bench, job in pairs)})
+  return out

@@ -330,7 +330,28 @@ def criteria(result: results.BenchResult, summary: dict[str, ModeSummary]) -> li
       value=max((s.peak_device_batches for s in staged.values()), default=None),
       threshold=min((s.max_device_batches for s in staged.values()), default=None),
       comparison="<="))
+  out.append(job_side_criterion(result))
   return out + memory_criteria(result, summary)
+
+
+def job_side_criterion(result: results.BenchResult) -> Criterion:
+  """The trainer's own per-step records (what a user's job writes) against the bench's own
+  measurement of the same steps' idle: every step of every run that has them agrees."""
+  compared = [(r.mode, a) for r in result.runs if r.job_side is not None
+              for a in metrics.job_side_agreement(r.timings, r.job_side)]
+  missing = sorted({r.mode for r in result.runs if r.job_side is None})
+  off = [(mode, a) for mode, a in compared if not a["agrees"]]
+  worst = ", ".join(f"{mode} s{a['step']}: mid {a['job_mid_s']:.3f} vs {a['bench_mid_s']:.3f} s, "
+                    f"boundary {a['job_boundary_s']:.3f} vs {a['bench_boundary_s']:.3f} s"
+                    for mode, a in off[:3])
+  where = ("" if not missing else f"; no record where the trainer has no plugin: "
+           f"{', '.join(missing)}")
+  return Criterion(
+      f"job-side input wait agrees with the bench's (within {metrics.AGREE_SHARE:.0%} or "
+      f"{metrics.AGREE_S * 1000:.0f} ms per step)", CORRECTNESS,
+      None if not compared else not off,
+      f"{len(compared) - len(off)} of {len(compared)} steps agree" + (f"; {worst}" if off else "")
+      + where, value=len(off) if compared else None, threshold=0, comparison="<=")
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -568,7 +589,9 @@ def to_json(result: results.BenchResult, summary: dict[str, ModeSummary],
                 "h2d_s": r.h2d_s, "placement_overlapped_compute": r.h2d_overlap,
                 "device_memory": r.device_memory,
                 "other_processes_cores": r.step_foreign_cores, "step_quiet": r.step_quiet,
-                "wire": r.wire}
+                "wire": r.wire,
+                "job_side": None if r.job_side is None else metrics.job_side_agreement(
+                    r.timings, r.job_side)}
                for r in result.runs],
       "wall_s": result.wall_s,
       "trainer_exit_code": result.trainer_exit_code,

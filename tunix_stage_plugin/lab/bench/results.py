@@ -136,6 +136,10 @@ class ModeRun:
   # Aligned with stage_call_s where the host has one: the seconds of each stage call its bytes
   # waited for the trainer's bounded receive pool (tunix's host; empty on the embedded one).
   stage_wait_s: list[float] = dataclasses.field(default_factory=list)
+  # The trainer's own per-step records (core.telemetry, what a user's job writes) of the timed
+  # steps: checked against `timings` (metrics.job_side_agreement). None: the trainer of this run
+  # has no plugin (tunix's own node).
+  job_side: list[dict] | None = None
 
   @property
   def step_quiet(self) -> list[bool]:

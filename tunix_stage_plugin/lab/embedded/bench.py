@@ -162,6 +162,7 @@ class BenchHost:
                                      on_step=lambda _: step_loads.append(load.lap()))
     finish = await self.client.call("finish")
     trainer_spans = await self.client.call("timeline")
+    records = await self.client.call("records")
     timings = metrics.step_timings(trainer_spans, range(results.WARMUP_STEPS, self.options.total_steps))
     spans = recorder.spans() + timeline_lib.shifted(trainer_spans, calibration.clock_offset_s)
     fwd_bwd = [metrics.fwd_bwd_durations(trainer_spans, t.step) for t in timings]
@@ -182,4 +183,5 @@ class BenchHost:
         device_memory=finish["device_memory"],
         h2d_s=metrics.median([s.duration for s in trainer_spans if s.track == tracks.TRAINER_H2D
                               and dict(s.args)["step"] >= results.WARMUP_STEPS]),
-        h2d_overlap=metrics.placement_overlap(trainer_spans, since=metrics.warmed_up(trainer_spans, results.WARMUP_STEPS)))
+        h2d_overlap=metrics.placement_overlap(trainer_spans, since=metrics.warmed_up(trainer_spans, results.WARMUP_STEPS)),
+        job_side=records[results.WARMUP_STEPS:] if records else None)

@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 from typing import Any, Callable
 
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.core import store as store_lib
@@ -49,6 +51,14 @@ class EmbeddedEngine:
     self._slowdown = transfer_slowdown or (lambda batch: 1.0)
     self.codec = codec
     self.wire = WireStats()
+    self.recorder: recorder_lib.Spans = recorder_lib.DISABLED  # each payload's send (telemetry)
+
+  async def _send(self, method: str, nbytes: int, *args: Any, **kwargs: Any) -> Any:
+    """One call carrying a micro-batch (its bytes on the bulk channel), its send recorded."""
+    call = recorder_lib.CALL.get()
+    with self.recorder.span(tracks.ORCHESTRATOR_SEND, method, transport="side", bytes=nbytes,
+                            step=None if call is None else call[0]):
+      return await self.client.call(method, *args, **kwargs)
 
   def _pack(self, payload: data_lib.Batch) -> data_lib.PackedBatch:
     """Runs on a worker thread."""
@@ -66,8 +76,8 @@ class EmbeddedEngine:
     self.wire.stage_raw_bytes += payload.nbytes
     self.wire.stage_sent_bytes += sent_bytes
     try:
-      answer = await self.client.call("stage_batch", sent, key=key,
-                                      _pace=self._slowdown(payload))
+      answer = await self._send("stage_batch", sent_bytes, sent, key=key,
+                                _pace=self._slowdown(payload))
     except wire.RemoteCallError as e:
       if e.error_type == store_lib.StageKeyError.__name__:  # a caller bug: fail loud here too
         raise store_lib.StageKeyError(str(e)) from e
@@ -91,7 +101,7 @@ class EmbeddedEngine:
   async def _train_inline(self, payload: data_lib.Batch) -> dict[str, Any]:
     self.wire.inline += 1
     self.wire.inline_bytes += payload.nbytes
-    return await self.client.call("fwd_bwd", payload, _pace=self._slowdown(payload))
+    return await self._send("fwd_bwd", payload.nbytes, payload, _pace=self._slowdown(payload))
 
   async def train_resident(self, mb_id: str, *, apply_optimizer: bool) -> outcome_lib.Trained:
     result = await self.client.call("fwd_bwd", resident=mb_id)

@@ -18,6 +18,8 @@ from typing import AsyncIterator, Callable
 
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import process as telemetry_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import engine as engine_lib
 
@@ -69,16 +71,23 @@ async def _source(batch_for: Callable[[int, int], data_lib.Batch], step: int, mi
 async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
                   batch_for: Callable[[int, int], data_lib.Batch], *,
                   timeline: timeline_lib.Timeline | None = None,
+                  telemetry: telemetry_lib.Telemetry | None = None,
                   on_step: Callable[[StepOutcome], None] | None = None) -> list[StepOutcome]:
-  """Runs `plan`; `batch_for(step, index)` gives each micro-batch (called when it is pulled)."""
+  """Runs `plan`; `batch_for(step, index)` gives each micro-batch (called when it is pulled).
+  With `telemetry` (staging on), each step's figures are recorded and said, as in a tunix job."""
   train_engine: pipeline_lib.StageEngine = engine
   if plan.kind == "resident":
     await engine.client.call("place_resident", [(s, i) for s in range(plan.steps)
                                                 for i in range(plan.microbatches)])
     train_engine = engine.resident()
-  pipeline = pipeline_lib.StagePipeline(
-      train_engine, plan.depth, recorder=timeline or timeline_lib.Timeline(enabled=False),
-      staging=plan.kind == "staged")
+  recorder: recorder_lib.Spans = timeline or timeline_lib.Timeline(enabled=False)
+  if telemetry is not None:
+    telemetry.orchestrator()  # this process orchestrates: its step figures listen
+    if timeline is not None:
+      telemetry.recorder.add_sink(timeline)
+    recorder = engine.recorder = telemetry.recorder
+  pipeline = pipeline_lib.StagePipeline(train_engine, plan.depth, recorder=recorder,
+                                        staging=plan.kind == "staged")
   outcomes: list[StepOutcome] = []
   started: dict[int, float] = {}
 
@@ -88,6 +97,8 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
   async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
     if plan.sync_s > 0:
       await engine.weight_sync(plan.sync_s)
+    if telemetry is not None:
+      telemetry.orchestrator_step(report, plan.depth)
     outcome = StepOutcome(step, time.perf_counter() - started.pop(step),
                           float(report.result["loss"]), report)
     outcomes.append(outcome)

@@ -19,6 +19,7 @@ import sys
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.lab import inputs
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
@@ -147,10 +148,16 @@ async def run(settings: Settings) -> int:
     # with --steps.
     codec = codec_lib.parse(settings.cfg.codec) if plan.kind == "staged" else None
     engine = engine_lib.EmbeddedEngine(client, codec=codec)
-    outcomes = await job_lib.run_job(
-        engine, plan,
-        data_lib.BatchMaker(sizes, seed),
-        on_step=lambda o: print(f"{PROG}: {o.summary()}", flush=True))
+    telemetry = (telemetry_lib.Telemetry(telemetry_lib.Settings.of("embedded", settings.cfg))
+                 if settings.cfg.enabled else None)
+    try:
+      outcomes = await job_lib.run_job(
+          engine, plan,
+          data_lib.BatchMaker(sizes, seed), telemetry=telemetry,
+          on_step=lambda o: print(f"{PROG}: {o.summary()}", flush=True))
+    finally:
+      if telemetry is not None:
+        telemetry.close()
     finish = await client.call("finish")
   expected = data_lib.expected_order(plan.steps, plan.microbatches)
   in_order = finish["trained_order"] == expected

@@ -132,7 +132,7 @@ class WorkerServer:
         raise
       received = await self._transfers.receive(header["transfer"], header["sizes"])
       self._timeline.add(tracks.TRAINER_RECEIVE, method, received.started, received.ended,
-                         bytes=announced)
+                         bytes=announced, transport="side")
       buffers = received.buffers
       del received
 

@@ -26,10 +26,12 @@ from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import process as telemetry_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import pacing
 
-LIGHT_METHODS = executor_lib.LIGHT_METHODS | {"timeline", "memory"}
+LIGHT_METHODS = executor_lib.LIGHT_METHODS | {"timeline", "memory", "records"}
 
 
 def make_executor(cfg: config_lib.StageConfig) -> executor_lib.MethodExecutor:
@@ -52,7 +54,8 @@ class TrainerWorker:
   """Serves one JAX trainer; `setup` (re)builds it, so one process can run many benchmark modes."""
 
   METHODS = frozenset({
-      "heartbeat", "info", "timeline", "memory", "setup", "place_resident", "fwd_bwd", "update",
+      "heartbeat", "info", "timeline", "memory", "records", "setup", "place_resident", "fwd_bwd",
+      "update",
       "weight_sync", "finish", "stage_batch", "reset_staged",
   })
 
@@ -61,7 +64,16 @@ class TrainerWorker:
                fail_stage: Iterable[str] = ()) -> None:
     self.cfg = cfg
     self._configured_fail_stage = frozenset(fail_stage)
-    self.recorder = timeline or timeline_lib.Timeline()
+    # What this process records (core.telemetry): the bench's timeline and, with staging on,
+    # the job's own step figures (its records and per-step line).
+    self._timeline = timeline or timeline_lib.Timeline()
+    self.telemetry = (telemetry_lib.Telemetry(telemetry_lib.Settings.of("embedded", cfg))
+                      if cfg.enabled else None)
+    self.recorder = (recorder_lib.Recorder() if self.telemetry is None
+                     else self.telemetry.recorder)
+    self.recorder.add_sink(self._timeline)
+    if self.telemetry is not None:
+      self.telemetry.trainer(lambda: self.store.take_peaks())
     self.store = store_lib.StagedBatchStore(cfg.max_device_batches,
                                             max_host_batches=cfg.max_host_batches)
     self.pool = buffers_lib.HostBufferPool()  # where the server receives large calls' bytes
@@ -104,7 +116,12 @@ class TrainerWorker:
 
   def timeline(self) -> list[timeline_lib.Span]:
     """The spans recorded since the last setup, on this process's perf_counter clock."""
-    return self.recorder.spans()
+    return self._timeline.spans()
+
+  def records(self) -> list[dict[str, Any]]:
+    """The trainer's own per-step records since the last setup (core.telemetry: what a job
+    writes; the bench checks them against its own figures); [] with staging off."""
+    return [] if self.telemetry is None else list(self.telemetry.history["trainer"])
 
   # --- compute lane -----------------------------------------------------------------------------
 
@@ -138,8 +155,10 @@ class TrainerWorker:
     self._resident.clear()
     self._trained.clear()
     self._last_step = -1
-    self.recorder.clear()
-    self.recorder.enabled = record_timeline
+    self._timeline.clear()
+    self._timeline.enabled = record_timeline
+    if self.telemetry is not None:
+      self.telemetry.restart()  # the job's step figures start again with this run
     # The memory this run starts from: the previous run's buffers given back, the peak restarted.
     gc.collect()  # runs JAX's deferred releases of placed buffers (core/buffers.py)
     self.pool.trim()

@@ -241,7 +241,8 @@ class BenchHost:
   async def _run_mode(self, calibration: results.Calibration, mode: str, round_: int,
                       make: data_lib.BatchMaker) -> results.ModeRun:
     o = self.options
-    node = self.nodes[self.node_for(mode)]
+    node_name = self.node_for(mode)
+    node = self.nodes[node_name]
     await node.handle.asubmit("bench_setup")
     recorder = timeline_lib.Timeline()
     load = cpu.ForeignLoad([os.getpid(), *self.pids])
@@ -254,6 +255,7 @@ class BenchHost:
                               on_step=lambda: step_loads.append(load.lap()))
     finish = await node.handle.asubmit("bench_finish")
     trainer_spans = await node.handle.asubmit("bench_timeline")
+    records = await node.handle.asubmit("bench_records")
     timings = metrics.step_timings(trainer_spans, range(results.WARMUP_STEPS, o.total_steps))
     warm = metrics.warmed_up(trainer_spans, results.WARMUP_STEPS)
     stage_calls = recorder.spans(tracks.ORCHESTRATOR_STAGE)
@@ -278,7 +280,8 @@ class BenchHost:
         device_memory=finish["device_memory"],
         h2d_s=metrics.median([s.duration for s in trainer_spans if s.track == tracks.TRAINER_H2D
                               and dict(s.args)["step"] >= results.WARMUP_STEPS]),
-        h2d_overlap=metrics.placement_overlap(trainer_spans, since=warm))
+        h2d_overlap=metrics.placement_overlap(trainer_spans, since=warm),
+        job_side=records[results.WARMUP_STEPS:] if node_name == PLUGIN else None)
 
   async def _job(self, node: _Node, mode: str, steps: int, make: data_lib.BatchMaker | None, *,
                  recorder: timeline_lib.Timeline | None = None,

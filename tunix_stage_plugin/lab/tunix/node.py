@@ -243,6 +243,7 @@ class BenchWorker(trainer_worker.TrainerWorker):
   clocked: Clocked
   initial: tuple[Any, Any] | None = None
   baseline: int | None = None
+  listening = False  # the plugin's pool waits reach the bench's timeline
 
   def bench_info(self) -> dict[str, Any]:
     return {"platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
@@ -270,13 +271,23 @@ class BenchWorker(trainer_worker.TrainerWorker):
     store = _store(self)
     if store is not None:
       store.stats.peak = store.stats.peak_host = 0
-      _installation().pool.on_bound_wait = self._pool_waited
+      installation = _installation()
+      installation.drain(60)  # the plugin's own watcher: the last run's computations recorded
+      installation.telemetry.restart()  # its step figures start again with this run
+      if not self.listening:  # the plugin's receive-pool waits go on the bench's timeline too
+        installation.recorder.add_sink(_PoolWaits(self.clocked.timeline))
+        self.listening = True
     self.baseline = rss.reset_peak()
     return self.baseline
 
-  def _pool_waited(self, start: float, end: float, nbytes: int) -> None:
-    """A call's bytes waited for the bounded receive pool (on the listener's thread)."""
-    self.clocked.timeline.add(tracks.TRAINER_POOL_WAIT, "pool wait", start, end, bytes=nbytes)
+  def bench_records(self) -> list[dict[str, Any]]:
+    """The plugin's own per-step records of this node's trainer since bench_setup (the job-side
+    figures the bench checks against its own; [] without the plugin)."""
+    if not self.spec["plugin"]:
+      return []
+    installation = _installation()
+    installation.drain(60)
+    return list(installation.telemetry.history["trainer"])
 
   def bench_place_resident(self, ids: list[tuple[int, int]]) -> int:
     """Builds these micro-batches here and places them; an array shared by several (a position's
@@ -317,6 +328,18 @@ class BenchWorker(trainer_worker.TrainerWorker):
         "max_device_batches": store.max_device_batches if plugin else 0,
         "device_memory": {"baseline": None, "sampled_peak": None, "allocator_peak": None},
     }
+
+
+class _PoolWaits:
+  """A sink on the plugin's recorder (core.telemetry): its receive-pool waits, onto the bench's
+  timeline (the bench draws them, and leaves them out of the host path)."""
+
+  def __init__(self, timeline: timeline_lib.Timeline) -> None:
+    self.timeline = timeline
+
+  def record(self, span: timeline_lib.Span) -> None:
+    if span.track == tracks.TRAINER_POOL_WAIT:
+      self.timeline.record(span)
 
 
 def _installation() -> Any:

@@ -1,0 +1,85 @@
+"""What staging did in a real two-process tunix job, said by the job itself (docs/observability.md).
+
+A trainer node of tunix's own GrpcRemoteExecutionServer, TrainerWorker and PeftTrainer (test_grpc's
+node, one worker; its PeftTrainer given a tunix PerfTracer) with the plugin installed and a
+metrics folder; this process is the orchestrator. The same job of 64 MiB micro-batches runs
+staged (the orchestrator's plugin installed, writing its own record there too) and then inline
+(nothing of the plugin in this process: tunix's own calls). Each process writes one record per
+step; the staged steps' input wait is a small share of the inline ones' (whose is the host path's
+cost: tunix's unary call of each micro-batch); `tunix-stage report` prints the per-step tables
+and a recommendation; the trainer's PerfTracer exports, through tunix's own Perfetto writer, the
+plugin's spans next to `peft_train`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tunix.experimental.orchestrator.rl_program",
+                    reason="tunix's experimental stack (google/tunix main) is not importable")
+
+from tests.hosts.tunix import test_grpc  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.core.telemetry import analysis  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.core.telemetry import record as record_lib
+
+pytestmark = pytest.mark.tunix
+MIB = 1 << 20
+
+
+def payloads():
+  """STEPS x MICRO micro-batches of 64 MiB (routed-expert ids the loss reads, so the compute
+  takes longer than the side channel's transfer and less than tunix's unary call)."""
+  out = [test_grpc.batch(n, 512, 512, 8) for n in range(test_grpc.STEPS * test_grpc.MICRO)]
+  assert {p["experts"].nbytes for p in out} == {64 * MIB}
+  return out
+
+
+def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
+  folder = tmp_path / "metrics"
+  proc, ports = test_grpc._start_node("observed", **{test_grpc.NODE_METRICS: str(folder)})  # pylint: disable=protected-access
+  try:
+    port = ports["observed"]
+    job = payloads()
+    test_grpc.run_program(port, staged=True, payloads=job, settings={"metrics": str(folder)})
+    test_grpc.run_program(port, staged=False, payloads=job)
+    span_names, files = test_grpc.ask_node(port, "perf_spans")
+  finally:
+    test_grpc._stop_node(proc)  # pylint: disable=protected-access
+  paths = record_lib.files([str(folder)])
+  by_role = {}
+  for path in paths:
+    records, note = record_lib.read(path)
+    assert note is None
+    (role,) = {r["role"] for r in records}
+    by_role[role] = records
+  trainer, orchestrator = by_role["trainer"], by_role["orchestrator"]
+  # One record per step and process: the trainer's 2 staged steps and 2 inline ones; the
+  # orchestrator's 2 staged (the inline job ran without the plugin in this process).
+  assert [r["step"] for r in trainer] == [0, 1, 2, 3]
+  assert [r["step"] for r in orchestrator] == [0, 1]
+  assert all(r["microbatches"] == test_grpc.MICRO for r in trainer + orchestrator)
+  assert sum(r["staged"] for r in orchestrator) >= test_grpc.MICRO
+  assert orchestrator[1]["sent"]["side"]["bytes"] >= 3 * 64 * MIB
+  staged_wait = [analysis.input_wait(r) for r in trainer[1:2]]
+  inline_wait = [analysis.input_wait(r) for r in trainer[3:4]]
+  print(f"\ninput wait per step: staged {staged_wait}, inline {inline_wait}; trainer records "
+        f"{[(r['bound_by'], r['receive']['by_transport']) for r in trainer]}")
+  assert inline_wait[0] > 2 * staged_wait[0] + 0.05, (staged_wait, inline_wait)
+  # Every micro-batch of the staged job arrived over the side channel, each counted in the step
+  # it arrived in (a prestaged one in the step before its own).
+  assert sum(r["receive"]["by_transport"]["side"]["calls"] for r in trainer[:2]) == \
+      test_grpc.STEPS * test_grpc.MICRO
+  assert trainer[3]["place"]["inline"] == test_grpc.MICRO  # inline: each placed in its call
+  # tunix's own export of the trainer's PerfTracer holds the plugin's spans beside peft_train.
+  assert {"peft_train", "stage_receive", "stage_place"} <= set(span_names), span_names
+  assert any(f.startswith("perfetto_trace_v2_") for f in files), files
+
+  out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
+                       capture_output=True, text=True, timeout=60, check=True).stdout
+  assert "trainer " in out and "orchestrator " in out and "(tunix, 4 steps)" in out
+  assert "wait boundary" in out and "staging hid" in out
+  assert out.splitlines()[-1].startswith("recommendation: ")
