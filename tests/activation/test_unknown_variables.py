@@ -51,12 +51,13 @@ def test_a_process_that_activates_staging_warns_once_per_variable():
 def test_a_staging_variable_is_never_warned_about_and_a_new_setting_needs_no_edit(monkeypatch):
   env = {s.env: "x" for s in config_lib.SETTINGS}
   assert config_lib.unknown_variables(env) == []
-  new = dataclasses.replace(config_lib.SETTINGS[0], field="metrics", env="TUNIX_STAGE_METRICS",
-                            flag="stage_metrics")
+  assert config_lib.unknown_variables({"TUNIX_STAGE_SPANS": "/tmp/s"}) != []
+  new = dataclasses.replace(config_lib.SETTINGS[0], field="spans", env="TUNIX_STAGE_SPANS",
+                            flag="stage_spans")
   monkeypatch.setattr(config_lib, "SETTINGS", (*config_lib.SETTINGS, new))
-  assert config_lib.unknown_variables({"TUNIX_STAGE_METRICS": "/tmp/m"}) == []
-  assert config_lib.unknown_variables({"TUNIX_STAGE_METRIC": "/tmp/m"}) == [
-      ("TUNIX_STAGE_METRIC", "TUNIX_STAGE_METRICS")]
+  assert config_lib.unknown_variables({"TUNIX_STAGE_SPANS": "/tmp/s"}) == []
+  assert config_lib.unknown_variables({"TUNIX_STAGE_SPAN": "/tmp/s"}) == [
+      ("TUNIX_STAGE_SPAN", "TUNIX_STAGE_SPANS")]
 
 
 def test_another_tool_s_variable_is_left_alone_once_listed(monkeypatch):

@@ -5,7 +5,8 @@ What it generates (hypothesis, derandomized so CI sees the same examples every r
   a new option is covered without an edit here), each with a value drawn from that option's
   meaningful values (valid, on the edge of its range, in the other command's range) or from odd
   text (empty, spaces, signs, exponents, non-ASCII, control characters, 200 characters);
-- files where a subcommand reads or writes them: trace JSONs and CSVs built from valid rows then
+- files where a subcommand reads or writes them: `report`'s metrics records as the telemetry
+  core writes them, one perhaps bent or cut; trace JSONs and CSVs built from valid rows then
   bent (huge, tiny, negative and non-numeric times; missing, extra, duplicate and conflicting
   rows and keys; a header alone), the shipped bench JSONs and a bench trace with one value
   replaced or removed, bytes that are not UTF-8, a folder, a missing file, a FIFO; output paths
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -94,6 +96,8 @@ VALUES: dict[str, st.SearchStrategy[str]] = {
     "max_device_batches": COUNTS, "max_host_batches": COUNTS, "stage_max_host_batches": COUNTS,
     "stage_codec": st.sampled_from(["off", "on", "blosc2-zstd:3", "blosc2-lz4:10", "zip"]),
     "stage_accept_train_stage": st.sampled_from(["0123456789abcdef", "0123456789ABCDEF", "1"]),
+    "stage_metrics": st.sampled_from(["metrics", "off", "afile/m", "", "/proc/x"]),
+    "stage_log_every": st.sampled_from(["0", "1", "10", "1000001", "-1"]),
     "env_for": st.sampled_from(["orchestrator", "trainer", "rollout"]),
     "flags_for": st.sampled_from(["orchestrator", "trainer", "all"]),
     "driver": st.sampled_from(["tunix.experimental.examples.deepswe_dist.run_deepswe_dist.main",
@@ -248,6 +252,53 @@ INPUT_FILES = st.one_of(
 )
 
 
+@functools.lru_cache(maxsize=None)
+def _records() -> tuple[dict[str, Any], ...]:
+  """A real trainer's and orchestrator's records, as the telemetry core writes them."""
+  # pylint: disable=import-outside-toplevel
+  from tests.cli.test_report import write_trainer_job
+  from tunix_stage_plugin.core import pipeline
+  from tunix_stage_plugin.core import tracks
+  from tunix_stage_plugin.core.telemetry import process
+  from tunix_stage_plugin.core.telemetry import record as record_lib
+
+  with tempfile.TemporaryDirectory() as folder:
+    write_trainer_job(pathlib.Path(folder), steps=3)
+    tel = process.Telemetry(process.Settings(host="tunix", metrics_dir=folder, log_every=0,
+                                             shaping=(("max_staged_batches", 2),)))
+    for step in range(3):
+      tel.recorder.add(tracks.ORCHESTRATOR_SEND, "stage_batch", 0.0, 0.5, step=step,
+                       transport="side", bytes=1 << 20)
+      tel.orchestrator_step(pipeline.StepReport(step, trained=2, staged=1, inline=1, fallbacks=1,
+                                                peak_staged=1, fallback_reasons=["refused: x"]), 2)
+    tel.close()
+    return tuple(json.loads(line) for path in record_lib.files([folder])
+                 for line in pathlib.Path(path).read_text().splitlines())
+
+
+@st.composite
+def record_files(draw) -> bytes:
+  """Some of the records, one of them perhaps bent, the last line perhaps cut."""
+  records = draw(st.lists(st.sampled_from(_records()), min_size=1, max_size=4))
+  lines = [json.dumps(r) for r in records]
+  if draw(st.booleans()):
+    i = draw(st.integers(0, len(lines) - 1))
+    lines[i] = draw(bent_json(records[i])).decode()
+  text = "\n".join(lines) + "\n"
+  if draw(st.integers(0, 9)) == 0:
+    text = text[:draw(st.integers(0, len(text)))]
+  return text.encode()
+
+
+REPORT_FILES = st.one_of(
+    st.tuples(st.just("r.jsonl"), record_files()),
+    st.tuples(st.sampled_from(["odd.jsonl", "x.txt"]), st.one_of(
+        st.binary(max_size=40), st.just(b""), st.just(b"[" * 100000 + b"\n"),
+        st.just(b"1" + b"0" * 5000 + b"\n"))),
+    st.tuples(st.sampled_from(["adir", "missing.jsonl", "fifo", "afile"]), st.none()),
+)
+
+
 def _write_input(folder: pathlib.Path, name: str, content: bytes | None) -> str:
   if name == "fifo":
     os.mkfifo(folder / name)
@@ -279,7 +330,7 @@ def environments(draw) -> dict[str, str]:
     if draw(st.integers(0, 3)) == 0:
       key = setting.flag if setting.flag in VALUES else setting.field
       env[setting.env] = draw(st.one_of(VALUES.get(key, ODD_TEXT), VALUES.get(key, ODD_TEXT),
-                                        ODD_TEXT.filter(lambda v: "\0" not in v)))
+                                        ODD_TEXT).filter(lambda v: "\0" not in v))
   if draw(st.integers(0, 2)) == 0:
     setting = draw(st.sampled_from(config_lib.SETTINGS))
     env[_misspelled(setting.env, data)] = "2"
@@ -331,6 +382,10 @@ def argvs(draw, name: str) -> tuple[list[str], list[tuple[str, bytes | None]]]:
     file = draw(INPUT_FILES)
     files.append(file)
     argv.append(file[0])
+  if name == "report":
+    for file in draw(st.lists(REPORT_FILES, min_size=1, max_size=2)):
+      files.append(file)
+      argv.append(file[0])
   if name == "run":
     argv.append("--dry_run")
     argv += draw(st.sampled_from([[], ["--"], ["--", "python", "-c", "pass"], ["true"]]))
@@ -546,6 +601,12 @@ def test_run(case, env):
   check(case[0], env, case[1])
 
 
+@settings(SETTINGS, max_examples=80)
+@given(case=argvs("report"))
+def test_report(case):
+  check(case[0], {}, case[1])
+
+
 @settings(SETTINGS, max_examples=200)
 @given(case=argvs("simulate"))
 def test_simulate(case):
@@ -556,3 +617,10 @@ def test_simulate(case):
 @given(case=argvs("bench"))
 def test_bench(case):
   check(case[0], {}, case[1])
+
+
+def test_every_subcommand_has_its_generated_cases():
+  # A new subcommand fails here until a test above generates its cases.
+  generated = {name.removeprefix("test_") for name in globals()
+               if name.startswith("test_") and name.removeprefix("test_") in cli_main.subcommands()}
+  assert generated == set(cli_main.subcommands())
