@@ -6,7 +6,8 @@ the lab (tunix_stage_plugin.lab) is what only the bench and the simulator load. 
 (every import statement, function-level ones included, so the tunix hook modules count although
 tunix is absent here) and at run time in a fresh interpreter with the lab and its libraries
 blocked: every production module imports, and the production commands run (`config --check`, as
-the launch recipes run it, `doctor`, `run --help`, `tunix-stage --help`) without loading the lab.
+the launch recipes run it, `doctor`, `run --help`, `report --help`, `tunix-stage --help`) without
+loading the lab.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ PRODUCTION_COMMANDS = (
     (["config", "--check"], ""),
     (["doctor"], "tunix-stage-plugin "),
     (["run", "--help"], "usage: tunix-stage run"),
+    (["report", "--help"], "usage: tunix-stage report"),
     (["--help"], "usage: tunix-stage "),
 )
 
