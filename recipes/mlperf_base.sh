@@ -95,6 +95,16 @@ mlperf_error() {
   echo "mlperf_base.sh: error: $*" >&2
 }
 
+# Prints a warning prefixed with the recipe's name to stderr.
+mlperf_warning() {
+  echo "mlperf_base.sh: warning: $*" >&2
+}
+
+# This checkout (the recipes' parent folder): where the install hints point.
+mlperf_checkout() {
+  (cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+}
+
 # Refuses a knob holding a newline, tab, CR or other control character: one would add or split an
 # argument of a launched command, or break a rendered manifest. Returns 2 after one line.
 mlperf_check_knobs() {
@@ -137,7 +147,7 @@ mlperf_default_python() {
     fi
   done
   mlperf_error "no python with tunix-stage-plugin and its dependencies (tried:" \
-    "${candidates[*]}); install it (pip install -e . in a venv) or set PYTHON to an" \
+    "${candidates[*]}); install it (pip install -e $(mlperf_checkout) in a venv) or set PYTHON to an" \
     "interpreter that has it"
   return 2
 }
@@ -153,19 +163,24 @@ mlperf_check_staging() {
   if ! mlperf_python_has_plugin "${PYTHON}"; then
     mlperf_error "tunix-stage-plugin is not installed for ${PYTHON} (or its dependencies are" \
       "missing); it runs the job's processes and validates TUNIX_STAGE_BATCH," \
-      "TUNIX_MAX_STAGED_BATCHES and the trainer's bounds. Install it (pip install" \
-      "tunix-stage-plugin) or set PYTHON to an interpreter that has it."
+      "TUNIX_MAX_STAGED_BATCHES and the trainer's bounds. Install it (${PYTHON} -m pip" \
+      "install -e $(mlperf_checkout)) or set PYTHON to an interpreter that has it."
     return 2
   fi
   local out rc=0 line
   # `tunix-stage config --check`, run with $PYTHON so that it is the plugin that $PYTHON imports.
   out="$("${PYTHON}" -m tunix_stage_plugin.cli.main config --check 2>&1)" || rc=$?
-  if ((rc == 2)); then
-    while IFS= read -r line; do # one line per invalid variable
-      mlperf_error "invalid staging setting: ${line#tunix-stage config: error: }"
+  if ((rc == 0 || rc == 2)); then
+    while IFS= read -r line; do # one line per invalid variable, one per unknown one
+      case "${line}" in
+        "tunix-stage config: warning: "*) mlperf_warning "${line#tunix-stage config: warning: }" ;;
+        "tunix-stage config: error: "*)
+          mlperf_error "invalid staging setting: ${line#tunix-stage config: error: }" ;;
+        ?*) printf '%s\n' "${line}" >&2 ;;
+      esac
     done <<<"${out}"
-    return 2
-  elif ((rc != 0)); then
+    ((rc == 0)) || return 2
+  else
     mlperf_error "'tunix-stage config --check' failed with exit code ${rc}:"
     printf '%s\n' "${out}" >&2
     return 2
@@ -311,7 +326,8 @@ if ! mlperf_check_knobs || ! mlperf_default_python || ! mlperf_check_staging; th
 fi
 
 if ((MLPERF_BASE_RUN_DIRECTLY)); then
-  "${PYTHON}" -m tunix_stage_plugin.cli.main config
+  # (its warnings were printed by the check above)
+  "${PYTHON}" -m tunix_stage_plugin.cli.main config 2>/dev/null
   echo "orchestrator driver: $("${PYTHON}" -m tunix_stage_plugin.cli.main config --driver \
     "${ORCHESTRATOR_MAIN}")"
   for role in orchestrator trainer rollout; do

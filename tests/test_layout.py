@@ -1,10 +1,13 @@
 """The package's layout: the production path apart from the lab, and no import cycle.
 
-The production path is what a tunix job loads (activation, core, hosts) plus the production
-commands (cli: config, doctor, run); the lab (tunix_stage_plugin.lab) is what only the bench and
-the simulator load. Read statically (every import statement, function-level ones included, so the
-tunix hook modules count although tunix is absent here) and at run time in a fresh interpreter
-with the lab and its libraries blocked.
+The production path is what a tunix job loads (activation, core, hosts, transport) plus the
+command line (cli, all of it: `tunix-stage` names the lab's subcommands without importing them);
+the lab (tunix_stage_plugin.lab) is what only the bench and the simulator load. Read statically
+(every import statement, function-level ones included, so the tunix hook modules count although
+tunix is absent here) and at run time in a fresh interpreter with the lab and its libraries
+blocked: every production module imports, and the production commands run (`config --check`, as
+the launch recipes run it, `doctor`, `run --help`, `report --help`, `tunix-stage --help`) without
+loading the lab.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ import tunix_stage_plugin
 
 PACKAGE = pathlib.Path(tunix_stage_plugin.__file__).parent
 LAB = "tunix_stage_plugin.lab"
-PRODUCTION = ("activation", "core", "hosts", "transport", "cli/config_cmd.py",
-              "cli/doctor_cmd.py", "cli/run_cmd.py", "__init__.py", "__main__.py")
+PRODUCTION = ("activation", "core", "hosts", "transport", "cli", "__init__.py", "__main__.py")
 LAB_LIBRARIES = ("optax", "looptime", "matplotlib")
 
 
@@ -121,6 +123,55 @@ def test_the_plugin_loads_and_refuses_with_the_lab_and_its_libraries_blocked():
   assert loaded.endswith(" []") and int(loaded.split()[0]) > 25, loaded
   # tunix is absent from the plain suite's environment: the one refusal line, from the real code.
   assert re.fullmatch(r"tunix-stage: tunix is not importable \(\w+Error: .+\)", refusal), refusal
+
+
+def test_every_file_of_the_package_is_production_or_lab():
+  production = set(_production_files())
+  lab = set((PACKAGE / "lab").rglob("*.py"))
+  assert production.isdisjoint(lab)
+  assert sorted(map(str, set(PACKAGE.rglob("*.py")) - production - lab)) == []
+
+
+# (argv, what its output starts with): the production commands, as a recipe or a user runs them.
+PRODUCTION_COMMANDS = (
+    (["config", "--check"], ""),
+    (["doctor"], "tunix-stage-plugin "),
+    (["run", "--help"], "usage: tunix-stage run"),
+    (["report", "--help"], "usage: tunix-stage report"),
+    (["--help"], "usage: tunix-stage "),
+)
+
+
+def test_the_production_commands_never_import_the_lab():
+  code = textwrap.dedent(f"""
+      import contextlib, io, sys
+
+      class Block:
+        def find_spec(self, name, path=None, target=None):
+          if any(name == b or name.startswith(b + ".") for b in {(LAB, *LAB_LIBRARIES)!r}):
+            raise ImportError(f"blocked: {{name}}")
+          return None
+
+      sys.meta_path.insert(0, Block())
+      from tunix_stage_plugin.cli import main
+      for argv, start in {PRODUCTION_COMMANDS!r}:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+          try:
+            code = main.main(argv)
+          except SystemExit as e:
+            code = e.code
+        assert code in (0, 1), (argv, code)
+        assert out.getvalue().startswith(start), (argv, out.getvalue()[:200])
+        if argv == ["--help"]:
+          assert "bench" in out.getvalue() and "simulate" in out.getvalue(), out.getvalue()
+        lab = sorted(m for m in sys.modules if m == {LAB!r} or m.startswith({LAB!r} + "."))
+        assert lab == [], (argv, lab)
+      print("ok")
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                        env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-3000:]
 
 
 def test_installing_the_package_without_extras_pulls_no_lab_library():

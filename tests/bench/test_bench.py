@@ -18,6 +18,7 @@ import pytest
 import tunix_stage_plugin
 from tests import procs
 from tests.core.trace_check import partial_overlaps
+from tunix_stage_plugin.core.inputs import echo
 from tunix_stage_plugin.lab.bench import meta as meta_lib
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
@@ -233,20 +234,22 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
   assert code == 2
   err = capsys.readouterr().err.splitlines()
   expected = [
-      "--rounds '0': accepted: an integer from 1 to 1000000",
-      "--steps '99999999999999999999999': accepted: an integer from 1 to 1000000",
-      "--retries '-1': accepted: an integer from 0 to 1000000",
-      "--modes 'inline,fast': accepted: a comma-separated subset of",
-      "--microbatches '٣': accepted: an integer from 1 to 1000000",
-      "--payload_mib '1e-30': accepted: a size in MiB from 1/1024 (1 KiB)",
-      "--wire_ratio '-1': accepted: a number > 0",
-      "--h2d_ratio 'nan': accepted: a number > 0",
-      "--sync_ratio '-0.5': accepted: a number >= 0",
-      "--stage_max_device_batches '1_0': accepted: an integer from 1 to 1000000",
-      "--seed '-1': accepted: an integer from 0 to 4294967295",
-      f"--json '{tmp_path}': is a directory",
-      "--png '/proc/no/such.png': cannot create anything in /proc",
-      f"--trace '{a_file / 'trace.json'}': {a_file} is not a directory",
+      "--rounds='0' is invalid; accepted: an integer >= 1 and <= 1000000",
+      "--steps='99999999999999999999999' is invalid; accepted: an integer >= 1 and <= 1000000",
+      "--retries='-1' is invalid; accepted: an integer >= 0 and <= 1000000",
+      "--modes='inline,fast' is invalid; accepted: a comma-separated subset of",
+      "--microbatches='٣' is invalid; accepted: an integer >= 1 and <= 1000000",
+      "--payload_mib='1e-30' is invalid; accepted: a size in MiB from 1/1024 (1 KiB)",
+      "--wire_ratio='-1' is invalid; accepted: a number > 0",
+      "--h2d_ratio='nan' is invalid; accepted: a number > 0",
+      "--sync_ratio='-0.5' is invalid; accepted: a number >= 0",
+      # the settings table's range and words, as `tunix-stage config` says them
+      "--stage_max_device_batches='1_0' is invalid; accepted: an integer >= 1 and <= 1024",
+      "--seed='-1' is invalid; accepted: an integer >= 0 and <= 4294967295",
+      # (paths too are cut to inputs.MAX_ECHO characters; the reason names the folder at fault)
+      f"--json={echo(str(tmp_path))} is invalid: a directory; accepted: a file path",
+      "--png='/proc/no/such.png' is invalid: cannot create anything in /proc",
+      f"--trace={echo(str(a_file / 'trace.json'))} is invalid: {a_file} is not a directory",
   ]
   assert len(err) == len(expected), err
   for line, want in zip(err, expected):
@@ -255,16 +258,20 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--out", "/proc/x"], "--out '/proc/x': cannot create anything in /proc"),
-    (["--seed", str(2**32)], "accepted: an integer from 0 to 4294967295"),
+    (["--out", "/proc/x"], "--out='/proc/x' is invalid: cannot create anything in /proc"),
+    (["--seed", str(2**32)], "accepted: an integer >= 0 and <= 4294967295"),
+    (["--stage_max_host_batches", "1025"],
+     "--stage_max_host_batches='1025' is invalid; accepted: an integer >= 1 and <= 1024"),
+    (["--png", "{tmp}/timeline.svg"], "is invalid: not a .png name; accepted: a file path "
+     "ending in .png"),
     (["--payload_mib", "65536"], "held at once (4 built once on the orchestrator (one per "
      "position of a step), up to 4 on the trainer) need 512.0 GiB, more than the"),
     (["--host", "tunix", "--wire_ratio", "0.8", "--scenario", "steady"],
-     "--host tunix: --wire_ratio, --scenario set the embedded host's emulated links; tunix's "
-     "links are its own (accepted with --host tunix: none of them)"),
-    (["--host", "maxtext"], "--host 'maxtext': accepted: embedded | tunix"),
+     "--host='tunix' is invalid: --wire_ratio, --scenario set the embedded host's emulated "
+     "links; accepted: with --host tunix, none of them (tunix's links are its own)"),
+    (["--host", "maxtext"], "--host='maxtext' is invalid; accepted: embedded | tunix"),
     (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
-     "--modes 'inline,inline': accepted: a comma-separated subset of inline,depth1,depth2,"
+     "--modes='inline,inline' is invalid; accepted: a comma-separated subset of inline,depth1,depth2,"
      "depth2_prestage,resident,depth2_prestage_codec, each at most once"),
 ])
 def test_a_bad_option_exits_2_with_one_line(args, message, tmp_path, capsys):
@@ -283,8 +290,8 @@ def test_host_tunix_without_tunix_says_what_to_install_in_one_line(tmp_path, cap
   assert cli_main.main(["bench", "--host", "tunix", "--out", str(tmp_path / "out")]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1, err
-  assert err.startswith("tunix-stage bench: error: --host tunix: tunix's experimental stack is "
-                        "not importable here (")
+  assert err.startswith("tunix-stage bench: error: --host='tunix' is invalid: tunix's "
+                        "experimental stack is not importable here (")
   assert 'docs/tunix.md "Tests against real tunix"' in err
   assert list(tmp_path.iterdir()) == []
 
@@ -477,7 +484,8 @@ def test_compare_refuses_a_file_it_cannot_compare_with_one_line(content, message
     code, text, err = _compare(capsys, *paths)
     assert code == 2 and text == ""
     assert err.count("\n") == 1, err
-    assert err.startswith(f"tunix-stage bench: error: --compare: {bad}: {message}"), err
+    assert err.startswith(f"tunix-stage bench: error: --compare={echo(str(bad))} is invalid: "
+                          f"{message}"), err
   assert sorted(os.listdir(tmp_path)) == sorted(["good.json"] + (["bad.json"] if content else []))
 
 
@@ -658,9 +666,10 @@ def test_the_codec_mode_without_the_codec_is_one_clear_line(monkeypatch, tmp_pat
                         "--modes", "inline,depth2_prestage_codec"]) == 2
   err = capsys.readouterr().err
   assert err.count("\n") == 1, err
-  assert ("--modes depth2_prestage_codec: compresses with on (--stage_codec is off): codec "
-          f"blosc2-zstd needs the Python package blosc2, which is not installed: "
-          f"{codec_lib.EXTRA}") in err
+  assert ("--modes='inline,depth2_prestage_codec' is invalid: depth2_prestage_codec compresses "
+          "with on (--stage_codec is off), and codec blosc2-zstd needs the Python package blosc2, "
+          f"which is not installed ({codec_lib.extra_hint()}); accepted: modes that do not "
+          "compress, or the codec's library installed") in err
   assert list(tmp_path.iterdir()) == []
 
 

@@ -75,3 +75,18 @@ def test_doctor_lists_the_drivers_that_take_the_flags(capsys):
   report = json.loads(capsys.readouterr().out)
   assert [d["module"] for d in report["drivers"]] == [DEEPSWE, GSM8K, EMBEDDED]
   assert report["drivers"][2]["installed"] is True
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--check", "--json"], "--json is invalid: --check is given too, and each prints something "
+     "else; accepted: one of --check, --json, --env_for, --flags_for"),
+    (["--env_for", "trainer", "--flags_for", "trainer"], "--flags_for is invalid: --env_for is "
+     "given too"),
+    (["--json", "--driver", DEEPSWE], f"--driver='{DEEPSWE[:32]}'... ({len(DEEPSWE)} characters) "
+     "is invalid: --json does not read it; accepted: --driver alone, or with --flags_for"),
+    (["--env_for", "rollout"], "--env_for='rollout' is invalid; accepted: orchestrator | trainer"),
+])
+def test_an_output_flag_that_another_would_silently_override_is_refused(capsys, args, message):
+  code, out, err = config(capsys, *args)
+  assert (code, out) == (2, "")
+  assert err.startswith(f"tunix-stage config: error: {message}") and err.count("\n") == 1, err

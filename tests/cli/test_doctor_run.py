@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+import signal
 import subprocess
 import sys
 
@@ -157,7 +159,8 @@ def test_run_respects_a_mode_already_given(capsys, monkeypatch):
 
 def test_run_errors(capsys):
   assert cli_main.main(["run"]) == 2
-  assert "no command given" in capsys.readouterr().err
+  assert capsys.readouterr().err == ("tunix-stage run: error: COMMAND is invalid: none given; "
+                                     "accepted: tunix-stage run [flags] -- COMMAND [ARGS ...]\n")
   assert cli_main.main(["run", "--max_staged_batches", "0", "--", "cmd"]) == 2
   assert "--max_staged_batches='0' is invalid" in capsys.readouterr().err
 
@@ -177,6 +180,25 @@ def test_run_execs_with_the_environment(monkeypatch):
 def test_run_reports_a_missing_command(capsys):
   assert cli_main.main(["run", "--", "/nonexistent/tunix-stage-cmd"]) == 127
   assert "cannot run '/nonexistent/tunix-stage-cmd'" in capsys.readouterr().err
+
+
+def test_run_exits_126_for_a_command_that_exists_but_cannot_be_executed(tmp_path, capsys):
+  script = tmp_path / "not-executable.sh"
+  script.write_text("#!/bin/sh\necho never\n")
+  script.chmod(0o644)
+  assert cli_main.main(["run", "--", str(script)]) == 126  # the shell's status for it
+  assert f"cannot run '{script}': Permission denied" in capsys.readouterr().err
+
+
+def test_the_command_run_gets_sigpipe_back_as_a_shell_would_start_it():
+  # Python ignores SIGPIPE, and exec keeps an ignored signal ignored: without the reset, a
+  # command run through `tunix-stage run` would never die of a closed pipe (`yes | head -1`).
+  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin.cli.main", "run", "--",
+                         "cat", "/proc/self/status"], capture_output=True, text=True, timeout=60,
+                        check=True)
+  ignored = int(next(l for l in proc.stdout.splitlines() if l.startswith("SigIgn:")).split()[1],
+                16)
+  assert not ignored & (1 << (signal.SIGPIPE - 1)), hex(ignored)
 
 
 def test_run_child_activates_the_bootstrap():
@@ -204,7 +226,9 @@ def test_doctor_names_the_codecs_this_process_can_use(host, capsys, monkeypatch,
   if installed:
     assert line.endswith(": blosc2-zstd, blosc2-lz4")
   else:
-    assert line.endswith(f": none installed ({codec_lib.EXTRA})")
+    # The hint fits this installation: the suite runs from a checkout, installed editable.
+    assert line.endswith(f": none installed ({codec_lib.EXTRA}: pip install -e "
+                         f"'{Path(__file__).resolve().parents[2]}[codec]')"), line
 
 
 class MaxTextAdapter(Adapter):

@@ -12,6 +12,7 @@ import pytest
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import install_hint
 
 ENV_NAMES = [s.env for s in config_lib.SETTINGS]
 
@@ -227,8 +228,11 @@ def test_a_codec_is_accepted_where_installed_else_one_line_names_the_extra(value
     with pytest.raises(config_lib.ConfigError) as e:
       config_lib.resolve({"codec": value}, env={}, explicit_source="flag")
     assert len(e.value.problems) == 1
-    assert e.value.problems[0].startswith(f"--stage_codec={value!r}: codec {name} needs")
-    assert e.value.problems[0].endswith("pip install 'tunix-stage-plugin[codec]'")
+    assert e.value.problems[0].startswith(f"--stage_codec={value!r} is invalid: codec {name} "
+                                          "needs")
+    assert e.value.problems[0].endswith(f"(the 'codec' extra: "
+                                        f"{install_hint.install_command('codec')}); accepted: "
+                                        f"{codec_lib.ACCEPTED}")
 
 
 def test_a_missing_codec_library_is_named_with_the_extra(monkeypatch):
@@ -240,8 +244,9 @@ def test_a_missing_codec_library_is_named_with_the_extra(monkeypatch):
     config_lib.resolve(env={"TUNIX_STAGE_CODEC": "blosc2-zstd:3", "TUNIX_STAGE_BATCH": "on"})
   assert e.value.problems == [
       "TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage",
-      "TUNIX_STAGE_CODEC='blosc2-zstd:3': codec blosc2-zstd needs the Python package blosc2, "
-      "which is not installed: pip install 'tunix-stage-plugin[codec]'"]
+      "TUNIX_STAGE_CODEC='blosc2-zstd:3' is invalid: codec blosc2-zstd needs the Python package "
+      f"blosc2, which is not installed (the 'codec' extra: {install_hint.install_command('codec')}"
+      f"); accepted: {codec_lib.ACCEPTED}"]
 
 
 @pytest.mark.parametrize("value, expected", [("/tmp/m", "/tmp/m"), (" off ", ""), ("", "")])

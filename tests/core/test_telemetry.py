@@ -243,7 +243,7 @@ def test_a_record_file_that_is_not_this_schema_is_refused_in_one_line(tmp_path, 
   path.write_text(line + "\n" + line + "\n")
   with pytest.raises(record_lib.RecordError, match=message) as e:
     record_lib.read(str(path))
-  assert str(e.value).startswith(f"{path}:1: ") and "\n" not in str(e.value)
+  assert str(e.value).startswith(f"{path}:1 is invalid: ") and "\n" not in str(e.value)
 
 
 def test_an_unwritable_record_is_said_once_and_the_job_goes_on(tmp_path, capsys):

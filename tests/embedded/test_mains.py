@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.embedded.support import call
+from tunix_stage_plugin.core import install_hint
 from tunix_stage_plugin.lab.embedded import process as process_lib
 
 ORCH = [sys.executable, "-m", "tunix_stage_plugin.lab.embedded.orchestrator_main"]
@@ -92,17 +93,18 @@ def test_a_trainer_that_exits_before_ready_is_reported_with_its_exit_code():
      "TUNIX_STAGE_MAX_DEVICE_BATCHES='0' is invalid; accepted: an integer >= 1"),
     (TRAINER + ["--port", "0", "--stage_max_device_batches", "x"], {}, 2,
      "--stage_max_device_batches='x' is invalid"),
-    (ORCH + ["--trainer", "127.0.0.1"], {}, 2, "trainer address must be HOST:PORT"),
+    (ORCH + ["--trainer", "127.0.0.1"], {}, 2,
+     "--trainer='127.0.0.1' is invalid; accepted: HOST:PORT with PORT in 1..65535"),
     (ORCH + ["--trainer", "127.0.0.1:1", "--connect_timeout_s", "1"], {}, 1,
      "trainer at 127.0.0.1:1 did not answer"),
     (ORCH + ["--trainer", "127.0.0.1:1"], {"TUNIX_MAX_STAGED_BATCHES": "two"}, 2,
      "TUNIX_MAX_STAGED_BATCHES='two' is invalid"),
     (ORCH + ["--trainer", "127.0.0.1:1", "--liveness_s", "0.5"], {}, 2,
-     "liveness bound (--liveness_s): accepted a number of seconds >= 1; got 0.5"),
+     "--liveness_s='0.5' is invalid; accepted: a number >= 1"),
     (TRAINER + ["--port", "0", "--shutdown_grace_s", "-1"], {}, 2,
-     "'-1': accepted a number of seconds >= 0"),
+     "argument --shutdown_grace_s: '-1' is invalid; accepted: a number >= 0"),
     (TRAINER + ["--port", "0", "--max_call_mib", "0"], {}, 2,
-     "'0': accepted an integer number of MiB >= 1"),
+     "argument --max_call_mib: '0' is invalid; accepted: an integer >= 1 and <= "),
     # stdin is /dev/null here: nothing to watch for the parent's death.
     (TRAINER + ["--port", "0", "--exit_with_parent", "pipe"], {}, 2,
      "--exit_with_parent pipe/both: stdin must be a pipe from the parent process"),
@@ -129,14 +131,14 @@ def test_orchestrator_main_reports_every_bad_flag_before_connecting():
       listener.accept()
   assert result.returncode == 2, result.stderr
   expected = [
-      "--steps '99999999999999999999999': accepted: an integer from 1 to 1000000",
-      "--microbatches '0': accepted: an integer from 1 to 1000000",
-      "--payload_mib '1e-30': accepted: a size in MiB from 1/1024 (1 KiB)",
-      "--wire_mbps 'inf': accepted: a number > 0",
-      "--h2d_mbps '0': accepted: a number > 0",
-      "--sync_s '-1': accepted: a number >= 0",
-      "--seed '-1': accepted: an integer from 0 to 4294967295",
-      "--connect_timeout_s 'x': accepted: a number > 0",
+      "--steps='99999999999999999999999' is invalid; accepted: an integer >= 1 and <= 1000000",
+      "--microbatches='0' is invalid; accepted: an integer >= 1 and <= 1000000",
+      "--payload_mib='1e-30' is invalid; accepted: a size in MiB from 1/1024 (1 KiB)",
+      "--wire_mbps='inf' is invalid; accepted: a number > 0",
+      "--h2d_mbps='0' is invalid; accepted: a number > 0",
+      "--sync_s='-1' is invalid; accepted: a number >= 0",
+      "--seed='-1' is invalid; accepted: an integer >= 0 and <= 4294967295",
+      "--connect_timeout_s='x' is invalid; accepted: a number > 0",
       "TUNIX_STAGE_BATCH='maybe' is invalid; accepted: off | stage",
       "--max_staged_batches='0' is invalid; accepted: an integer >= 1",
   ]
@@ -195,8 +197,9 @@ def test_orchestrator_main_rl_payload_with_a_codec_trains_as_inline():
   if not codec_lib.installed(codec_lib.DEFAULT_CODEC):
     assert packed.returncode == 2
     assert packed.stderr.strip().splitlines() == [
-        "orchestrator_main: error: --stage_codec='on': codec blosc2-zstd needs the Python package "
-        "blosc2, which is not installed: pip install 'tunix-stage-plugin[codec]'"]
+        "orchestrator_main: error: --stage_codec='on' is invalid: codec blosc2-zstd needs the "
+        "Python package blosc2, which is not installed (the 'codec' extra: "
+        f"{install_hint.install_command('codec')}); accepted: {codec_lib.ACCEPTED}"]
     return
   assert packed.returncode == 0, packed.stderr
   summary = packed.stdout.strip().splitlines()[-1]

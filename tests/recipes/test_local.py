@@ -26,7 +26,7 @@ from tests import procs
 REPO = Path(__file__).resolve().parents[2]
 LOCAL = REPO / "recipes" / "local_launcher.sh"
 VENV_BIN = Path(sys.executable).parent
-MARKER_VAR = "TUNIX_STAGE_RECIPE_TEST_MARKER"
+MARKER_VAR = "TSP_RECIPE_TEST_MARKER"  # (a TUNIX_STAGE_* name would be warned about)
 TUNIX_RUNTIME = "tunix.experimental.distributed.runtime.main"
 
 

@@ -347,6 +347,16 @@ def test_base_reports_every_bad_staging_value(tmp_path: Path):
       "accepted: an integer >= 1 and <= 1024"]
 
 
+def test_base_warns_once_about_a_misspelled_staging_variable_and_goes_on(tmp_path: Path):
+  proc = run(BASE, env=base_env(tmp_path, TUNIX_STAGE_MAX_STAGED_BATCHES="3"))
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stderr.splitlines() == [
+      "mlperf_base.sh: warning: TUNIX_STAGE_MAX_STAGED_BATCHES is not a staging variable, so "
+      "nothing reads it; did you mean TUNIX_MAX_STAGED_BATCHES? (the settings: "
+      "docs/configuration.md)"]
+  assert "TUNIX_MAX_STAGED_BATCHES         2        (env)" in proc.stdout  # the default, exported
+
+
 def _fake_checkout(tmp_path: Path, with_venv: bool) -> Path:
   """A copy of recipes/ in a fresh directory, with a .venv/bin/python when asked."""
   checkout = tmp_path / "checkout"

@@ -77,11 +77,12 @@ def test_the_trace_formats_load_the_same_times(tmp_path):
 
 
 @pytest.mark.parametrize("content, message", [
-    ("{}", "expected a JSON object with a 'steps' list"),
-    ('{"steps": []}', "no step"),
+    ("{}", 'bad.json is invalid: no steps list; accepted: a JSON object with a "steps" list'),
+    ('{"steps": []}', "bad.json is invalid: 0 step(s); accepted: at least 2 steps"),
     ('{"steps": [{"microbatches": [{"wire_s": -1, "h2d_s": 0, "compute_s": 1}]}]}',
-     "step 0 micro-batch 0 wire_s: -1 is not a time"),
-    ("not json", "not JSON"),
+     "bad.json step 0 micro-batch 0 wire_s='-1' is invalid; accepted: a finite number of "
+     "seconds >= 0 and <= 1e+07"),
+    ("not json", "bad.json is invalid: not JSON (Expecting value at line 1); accepted: "),
 ])
 def test_a_bad_trace_is_one_clear_error_and_exit_2(tmp_path, capsys, content, message):
   path = tmp_path / "bad.json"
@@ -96,8 +97,11 @@ def test_bad_options_are_all_reported_before_simulating(capsys):
                         "wire=0", "--modes", "inline,warp", "--stage_max_device_batches", "0"])
   err = capsys.readouterr().err
   assert code == 2 and err.count("\n") == 4, err
-  assert "--what_if 'disk=2x'" in err and "--what_if 'wire=0'" in err
-  assert "unknown mode 'warp'" in err and "--stage_max_device_batches '0'" in err
+  assert "--what_if='disk=2x' is invalid; accepted: RESOURCE=F" in err
+  assert "--what_if='wire=0' is invalid; accepted: RESOURCE=F" in err
+  assert "--modes='inline,warp' is invalid: unknown mode 'warp'; accepted: inline," in err
+  assert ("--stage_max_device_batches='0' is invalid; accepted: an integer >= 1 and <= 1024"
+          in err)  # the settings table's range, as `tunix-stage config` says it
 
 
 def test_the_example_of_the_upstream_pattern_runs_and_writes_json(tmp_path, capsys):
@@ -143,20 +147,28 @@ def test_check_predicts_a_tiny_bench_run(tmp_path):
 
 
 def test_a_bench_trace_whose_track_was_split_into_lanes_reads_as_one_track():
-  spans = [Span("trainer/receive", "s0-m0", 0.0, 0.3),
-           Span("trainer/receive", "s0-m1", 0.2, 0.5),
-           Span("trainer/h2d", "s0-m0", 0.3, 0.5), Span("trainer/h2d", "s0-m1", 0.4, 0.7),
-           Span("device/compute", "s0-m0", 0.5, 1.0, (("kind", "fwd_bwd"), ("step", 0))),
-           Span("device/compute", "s0-m1", 1.0, 1.5, (("kind", "fwd_bwd"), ("step", 0))),
-           Span("device/compute", "update", 1.5, 1.6, (("kind", "update"), ("step", 0)))]
+  spans = []
+  for step in range(2):  # (a trace has 2 steps at least: the first fills the pipeline)
+    t = 2.0 * step
+    spans += [Span("trainer/receive", f"s{step}-m0", t + 0.0, t + 0.3),
+              Span("trainer/receive", f"s{step}-m1", t + 0.2, t + 0.5),
+              Span("trainer/h2d", f"s{step}-m0", t + 0.3, t + 0.5),
+              Span("trainer/h2d", f"s{step}-m1", t + 0.4, t + 0.7),
+              Span("device/compute", f"s{step}-m0", t + 0.5, t + 1.0,
+                   (("kind", "fwd_bwd"), ("step", step))),
+              Span("device/compute", f"s{step}-m1", t + 1.0, t + 1.5,
+                   (("kind", "fwd_bwd"), ("step", step))),
+              Span("device/compute", "update", t + 1.5, t + 1.6,
+                   (("kind", "update"), ("step", step)))]
   data = to_chrome_trace({"inline (round 1)": spans})
   lanes = {e["args"]["name"] for e in data["traceEvents"] if e["name"] == "thread_name"}
   assert {"trainer/receive #2", "trainer/h2d #2"} <= lanes  # the overlaps were split
   trace = trace_lib.from_chrome_trace(data, "t.json")
-  (step,) = trace.steps
-  assert [(mb.wire_s, mb.h2d_s, mb.compute_s) for mb in step.microbatches] == [
-      pytest.approx((0.3, 0.2, 0.5)), pytest.approx((0.3, 0.3, 0.5))]
-  assert step.update_s == pytest.approx(0.1)
+  for step in trace.steps:
+    assert [(mb.wire_s, mb.h2d_s, mb.compute_s) for mb in step.microbatches] == [
+        pytest.approx((0.3, 0.2, 0.5)), pytest.approx((0.3, 0.3, 0.5))]
+    assert step.update_s == pytest.approx(0.1)
+  assert len(trace.steps) == 2
 
 
 TINY_BENCH = EXAMPLE.parent / "bench_tiny_a.json"  # a shipped --tiny bench JSON
@@ -195,15 +207,16 @@ def test_a_file_that_is_not_utf8_is_one_line_naming_it(tmp_path, capsys, check):
   assert cli_main.main(["simulate", *(["--check"] if check else []), str(path)]) == 2
   captured = capsys.readouterr()
   assert captured.out == ""
-  assert captured.err == (f"tunix-stage simulate: error: {path}: not UTF-8 text (byte 0xe9 at "
-                          f"offset 26); accepted: {trace_lib.ACCEPTED_INPUT}\n")
+  assert captured.err == (f"tunix-stage simulate: error: {path} is invalid: not UTF-8 text (byte "
+                          f"0xe9 at offset 26); accepted: {trace_lib.ACCEPTED_INPUT}\n")
 
 
 def test_check_of_a_missing_file_is_one_line(tmp_path, capsys):
   path = tmp_path / "nope.json"
   assert cli_main.main(["simulate", "--check", str(path)]) == 2
   err = capsys.readouterr().err
-  assert err.count("\n") == 1 and f"{path}: cannot read it (No such file or directory)" in err
+  assert err == (f"tunix-stage simulate: error: {path} is invalid: no such file; accepted: "
+                 f"{trace_lib.ACCEPTED_INPUT}\n")
 
 
 def test_a_csv_with_a_byte_order_mark_reads_as_without_it(tmp_path):
@@ -227,5 +240,144 @@ def test_a_step_past_the_trace_is_refused_before_simulating(tmp_path, capsys, mo
                         "99", "--png", str(png)])
   captured = capsys.readouterr()
   assert code == 2 and captured.out == "" and not png.exists()
-  assert captured.err == (f"tunix-stage simulate: error: --step 99: accepted: a step from 1 to "
-                          f"{steps} (the trace's steps after the fill, step 0)\n")
+  assert captured.err == (f"tunix-stage simulate: error: --step='99' is invalid; accepted: a step "
+                          f"from 1 to {steps} (the trace's steps after the fill, step 0)\n")
+
+
+# --- what a newcomer may give it (issue #35): refused in one line, or recorded where it shaped -
+
+
+def _simulate(capsys, *argv: str) -> tuple[int, str, str]:
+  code = cli_main.main(["simulate", *argv])
+  captured = capsys.readouterr()
+  return code, captured.out, captured.err
+
+
+CSV_HEADER = "step,microbatch,wire_s,h2d_s,compute_s,update_s,boundary_s"
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([], "t.csv is invalid: a header and no row; accepted: a row per micro-batch under the header"),
+    (["0,0,1,1,1,,", "0,0,1,1,1,,", "1,0,1,1,1,,"],
+     "t.csv line 3 is invalid: step 0 micro-batch 0 again (line 2); accepted: one row per "
+     "micro-batch"),
+    (["0,0,1,1,1,0.1,", "0,1,1,1,1,0.2,", "1,0,1,1,1,,"],
+     "t.csv line 3 update_s='0.2' is invalid: step 0 has 0.1 on line 2; accepted: one value per "
+     "step"),
+    (["0,0,1,1,1,,", "0,2,1,1,1,,", "1,0,1,1,1,,"],
+     "t.csv step 0 is invalid: no micro-batch 1; accepted: micro-batches numbered 0, 1, ..."),
+])
+def test_a_csv_trace_that_says_two_things_is_refused(tmp_path, capsys, rows, message):
+  path = tmp_path / "t.csv"
+  path.write_text("\n".join([CSV_HEADER, *rows]) + "\n")
+  code, out, err = _simulate(capsys, str(path))
+  assert (code, out, err.count("\n")) == (2, "", 1), err
+  assert err.startswith(f"tunix-stage simulate: error: {tmp_path}/{message}"), err
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("t.csv", "step,microbatch,wire_s,h2d_s,compute_s,update\n0,0,1,1,1,1\n",
+     "t.csv column 'update' is invalid: a column nothing reads; accepted: the columns "),
+    ("t.json", '{"steps": [{"microbatches": [{"wire_s": 1, "h2d_s": 1, "compute_s": 1}], '
+     '"boundary": 2}] }', "t.json step 0 key 'boundary' is invalid: a key nothing reads; "
+     "accepted: microbatches, update_s, boundary_s"),
+])
+def test_a_key_or_column_nothing_reads_is_refused_not_ignored(tmp_path, capsys, name, content,
+                                                              message):
+  path = tmp_path / name
+  path.write_text(content)
+  code, _, err = _simulate(capsys, str(path))
+  assert code == 2 and err.startswith(f"tunix-stage simulate: error: {tmp_path}/{message}"), err
+
+
+def _resident(bench):
+  """The bench's first resident run: what `simulate BENCH.json` reads."""
+  return next(r for r in bench["runs"] if r["mode"] == "resident")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda b: _resident(b)["fwd_bwd_s"].append(["x"]), "] is invalid: its steps differ"),
+    (lambda b: _resident(b).update(update_s=None), "].update_s='null' is invalid; accepted: a "
+     "JSON list"),
+    (lambda b: b["calibration"].pop("wire_s"), "calibration.wire_s is invalid: missing"),
+    (lambda b: b["runs"].insert(0, 3), "runs[0]='3' is invalid; accepted: a JSON object"),
+])
+def test_a_hand_edited_bench_json_is_one_line_naming_the_place(tmp_path, capsys, edit, message):
+  bench = json.loads(TINY_BENCH.read_text())
+  edit(bench)
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps(bench))
+  code, _, err = _simulate(capsys, str(path))
+  assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda b: b["modes"]["inline"].update(median_step_s=0), "modes.inline.median_step_s='0' is "
+     "invalid; accepted: a number of seconds > 0"),
+    (lambda b: b["options"].update(max_device_batches=0), "options.max_device_batches='0' is "
+     "invalid; accepted: an integer >= 1 and <= 1024"),
+])
+def test_check_of_a_hand_edited_bench_json_is_one_line_naming_the_place(tmp_path, capsys, edit,
+                                                                         message):
+  bench = json.loads(TINY_BENCH.read_text())
+  edit(bench)
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps(bench))
+  code, _, err = _simulate(capsys, "--check", str(path))
+  assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_bench_trace_with_an_event_edited_is_one_line(tmp_path, capsys):
+  spans = [Span("device/compute", f"s{s}-m0", s, s + 0.5, (("kind", "fwd_bwd"), ("step", s)))
+           for s in range(2)]
+  data = to_chrome_trace({"inline (round 1)": spans})
+  del next(e for e in data["traceEvents"] if e["ph"] == "X")["dur"]
+  path = tmp_path / "trace.json"
+  path.write_text(json.dumps(data))
+  code, _, err = _simulate(capsys, str(path))
+  assert code == 2 and err.count("\n") == 1 and "].dur is invalid: missing" in err, err
+
+
+def test_what_if_is_recorded_in_the_table_the_json_and_the_picture(tmp_path, capsys):
+  out, png = tmp_path / "new" / "sim.json", tmp_path / "pictures" / "step.png"
+  code, table, err = _simulate(capsys, str(EXAMPLE), "--what_if", "wire=0.5x", "--what_if",
+                               "h2d=2x", "--modes", "inline,depth2", "--json", str(out), "--png",
+                               str(png))
+  assert code == 0, err
+  assert "; what if wire x0.5, h2d x2; " in table.splitlines()[0]
+  assert json.loads(out.read_text())["what_if"] == {"wire": 0.5, "h2d": 2.0}
+  assert b"what if wire x0.5, h2d x2" in png.read_bytes()  # the picture's title (PNG text chunk)
+  code, table, _ = _simulate(capsys, str(EXAMPLE), "--modes", "inline", "--json", "-")
+  assert code == 0 and json.loads(table)["what_if"] == {}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--what_if", "wire=0.5x", "--what_if", "wire=2x"],
+     "--what_if='wire=2x' is invalid: wire is scaled already (--what_if wire=0.5x); accepted: one "
+     "--what_if per resource"),
+    (["--step", "2"], "--step='2' is invalid: it picks the step --png draws, and no --png is "
+     "given; accepted: --step with --png"),
+])
+def test_an_input_that_would_change_nothing_is_refused(capsys, argv, message):
+  code, out, err = _simulate(capsys, str(EXAMPLE), *argv)
+  assert (code, out) == (2, "") and err == f"tunix-stage simulate: error: {message}\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--what_if", "wire=0.5x"], "--what_if='wire=0.5x' is invalid: --check compares each "
+     "prediction with the bench's measured run, which nothing scaled; accepted: --what_if "
+     "without --check"),
+    (["--stage_max_device_batches", "2"], "--stage_max_device_batches='2' is invalid: --check "
+     "runs each mode with the bounds the bench ran with (its options); accepted: "
+     "--stage_max_device_batches without --check"),
+])
+def test_check_refuses_what_would_compare_unlike_with_unlike(capsys, argv, message):
+  code, out, err = _simulate(capsys, "--check", str(TINY_BENCH), *argv)
+  assert (code, out) == (2, "") and err == f"tunix-stage simulate: error: {message}\n"
+
+
+def test_a_bench_json_simulates_with_its_first_timed_step_as_the_fill(capsys):
+  assert json.loads(TINY_BENCH.read_text())["options"]["steps"] == 1  # one timed step
+  code, table, err = _simulate(capsys, str(TINY_BENCH), "--json", "-")
+  assert code == 0, err
+  assert json.loads(table)["steps"] == 2

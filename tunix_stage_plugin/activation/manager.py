@@ -7,7 +7,9 @@ line saying why; success prints one activation line (host version/commit, hooks,
 to stderr, because a pod's stdout is often the training log that users grep.
 
 An invalid setting is never a refusal: `install` raises ConfigError, and the automatic paths (the
-.pth bootstrap, the tunix.plugins entry point) stop the process through `activate_from_env`.
+.pth bootstrap, the tunix.plugins entry point) stop the process through `activate_from_env`. A
+variable under the staging prefixes that is no setting (TUNIX_STAGE_MAX_STAGED_BATCHES for
+TUNIX_MAX_STAGED_BATCHES) gets one warning line, once per process, when staging is requested.
 
 Known drivers (triggers.KNOWN_DRIVERS) take the staging flags while staging is requested for
 their host (its hooks installed, or TUNIX_STAGE_BATCH=stage, even where the host's hooks were
@@ -95,6 +97,7 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
         return _refuse(host, f"staging is off ({_mode_origin(config)}) but hooks are installed; "
                        "call uninstall() to remove them", quiet, installed=True)
       return _refuse(host, f"staging is off ({_mode_origin(config)}); nothing installed", quiet)
+    _warn_unknown_variables(quiet)
     current = _active.get(host)
     if current is not None:
       changed = current.live.config != config  # values only: sources do not compare
@@ -127,6 +130,19 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
     _say(line, quiet)
     accept_driver_flags(host)
     return Activation(host, True, line, registry.names(), config)
+
+
+_warned_variables: set[str] = set()  # unknown variables warned about in this process
+
+
+def _warn_unknown_variables(quiet: bool) -> None:
+  """One warning per variable under the staging prefixes that is no setting (a likely typo),
+  once per process that activates staging; never an error, since another tool may own the name.
+  Only here, where staging is requested: with staging off nothing of the plugin runs."""
+  for name, closest in config_lib.unknown_variables():
+    if name not in _warned_variables:
+      _warned_variables.add(name)
+      _say(f"tunix-stage: warning: {config_lib.unknown_variable_line(name, closest)}", quiet)
 
 
 def activate_from_env(host: str = DEFAULT_HOST) -> Activation | None:

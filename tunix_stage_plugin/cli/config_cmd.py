@@ -1,4 +1,11 @@
-"""`tunix-stage config`: the effective staging configuration and where each value came from."""
+"""`tunix-stage config`: the effective staging configuration and where each value came from.
+
+Its output modes (--check, --json, --env_for, --flags_for) exclude each other, and --driver goes
+alone or with --flags_for, so no flag given is silently ignored. A variable under the staging
+prefixes that is no setting gets one warning from the views of the environment (the table,
+--json, --check: what a launch recipe validates with); --env_for, --flags_for and --driver, which
+scripts ask after --check, do not repeat it (docs/configuration.md).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from tunix_stage_plugin.activation import drivers
 from tunix_stage_plugin.hosts.triggers import KNOWN_DRIVERS
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import inputs
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,11 +33,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   flags_lib.add_argparse_flags(parser)
   parser.add_argument("--json", action="store_true", help="print JSON for machines")
   parser.add_argument("--check", action="store_true",
-                      help="print nothing; exit 0 when valid, 2 with the error otherwise")
-  parser.add_argument("--env_for", choices=config_lib.ROLES, metavar="ROLE",
+                      help="print nothing on stdout; exit 0 when valid, 2 with the errors (on "
+                      "stderr, as warnings are) otherwise")
+  parser.add_argument("--env_for", metavar="ROLE",
                       help="print NAME=value, one per line, for the variables a process of ROLE "
                       f"({' | '.join(config_lib.ROLES)}) reads (what its container gets)")
-  parser.add_argument("--flags_for", choices=config_lib.ROLES, metavar="ROLE",
+  parser.add_argument("--flags_for", metavar="ROLE",
                       help="print --flag=value, one per line, for ROLE's settings when staging is "
                       "on (nothing when it is off; the codec only when set)")
   parser.add_argument("--driver", metavar="MAIN",
@@ -59,11 +68,46 @@ def print_config_error(command: str, error: config_lib.ConfigError) -> int:
   return 2
 
 
+def warn_unknown_variables(command: str) -> list[str]:
+  """One "tunix-stage COMMAND: warning: ..." line on stderr per unknown staging-like variable in
+  the environment (config.unknown_variables); returns their texts."""
+  lines = config_lib.unknown_variable_lines()
+  for line in lines:
+    print(f"tunix-stage {command}: warning: {line}", file=sys.stderr)
+  return lines
+
+
+OUTPUTS = ("check", "json", "env_for", "flags_for")  # what config prints: one at most
+
+
+def _usage_problems(args: argparse.Namespace) -> list[str]:
+  """The flags that would be ignored or cannot be honoured, one line each."""
+  problems = []
+  roles = " | ".join(config_lib.ROLES)
+  for flag in ("env_for", "flags_for"):
+    value = getattr(args, flag)
+    if value is not None and value not in config_lib.ROLES:
+      problems.append(inputs.invalid(f"--{flag}", value, roles))
+  given = [f"--{name}" for name in OUTPUTS if getattr(args, name) not in (None, False)]
+  if len(given) > 1:
+    problems.append(inputs.invalid(given[1], None, f"one of {', '.join('--' + o for o in OUTPUTS)}",
+                                   f"{given[0]} is given too, and each prints something else"))
+  elif args.driver is not None and given and given[0] != "--flags_for":
+    problems.append(inputs.invalid("--driver", args.driver, "--driver alone, or with --flags_for",
+                                   f"{given[0]} does not read it"))
+  return problems
+
+
 def run(args: argparse.Namespace) -> int:
+  if not (args.env_for or args.flags_for or args.driver):  # (scripts ask those after --check)
+    warn_unknown_variables("config")
+  problems = _usage_problems(args)
   try:
     cfg = flags_lib.config_from_argparse(args)
   except config_lib.ConfigError as e:
-    return print_config_error("config", e)
+    problems = e.problems + problems
+  if problems:
+    return print_config_error("config", config_lib.ConfigError(*problems))
   if args.check:
     return 0
   if args.driver is not None and not args.flags_for:

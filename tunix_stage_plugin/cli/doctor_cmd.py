@@ -1,6 +1,7 @@
 """`tunix-stage doctor`: can staging work here, and what would it do?
 
-Reports: the effective configuration; whether the bootstrap .pth and the entry points are
+Reports: the effective configuration (and, on stderr and in the JSON, a warning per variable
+under the staging prefixes that is no setting); whether the bootstrap .pth and the entry points are
 installed; whether tunix is importable, its version and commit; MaxText's state next to it
 (importable or not, whether or not tunix is); every capability probe; which trainers staging
 serves and which it refuses; which hooks are installed in this process (the bootstrap installs
@@ -63,7 +64,7 @@ def diagnose(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   report["entry_points"] = sorted(entry_points.host_entry_points())
   from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
   report["codecs"] = [name for name in codec_lib.CODECS if codec_lib.installed(name)]
-  report["codec_extra"] = codec_lib.EXTRA
+  report["codec_extra"] = codec_lib.extra_hint()
   if not report["bootstrap_pth"]:
     problems.append(f"{bootstrap.PTH_NAME} is not installed: TUNIX_STAGE_BATCH=stage cannot "
                     "activate on its own (reinstall the package, or call install())")
@@ -132,10 +133,12 @@ def _engine(name: str, problems: list[str], cfg: config_lib.StageConfig) -> dict
 
 
 def run(args: argparse.Namespace) -> int:
+  warnings = config_cmd.warn_unknown_variables("doctor")
   try:
     report, problems = diagnose(args)
   except config_lib.ConfigError as e:
     return config_cmd.print_config_error("doctor", e)
+  report["warnings"] = warnings
   enabled = report["config"]["enabled"]
   status = 1 if enabled and problems else 0
   if args.json:

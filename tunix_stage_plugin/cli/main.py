@@ -1,6 +1,11 @@
 """`tunix-stage`: one console script, a subcommand per job (docs/bench.md,
 docs/configuration.md, docs/simulate.md, docs/tunix.md "Doctor").
 
+The lab's subcommands (bench, simulate) are listed by name and one line of help (LAB_COMMANDS),
+and their module is imported only when that subcommand is the one run (its --help included): a
+production command (`config --check` in a launch recipe, `doctor`, `run`) never loads the lab
+(tests/test_layout.py runs them with the lab blocked).
+
 The top-level parser owns a few names in the parsed namespace (SUBCOMMAND_DEST and the keys it
 sets as defaults); a subcommand's own options and positionals may never reuse them, since a
 subcommand's values overwrite the top level's (`run`'s positional COMMAND would replace the
@@ -10,9 +15,10 @@ subcommand's name). build_parser refuses such a clash when the parser is made.
 from __future__ import annotations
 
 import argparse
-import sys
-
 import importlib
+import os
+import sys
+from typing import Iterable
 
 from tunix_stage_plugin import __version__
 from tunix_stage_plugin.cli import config_cmd
@@ -23,23 +29,37 @@ from tunix_stage_plugin.core import flags as flags_lib
 
 # Each subcommand module offers add_parser(subparsers) and run(args) -> exit code.
 _COMMANDS = (config_cmd, doctor_cmd, run_cmd, report_cmd)
-# The lab's commands (bench, simulate), imported only to build the parser: the production
-# commands above never load the lab (tunix_stage_plugin.lab).
-_LAB_COMMANDS = ("tunix_stage_plugin.lab.bench.command", "tunix_stage_plugin.lab.sim.command")
+# The lab's subcommands: name -> (module, the one line `tunix-stage --help` shows). A lab module
+# offers add_parser(subparsers, help) and run(args).
+LAB_COMMANDS = {
+    "bench": ("tunix_stage_plugin.lab.bench.command",
+              "run the staging A/B (inline, depth1, depth2, depth2_prestage, resident) on the "
+              "embedded host or tunix's"),
+    "simulate": ("tunix_stage_plugin.lab.sim.command",
+                 "predict what staging saves on a job from its recorded per-micro-batch times"),
+}
 
 SUBCOMMAND_DEST = "subcommand"  # the subcommand's name in the parsed namespace
 RESERVED = (SUBCOMMAND_DEST, "subcommands", "run")  # names the top level sets or reads
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(lab: Iterable[str] = tuple(LAB_COMMANDS)) -> argparse.ArgumentParser:
+  """The whole parser; the lab subcommands named in `lab` with their own parsers (their modules
+  imported), the others by name and help only."""
   parser = flags_lib.Parser(
       prog="tunix-stage",
       description="Micro-batch staging for google/tunix's distributed RL trainer.",
   )
   parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
   subparsers = parser.add_subparsers(dest=SUBCOMMAND_DEST, metavar="COMMAND", required=True)
-  for module in (*_COMMANDS, *map(importlib.import_module, _LAB_COMMANDS)):
+  for module in _COMMANDS:
     module.add_parser(subparsers)
+  lab = set(lab)
+  for name, (module, help_line) in LAB_COMMANDS.items():
+    if name in lab:
+      importlib.import_module(module).add_parser(subparsers, help_line)
+    else:
+      subparsers.add_parser(name, help=help_line, add_help=False)
   for name, subparser in subparsers.choices.items():
     # pylint: disable-next=protected-access  (argparse offers no public list of a parser's actions)
     clash = sorted({a.dest for a in subparser._actions} & set(RESERVED))
@@ -55,13 +75,28 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
   return dict(build_parser().get_default("subcommands"))
 
 
+def _chosen(argv: list[str]) -> str | None:
+  """The subcommand argv runs: its first word that is not an option (the top level's options,
+  --help and --version, take no value)."""
+  return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = build_parser()
+  argv = sys.argv[1:] if argv is None else list(argv)
+  parser = build_parser(lab=[_chosen(argv)] if _chosen(argv) in LAB_COMMANDS else [])
   args, unknown = parser.parse_known_args(argv)
   if unknown:  # the subcommand that owns the flags reports them, with its own usage line
     args.subcommands[getattr(args, SUBCOMMAND_DEST)].error(
         f"unrecognized arguments: {' '.join(unknown)}")
-  return args.run(args)
+  try:
+    code = args.run(args)
+    sys.stdout.flush()
+  except BrokenPipeError:
+    # The reader went away (`tunix-stage config --json | head -1`): the rest has nowhere to go.
+    # Python's own advice: point stdout at /dev/null so the exit flush cannot fail again.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
+  return code
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ The command's Python processes pick staging up from the environment through the 
 bootstrap, so this sets the environment and execs: TUNIX_STAGE_BATCH=stage unless a mode is given
 (a flag here, else TUNIX_STAGE_BATCH already in the environment), and TUNIX_MAX_STAGED_BATCHES /
 TUNIX_STAGE_MAX_DEVICE_BATCHES from the flags when given (flags beat env). Children of the
-command inherit the environment, so every process of a multi-process launch is covered.
+command inherit the environment, so every process of a multi-process launch is covered. A command
+that cannot be run exits as a shell's would: 127 when it is not found, 126 when it is found but
+cannot be executed.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 
 from tunix_stage_plugin.activation import bootstrap
 from tunix_stage_plugin.cli import config_cmd
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import inputs
+from tunix_stage_plugin.core import install_hint
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,28 +57,41 @@ def child_environment(args: argparse.Namespace, environ: dict[str, str]) -> dict
   return {k: v for k, v in changes.items() if environ.get(k) != v}
 
 
+# The shell's exit statuses for a command that could not be run (POSIX, "Command Search and
+# Execution"): found but not executable, and not found.
+EXIT_CANNOT_EXECUTE = 126
+EXIT_NOT_FOUND = 127
+
+
 def run(args: argparse.Namespace) -> int:
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
-  if not command:
-    print("tunix-stage run: error: no command given (usage: tunix-stage run [flags] -- COMMAND)",
-          file=sys.stderr)
-    return 2
+  problems = [] if command else [inputs.invalid(
+      "COMMAND", None, "tunix-stage run [flags] -- COMMAND [ARGS ...]", "none given")]
   try:
     changes = child_environment(args, dict(os.environ))
   except config_lib.ConfigError as e:
-    return config_cmd.print_config_error("run", e)
+    problems = e.problems + problems
+  if problems:
+    return config_cmd.print_config_error("run", config_lib.ConfigError(*problems))
   if not bootstrap.installed_pth_files():
     print(f"tunix-stage run: warning: {bootstrap.PTH_NAME} is not in this interpreter's "
           "site-packages, so Python children will not activate; reinstall the package "
-          "(pip install tunix-stage-plugin) or call tunix_stage_plugin.install()", file=sys.stderr)
+          f"({install_hint.install_command()}) or call tunix_stage_plugin.install()",
+          file=sys.stderr)
   if args.dry_run:
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(changes.items()))
     print(f"{assignments} {shlex.join(command)}".strip())
     return 0
   env = {**os.environ, **changes}
+  # Python ignores SIGPIPE, and an ignored signal stays ignored across exec: the command gets the
+  # default back, as a shell would start it.
+  previous = signal.signal(signal.SIGPIPE, signal.SIG_DFL)
   try:
     os.execvpe(command[0], command, env)
   except OSError as e:
-    print(f"tunix-stage run: error: cannot run {command[0]!r}: {e}", file=sys.stderr)
-    return 127
+    print(f"tunix-stage run: error: cannot run {command[0]!r}: {e.strerror or e}",
+          file=sys.stderr)
+    return EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else EXIT_CANNOT_EXECUTE
+  finally:  # reached only when exec failed
+    signal.signal(signal.SIGPIPE, previous)
   return 0  # not reached: exec replaced this process

@@ -1,8 +1,8 @@
 """Lossless compression of a staged micro-batch's large arrays (TUNIX_STAGE_CODEC).
 
 A codec spec is `off` or `NAME[:LEVEL]` with NAME one of CODECS. The codec libraries are an
-optional extra (`pip install 'tunix-stage-plugin[codec]'`); a spec naming one that is not
-installed is refused with one line naming the extra.
+optional extra (`codec`); a spec naming one that is not installed is refused with one line naming
+the extra and the pip command that fits this installation (core.install_hint).
 
 `pack_array` turns one array of at least MIN_PACK_BYTES into a PackedArray: chunks of at most
 CHUNK_BYTES, each compressed (blosc2 with byte shuffle at the array's itemsize), with the array's
@@ -30,7 +30,8 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 # numpy, so core.config can say what it accepts; re-exported here (codec.LEVELS is that table).
 # pylint: disable-next=unused-import
 from tunix_stage_plugin.core.codec_spec import ACCEPTED, CODECS, DEFAULT_CODEC, DEFAULT_LEVELS
-from tunix_stage_plugin.core.codec_spec import EXTRA, LEVELS, MODULES, OFF, ON
+from tunix_stage_plugin.core.codec_spec import EXTRA, EXTRA_NAME, LEVELS, MODULES, OFF, ON
+from tunix_stage_plugin.core import install_hint
 
 MIN_PACK_BYTES = 64 << 10  # smaller arrays travel raw: their bytes are not worth a codec call
 CHUNK_BYTES = 64 << 20  # under every codec's 2 GiB per-call limit; one decode call per chunk
@@ -56,6 +57,11 @@ class Codec:
   @property
   def nthreads(self) -> int:
     return self.threads or len(os.sched_getaffinity(0))
+
+
+def extra_hint() -> str:
+  """The extra, and the pip command that adds it to this installation."""
+  return f"{EXTRA}: {install_hint.install_command(EXTRA_NAME)}"
 
 
 def installed(name: str) -> bool:
@@ -84,7 +90,7 @@ def parse(text: str, *, require_installed: bool = True) -> Codec | None:
     level = DEFAULT_LEVELS[name]
   if require_installed and not installed(name):
     raise CodecUnavailable(f"codec {name} needs the Python package {MODULES[name]}, which is not "
-                           f"installed: {EXTRA}")
+                           f"installed ({extra_hint()})")
   return Codec(name, level)
 
 
@@ -144,7 +150,7 @@ def check_decodable(codec_name: str) -> None:
   if codec_name not in CODECS:
     raise CodecError(f"unknown codec {codec_name!r}; accepted: {', '.join(CODECS)}")
   if not installed(codec_name):
-    raise CodecError(f"codec {codec_name} is not installed on the trainer: {EXTRA}")
+    raise CodecError(f"codec {codec_name} is not installed on the trainer ({extra_hint()})")
 
 
 def unpack_array(p: PackedArray, *, threads: int = 0, name: str = "array",

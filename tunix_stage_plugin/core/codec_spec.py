@@ -17,7 +17,8 @@ CODECS = ("blosc2-zstd", "blosc2-lz4")
 DEFAULT_LEVELS = {"blosc2-zstd": 1, "blosc2-lz4": 5}
 LEVELS = {"blosc2-zstd": (0, 9), "blosc2-lz4": (0, 9)}
 MODULES = {"blosc2-zstd": "blosc2", "blosc2-lz4": "blosc2"}
-EXTRA = "pip install 'tunix-stage-plugin[codec]'"
+EXTRA_NAME = "codec"  # the package's extra that installs the codec libraries
+EXTRA = f"the '{EXTRA_NAME}' extra"  # how messages name it (core.codec.extra_hint adds the command)
 ACCEPTED = (f"{OFF} | {ON} (= {DEFAULT_CODEC}:{DEFAULT_LEVELS[DEFAULT_CODEC]}) | NAME[:LEVEL] "
             "with LEVEL an integer in NAME's range: "
             + ", ".join(f"{name} {LEVELS[name][0]} to {LEVELS[name][1]} (default "

@@ -1,9 +1,12 @@
 """Staging configuration: one table of settings, resolved as explicit > env > default.
 
-Every consumer (the CLI, the driver flags, the launch recipes through `tunix-stage config
---check`) goes through `resolve`, so a value is validated by exactly one set of rules. A bad value
-gives one problem line naming the variable, the value (cut to MAX_ECHO characters) and what is
-accepted; `resolve` reports every bad setting at once in one ConfigError.
+Every consumer (the CLI, the bench and the simulator's staging flags, the driver flags, the
+launch recipes through `tunix-stage config --check`) goes through `parse_value`/`resolve`, so a
+value is validated by exactly one set of rules, with one range. A bad value gives one problem
+line naming the variable, the value (cut to inputs.MAX_ECHO characters) and what is accepted
+(inputs.invalid); `resolve` reports every bad setting at once in one ConfigError. A variable
+under the settings' prefixes that is no setting is most likely a misspelled one:
+`unknown_variables` names it and the closest setting, for a warning (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ MAX_VALUE_CHARS = 64
 MAX_LOG_EVERY = 1_000_000
 # The longest metrics folder accepted (a path: longer than the other settings' values).
 MAX_PATH_CHARS = 4096
-# How much of a bad value an error message repeats.
-MAX_ECHO = 32
+# Every setting's variable starts with one of these; another name under them is a likely typo.
+PREFIXES = ("TUNIX_STAGE_", "TUNIX_MAX_")
+# Names under PREFIXES that are not settings and are known not to be typos (another tool's
+# variables): the one list of them. None is known today.
+OTHER_VARIABLES: tuple[str, ...] = ()
 
 
 class ConfigError(ValueError):
@@ -62,7 +68,10 @@ def _parse_mode(text: str) -> str:
 
 
 def _parse_count(text: str) -> int:
-  return inputs.integer(text, minimum=1, maximum=MAX_DEPTH)  # its message gives way to `accepted`
+  return inputs.integer(text, minimum=1, maximum=MAX_DEPTH)
+
+
+COUNT_ACCEPTED = inputs.integer_range(1, MAX_DEPTH)
 
 
 def _parse_codec(text: str) -> str:
@@ -90,13 +99,6 @@ def _parse_fingerprint(text: str) -> str:
   if not re.fullmatch(r"[0-9a-f]{16}", value):
     raise ValueError(value)
   return value
-
-
-def echo(text: str) -> str:
-  """`text` as an error message repeats it: repr, cut to MAX_ECHO characters."""
-  if len(text) <= MAX_ECHO:
-    return repr(text)
-  return f"{text[:MAX_ECHO]!r}... ({len(text)} characters)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +139,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="max_staged_batches",
         default=2,
         parse=_parse_count,
-        accepted=f"an integer >= 1 and <= {MAX_DEPTH}",
+        accepted=COUNT_ACCEPTED,
         roles=(ORCHESTRATOR,),
         help="orchestrator: how many micro-batches to keep staged ahead of the pending train call.",
     ),
@@ -147,7 +149,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="stage_max_device_batches",
         default=1,
         parse=_parse_count,
-        accepted=f"an integer >= 1 and <= {MAX_DEPTH}",
+        accepted=COUNT_ACCEPTED,
         roles=(TRAINER,),
         help="trainer: how many staged batches may sit in device memory (placed or being "
         "placed) at once; a placement over the bound waits for a slot.",
@@ -158,7 +160,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="stage_max_host_batches",
         default=1,
         parse=_parse_count,
-        accepted=f"an integer >= 1 and <= {MAX_DEPTH}",
+        accepted=COUNT_ACCEPTED,
         roles=(TRAINER,),
         help="trainer: how many received micro-batches may wait in host memory for a device slot "
         "(a stage is answered once received; its placement follows on the staging lane); a "
@@ -175,7 +177,7 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="CODEC",
         help="orchestrator: compress a staged micro-batch's large arrays (lossless) before they "
         "cross the wire; the trainer decodes them on its staging lane. Inline calls are never "
-        "compressed. Needs the codec extra: pip install 'tunix-stage-plugin[codec]'.",
+        "compressed. Needs the codec extra (docs/codec.md).",
         flag_at_default=False,
     ),
     Setting(
@@ -217,7 +219,7 @@ SETTINGS: tuple[Setting, ...] = (
         flag="stage_log_every",
         default=1,
         parse=_parse_log_every,
-        accepted=f"an integer >= 0 and <= {MAX_LOG_EVERY}",
+        accepted=inputs.integer_range(0, MAX_LOG_EVERY),
         roles=ROLES,
         help="print the per-step line (the step's input wait, transfers and what bounded it) "
         "every N steps on stderr; 0: never.",
@@ -267,16 +269,16 @@ def parse_value(setting: Setting, raw: Any, origin: str) -> Any:
     raw = {True: MODE_STAGE, False: MODE_OFF}[raw] if setting.field == "mode" else str(raw)
   text = str(raw)
   if len(text) > setting.max_chars:
-    raise ConfigError(f"{origin}={echo(text)} is invalid: longer than {setting.max_chars} "
-                      f"characters; accepted: {setting.accepted}")
+    raise ConfigError(inputs.invalid(origin, text, setting.accepted,
+                                     f"longer than {setting.max_chars} characters"))
   # pylint: disable-next=import-outside-toplevel
   from tunix_stage_plugin.core import codec as codec_lib
   try:
     return setting.parse(text)
   except codec_lib.CodecUnavailable as e:
-    raise ConfigError(f"{origin}={echo(text)}: {e}") from None
+    raise ConfigError(inputs.invalid(origin, text, setting.accepted, str(e))) from None
   except ValueError:
-    raise ConfigError(f"{origin}={echo(text)} is invalid; accepted: {setting.accepted}") from None
+    raise ConfigError(inputs.invalid(origin, text, setting.accepted)) from None
 
 
 def resolve(
@@ -319,6 +321,35 @@ def resolve(
   if problems:
     raise ConfigError(*problems)
   return StageConfig(**values, sources=sources)
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+  """(name, the closest setting's variable) for each variable in `env` (os.environ when None)
+  under PREFIXES that is neither a setting's nor in OTHER_VARIABLES: nothing reads it."""
+  env = os.environ if env is None else env
+  known = {s.env for s in SETTINGS} | set(OTHER_VARIABLES)
+  unknown = sorted(n for n in env if n.startswith(PREFIXES) and n not in known)
+  if not unknown:
+    return []
+  import difflib  # pylint: disable=import-outside-toplevel  (only when there is one)
+  # Compared without the prefixes, which a guess mixes up (TUNIX_MAX_STAGED_BATCHES breaks its
+  # siblings' TUNIX_STAGE_* pattern, so TUNIX_STAGE_MAX_STAGED_BATCHES is a likely guess).
+  stem = lambda name: name.removeprefix("TUNIX_").removeprefix("STAGE_")
+  by_stem = {stem(s.env): s.env for s in SETTINGS}
+  return [(n, by_stem[difflib.get_close_matches(stem(n), by_stem, n=1, cutoff=0.0)[0]])
+          for n in unknown]
+
+
+def unknown_variable_line(name: str, closest: str) -> str:
+  """The warning's text for one unknown variable; never an error, since another tool may own
+  such a name."""
+  return (f"{name} is not a staging variable, so nothing reads it; did you mean {closest}? "
+          "(the settings: docs/configuration.md)")
+
+
+def unknown_variable_lines(env: Mapping[str, str] | None = None) -> list[str]:
+  """One warning text per unknown variable in `env` (os.environ when None)."""
+  return [unknown_variable_line(name, closest) for name, closest in unknown_variables(env)]
 
 
 class LiveConfig:

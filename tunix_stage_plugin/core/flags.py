@@ -11,6 +11,7 @@ import sys
 from typing import Iterable
 
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import inputs
 
 ORCHESTRATOR_FIELDS = config_lib.fields_for(config_lib.ORCHESTRATOR)
 TRAINER_FIELDS = config_lib.fields_for(config_lib.TRAINER)
@@ -76,4 +77,10 @@ class Parser(argparse.ArgumentParser):
     tokens = list(sys.argv[1:] if args is None else args)
     cut = tokens.index("--") if "--" in tokens else len(tokens)
     tokens = [self._canonical(t) for t in tokens[:cut]] + tokens[cut:]
+    for token in tokens[:cut]:
+      name, _, value = token.partition("=")
+      if value == "--" and name in self._option_string_actions:
+        # argparse drops a value of exactly "--" (it ends the options) and hands the option an
+        # empty list: refused here, in the settings' error shape.
+        self.error(inputs.invalid(name, value, "a value other than '--', which ends the options"))
     return super().parse_known_args(tokens, namespace)

@@ -25,5 +25,6 @@ def missing_line(command: str) -> str | None:
   missing = [name for name in LIBRARIES if importlib.util.find_spec(name) is None]
   if not missing:
     return None
-  return (f"tunix-stage {command}: needs {', '.join(missing)} (the '{EXTRA}' extra): "
-          f"pip install 'tunix-stage-plugin[{EXTRA}]'")
+  from tunix_stage_plugin.core import install_hint  # pylint: disable=import-outside-toplevel
+  return (f"tunix-stage {command}: error: needs {', '.join(missing)} (the '{EXTRA}' extra): "
+          f"{install_hint.install_command(EXTRA)}")

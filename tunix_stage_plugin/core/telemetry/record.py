@@ -4,12 +4,14 @@
 each line flushed as its step ends (a killed job keeps every step it finished). A record that
 cannot be written is said once and dropped; the job never fails for it. The schema is versioned
 (`SCHEMA`, `VERSION`); `read` takes records of this version only, each checked for the fields its
-role carries. The fields: docs/observability.md "The record".
+role carries, of the types it holds (SHAPES), so a record edited by hand is one line naming the
+field. The fields: docs/observability.md "The record".
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import sys
@@ -17,19 +19,57 @@ import threading
 import time
 from typing import Any, Iterable
 
+from tunix_stage_plugin.core import inputs
+
 SCHEMA = "tunix-stage-metrics"
 VERSION = 1
 TRAINER, ORCHESTRATOR = "trainer", "orchestrator"
-# The fields each role's record carries beside the common ones (one table: the writer's figures
-# dicts and `read`'s check).
-FIELDS = {
-    TRAINER: ("step_s", "compute_s", "input_wait_s", "other_s", "microbatches", "compute",
-              "receive", "place", "pool", "staged", "bound_by"),
-    ORCHESTRATOR: ("step_s", "microbatches", "depth", "staged", "inline", "prestaged",
-                   "peak_staged", "fallbacks", "sent", "stage_calls"),
+
+# What each field holds, so that `read` refuses a record edited by hand in one line naming the
+# field, never a traceback in the report: a kind (NUMBER, COUNT, TEXT), Maybe(kind) (or null), an
+# object of exactly these fields ("?name": a field it may lack), or {"*": shape} (an object whose
+# every field is `shape`). The writers: make() and telemetry.trainer / telemetry.orchestrator.
+NUMBER, COUNT, TEXT = "a number >= 0", "an integer >= 0", "text"
+
+
+class Maybe:  # pylint: disable=too-few-public-methods
+  """A shape, or null."""
+
+  def __init__(self, shape: Any) -> None:
+    self.shape = shape
+
+
+TRANSFERS = {"*": {"calls": COUNT, "bytes": COUNT, "seconds": NUMBER, "?gib_s": Maybe(NUMBER)}}
+SHAPES = {
+    "common": {"host": TEXT, "process": {"pid": COUNT, "hostname": TEXT}, "time": NUMBER,
+               "step": COUNT, "settings": {"?max_staged_batches": COUNT,
+                                           "?max_device_batches": COUNT,
+                                           "?max_host_batches": COUNT, "?codec": TEXT}},
+    TRAINER: {
+        "step_s": Maybe(NUMBER), "compute_s": NUMBER,
+        "input_wait_s": {"mid_step": NUMBER, "boundary": Maybe(NUMBER)}, "other_s": NUMBER,
+        "microbatches": COUNT,
+        "compute": {"fwd_bwd_median_s": Maybe(NUMBER), "update_s": NUMBER,
+                    "alone_s": Maybe(NUMBER), "beside_transfer": COUNT,
+                    "slowdown_s": Maybe(NUMBER)},
+        "receive": {"calls": COUNT, "bytes": COUNT, "seconds": NUMBER, "by_transport": TRANSFERS},
+        "place": {"count": COUNT, "seconds": NUMBER, "bytes": COUNT, "staged": COUNT,
+                  "inline": COUNT},
+        "pool": {"waits": COUNT, "wait_s": NUMBER, "over_bound": COUNT},
+        "staged": {"peak_device": Maybe(COUNT), "peak_host": Maybe(COUNT)}, "bound_by": TEXT},
+    ORCHESTRATOR: {
+        "step_s": Maybe(NUMBER), "microbatches": COUNT, "depth": COUNT, "staged": COUNT,
+        "inline": COUNT, "prestaged": COUNT, "peak_staged": COUNT,
+        "fallbacks": {"count": COUNT, "by_kind": {"*": COUNT}}, "sent": TRANSFERS,
+        "stage_calls": {"count": COUNT, "seconds": NUMBER, "median_s": Maybe(NUMBER),
+                        "max_s": Maybe(NUMBER)}},
 }
-COMMON = ("schema", "version", "role", "host", "process", "time", "step", "settings")
+# The fields each role's record carries beside the common ones (from the one table above).
+FIELDS = {role: tuple(SHAPES[role]) for role in (TRAINER, ORCHESTRATOR)}
+COMMON = ("schema", "version", "role", *SHAPES["common"])
 SUFFIX = ".jsonl"
+PATHS_ACCEPTED = "the folder TUNIX_STAGE_METRICS named, or record files"
+LINES_ACCEPTED = f"one {SCHEMA} record per line, as TUNIX_STAGE_METRICS wrote it"
 
 
 class RecordError(ValueError):
@@ -85,15 +125,18 @@ def files(paths: Iterable[str]) -> list[str]:
     if os.path.isdir(path):
       found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(SUFFIX))
       if not found:
-        raise RecordError(f"{path}: a folder with no metrics record in it (*{SUFFIX}); accepted: "
-                          "the folder TUNIX_STAGE_METRICS named, or record files")
+        raise _error(path, PATHS_ACCEPTED, f"a folder with no metrics record in it (*{SUFFIX})")
       out += found
     elif os.path.isfile(path):
       out.append(path)
     else:
-      raise RecordError(f"{path}: no such file or folder; accepted: the folder "
-                        "TUNIX_STAGE_METRICS named, or record files")
+      raise _error(path, PATHS_ACCEPTED, "not a regular file" if os.path.exists(path)
+                   else "no such file or folder")
   return out
+
+
+def _error(name: str, accepted: str, why: str) -> "RecordError":
+  return RecordError(inputs.invalid(name, None, accepted, why))
 
 
 def read(path: str) -> tuple[list[dict[str, Any]], str | None]:
@@ -103,7 +146,7 @@ def read(path: str) -> tuple[list[dict[str, Any]], str | None]:
     with open(path, "rb") as f:
       data = f.read()
   except OSError as e:
-    raise RecordError(f"{path}: cannot be read ({e.strerror or e})") from None
+    raise _error(path, LINES_ACCEPTED, f"cannot be read ({e.strerror or e})") from None
   lines = data.split(b"\n")
   cut = lines.pop() if lines else b""  # what follows the last newline: empty when whole
   records, note = [], None
@@ -116,7 +159,7 @@ def read(path: str) -> tuple[list[dict[str, Any]], str | None]:
       note = (f"{path}: its last line is cut short (the process was killed while writing it); "
               f"read the {len(records)} whole record(s) before it")
   if not records and note is None:
-    raise RecordError(f"{path}: holds no record")
+    raise _error(path, LINES_ACCEPTED, "holds no record")
   return records, note
 
 
@@ -125,23 +168,60 @@ def _parse(path: str, n: int, raw: bytes) -> dict[str, Any]:
   try:
     record = json.loads(raw)
   except json.JSONDecodeError as e:
-    raise RecordError(f"{where}: not a JSON record ({e.msg}); accepted: one {SCHEMA} record "
-                      "per line") from None
+    raise _error(where, LINES_ACCEPTED, f"not a JSON record ({e.msg})") from None
   except UnicodeDecodeError:
-    raise RecordError(f"{where}: not UTF-8 text; accepted: one {SCHEMA} record per line"
-                      ) from None
+    raise _error(where, LINES_ACCEPTED, "not UTF-8 text") from None
+  except (ValueError, RecursionError) as e:  # a number of more than 4300 digits; deep nesting
+    raise _error(where, LINES_ACCEPTED, f"not a JSON record ({type(e).__name__})") from None
   if not isinstance(record, dict) or record.get("schema") != SCHEMA:
-    raise RecordError(f"{where}: not a {SCHEMA} record (its schema field is "
-                      f"{record.get('schema') if isinstance(record, dict) else None!r}); "
-                      "accepted: the files TUNIX_STAGE_METRICS wrote")
+    raise _error(where, "the files TUNIX_STAGE_METRICS wrote", f"not a {SCHEMA} record (its "
+                 f"schema field is {record.get('schema') if isinstance(record, dict) else None!r})")
   if record.get("version") != VERSION:
-    raise RecordError(f"{where}: schema version {record.get('version')!r} is not one this "
-                      f"tunix-stage-plugin reads ({VERSION}); read it with the version that "
-                      "wrote it")
+    raise _error(where, f"version {VERSION}: read it with the version that wrote it",
+                 f"schema version {record.get('version')!r} is not one this tunix-stage-plugin "
+                 "reads")
   role = record.get("role")
-  if role not in FIELDS:
-    raise RecordError(f"{where}: role {role!r}; accepted: {' | '.join(FIELDS)}")
+  if not isinstance(role, str) or role not in FIELDS:
+    raise _error(where, " | ".join(FIELDS), f"role {role!r}")
   missing = [k for k in (*COMMON, *FIELDS[role]) if k not in record]
   if missing:
-    raise RecordError(f"{where}: a {role} record without {missing}")
+    raise _error(where, LINES_ACCEPTED, f"a {role} record without {missing}")
+  for shapes in (SHAPES["common"], SHAPES[role]):
+    for field, shape in shapes.items():
+      _check(record[field], shape, f"{where} {field}")
+  if role == TRAINER and record["place"]["staged"] + record["place"]["inline"] > \
+      record["place"]["count"]:
+    raise _error(f"{where} place", LINES_ACCEPTED, "more staged and inline placements than "
+                 "its count")
   return record
+
+
+def _check(value: Any, shape: Any, name: str) -> None:
+  """Raises RecordError unless `value` is what `shape` (SHAPES) says."""
+  if isinstance(shape, Maybe):
+    if value is not None:
+      _check(value, shape.shape, name)
+    return
+  if isinstance(shape, dict):
+    if not isinstance(value, dict):
+      raise _wrong(value, "a JSON object", name)
+    if "*" in shape:
+      for key, item in value.items():
+        _check(item, shape["*"], f"{name}.{key}")
+      return
+    for key, sub in shape.items():
+      field = key.removeprefix("?")
+      if field in value:
+        _check(value[field], sub, f"{name}.{field}")
+      elif not key.startswith("?"):
+        raise _error(f"{name}.{field}", LINES_ACCEPTED, "missing")
+    return
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if (shape == TEXT and not isinstance(value, str)
+      or shape == COUNT and not (number and isinstance(value, int) and value >= 0)
+      or shape == NUMBER and not (number and math.isfinite(value) and value >= 0)):
+    raise _wrong(value, shape, name)
+
+
+def _wrong(value: Any, accepted: str, name: str) -> "RecordError":
+  return RecordError(inputs.invalid(name, json.dumps(value)[:64], accepted))

@@ -12,6 +12,7 @@ import textwrap
 from typing import TYPE_CHECKING, Any
 
 from tunix_stage_plugin import lab
+from tunix_stage_plugin.core import inputs as core_inputs
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab import inputs
 
@@ -27,12 +28,13 @@ def _modes(text: str) -> tuple[str, ...]:
   modes = tuple(m.strip() for m in text.split(",") if m.strip())
   bad = [m for m in modes if m not in modes_lib.MODES]
   if bad or not modes or len(set(modes)) != len(modes):
-    raise ValueError(f"accepted: a comma-separated subset of {','.join(modes_lib.MODES)}, "
-                     "each at most once")
+    raise inputs.Refused(f"a comma-separated subset of {','.join(modes_lib.MODES)}, each at most "
+                         "once")
   return modes
 
 
-def _check_codec_modes(p: inputs.Problems, modes: tuple[str, ...], codec: str | None) -> None:
+def _check_codec_modes(p: inputs.Problems, text: str | None, modes: tuple[str, ...],
+                       codec: str | None) -> None:
   """A codec mode with --stage_codec off compresses with `on`: its library must be installed."""
   # pylint: disable=import-outside-toplevel,redefined-outer-name
   from tunix_stage_plugin.lab.bench import results
@@ -42,15 +44,16 @@ def _check_codec_modes(p: inputs.Problems, modes: tuple[str, ...], codec: str | 
     try:
       results.mode_codec(codec, named[0])
     except codec_lib.CodecUnavailable as e:
-      p.add(f"--modes {','.join(named)}: compresses with {codec_lib.ON} (--stage_codec is off): "
-            f"{e}")
+      p.refuse("--modes", text, "modes that do not compress, or the codec's library installed",
+               f"{','.join(named)} compresses with {codec_lib.ON} (--stage_codec is off), and "
+               f"{e}")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
+  """The subcommand's parser; `help_line` is what `tunix-stage --help` shows (cli.main's table)."""
   parser = subparsers.add_parser(
       "bench",
-      help="run the staging A/B (inline, depth1, depth2, depth2_prestage, resident) on the "
-      "embedded host or tunix's",
+      help=help_line,
       description=textwrap.fill(
           "Run the staging A/B. On the embedded host (the default): a JAX trainer process "
           "serving gRPC on 127.0.0.1, an orchestrator driving it through the stage pipeline, and "
@@ -103,8 +106,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      "docs/bench.md \"The rl payload\")")
   shape.add_argument("--stage_codec", default="off", metavar="CODEC",
                      help="compress staged payloads on the wire (TUNIX_STAGE_CODEC's values: off, "
-                     "on, NAME[:LEVEL]; default off; needs pip install "
-                     "'tunix-stage-plugin[codec]'); inline calls are never compressed")
+                     "on, NAME[:LEVEL]; default off; needs the codec extra, docs/codec.md); "
+                     "inline calls are never compressed")
   shape.add_argument("--wire_ratio", default=None, metavar="X",
                      help="wire time of one micro-batch as a multiple of its compute (default 0.8)")
   shape.add_argument("--h2d", default=None, metavar="HOW",
@@ -150,44 +153,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 _FILES = {"json": "bench.json", "png": "timeline.png", "trace": "trace.json"}
 
 
-def _scenario(text: str) -> str:
-  if text not in modes_lib.SCENARIOS:
-    raise ValueError(f"accepted: {' | '.join(modes_lib.SCENARIOS)}")
-  return text
-
-
-def _h2d(text: str) -> str:
-  if text not in modes_lib.H2D:
-    raise ValueError(f"accepted: {' | '.join(modes_lib.H2D)}")
-  return text
-
-
-def _payload(text: str) -> str:
-  # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.lab.embedded import data as data_lib
-  if text not in data_lib.PAYLOADS:
-    raise ValueError(f"accepted: {' | '.join(data_lib.PAYLOADS)}")
-  return text
-
-
-def _codec(text: str) -> str:
-  # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.core import codec as codec_lib
-  try:
-    spec = codec_lib.parse(text)
-  except codec_lib.CodecUnavailable:
-    raise
-  except ValueError:
-    raise ValueError(f"accepted: {codec_lib.ACCEPTED}") from None
-  return codec_lib.OFF if spec is None else str(spec)
-
-
-def _host(text: str) -> str:
-  if text not in modes_lib.HOST_NAMES:
-    raise ValueError(f"accepted: {' | '.join(modes_lib.HOST_NAMES)}")
-  return text
-
-
 # The options only the embedded host's emulated links read: (flag, args attribute).
 EMBEDDED_ONLY = (("--wire_ratio", "wire_ratio"), ("--h2d_ratio", "h2d_ratio"),
                  ("--sync_ratio", "sync_ratio"), ("--h2d", "h2d"), ("--scenario", "scenario"))
@@ -199,9 +164,23 @@ def _tunix_problem() -> str | None:
   try:
     importlib.import_module(TUNIX_PROGRAM)
   except ImportError as e:
-    return (f"tunix's experimental stack is not importable here ({e}); install tunix from its "
-            "GitHub main with the plugin, as docs/tunix.md \"Tests against real tunix\" shows")
+    return f"tunix's experimental stack is not importable here ({e})"
   return None
+
+
+def _check_host(p: inputs.Problems, args: argparse.Namespace) -> str | None:
+  host = p.take("--host", args.host, inputs.one_of(modes_lib.HOST_NAMES))
+  if host == "tunix":
+    given = [flag for flag, name in EMBEDDED_ONLY if getattr(args, name) is not None]
+    if given:
+      p.refuse("--host", host, "with --host tunix, none of them (tunix's links are its own)",
+               f"{', '.join(given)} set the embedded host's emulated links")
+    else:
+      found = _tunix_problem()
+      if found:
+        p.refuse("--host", host, "embedded, or tunix where tunix's experimental stack is "
+                 "installed with the plugin (docs/tunix.md \"Tests against real tunix\")", found)
+  return host
 
 
 def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[str, str],
@@ -210,20 +189,12 @@ def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[
   # pylint: disable=import-outside-toplevel,redefined-outer-name
   from tunix_stage_plugin.lab.bench import results
   from tunix_stage_plugin.lab.bench import runner
+  from tunix_stage_plugin.lab.embedded import data as data_lib
 
   p = inputs.Problems()
   length = QUICK if args.quick else FULL
   defaults = results.BenchOptions()
-  host = p.take("--host", args.host, _host)
-  if host == "tunix":
-    given = [flag for flag, name in EMBEDDED_ONLY if getattr(args, name) is not None]
-    if given:
-      p.add(f"--host tunix: {', '.join(given)} set the embedded host's emulated links; tunix's "
-            "links are its own (accepted with --host tunix: none of them)")
-    else:
-      found = _tunix_problem()
-      if found:
-        p.add(f"--host tunix: {found}")
+  host = _check_host(p, args)
   values: dict[str, Any] = {
       "host": host,
       "rounds": p.take("--rounds", args.rounds, inputs.count) or length["rounds"],
@@ -235,23 +206,21 @@ def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[
       "payload_mib": p.take("--payload_mib", args.payload_mib, inputs.payload_mib),
       "wire_ratio": _given(p.take("--wire_ratio", args.wire_ratio, inputs.positive), defaults.wire_ratio),
       "h2d_ratio": _given(p.take("--h2d_ratio", args.h2d_ratio, inputs.positive), defaults.h2d_ratio),
-      "h2d": _given(p.take("--h2d", args.h2d, _h2d), defaults.h2d),
+      "h2d": _given(p.take("--h2d", args.h2d, inputs.one_of(modes_lib.H2D)), defaults.h2d),
       "sync_ratio": _given(p.take("--sync_ratio", args.sync_ratio, inputs.nonnegative), defaults.sync_ratio),
-      "max_device_batches": p.take("--stage_max_device_batches", args.max_device_batches,
-                                   inputs.count),
-      "max_host_batches": p.take("--stage_max_host_batches", args.max_host_batches, inputs.count),
-      "scenario": _given(p.take("--scenario", args.scenario, _scenario), defaults.scenario),
+      "max_device_batches": p.setting("max_device_batches", args.max_device_batches),
+      "max_host_batches": p.setting("max_host_batches", args.max_host_batches),
+      "scenario": _given(p.take("--scenario", args.scenario, inputs.one_of(modes_lib.SCENARIOS)),
+                         defaults.scenario),
       "seed": p.take("--seed", args.seed, inputs.seed),
-      "payload": p.take("--payload", args.payload, _payload),
-      "codec": p.take("--stage_codec", args.stage_codec, _codec),
+      "payload": p.take("--payload", args.payload, inputs.one_of(data_lib.PAYLOADS)),
+      "codec": p.setting("codec", args.stage_codec),
   }
-  _check_codec_modes(p, values["modes"] or (), values["codec"])
+  _check_codec_modes(p, args.modes, values["modes"] or (), values["codec"])
   files = {}
   out_ok = True
   if any(getattr(args, kind) is None for kind in _FILES):  # some file goes into --out
-    before = len(p.lines)
-    p.check_path("--out", args.out, inputs.output_dir_problem)
-    out_ok = len(p.lines) == before
+    out_ok = p.take("--out", args.out, inputs.output_dir) is not None
   for kind, name in _FILES.items():
     given = getattr(args, kind)
     if given == "":
@@ -259,19 +228,20 @@ def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[
     if given is None and not out_ok:
       continue  # already reported as --out
     path = given if given is not None else os.path.join(args.out, name)
-    p.check_path(f"--{kind}" if given is not None else f"--{kind} (default {path})", path,
-                 inputs.output_file_problem)
-    files[kind] = path
+    if p.take(f"--{kind}" if given is not None else f"--{kind} (default {path})", path,
+              inputs.output_png if kind == "png" else inputs.output_file) is not None:
+      files[kind] = path
   real = {os.path.realpath(path): kind for kind, path in files.items()}
   if len(real) < len(files):
-    p.add("--json, --png and --trace name the same file; accepted: a different path for each")
+    p.refuse("--json, --png and --trace", None, "a different path for each",
+             "two of them name the same file")
   if p:
     return None, {}, p.lines
   options = results.BenchOptions(tiny=args.tiny, **values)
   held, what = runner.payloads_held(options)
-  memory = inputs.memory_problem(options.sizes().payload_bytes, held, what)
+  memory = inputs.memory_refusal(options.sizes().payload_bytes, held, what)
   if memory is not None:
-    return None, {}, [f"--payload_mib {args.payload_mib!r}: {memory}"]
+    return None, {}, [core_inputs.refusal("--payload_mib", args.payload_mib, memory)]
   return options, files, []
 
 
@@ -316,8 +286,22 @@ class _Interrupts:
       signal.signal(sig, handler)
 
 
+def _besides_compare(args: argparse.Namespace) -> list[str]:
+  """The options given with --compare (which runs nothing, so each would change nothing)."""
+  parser = args.subcommands["bench"]
+  return [a.option_strings[0] for a in parser._actions  # pylint: disable=protected-access
+          if a.option_strings and a.dest not in ("help", "compare")
+          and getattr(args, a.dest) != a.default]
+
+
 def run(args: argparse.Namespace) -> int:
   if args.compare:
+    besides = _besides_compare(args)
+    if besides:
+      print("tunix-stage bench: error: " + core_inputs.invalid(
+          "--compare", None, "--compare A.json B.json alone",
+          f"it runs no benchmark, so {', '.join(besides)} would change nothing"), file=sys.stderr)
+      return 2
     return _compare(*args.compare)
   missing = lab.missing_line("bench")
   if missing is not None:
@@ -404,7 +388,8 @@ def _compare(path_a: str, path_b: str) -> int:
   try:
     print(compare.compare(path_a, path_b))
   except compare.CompareError as e:
-    print(f"tunix-stage bench: error: --compare: {e}", file=sys.stderr)
+    print("tunix-stage bench: error: "
+          + core_inputs.invalid("--compare", e.path, compare.ACCEPTED, e.why), file=sys.stderr)
     return 2
   return 0
 

@@ -11,27 +11,37 @@ import math
 from typing import Any
 
 
+ACCEPTED = "a tunix-stage bench JSON (bench-out/bench.json) with at least one mode"
+MAX_BYTES = 64 << 20  # far above a bench JSON (tens of KiB); a larger file is not one
+
+
 class CompareError(ValueError):
-  """A file that cannot be compared; the message is one line."""
+  """A file that cannot be compared: `path` and why (the command words the one error line)."""
+
+  def __init__(self, path: str, why: str) -> None:
+    super().__init__(f"{path}: {why}")
+    self.path, self.why = path, why
 
 
 def load(path: str) -> dict[str, Any]:
+  from tunix_stage_plugin.lab import inputs  # pylint: disable=import-outside-toplevel
   try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-  except FileNotFoundError:
-    raise CompareError(f"{path}: no such file") from None
-  except OSError as e:
-    raise CompareError(f"{path}: cannot read it ({e.strerror})") from None
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise CompareError(f"{path}: not JSON ({e}); accepted: a tunix-stage bench JSON") from None
+    data = json.loads(inputs.read_file(path, ACCEPTED, MAX_BYTES).decode("utf-8-sig"))
+  except inputs.Refused as e:
+    raise CompareError(path, e.why or "unreadable") from None
+  except UnicodeDecodeError as e:
+    raise CompareError(path, f"not UTF-8 text (at byte {e.start})") from None
+  except json.JSONDecodeError as e:
+    raise CompareError(path, f"not JSON ({e.msg} at line {e.lineno})") from None
+  except (ValueError, RecursionError) as e:  # a number of more than 4300 digits; deep nesting
+    raise CompareError(path, f"not JSON that can be read ({type(e).__name__})") from None
   if not isinstance(data, dict) or not isinstance(data.get("modes"), dict):
-    raise CompareError(f"{path}: not a tunix-stage bench JSON (no \"modes\" object)")
+    raise CompareError(path, 'not a tunix-stage bench JSON (no "modes" object)')
   if not data["modes"]:
-    raise CompareError(f"{path}: no mode finished in this run (\"modes\" is empty)")
+    raise CompareError(path, 'no mode finished in this run ("modes" is empty)')
   for mode, figures in data["modes"].items():
     if not isinstance(figures, dict):
-      raise CompareError(f"{path}: modes.{mode} is not an object")
+      raise CompareError(path, f"modes.{mode} is not an object")
   return data
 
 

@@ -28,7 +28,7 @@ LEGEND = (
 
 
 class PlotUnavailable(RuntimeError):
-  """matplotlib is not installed (pip install 'tunix-stage-plugin[bench]')."""
+  """matplotlib is not installed (the 'bench' extra)."""
 
 
 def _colour(span: timeline_lib.Span) -> str:
@@ -47,8 +47,9 @@ def write_timeline_png(path: str, runs: Sequence[results.ModeRun], title: str = 
     from matplotlib import patches  # pylint: disable=import-outside-toplevel
     from matplotlib import pyplot as plt  # pylint: disable=import-outside-toplevel
   except ImportError as e:
+    from tunix_stage_plugin.core import install_hint  # pylint: disable=import-outside-toplevel
     raise PlotUnavailable(f"the timeline PNG needs matplotlib ({e}); install the 'bench' extra: "
-                          "pip install -e '.[bench]'") from None
+                          f"{install_hint.install_command('bench')}") from None
   if not runs:
     raise ValueError("no mode runs to plot")
   end = max((s.end - r.origin for r in runs for s in r.spans), default=1.0)
@@ -72,5 +73,5 @@ def write_timeline_png(path: str, runs: Sequence[results.ModeRun], title: str = 
   if title:
     fig.suptitle(title, fontsize=10)
   fig.tight_layout(rect=(0, 0.06, 1, 0.97 if title else 1))
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110, metadata={"Title": title} if title else None)  # (readable as text)
   plt.close(fig)

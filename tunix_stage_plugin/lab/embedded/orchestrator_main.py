@@ -19,6 +19,7 @@ import sys
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import inputs as core_inputs
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.lab import inputs
 from tunix_stage_plugin.lab.embedded import client as client_lib
@@ -102,10 +103,9 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
   sync_s = p.take("--sync_s", args.sync_s, inputs.nonnegative)
   seed = p.take("--seed", args.seed, inputs.seed)
   timeout = p.take("--connect_timeout_s", args.connect_timeout_s, inputs.positive)
-  if args.payload not in data_lib.PAYLOADS:
-    p.add(f"--payload {args.payload!r}: accepted: {' | '.join(data_lib.PAYLOADS)}")
+  p.take("--payload", args.payload, inputs.one_of(data_lib.PAYLOADS))
   liveness = p.take("--liveness_s", args.liveness_s,
-                    lambda text: client_lib.check_liveness(inputs.positive(text)))
+                    lambda text: inputs.number(text, at_least=1.0))
   for field in flags_lib.ORCHESTRATOR_FIELDS:  # each setting alone, so every bad one is named
     setting = config_lib.SETTINGS_BY_FIELD[field]
     try:
@@ -113,11 +113,11 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
                          env={setting.env: os.environ.get(setting.env, "")},
                          explicit_source="flag")
     except config_lib.ConfigError as e:
-      p.add(str(e))
+      p.lines += e.problems
   try:
     client_lib.check_address(args.trainer)
-  except ValueError as e:
-    p.add(str(e))
+  except ValueError:
+    p.refuse("--trainer", args.trainer, "HOST:PORT with PORT in 1..65535 (e.g. 127.0.0.1:50051)")
   if p:
     return None, p.lines
   cfg = flags_lib.config_from_argparse(args, flags_lib.ORCHESTRATOR_FIELDS)
@@ -126,10 +126,10 @@ def check(args: argparse.Namespace) -> tuple[Settings | None, list[str]]:
   if payload is not None:
     sizes = sizes.with_payload_mib(payload)
   # One bulk array per position of a step (data.BatchMaker), shared by every step.
-  memory = inputs.memory_problem(sizes.payload_bytes, microbatches,
+  memory = inputs.memory_refusal(sizes.payload_bytes, microbatches,
                                  "one per position of a step, --microbatches")
   if memory is not None:
-    return None, [f"--payload_mib {args.payload_mib!r}: {memory}"]
+    return None, [core_inputs.refusal("--payload_mib", args.payload_mib, memory)]
   return Settings(args.trainer, steps, microbatches, sizes, wire, h2d, sync_s, seed, timeout,
                   liveness, cfg), []
 

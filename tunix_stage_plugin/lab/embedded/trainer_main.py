@@ -43,11 +43,9 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 MAX_CALL_MIB = 1 << 30  # 1 PiB: far above any call, low enough that a typo is refused
-_port = inputs.argparse_type(inputs.port,
-                             f"an integer in 0..{inputs.MAX_PORT} (0: any free port)")
-_non_negative = inputs.argparse_type(inputs.nonnegative, "a number of seconds >= 0 and <= 1e+12")
-_mib = inputs.argparse_type(lambda text: inputs.integer(text, minimum=1, maximum=MAX_CALL_MIB),
-                            f"an integer number of MiB >= 1 and <= {MAX_CALL_MIB}")
+_port = inputs.argparse_type(inputs.port)
+_non_negative = inputs.argparse_type(inputs.nonnegative)
+_mib = inputs.argparse_type(lambda text: inputs.integer(text, minimum=1, maximum=MAX_CALL_MIB))
 
 
 def build_parser() -> argparse.ArgumentParser:

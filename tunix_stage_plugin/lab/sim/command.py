@@ -5,31 +5,39 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import textwrap
 from typing import Any
 
 from tunix_stage_plugin import lab
-from tunix_stage_plugin.lab.bench import modes as modes_lib
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
+from tunix_stage_plugin.core import inputs as core_inputs
 from tunix_stage_plugin.lab import inputs
+from tunix_stage_plugin.lab.bench import modes as modes_lib
+from tunix_stage_plugin.lab.sim import trace as trace_lib
 
 CHECK_TOLERANCE = 0.05  # --check: a prediction within 5 % of the measured median step
+MAX_FACTOR = 1000.0  # --what_if: a resource 1000 times slower is past any what-if
 # --check on a --tiny bench: its steps last milliseconds, so its timings judge nothing (the label
 # tunix-stage bench gives a --tiny run's timing checks, bench/report.TINY_NA).
 TINY_NA = "n/a (tiny)"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
+  """The subcommand's parser; `help_line` is what `tunix-stage --help` shows (cli.main's table)."""
   parser = subparsers.add_parser(
       "simulate",
-      help="predict what staging saves on a job from its recorded per-micro-batch times",
+      help=help_line,
       description=textwrap.fill(
           "Run the plugin's real stage pipeline in virtual time against a model of the "
           "trainer's resources (one wire, one host-to-device engine, one device; the device and "
           "host bounds), fed by recorded per-micro-batch times, and print per mode the "
           "predicted step times, idle, hidden fraction and total saved. INPUT is a trace JSON "
-          "or CSV (see examples/) or a tunix-stage bench JSON.", 78),
+          "or CSV, a tunix-stage bench JSON or its trace.json (examples/ holds one of each "
+          "JSON kind).", 78),
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog=textwrap.dedent("""\
           trace JSON: {"steps": [{"update_s": U, "boundary_s": B,
@@ -38,19 +46,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
           a bench JSON: its emulated wire and host-to-device times and one mode's recorded
           fwd_bwd and update times (resident's: the device's own speed); --check predicts each
           mode of that bench from that mode's own recorded times and compares.
-          The first step fills the pipeline (as the bench's warm-up); medians are over the rest."""),
+          The first step fills the pipeline (as the bench's warm-up); medians are over the rest.
+          """) + textwrap.fill(
+              f"Bounds: at most {trace_lib.MAX_MICROBATCHES} micro-batches and "
+              f"{trace_lib.MAX_TOTAL_S:g} s of recorded time (after --what_if), a file of at most "
+              f"{trace_lib.MAX_INPUT_BYTES >> 20} MiB; a simulation takes time in proportion to its "
+              "micro-batches and modes (docs/simulate.md).", 88),
   )
   parser.add_argument("input", metavar="INPUT", help="a trace JSON or CSV, or a bench JSON")
   parser.add_argument("--modes", default=None, metavar="LIST",
                       help=f"comma-separated modes (default: {','.join(modes_lib.DEFAULT_MODES)}); "
                       "depthN and depthN_prestage for other depths")
-  parser.add_argument("--stage_max_device_batches", dest="max_device_batches", default="1", metavar="N",
-                      help="the trainer's device bound (default 1)")
-  parser.add_argument("--stage_max_host_batches", dest="max_host_batches", default="1", metavar="N",
-                      help="the trainer's received-batch host bound (default 1)")
+  for field, bound in (("max_device_batches", "device"), ("max_host_batches", "received-batch host")):
+    setting = config_lib.SETTINGS_BY_FIELD[field]
+    parser.add_argument(f"--{setting.flag}", dest=field, default=None, metavar="N",
+                        help=f"the trainer's {bound} bound ({setting.env}'s {setting.accepted}; "
+                        f"default {setting.default}; with --check, the bench's own)")
   parser.add_argument("--what_if", action="append", default=[], metavar="RESOURCE=Fx",
                       help="scale one resource's times, e.g. wire=0.5x (compression halving the "
-                      "wire), h2d=2x, compute=0.8x; repeatable")
+                      f"wire), h2d=2x, compute=0.8x (F > 0 and <= {MAX_FACTOR:g}); once per "
+                      "resource, not with --check; the table, the JSON and the picture say it")
   parser.add_argument("--check", action="store_true",
                       help="INPUT is a bench JSON: predict each of its modes and compare with the "
                       + flags_lib.literal(f"measured median step (a prediction within "
@@ -59,19 +74,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="also write the figures as JSON ('-': stdout, instead of the table)")
   parser.add_argument("--png", default=None, metavar="PATH",
                       help="a timeline picture of one step (--step) in every mode")
-  parser.add_argument("--step", default="1", metavar="N",
-                      help="the step the picture shows (default 1, the first after the fill)")
+  parser.add_argument("--step", default=None, metavar="N",
+                      help="with --png, the step it shows (default 1, the first after the fill)")
   parser.set_defaults(run=run)
 
 
 def _what_if(text: str) -> tuple[str, float]:
-  # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.lab.sim import trace as trace_lib
+  accepted = (f"RESOURCE=F or RESOURCE=Fx with RESOURCE one of {', '.join(trace_lib.RESOURCES)} "
+              f"and F a number > 0 and <= {MAX_FACTOR:g}, e.g. wire=0.5x")
   resource, _, factor = text.partition("=")
   if resource not in trace_lib.RESOURCES:
-    raise ValueError(f"accepted: RESOURCE=FACTOR with RESOURCE one of "
-                     f"{', '.join(trace_lib.RESOURCES)}, e.g. wire=0.5x")
-  return resource, inputs.positive(factor.removesuffix("x"))
+    raise inputs.Refused(accepted)
+  try:
+    return resource, inputs.number(factor.removesuffix("x"), above=0.0, at_most=MAX_FACTOR)
+  except inputs.Refused:
+    raise inputs.Refused(accepted) from None
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -79,10 +96,54 @@ def _modes(text: str) -> tuple[str, ...]:
   from tunix_stage_plugin.lab.sim import run as run_lib
   modes = tuple(m.strip() for m in text.split(",") if m.strip())
   if not modes or len(set(modes)) != len(modes):
-    raise ValueError("accepted: a comma-separated list of distinct modes")
+    raise inputs.Refused(f"a comma-separated list of distinct modes: {run_lib.MODES_ACCEPTED}")
   for mode in modes:
     run_lib.plan_of(mode)  # raises naming the accepted modes
   return modes
+
+
+def _check_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+  """Every flag at once, before the input is read: (values, []) or ({}, one line per problem)."""
+  p = inputs.Problems()
+  values: dict[str, Any] = {
+      "modes": p.take("--modes", args.modes, _modes) or modes_lib.DEFAULT_MODES,
+      "device": p.setting("max_device_batches", args.max_device_batches),
+      "host": p.setting("max_host_batches", args.max_host_batches),
+      "step": 1,
+      "factors": {},
+  }
+  given_with = {}  # resource -> the --what_if that scaled it first
+  for text in args.what_if:
+    scaled = p.take("--what_if", text, _what_if)
+    if scaled is None:
+      continue
+    resource, factor = scaled
+    if resource in given_with:
+      p.refuse("--what_if", text, "one --what_if per resource",
+               f"{resource} is scaled already (--what_if {given_with[resource]})")
+    elif args.check:
+      p.refuse("--what_if", text, "--what_if without --check", "--check compares each "
+               "prediction with the bench's measured run, which nothing scaled")
+    given_with[resource] = text
+    values["factors"][resource] = factor
+  if args.check:
+    for field in ("max_device_batches", "max_host_batches"):
+      if getattr(args, field) is not None:
+        flag = f"--{config_lib.SETTINGS_BY_FIELD[field].flag}"
+        p.refuse(flag, getattr(args, field), f"{flag} without --check",
+                 "--check runs each mode with the bounds the bench ran with (its options)")
+  if args.step is not None and args.png is None:
+    p.refuse("--step", args.step, "--step with --png", "it picks the step --png draws, and no "
+             "--png is given")
+  elif args.step is not None:
+    values["step"] = p.take("--step", args.step, inputs.count)
+  if args.json not in (None, "-"):
+    p.take("--json", args.json, inputs.output_file)
+  if args.png is not None:
+    p.take("--png", args.png, inputs.output_png)
+  values["device"] = values["device"] or config_lib.SETTINGS_BY_FIELD["max_device_batches"].default
+  values["host"] = values["host"] or config_lib.SETTINGS_BY_FIELD["max_host_batches"].default
+  return ({}, p.lines) if p else (values, [])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,40 +151,26 @@ def run(args: argparse.Namespace) -> int:
   if missing is not None:
     print(missing, file=sys.stderr)
     return 2
-  # pylint: disable=import-outside-toplevel
-  from tunix_stage_plugin.lab.sim import run as run_lib
-  from tunix_stage_plugin.lab.sim import trace as trace_lib
-
-  p = inputs.Problems()
-  modes = p.take("--modes", args.modes, _modes) or modes_lib.DEFAULT_MODES
-  device = p.take("--stage_max_device_batches", args.max_device_batches, inputs.count)
-  host = p.take("--stage_max_host_batches", args.max_host_batches, inputs.count)
-  step = p.take("--step", args.step, inputs.count)
-  factors = dict(filter(None, (p.take("--what_if", w, _what_if) for w in args.what_if)))
-  if args.json not in (None, "-"):
-    p.check_path("--json", args.json, inputs.output_file_problem)
-  if args.png is not None:
-    p.check_path("--png", args.png, inputs.output_file_problem)
-  if p:
-    for line in p.lines:
+  values, problems = _check_inputs(args)  # the flags first, then the input they apply to
+  if not problems:
+    try:
+      bench, traces, device, host = _load(args, values)
+    except trace_lib.TraceError as e:  # one line each (a bench's two bounds may be two)
+      problems = str(e).splitlines()
+  if problems:
+    for line in problems:
       print(f"tunix-stage simulate: error: {line}", file=sys.stderr)
     return 2
-  try:
-    if args.check:
-      bench, traces = _bench_traces(args.input, modes, factors)
-    else:
-      trace = trace_lib.load(args.input, mode="resident").scaled(factors)
-      bench, traces = None, {m: trace for m in modes}
-    if args.png is not None:
-      _check_step(step, traces)  # before any simulation: bad input is refused up front
-    if bench is not None:
-      report = _check(args.input, bench, traces, device, host)
-    else:
-      report = _predict(trace, modes, device, host)
-  except (trace_lib.TraceError, ValueError) as e:
-    print(f"tunix-stage simulate: error: {e}", file=sys.stderr)
-    return 2
+  modes, factors, step = values["modes"], values["factors"], values["step"]
+  if bench is not None:
+    report = _check(args.input, bench, traces, device, host)
+  else:
+    report = _predict(traces[modes[0]], modes, device, host)
+  report["what_if"] = factors
   results = report.pop("_results")
+  for path in (args.json, args.png):
+    if path not in (None, "-"):
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   if args.json == "-":
     print(json.dumps(report, indent=1))
   else:
@@ -132,9 +179,42 @@ def run(args: argparse.Namespace) -> int:
       with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
   if args.png:
-    _picture(args.png, results, step)
+    _picture(args.png, results, step, factors)
   failed = [m for m, r in report["modes"].items() if r.get("within_tolerance") is False]
   return 1 if failed else 0
+
+
+def _load(args: argparse.Namespace, values: dict[str, Any]
+          ) -> tuple[dict[str, Any] | None, dict[str, Any], int, int]:
+  """(the bench JSON with --check, else None; the trace per mode; the device and host bounds),
+  every check of the input done; TraceError otherwise."""
+  modes = values["modes"]
+  if args.check:
+    bench, traces = _bench_traces(args.input, modes)
+    device, host = _bench_bounds(args.input, bench)
+  else:
+    trace = _scaled(trace_lib.load(args.input, mode="resident"), args.what_if, values["factors"])
+    bench, traces = None, {m: trace for m in modes}
+    device, host = values["device"], values["host"]
+  if args.png is not None:
+    _check_step(values["step"], traces)  # before any simulation: bad input is refused up front
+  return bench, traces, device, host
+
+
+def _scaled(trace: Any, texts: list[str], factors: dict[str, float]) -> Any:
+  """The trace with --what_if's factors, still within the simulator's clock."""
+  scaled = trace.scaled(factors)
+  total = scaled.total_s()
+  if factors and total > trace_lib.MAX_TOTAL_S:
+    raise trace_lib.TraceError(core_inputs.invalid(
+        "--what_if", " ".join(texts), f"factors that keep the trace's times within "
+        f"{trace_lib.MAX_TOTAL_S:g} s in all", f"the scaled times add up to {total:.3g} s"))
+  return scaled
+
+
+def what_if_label(factors: dict[str, float]) -> str:
+  """How the outputs say what shaped them: 'what if wire x0.5, h2d x2' ('' for none)."""
+  return ("what if " + ", ".join(f"{r} x{f:g}" for r, f in factors.items())) if factors else ""
 
 
 def _figures(result: Any, hidden: float | None, inline_total: float | None) -> dict[str, Any]:
@@ -160,40 +240,55 @@ def _predict(trace: Any, modes: tuple[str, ...], device: int, host: int) -> dict
 
 def _check_step(step: int, traces: dict[str, Any]) -> None:
   """--step names a step after the fill (step 0) that every mode's trace has."""
-  from tunix_stage_plugin.lab.sim import trace as trace_lib  # pylint: disable=import-outside-toplevel
-  last = min(len(t.steps) for t in traces.values()) - 1
-  if last >= 1 and step > last:  # (a trace of one step is refused by the simulator itself)
-    raise trace_lib.TraceError(f"--step {step}: accepted: a step from 1 to {last} (the trace's "
-                               f"steps after the fill, step 0)")
+  last = min(len(t.steps) for t in traces.values()) - 1  # >= 1: a trace has 2 steps or more
+  if step > last:
+    raise trace_lib.TraceError(core_inputs.invalid(
+        "--step", str(step), f"a step from 1 to {last} (the trace's steps after the fill, step 0)"))
 
 
-def _bench_traces(path: str, modes: tuple[str, ...], factors: dict[str, float]
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+def _bench_traces(path: str, modes: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
   """--check's input: the bench JSON and, per mode it measured, that mode's recorded times."""
-  from tunix_stage_plugin.lab.sim import trace as trace_lib  # pylint: disable=import-outside-toplevel
   bench = trace_lib.read_json(path)
   if not isinstance(bench, dict) or not isinstance(bench.get("modes"), dict):
-    raise trace_lib.TraceError(f"{path}: not a tunix-stage bench JSON (no modes); accepted with "
-                               "--check: a bench JSON (bench-out/bench.json)")
+    raise trace_lib.TraceError(core_inputs.invalid(
+        path, None, "with --check: a bench JSON (bench-out/bench.json)",
+        "not a tunix-stage bench JSON (no modes)"))
   modes = tuple(m for m in modes if m in bench["modes"])
   if not modes:
-    raise trace_lib.TraceError(f"{path}: no mode of this bench to check against")
-  traces = {}
+    raise trace_lib.TraceError(core_inputs.invalid(
+        path, None, "a bench JSON that measured one of the modes asked for",
+        "no mode of this bench to check against"))
   for mode in modes:
-    timed = trace_lib.from_bench(bench, mode, path).scaled(factors)
-    # The bench's warm-up step is not recorded: its first timed step stands in for it.
-    traces[mode] = trace_lib.Trace((timed.steps[0], *timed.steps), timed.source)
-  return bench, traces
+    want = bench["modes"][mode].get("median_step_s") if isinstance(bench["modes"][mode], dict) \
+        else None
+    if isinstance(want, bool) or not isinstance(want, (int, float)) or not 0 < want < math.inf:
+      raise trace_lib.TraceError(core_inputs.invalid(
+          f"{path} modes.{mode}.median_step_s", json.dumps(want), "a number of seconds > 0"))
+  return bench, {mode: trace_lib.from_bench(bench, mode, path) for mode in modes}
+
+
+def _bench_bounds(path: str, bench: dict[str, Any]) -> tuple[int, int]:
+  """The device and host bounds the bench ran with (its options), by the settings' rules."""
+  options = bench.get("options")
+  options = options if isinstance(options, dict) else {}
+  bounds = []
+  for field in ("max_device_batches", "max_host_batches"):
+    setting = config_lib.SETTINGS_BY_FIELD[field]
+    value = options.get(field, setting.default)
+    try:
+      bounds.append(config_lib.parse_value(setting, value if isinstance(value, str)
+                                           else json.dumps(value), f"{path} options.{field}"))
+    except config_lib.ConfigError as e:
+      raise trace_lib.TraceError("\n".join(e.problems)) from None
+  return bounds[0], bounds[1]
 
 
 def _check(path: str, bench: dict[str, Any], traces: dict[str, Any], device: int,
            host: int) -> dict[str, Any]:
   from tunix_stage_plugin.lab.sim import run as run_lib  # pylint: disable=import-outside-toplevel
   measured = bench["modes"]
-  options = bench.get("options") or {}
-  device = options.get("max_device_batches", device)
-  host = options.get("max_host_batches", host)
-  tiny = bool(options.get("tiny"))  # milliseconds of compute: nothing to judge
+  options = bench.get("options")
+  tiny = isinstance(options, dict) and options.get("tiny") is True  # milliseconds: judge nothing
   results = {mode: run_lib.simulate(trace, mode, max_device_batches=device,
                                     max_host_batches=host) for mode, trace in traces.items()}
   hidden = run_lib.hidden_fractions(results)
@@ -247,8 +342,10 @@ def _table(report: dict[str, Any]) -> str:
            if check else
            f"tunix-stage simulate {report['input']}: {report['steps']} steps, "
            f"{report['microbatches']} micro-batches; device bound {report['max_device_batches']}, "
-           f"host bound {report['max_host_batches']}; medians over steps 1.. (step 0 fills the "
-           "pipeline); saved = inline total - mode total")
+           f"host bound {report['max_host_batches']}; "
+           + (f"{what_if_label(report['what_if'])}; " if report["what_if"] else "")
+           + "medians over steps 1.. (step 0 fills the pipeline); saved = inline total - mode "
+           "total")
   return "\n".join([title, "", *lines])
 
 
@@ -266,11 +363,13 @@ class _Picture:
     self.timings = [t for t in result.timings if t.step == step]
 
 
-def _picture(path: str, results: dict[str, Any], step: int) -> None:
+def _picture(path: str, results: dict[str, Any], step: int, factors: dict[str, float]) -> None:
   from tunix_stage_plugin.lab.bench import plot  # pylint: disable=import-outside-toplevel
   assert step <= min(len(r.step_s) for r in results.values()), step  # run() checked it
+  label = what_if_label(factors)
   try:
     plot.write_timeline_png(path, [_Picture(m, r, step) for m, r in results.items()],
-                            title=f"tunix-stage simulate: step {step}, predicted")
+                            title=f"tunix-stage simulate: step {step}, predicted"
+                            + (f"; {label}" if label else ""))
   except plot.PlotUnavailable as e:
     print(f"tunix-stage simulate: warning: {e}", file=sys.stderr)

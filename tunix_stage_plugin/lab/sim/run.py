@@ -13,6 +13,7 @@ from typing import AsyncIterator
 
 import looptime
 
+from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
@@ -32,18 +33,22 @@ class Plan:
   prestage: bool = False
 
 
+MODES_ACCEPTED = (f"{', '.join(modes_lib.DEFAULT_MODES)}, or depthN / depthN_prestage with N from "
+                  "1 to 99")
+
+
 def plan_of(mode: str) -> Plan:
+  """How `mode` runs; inputs.Refused (a ValueError) naming the accepted modes otherwise."""
   if mode in modes_lib.BY_NAME and modes_lib.BY_NAME[mode].codec:
-    raise ValueError(f"mode {mode!r} compresses, and the simulator does not model a codec; "
-                     "accepted: an uncompressed mode with --what_if wire=Fx for the compressed "
-                     "wire time")
+    raise inputs.Refused("an uncompressed mode with --what_if wire=Fx for the compressed wire "
+                         "time", f"mode {mode!r} compresses, and the simulator does not model a "
+                         "codec")
   table = {m.name: m.plan for m in modes_lib.MODE_TABLE}
   if mode in table:
     return Plan(**table[mode])
   match = _DEPTH_MODE.fullmatch(mode)
   if match is None:
-    raise ValueError(f"unknown mode {mode!r}; accepted: {', '.join(modes_lib.DEFAULT_MODES)}, "
-                     "or depthN / depthN_prestage with N from 1 to 99")
+    raise inputs.Refused(MODES_ACCEPTED, f"unknown mode {inputs.echo(mode)}")
   return Plan("staged", int(match["depth"]), bool(match["prestage"]))
 
 
