@@ -83,7 +83,9 @@ def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, rou
       trainer_rss={"baseline": 900 * MIB, "peak": (900 + grown_mib) * MIB},
       orchestrator_rss={"baseline": 100 * MIB, "peak": 120 * MIB},
       job_side=None if job_side is None else [
-          {"input_wait_s": {"mid_step": mid, "boundary": boundary}, "other_s": other}
+          {"input_wait_s": {"mid_step": mid, "boundary": boundary}, "other_s": other,
+           "compute_s": seconds - 0.3, "compute": {"slowdown_s": None, "alone_s": 1.7},
+           "bound_by": "wire"}
           for mid, boundary, other in job_side])
 
 
@@ -120,6 +122,10 @@ def test_criteria_pass_on_a_good_result_and_the_table_shows_every_mode():
   inline = table.splitlines()[2].split()
   assert inline[-2:] == ["0.88", "0.12"]  # trainer and orchestrator peaks, GiB
   assert "stage calls:" not in text  # no stage call was recorded
+  # Where each mode's step went, by the trainer's own records.
+  assert ("where the trainer's step went, by its own records (medians per step): inline compute "
+          "9.700 s, input wait 0.105 mid-step + 0.190 at the boundary, slowdown beside "
+          "transfers n/a (no fwd_bwd ran alone), bound by wire") in text
 
 
 def test_the_job_side_figures_must_agree_with_the_bench_s():

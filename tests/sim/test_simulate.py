@@ -381,3 +381,22 @@ def test_a_bench_json_simulates_with_its_first_timed_step_as_the_fill(capsys):
   code, table, err = _simulate(capsys, str(TINY_BENCH), "--json", "-")
   assert code == 0, err
   assert json.loads(table)["steps"] == 2
+
+
+def test_a_job_s_metrics_record_is_an_input(tmp_path):
+  """A record the telemetry core wrote (tests/cli/test_report.py's job: 2 micro-batches a step,
+  each 1.0 s of compute, received in 0.4 s and placed in 0.1 s) simulates; its steps are the
+  trainer's, as measured."""
+  from tests.cli.test_report import write_trainer_job  # pylint: disable=import-outside-toplevel
+
+  write_trainer_job(tmp_path, steps=3)
+  trace = trace_lib.load(str(tmp_path))
+  assert len(trace.steps) == 3
+  mb = trace.steps[1].microbatches
+  assert len(mb) == 2 and mb[0].compute_s == pytest.approx(1.0)
+  assert mb[0].wire_s == pytest.approx(0.4) and mb[0].h2d_s == pytest.approx(0.1)
+  assert trace.steps[1].update_s == pytest.approx(0.2)
+  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "simulate", str(tmp_path)],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert "depth2_prestage" in proc.stdout

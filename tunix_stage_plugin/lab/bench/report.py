@@ -334,6 +334,30 @@ def criteria(result: results.BenchResult, summary: dict[str, ModeSummary]) -> li
   return out + memory_criteria(result, summary)
 
 
+def job_side_split(result: results.BenchResult) -> dict[str, dict[str, Any]]:
+  """Per mode with trainer records: the medians of where a step went (core.telemetry's split:
+  compute, input wait mid-step and at the boundary, the compute's slowdown beside transfers),
+  and what bound most of its steps."""
+  out = {}
+  for mode in dict.fromkeys(r.mode for r in result.runs):
+    records = [rec for r in result.runs if r.mode == mode and r.job_side for rec in r.job_side]
+    if not records:
+      continue
+    bounds = [rec["bound_by"] for rec in records]
+    out[mode] = {
+        "compute_s": metrics.median([rec["compute_s"] for rec in records]),
+        "mid_step_s": metrics.median([rec["input_wait_s"]["mid_step"] for rec in records]),
+        "boundary_s": metrics.median([rec["input_wait_s"]["boundary"] or 0.0
+                                      for rec in records]),
+        "slowdown_s": metrics.median([rec["compute"]["slowdown_s"] for rec in records
+                                      if rec["compute"]["slowdown_s"] is not None]),
+        "alone_s": metrics.median([rec["compute"]["alone_s"] for rec in records
+                                   if rec["compute"]["alone_s"] is not None]),
+        "bound_by": max(dict.fromkeys(bounds), key=bounds.count),
+    }
+  return out
+
+
 def job_side_criterion(result: results.BenchResult) -> Criterion:
   """The trainer's own per-step records (what a user's job writes) against the bench's own
   measurement of the same steps' idle: every step of every run that has them agrees."""
@@ -512,6 +536,14 @@ def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
             f"{_fmt(p['place_s'], '.3f')} s place{_of_compute(p, c)})" for m, p in paths)
         + f"; one memcpy of a micro-batch here: {c.memcpy_fresh_bytes_per_s / GIB:.2f} GiB/s "
         f"into fresh memory, {c.memcpy_warm_bytes_per_s / GIB:.2f} GiB/s warm")
+  split = job_side_split(result)
+  if split:
+    lines.append("where the trainer's step went, by its own records (medians per step): " + "; ".join(
+        f"{m} compute {v['compute_s']:.3f} s, input wait {v['mid_step_s']:.3f} mid-step + "
+        f"{v['boundary_s']:.3f} at the boundary, slowdown beside transfers "
+        + ("n/a (no fwd_bwd ran alone)" if v["slowdown_s"] is None else
+           f"{v['slowdown_s']:.3f} s (alone {v['alone_s']:.3f} s per fwd_bwd)")
+        + f", bound by {v['bound_by']}" for m, v in split.items()))
   overlaps = [(m, s.h2d_overlap) for m, s in summary.items() if s.h2d_overlap is not None]
   if overlaps:
     lines.append("staged placements overlapped compute for " + ", ".join(
@@ -581,6 +613,7 @@ def to_json(result: results.BenchResult, summary: dict[str, ModeSummary],
       "modes": {m: s.to_json() for m, s in summary.items()},
       "wire": {m: wire_summary(result, m) for m in summary},
       "criteria": [ch.to_json() for ch in checks],
+      "job_side_split": job_side_split(result),
       "runs": [{"mode": r.mode, "round": r.round, "step_s": [t.seconds for t in r.timings],
                 "mid_step_idle_s": [t.mid_step_idle for t in r.timings],
                 "boundary_idle_s": [t.boundary_idle for t in r.timings],

@@ -20,11 +20,13 @@ from typing import Any
 
 from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.lab import inputs as lab_inputs
 
 RESOURCES = ("wire", "h2d", "compute")
-ACCEPTED_INPUT = ("a trace JSON, a trace CSV (.csv), a tunix-stage bench JSON or a bench "
-                  "trace.json, as UTF-8 text (docs/simulate.md)")
+ACCEPTED_INPUT = ("a trace JSON, a trace CSV (.csv), a tunix-stage bench JSON, a bench "
+                  "trace.json, or a job's metrics record (.jsonl, or the folder "
+                  "TUNIX_STAGE_METRICS named), as UTF-8 text (docs/simulate.md)")
 MAX_INPUT_BYTES = 64 << 20  # a trace of MAX_MICROBATCHES rows is a few MiB
 MAX_MICROBATCHES = 100_000  # about 2 minutes of simulation per mode on a 2-core machine
 # The virtual clock (looptime 0.9) never fires a timer set past 2**24 s (194 days) of virtual
@@ -381,8 +383,39 @@ def read_json(path: str) -> Any:
                   f"{str(e)[:60]})") from None
 
 
+def from_records(path: str) -> Trace:
+  """A job's metrics record (core.telemetry: a .jsonl file, or the folder TUNIX_STAGE_METRICS
+  named): each trainer step as the trainer measured it. Per micro-batch: the step's median
+  fwd_bwd as compute, its receives' mean time as wire (0 where none was timed: tunix's own
+  unary call is received before any hook sees it), its placements' mean time as h2d; the
+  step's update; its compute lane's own calls (a weight sync) as the boundary."""
+  try:
+    records = [r for f in record_lib.files([path]) for r in record_lib.read(f)[0]]
+  except record_lib.RecordError as e:
+    raise TraceError(str(e)) from None
+  trainer = sorted((r for r in records if r["role"] == record_lib.TRAINER),
+                   key=lambda r: (r["process"]["hostname"], r["process"]["pid"], r["step"]))
+  steps = []
+  for r in trainer:
+    received, placed = r["receive"], r["place"]
+    wire = received["seconds"] / received["calls"] if received["calls"] else 0.0
+    h2d = placed["seconds"] / placed["count"] if placed["count"] else 0.0
+    compute = r["compute"]["fwd_bwd_median_s"]
+    if not r["microbatches"] or compute is None:
+      continue  # a step with no fwd_bwd: nothing to simulate
+    steps.append(StepTimes(tuple(MicroBatchTimes(wire, h2d, compute)
+                                 for _ in range(r["microbatches"])),
+                           r["compute"]["update_s"], r["other_s"]))
+  if not steps:
+    raise _refuse(path, ACCEPTED_INPUT, "no trainer record with a fwd_bwd in it")
+  return check_bounds(Trace(tuple(steps), path), path)
+
+
 def load(path: str, mode: str | None = None) -> Trace:
-  """A trace from a JSON or CSV file, or a bench JSON (with `mode`, its recorded times)."""
+  """A trace from a JSON or CSV file, a bench JSON (with `mode`, its recorded times), or a
+  job's metrics record."""
+  if os.path.isdir(path) or path.endswith(record_lib.SUFFIX):
+    return from_records(path)
   if os.path.splitext(path)[1].lower() == ".csv":
     return from_csv(read_text(path), path)
   data = read_json(path)
