@@ -69,6 +69,9 @@ def test_every_mode_on_tunix_trains_the_same_parameters_in_order(tmp_path):
   assert modes["inline"]["peak_device_batches"] == 0
   assert modes["inline"]["host_path"]["path"] == "inline"
   assert calibration["wire_s"] > 0  # the measured receive, what `simulate` reads
+  # The plugin's node's own per-step records agree with the bench's measurement of the same
+  # steps (the staged modes ran there; inline and resident on tunix's own node have none).
+  _assert_job_side_agrees(report, {"depth1", "depth2", "depth2_prestage"})
   assert (out / "trace.json").exists() and (out / "timeline.png").exists()
 
   # The same JSON through the host-agnostic tools: simulate's check and --compare.
@@ -133,6 +136,20 @@ def test_over_tunix_message_cap_inline_takes_the_plugins_path_and_trains_the_sam
   assert all(verdicts[name] is True for name in CORRECTNESS), verdicts
   assert report["modes"]["inline"]["peak_device_batches"] == 0  # nothing staged
   assert report["modes"]["inline"]["host_path"]["path"] == "inline"
+  # Here inline ran on the plugin's node too: its records show the host path's cost.
+  _assert_job_side_agrees(report, {"inline", "depth2_prestage"})
+
+
+def _assert_job_side_agrees(report, modes_with_records):
+  """The trainer's records (what a job writes) agree with the bench's own figures, step by
+  step, in every run that has them, and exactly the runs on the plugin's node have them."""
+  (check,) = [c for c in report["criteria"] if c["name"].startswith("job-side")]
+  assert check["passed"] is True and check["value"] == 0, check
+  with_records = {r["mode"] for r in report["runs"] if r["job_side"] is not None}
+  assert with_records == modes_with_records
+  for run in report["runs"]:
+    for step in run["job_side"] or ():
+      assert step["agrees"], (run["mode"], step)
 
 
 def test_ctrl_c_stops_both_nodes_and_writes_the_runs_so_far(tmp_path):
