@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import os
-import threading
 import time
 
 import jax

@@ -13,7 +13,6 @@ plugin's spans next to `peft_train`.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
