@@ -205,6 +205,9 @@ def test_the_orchestrator_figures_count_a_real_pipeline_s_calls_by_step():
     assert f["stage_calls"]["count"] == f["staged"] + f["fallbacks"]["count"]
     assert f["sent"] == {"side": {"calls": f["stage_calls"]["count"], "bytes": f["staged"] * MIB,
                                   "seconds": pytest.approx(0.5 * f["staged"]), "gib_s": 2 / 1024}}
+    # The line gives a send's time a call, not a speed: it includes the call's wait on the trainer.
+    assert (f"sent {f['staged']} x 1.0 MiB by side channel, 0.500 s a call;"
+            in lines.orchestrator_line(f))
   assert figures[0]["step_s"] is None and figures[1]["step_s"] > 0
   assert [r["step"] for r in tel.history["orchestrator"]] == [0, 1]
 

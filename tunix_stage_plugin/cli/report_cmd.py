@@ -116,10 +116,10 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
     out.append(f"orchestrator: staged {o['staged']} ({o['prestaged']} across a boundary), "
                f"inline {o['inline']}, fallbacks {o['fallbacks']}{kinds}; stage call median "
                f"{_s(o['stage_call_median_s'])} s")
-    for name, tr in o["sent"].items():
-      rate = "" if tr["gib_s"] is None else f" at {tr['gib_s']:.2f} GiB/s"
+    for name, tr in o["sent"].items():  # a call's time includes its wait on the trainer
       out.append(f"sent by {lines.TRANSPORT_NAMES.get(name, name)}: {tr['calls']} calls, "
-                 f"{tr['bytes'] / lines.GIB:.2f} GiB{rate}")
+                 f"{tr['bytes'] / lines.GIB:.2f} GiB, {tr['seconds'] / tr['calls']:.3f} s a "
+                 "call (its wait on the trainer included)")
   return out
 
 

@@ -17,11 +17,16 @@ def _s(seconds: float | None) -> str:
   return "-" if seconds is None else f"{seconds:.2f}"
 
 
-def _by_transport(by_transport: dict[str, dict[str, Any]]) -> str:
+def _by_transport(by_transport: dict[str, dict[str, Any]], *, calls: bool = False) -> str:
+  """Per transport: how many micro-batches of what size, and the bytes' speed as they arrived
+  (a trainer's receives) or, with `calls`, how long a call took (an orchestrator's sends: a
+  call's time includes its wait on the trainer, so it is no transport's speed)."""
   parts = []
   for name, t in by_transport.items():
-    rate = (f" at {t['bytes'] / t['seconds'] / GIB:.2f} GiB/s"
-            if t["seconds"] and name != "unary" else "")
+    if calls:
+      rate = f", {t['seconds'] / t['calls']:.3f} s a call"
+    else:
+      rate = f" at {t['bytes'] / t['seconds'] / GIB:.2f} GiB/s" if t["seconds"] else ""
     parts.append(f"{t['calls']} x {t['bytes'] / t['calls'] / MIB:.1f} MiB by "
                  f"{TRANSPORT_NAMES.get(name, name)}{rate}")
   return ", ".join(parts) or "nothing"
@@ -47,7 +52,7 @@ def orchestrator_line(figures: dict[str, Any]) -> str:
   return (f"tunix-stage: step {figures['step']}: {figures['microbatches']} micro-batches, "
           f"staged {figures['staged']} ({figures['prestaged']} across the boundary), inline "
           f"{figures['inline']}, fallbacks {fallbacks['count']}{kinds}; sent "
-          f"{_by_transport(figures['sent'])}; stage calls {calls['count']}, median "
+          f"{_by_transport(figures['sent'], calls=True)}; stage calls {calls['count']}, median "
           f"{_s(calls['median_s'])} s")
 
 
