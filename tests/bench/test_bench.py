@@ -83,8 +83,9 @@ def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, rou
       trainer_rss={"baseline": 900 * MIB, "peak": (900 + grown_mib) * MIB},
       orchestrator_rss={"baseline": 100 * MIB, "peak": 120 * MIB},
       job_side=None if job_side is None else [
-          {"input_wait_s": {"mid_step": mid, "boundary": boundary}, "other_s": other,
-           "compute_s": seconds - 0.3, "compute": {"slowdown_s": None, "alone_s": 1.7},
+          {"step": 1, "input_wait_s": {"mid_step": mid, "boundary": boundary}, "other_s": other,
+           "compute_s": seconds - 0.3,
+           "compute": {"slowdown_s": None, "alone_s": 1.7, "beside_transfer": 2},
            "bound_by": "wire"}
           for mid, boundary, other in job_side])
 

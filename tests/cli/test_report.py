@@ -23,25 +23,29 @@ from tunix_stage_plugin.core.timeline import Span
 MIB = 1 << 20
 
 
-def write_trainer_job(folder, steps=4, boundary_wait=0.0, pool_waits=0, host_batches=1):
+def write_trainer_job(folder, steps=4, boundary_wait=0.0, pool_waits=0, host_batches=1,
+                      inline_from=None):
   """A trainer process's records: `steps` steps of 2 fwd_bwd (1.0 s each) and an update (0.2 s),
   each micro-batch received (0.4 s, 64 MiB) and placed (0.1 s) beside the computation before it;
   `boundary_wait` idle seconds before each step's first computation; `pool_waits` receive-pool
-  waits of 0.3 s a step."""
+  waits of 0.3 s a step. From step `inline_from` on, the job runs inline: each micro-batch is
+  received and placed in its own call, before its computation (0.5 s of input wait each)."""
   tel = process.Telemetry(process.Settings(
       host="tunix", metrics_dir=str(folder), log_every=0,
       shaping=(("max_device_batches", 1), ("max_host_batches", host_batches))))
   tel.trainer(lambda: (1, 1))
   t = 0.0
-  for _ in range(steps):
+  for step in range(steps):
     t += boundary_wait
     spans = []
+    inline = inline_from is not None and step >= inline_from
     for _ in range(2):
       spans += [Span(tracks.TRAINER_RECEIVE, "stage_batch", t, t + 0.4,
                      (("bytes", 64 * MIB), ("transport", "side"))),
                 Span(tracks.TRAINER_H2D, "s-m", t + 0.4, t + 0.5,
-                     (("bytes", 64 * MIB), ("lane", "staging"))),
-                compute("fwd_bwd", t, t + 1.0)]
+                     (("bytes", 64 * MIB), ("lane", "inline" if inline else "staging")))]
+      t += 0.5 if inline else 0.0
+      spans.append(compute("fwd_bwd", t, t + 1.0))
       t += 1.0
     spans += [Span(tracks.TRAINER_POOL_WAIT, "pool wait", t - 0.5, t - 0.2,
                    (("bytes", 64 * MIB), ("over", False)))] * pool_waits
@@ -87,6 +91,29 @@ def test_report_json_carries_the_records_and_the_summary(tmp_path):
   assert summary["inline_wait_estimate_s"] == pytest.approx(1.0)
   assert summary["hidden_s"] == pytest.approx(1.0)
   assert data["summary"]["recommendations"] == [] and data["notes"] == []
+
+
+def test_a_job_run_staged_then_inline_says_each_path_s_wait_and_judges_the_staged_steps(
+    tmp_path):
+  """Steps 0-2 staged, 3-5 inline (0.5 s of input wait before each fwd_bwd): the report says
+  each path's wait apart, and recommends nothing for staging (its steps never waited)."""
+  write_trainer_job(tmp_path, steps=6, inline_from=3)
+  data = json.loads(report(str(tmp_path), "--json").stdout)
+  paths = data["summary"]["trainer"]["by_path"]
+  # Step 0 has no step before it and is left out: 2 staged steps, 3 inline ones.
+  assert paths["staged"] == {"steps": 2, "input_wait_s": pytest.approx(0.0)}
+  # Inline: the first micro-batch's 0.5 s counts at the boundary, the second's mid-step.
+  assert paths["inline"] == {"steps": 3, "input_wait_s": pytest.approx(1.0)}
+  assert data["summary"]["recommendations"] == []
+  # What staging hid: judged in the steps that staged (2 micro-batches of 0.4 + 0.1 s each).
+  trainer = data["summary"]["trainer"]
+  assert trainer["hidden_s"] == pytest.approx(1.0) and trainer["input_wait_s"] == pytest.approx(1.0)
+  out = report(str(tmp_path)).stdout
+  assert "input wait a step: 0.00 s staged (2 steps), 1.00 s inline (3 steps)" in out
+  assert "staging hid 1.00 s a step of an inline estimate of 1.00 s of input wait (100%) (in " \
+      "the steps that staged)" in out
+  assert out.splitlines()[-1] == ("recommendation: nothing to change: staging kept the "
+                                  "trainer's input ready")
 
 
 def test_a_cut_last_line_is_a_note_and_the_rest_is_read(tmp_path):

@@ -155,6 +155,40 @@ def test_a_trainer_step_splits_into_compute_input_wait_and_other_calls():
   assert second["bound_by"] == analysis.WIRE  # 0.5 s of input wait in a 3.3 s step
 
 
+def beside_every_fwd_bwd(t):
+  """A step from `t` whose two fwd_bwd (0.9 s each) each have a receive beside them."""
+  return [Span(tracks.TRAINER_RECEIVE, "stage_batch", t, t + 0.8,
+               (("bytes", MIB), ("transport", "side"))), compute("fwd_bwd", t, t + 0.9),
+          Span(tracks.TRAINER_RECEIVE, "stage_batch", t + 0.9, t + 1.7,
+               (("bytes", MIB), ("transport", "side"))), compute("fwd_bwd", t + 0.9, t + 1.8),
+          compute("update", t + 1.8, t + 2.0)]
+
+
+def test_a_slowdown_without_a_baseline_is_unknown_and_a_restart_keeps_the_baseline():
+  """Every fwd_bwd beside a transfer: no baseline, so no slowdown, and the line says so. A run
+  whose process computed alone before (the bench's earlier mode) keeps that baseline across
+  telemetry.restart(), and its steps then say how much the shared cores cost."""
+  tel = process.Telemetry(process.Settings(host="test", log_every=0))
+  agg = tel.trainer()
+  for span in beside_every_fwd_bwd(0.0):
+    agg.record(span)
+  (first,) = tel.history["trainer"]
+  assert first["compute"]["alone_s"] is None and first["compute"]["slowdown_s"] is None
+  assert first["compute"]["beside_transfer"] == 2
+  assert "slowdown beside transfers unknown" in lines.trainer_line(first)
+  assert first["bound_by"] == analysis.COMPUTE  # no input wait; the slowdown not known
+  for span in [compute("fwd_bwd", 2.0, 2.6), compute("update", 2.6, 2.8)]:  # one ran alone
+    agg.record(span)
+  tel.restart()
+  for span in beside_every_fwd_bwd(3.0) + beside_every_fwd_bwd(5.0):
+    tel.trainer().record(span)
+  _, second = tel.history["trainer"]
+  assert second["compute"]["alone_s"] == pytest.approx(0.6)  # from before the restart
+  assert second["compute"]["slowdown_s"] == pytest.approx(2 * (0.9 - 0.6))
+  assert second["bound_by"] == analysis.SHARED_CORES
+  assert "0.60 slower beside transfers" in lines.trainer_line(second)
+
+
 def test_the_bound_follows_the_largest_loss():
   base = {"step": 1, "step_s": 2.0, "compute_s": 2.0, "other_s": 0.0,
           "input_wait_s": {"mid_step": 0.0, "boundary": 0.0},

@@ -103,9 +103,15 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
             f"wait {_s(t['input_wait_s'])} (mid-step {_s(t['mid_step_s'])}, boundary "
             f"{_s(t['boundary_s'])}) + other calls {_s(t['other_s'])}; the compute "
             f"{_s(t['slowdown_s'])} s slower beside transfers",
-            f"bound by: {bound} (steps)",
-            f"staging hid {_s(t['hidden_s'])} s a step of an inline estimate of {_s(estimate)} s "
-            f"of input wait{share}"]
+            f"bound by: {bound} (steps)"]
+    paths = t["by_path"]
+    if paths["staged"]["steps"] and paths["inline"]["steps"]:
+      out.append("input wait a step: " + ", ".join(
+          f"{_s(p['input_wait_s'])} s {path} ({p['steps']} step{'' if p['steps'] == 1 else 's'})"
+          for path, p in paths.items()))
+    out.append(f"staging hid {_s(t['hidden_s'])} s a step of an inline estimate of "
+               f"{_s(estimate)} s of input wait{share}"
+               + (" (in the steps that staged)" if paths["inline"]["steps"] else ""))
     for name, tr in t["received"].items():
       rate = "" if tr["gib_s"] is None else f" at {tr['gib_s']:.2f} GiB/s"
       out.append(f"received by {lines.TRANSPORT_NAMES.get(name, name)}: {tr['calls']} calls, "

@@ -461,3 +461,9 @@ def test_the_trainer_records_each_step_of_a_maxtext_engine(staging, tmp_path):
   (path,) = record_lib.files([str(folder)])
   written, note = record_lib.read(path)
   assert note is None and [r["step"] for r in written] == [r["step"] for r in records]
+  # What a user runs on the job's records: the per-step table of the maxtext host's steps,
+  # the split overall and one recommendation.
+  out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
+                       capture_output=True, text=True, timeout=60, check=True).stdout
+  assert f"(maxtext, {2 * STEPS} steps)" in out and "wait boundary" in out, out
+  assert "staging hid" in out and out.splitlines()[-1].startswith("recommendation: "), out

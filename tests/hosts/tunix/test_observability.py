@@ -79,6 +79,7 @@ def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
 
   out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
                        capture_output=True, text=True, timeout=60, check=True).stdout
+  print(out)  # with -s: what a user's `tunix-stage report` says of this job
   assert "trainer " in out and "orchestrator " in out and "(tunix, 4 steps)" in out
   assert "wait boundary" in out and "staging hid" in out
   assert out.splitlines()[-1].startswith("recommendation: ")

@@ -58,12 +58,20 @@ def inline_estimate(figures: dict[str, Any]) -> float:
   return input_wait(figures) + staged * (per_receive + per_place)
 
 
+def staged(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The trainer steps that staged a micro-batch (placed one on the staging lane); the others
+  ran inline (staging off, or every stage fell back)."""
+  return [f for f in steps if f["place"]["staged"]]
+
+
 def recommendations(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
                     ) -> list[str]:
   """Which setting held staging back, to what, and what it costs: one line each; the settings
-  and the micro-batch size come from the records."""
+  and the micro-batch size come from the records. Judged on the steps that staged, where there
+  are any: an inline step's wait says nothing of a staging setting."""
   out = []
   steps = [f for f in trainer if f["step_s"] is not None] or trainer
+  steps = staged(steps) or steps
   if not steps:
     return out
   step_s = statistics.median(step_seconds(f) for f in steps)
@@ -124,12 +132,13 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
   steps = [f for f in trainer if f["step_s"] is not None] or trainer
   out: dict[str, Any] = {"trainer_steps": len(trainer), "orchestrator_steps": len(orchestrator)}
   if steps:
-    wait = [input_wait(f) for f in steps]
-    estimate = [inline_estimate(f) for f in steps]
+    judged = staged(steps) or steps  # what staging hid: in the steps that staged
+    wait = [input_wait(f) for f in judged]
+    estimate = [inline_estimate(f) for f in judged]
     out["trainer"] = {
         "step_s": statistics.median(step_seconds(f) for f in steps),
         "compute_s": statistics.median(f["compute_s"] for f in steps),
-        "input_wait_s": statistics.median(wait),
+        "input_wait_s": statistics.median(input_wait(f) for f in steps),
         "mid_step_s": statistics.median(f["input_wait_s"]["mid_step"] for f in steps),
         "boundary_s": _median([f["input_wait_s"]["boundary"] for f in steps
                                if f["input_wait_s"]["boundary"] is not None]),
@@ -141,6 +150,12 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
         "inline_wait_estimate_s": statistics.median(estimate),
         "hidden_s": statistics.median(e - w for e, w in zip(estimate, wait)),
         "received": _transports([f["receive"]["by_transport"] for f in steps]),
+        # A record holding both (a job run staged and inline, or stages that fell back): each
+        # path's input wait apart, so staging's effect is read off the job itself.
+        "by_path": {path: {"steps": len(group),
+                           "input_wait_s": _median([input_wait(f) for f in group])}
+                    for path, group in (("staged", staged(steps)),
+                                        ("inline", [f for f in steps if f not in staged(steps)]))},
     }
   if orchestrator:
     out["orchestrator"] = {

@@ -34,8 +34,12 @@ def _by_transport(by_transport: dict[str, dict[str, Any]], *, calls: bool = Fals
 
 def trainer_line(figures: dict[str, Any]) -> str:
   wait, compute = figures["input_wait_s"], figures["compute"]
-  slowdown = ("" if compute["slowdown_s"] is None
-              else f", {_s(compute['slowdown_s'])} slower beside transfers")
+  if compute["slowdown_s"] is not None:
+    slowdown = f", {_s(compute['slowdown_s'])} slower beside transfers"
+  elif compute["beside_transfer"]:  # no fwd_bwd ran alone yet: no baseline to compare with
+    slowdown = ", slowdown beside transfers unknown"
+  else:
+    slowdown = ""
   pool = figures["pool"]
   return (f"tunix-stage: trainer step {figures['step']}: {_s(figures['step_s'])} s = compute "
           f"{_s(figures['compute_s'])}{slowdown} + input wait {_s(wait['mid_step'])} mid-step, "

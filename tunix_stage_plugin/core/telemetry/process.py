@@ -78,11 +78,12 @@ class Telemetry:
 
   def restart(self) -> None:
     """A new run in the same process (the bench's modes): each side listening starts again from
-    step 0, its history empty."""
+    step 0, its history empty. The trainer keeps its computations' baseline alone (the same
+    process's model), so a run whose every fwd_bwd has a transfer beside it still has one."""
     with self._lock:
       if self._trainer is not None:
-        old, self._trainer = self._trainer, trainer_lib.TrainerSteps(self._trainer_step,
-                                                                     self._trainer.peaks)
+        old, self._trainer = self._trainer, trainer_lib.TrainerSteps(
+            self._trainer_step, self._trainer.peaks, alone=self._trainer.alone())
         self.recorder.remove_sink(old)
         self.recorder.add_sink(self._trainer)
       if self._orchestrator is not None:

@@ -23,7 +23,7 @@ import queue
 import statistics
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
@@ -117,14 +117,21 @@ class TrainerSteps:
   recorded the step's update computation)."""
 
   def __init__(self, on_step: Callable[[dict[str, Any]], None],
-               peaks: Peaks | None = None) -> None:
+               peaks: Peaks | None = None, alone: Iterable[float] = ()) -> None:
+    """`alone`: fwd_bwd durations that ran without a transfer beside them, to start the
+    slowdown's baseline with (the same process's computations before a restart)."""
     self._on_step = on_step
     self.peaks = peaks
     self._lock = threading.Lock()
     self._spans: dict[str, list[timeline_lib.Span]] = collections.defaultdict(list)
-    self._alone: collections.deque[float] = collections.deque(maxlen=ALONE_WINDOW)
+    self._alone: collections.deque[float] = collections.deque(alone, maxlen=ALONE_WINDOW)
     self._step = 0
     self._last_end: float | None = None
+
+  def alone(self) -> list[float]:
+    """The slowdown's baseline: the recent fwd_bwd durations that ran alone."""
+    with self._lock:
+      return list(self._alone)
 
   def record(self, span: timeline_lib.Span) -> None:
     if span.track not in TRACKS:  # another side's (an orchestrator in the same process)

@@ -344,15 +344,15 @@ def job_side_split(result: results.BenchResult) -> dict[str, dict[str, Any]]:
     if not records:
       continue
     bounds = [rec["bound_by"] for rec in records]
+    known = [rec for rec in records if rec["compute"]["slowdown_s"] is not None]
     out[mode] = {
+        "steps": len(records), "steps_with_slowdown": len(known),
         "compute_s": metrics.median([rec["compute_s"] for rec in records]),
         "mid_step_s": metrics.median([rec["input_wait_s"]["mid_step"] for rec in records]),
         "boundary_s": metrics.median([rec["input_wait_s"]["boundary"] or 0.0
                                       for rec in records]),
-        "slowdown_s": metrics.median([rec["compute"]["slowdown_s"] for rec in records
-                                      if rec["compute"]["slowdown_s"] is not None]),
-        "alone_s": metrics.median([rec["compute"]["alone_s"] for rec in records
-                                   if rec["compute"]["alone_s"] is not None]),
+        "slowdown_s": metrics.median([rec["compute"]["slowdown_s"] for rec in known]),
+        "alone_s": metrics.median([rec["compute"]["alone_s"] for rec in known]),
         "bound_by": max(dict.fromkeys(bounds), key=bounds.count),
     }
   return out
@@ -542,7 +542,8 @@ def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
         f"{m} compute {v['compute_s']:.3f} s, input wait {v['mid_step_s']:.3f} mid-step + "
         f"{v['boundary_s']:.3f} at the boundary, slowdown beside transfers "
         + ("n/a (no fwd_bwd ran alone)" if v["slowdown_s"] is None else
-           f"{v['slowdown_s']:.3f} s (alone {v['alone_s']:.3f} s per fwd_bwd)")
+           f"{v['slowdown_s']:.3f} s (alone {v['alone_s']:.3f} s per fwd_bwd; known in "
+           f"{v['steps_with_slowdown']} of {v['steps']} steps)")
         + f", bound by {v['bound_by']}" for m, v in split.items()))
   overlaps = [(m, s.h2d_overlap) for m, s in summary.items() if s.h2d_overlap is not None]
   if overlaps:
@@ -624,7 +625,13 @@ def to_json(result: results.BenchResult, summary: dict[str, ModeSummary],
                 "other_processes_cores": r.step_foreign_cores, "step_quiet": r.step_quiet,
                 "wire": r.wire,
                 "job_side": None if r.job_side is None else metrics.job_side_agreement(
-                    r.timings, r.job_side)}
+                    r.timings, r.job_side),
+                "job_side_steps": None if r.job_side is None else [
+                    {"step": rec["step"], "compute_s": rec["compute_s"],
+                     "input_wait_s": rec["input_wait_s"], "bound_by": rec["bound_by"],
+                     **{k: rec["compute"][k] for k in ("alone_s", "beside_transfer",
+                                                       "slowdown_s")}}
+                    for rec in r.job_side]}
                for r in result.runs],
       "wall_s": result.wall_s,
       "trainer_exit_code": result.trainer_exit_code,
