@@ -152,6 +152,19 @@ def test_mode_off_installs_nothing_and_says_so(adapter, capsys):
       "tunix-stage: staging is off (default=off); nothing installed")
 
 
+def test_mode_off_measures_and_writes_nothing_even_with_a_metrics_folder(adapter, capsys,
+                                                                          tmp_path):
+  """Off means off: the telemetry settings are read, but no folder, record or per-step line
+  comes of them."""
+  folder = tmp_path / "metrics"
+  activation = manager.install(config_lib.resolve({"metrics": str(folder), "log_every": 1},
+                                                  env={}), host="fake")
+  assert not activation.installed and adapter.applied == 0
+  assert not folder.exists()
+  assert capsys.readouterr().err.strip() == (
+      "tunix-stage: staging is off (default=off); nothing installed")
+
+
 def test_mode_off_from_env_is_named(adapter, capsys, monkeypatch):
   monkeypatch.setenv("TUNIX_STAGE_BATCH", "off")
   assert not manager.install(host="fake").installed
