@@ -132,7 +132,8 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
   steps = [f for f in trainer if f["step_s"] is not None] or trainer
   out: dict[str, Any] = {"trainer_steps": len(trainer), "orchestrator_steps": len(orchestrator)}
   if steps:
-    judged = staged(steps) or steps  # what staging hid: in the steps that staged
+    paths = {"staged": staged(steps), "inline": [f for f in steps if not f["place"]["staged"]]}
+    judged = paths["staged"] or steps  # what staging hid: in the steps that staged
     wait = [input_wait(f) for f in judged]
     estimate = [inline_estimate(f) for f in judged]
     out["trainer"] = {
@@ -154,8 +155,7 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
         # path's input wait apart, so staging's effect is read off the job itself.
         "by_path": {path: {"steps": len(group),
                            "input_wait_s": _median([input_wait(f) for f in group])}
-                    for path, group in (("staged", staged(steps)),
-                                        ("inline", [f for f in steps if f not in staged(steps)]))},
+                    for path, group in paths.items()},
     }
   if orchestrator:
     out["orchestrator"] = {
