@@ -175,14 +175,19 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
   assert_nothing_left(launch, out)
 
 
-def _default_stop_signals() -> None:
-  """Runs in the launcher's process before exec: SIGINT and SIGTERM back to their defaults.
-
-  A suite started with them ignored (a background job: `nohup ... &`, `trap '' INT`) passes the
-  ignore on to every child, and bash cannot trap a signal ignored when it starts; the launcher
-  of a user's terminal has them at their defaults."""
-  signal.signal(signal.SIGINT, signal.SIG_DFL)
-  signal.signal(signal.SIGTERM, signal.SIG_DFL)
+# Execs its arguments with SIGINT and SIGTERM back at their defaults. A suite started with them
+# ignored (a background job: `nohup ... &`, `trap '' INT`) passes the ignore on to every child,
+# and bash cannot trap a signal ignored when it starts; the launcher of a user's terminal has
+# them at their defaults. A process of its own, not a preexec_fn: that would make subprocess
+# fork() this multithreaded test process, and the gRPC left loaded here by other tests runs its
+# fork handlers in the child, which then can die before it execs (seen once in CI: the launcher
+# "ended" with only gRPC's epoll error on its output).
+# SIGPIPE and SIGXFSZ too: Python ignores them itself, and an exec keeps what is ignored.
+DEFAULT_STOP_SIGNALS = [sys.executable, "-c",
+                        "import os, signal, sys\n"
+                        "for s in signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGXFSZ:\n"
+                        "  signal.signal(s, signal.SIG_DFL)\n"
+                        "os.execvp(sys.argv[1], sys.argv[1:])"]
 
 
 def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, *, check_started=None,
@@ -192,10 +197,10 @@ def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, *, check_sta
   after checking that the job had not finished: the signal stopped a running job."""
   logs = tmp_path / "logs"
   proc = subprocess.Popen(
-      ["bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout", "50", "--log_dir",
-       str(logs), *SLOW_JOB],
+      [*DEFAULT_STOP_SIGNALS, "bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout",
+       "50", "--log_dir", str(logs), *SLOW_JOB],
       env={**launch.env, "TUNIX_STAGE_BATCH": "stage", **env}, cwd=tmp_path, text=True,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_default_stop_signals)
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   seen = []
   try:
     for line in proc.stdout:
