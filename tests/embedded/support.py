@@ -144,7 +144,8 @@ def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
 
 
 async def bulk_port(channel: grpc.aio.Channel) -> int:
-  port, _ = frames.read_announcement(await channel.unary_unary(server_lib.BULK_PORT)(b"", timeout=10))
+  announced = await channel.unary_unary(server_lib.BULK_PORT)(b"", timeout=10)
+  port, _ = frames.read_announcement(announced)
   return port
 
 
@@ -169,7 +170,8 @@ async def raw_bulk_call(address: str, header: bytes, frame: bytes,
     loop = asyncio.get_running_loop()
     sock = await bulk_connect(await bulk_port(channel))
     try:
-      answer = asyncio.ensure_future(channel.unary_unary(server_lib.CALL_BULK)(header, timeout=timeout))
+      call_bulk = channel.unary_unary(server_lib.CALL_BULK)
+      answer = asyncio.ensure_future(call_bulk(header, timeout=timeout))
       with contextlib.suppress(OSError):  # the trainer may drop the connection mid-frame
         await loop.sock_sendall(sock, frame)
       reply = await answer

@@ -95,7 +95,8 @@ def test_a_call_whose_bytes_never_come_or_stall_ends_on_the_trainers_own_bound(t
   never, stalled = (secrets.token_bytes(frames.TRANSFER_ID_BYTES) for _ in range(2))
 
   async def go() -> tuple[list[bytes], bool]:
-    async with grpc.aio.insecure_channel(trainer.address, options=server_lib.grpc_options()) as channel:
+    async with grpc.aio.insecure_channel(trainer.address,
+                                         options=server_lib.grpc_options()) as channel:
       call_bulk = channel.unary_unary(server_lib.CALL_BULK)
       sock = await bulk_connect(await bulk_port(channel))
       try:
@@ -155,7 +156,8 @@ def test_a_header_reusing_an_id_in_flight_is_refused_and_leaves_the_other_call_a
   header = bulk_header("heartbeat", [MIB], transfer)
 
   async def go() -> tuple[bytes, Any]:
-    async with grpc.aio.insecure_channel(trainer.address, options=server_lib.grpc_options()) as channel:
+    async with grpc.aio.insecure_channel(trainer.address,
+                                         options=server_lib.grpc_options()) as channel:
       call_bulk = channel.unary_unary(server_lib.CALL_BULK)
       calls = [asyncio.ensure_future(call_bulk(header, timeout=GUARD_S)) for _ in range(2)]
       done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)

@@ -33,7 +33,6 @@ CHUNK_BYTES = 4 << 20  # a chunk carries at most this much (one socket hand-over
 # not contiguous travel in band).
 HEADER_BODY_MAX = 1 << 20
 HEADER_KEYS = frozenset({"method", "body", "sizes", "transfer"})
-MIB = 1 << 20
 
 MAGIC = b"TSB1"
 FRAME_HEADER = struct.Struct(f"<4s{TRANSFER_ID_BYTES}sI")  # magic, transfer id, buffer count
@@ -149,7 +148,7 @@ def announced_bytes(header: Header, max_call_bytes: int, setting: str) -> int:
                     "one call may carry; refused before reading any of its bytes")
   total = header.announced
   if total > max_call_bytes:
-    raise WireError(f"{header.method} announces {total} bytes ({total / MIB:.1f} MiB), above "
+    raise WireError(f"{header.method} announces {total} bytes ({total / (1 << 20):.1f} MiB), above "
                     f"this trainer's {max_call_bytes}-byte cap on one call ({setting}); "
                     "refused before reading any of its bytes")
   return total

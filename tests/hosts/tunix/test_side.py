@@ -23,7 +23,8 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 
 from tunix.experimental.orchestrator import distributed_rl_engine  # pylint: disable=wrong-import-position
 
-from tests.hosts.tunix.test_stream import ACTOR, MIB, big, cap, close, new_worker, serve  # pylint: disable=unused-import  (cap: a fixture)
+# pylint: disable-next=unused-import  (cap: a fixture)
+from tests.hosts.tunix.test_stream import ACTOR, MIB, big, cap, close, new_worker, serve
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.outcome import StageStatus

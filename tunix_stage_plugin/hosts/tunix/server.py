@@ -46,7 +46,8 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
   original_start = grpc_server_cls.__dict__["start_serving_async"]
   original_stop = grpc_server_cls.__dict__["stop_serving"]
   inst.lanes = lanes_lib.Lanes(original_execute, trainer_worker_cls, inst.recorder,
-                               remote_execution.ExecutionRequest, remote_execution.ExecutionResponse)
+                               remote_execution.ExecutionRequest,
+                               remote_execution.ExecutionResponse)
 
   @functools.wraps(original_execute)
   async def execute_request(self: Any, request: Any) -> Any:
