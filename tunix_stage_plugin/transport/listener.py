@@ -344,16 +344,10 @@ class BulkListener:
       threads = list(self._threads)
     self._transfers.close()
     if sock is not None:
-      try:
-        sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in its thread (Linux)
-      except OSError:
-        pass
+      frames.shutdown(sock)  # wakes the accept() blocked in its thread (Linux)
       sock.close()
     for conn in connections:
-      try:
-        conn.shutdown(socket.SHUT_RDWR)
-      except OSError:
-        pass
+      frames.shutdown(conn)
     deadline = time.monotonic() + timeout
     for thread in threads:
       thread.join(max(0.0, deadline - time.monotonic()))
