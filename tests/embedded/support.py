@@ -14,12 +14,13 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import engine as engine_lib
 from tunix_stage_plugin.lab.embedded import job as job_lib
-from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.lab.embedded import server as server_lib
+from tunix_stage_plugin.transport import frames
 
 TINY = data_lib.TINY_SIZES
 
@@ -110,7 +111,7 @@ def process_state(pid: int) -> str:
 
 def bulk_header(method: str, sizes: list[int], transfer: bytes) -> bytes:
   """A bulk call's gRPC header for `method()` (no arguments) announcing `sizes`."""
-  body = pickle.dumps(((), {}), protocol=5)
+  body = request_lib.encode(None, method, (), {}).body
   return pickle.dumps({"method": method, "body": body, "sizes": sizes, "transfer": transfer},
                       protocol=5)
 
@@ -143,7 +144,8 @@ def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
 
 
 async def bulk_port(channel: grpc.aio.Channel) -> int:
-  port, _ = frames.read_announcement(await channel.unary_unary(wire.BULK_PORT)(b"", timeout=10))
+  announced = await channel.unary_unary(server_lib.BULK_PORT)(b"", timeout=10)
+  port, _ = frames.read_announcement(announced)
   return port
 
 
@@ -164,14 +166,15 @@ async def bulk_connect(port: int) -> socket.socket:
 async def raw_bulk_call(address: str, header: bytes, frame: bytes,
                         timeout: float | None = 20) -> Any:
   """A bulk call made by hand: its header on gRPC, `frame` (whatever it holds) on the bulk port."""
-  async with grpc.aio.insecure_channel(address, options=wire.grpc_options()) as channel:
+  async with grpc.aio.insecure_channel(address, options=server_lib.grpc_options()) as channel:
     loop = asyncio.get_running_loop()
     sock = await bulk_connect(await bulk_port(channel))
     try:
-      answer = asyncio.ensure_future(channel.unary_unary(wire.CALL_BULK)(header, timeout=timeout))
+      call_bulk = channel.unary_unary(server_lib.CALL_BULK)
+      answer = asyncio.ensure_future(call_bulk(header, timeout=timeout))
       with contextlib.suppress(OSError):  # the trainer may drop the connection mid-frame
         await loop.sock_sendall(sock, frame)
       reply = await answer
     finally:
       sock.close()
-  return wire.decode_reply("heartbeat", reply)
+  return client_lib.decode_reply(reply)

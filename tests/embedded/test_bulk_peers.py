@@ -18,11 +18,12 @@ import pytest
 
 from tests.embedded.support import (bulk_connect, bulk_connection, bulk_frame, bulk_header,
                                     bulk_port, call, closed_by_peer, raw_bulk_call, wait_for)
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
-from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.lab.embedded import server as server_lib
+from tunix_stage_plugin.transport import frames
 
 MIB = 1 << 20
 LIMITS = frames.BulkLimits()  # what trainer_main enforces
@@ -91,11 +92,12 @@ def test_a_call_whose_bytes_never_come_or_stall_ends_on_the_trainers_own_bound(t
   frame's connection is dropped and its pooled buffer goes back to the pool. Before: both calls
   waited forever, the stalled frame holding its thread and buffer."""
   in_use = _pool_in_use(trainer.address)
-  never, stalled = (secrets.token_bytes(wire.TRANSFER_ID_BYTES) for _ in range(2))
+  never, stalled = (secrets.token_bytes(frames.TRANSFER_ID_BYTES) for _ in range(2))
 
   async def go() -> tuple[list[bytes], bool]:
-    async with grpc.aio.insecure_channel(trainer.address, options=wire.grpc_options()) as channel:
-      call_bulk = channel.unary_unary(wire.CALL_BULK)
+    async with grpc.aio.insecure_channel(trainer.address,
+                                         options=server_lib.grpc_options()) as channel:
+      call_bulk = channel.unary_unary(server_lib.CALL_BULK)
       sock = await bulk_connect(await bulk_port(channel))
       try:
         loop = asyncio.get_running_loop()
@@ -111,19 +113,19 @@ def test_a_call_whose_bytes_never_come_or_stall_ends_on_the_trainers_own_bound(t
         sock.close()
 
   (never_reply, stalled_reply), dropped = asyncio.run(go())
-  with pytest.raises(wire.RemoteCallError, match=(
-      rf"WireError: no bulk frame for this call began within {LIMITS.pair_wait_s:g} s of its "
+  with pytest.raises(contract.RemoteError, match=(
+      rf"\[WireError\]: no bulk frame for this call began within {LIMITS.pair_wait_s:g} s of its "
       r"header \(BulkLimits.pair_wait_s\): its bytes never arrived on the bulk channel")):
-    wire.decode_reply("heartbeat", never_reply)
-  with pytest.raises(wire.RemoteCallError, match=(
-      rf"WireError: the bulk frame stalled after 1048576 of its 16777216 bytes: none came for "
+    client_lib.decode_reply(never_reply)
+  with pytest.raises(contract.RemoteError, match=(
+      rf"\[WireError\]: the bulk frame stalled after 1048576 of its 16777216 bytes: none came for "
       rf"{LIMITS.stall_s:g} s \(BulkLimits.stall_s\)")):
-    wire.decode_reply("heartbeat", stalled_reply)
+    client_lib.decode_reply(stalled_reply)
   assert dropped
   assert _pool_in_use(trainer.address) <= in_use
 
 
-MAX = wire.MAX_BUFFERS
+MAX = frames.MAX_BUFFERS
 
 
 @pytest.mark.parametrize("header_sizes,frame,error", [
@@ -140,8 +142,8 @@ def test_a_refused_header_or_frame_is_answered_on_its_own_call(trainer, header_s
                                                                error):
   """Before: each of these waited its call's whole deadline (the frame was dropped as "not a frame
   header", the call never heard of it)."""
-  transfer = secrets.token_bytes(wire.TRANSFER_ID_BYTES)
-  with pytest.raises(wire.RemoteCallError, match=rf"WireError: {error}"):
+  transfer = secrets.token_bytes(frames.TRANSFER_ID_BYTES)
+  with pytest.raises(contract.RemoteError, match=rf"\[WireError\]: {error}"):
     asyncio.run(raw_bulk_call(trainer.address, bulk_header("heartbeat", header_sizes, transfer),
                               frame(transfer), timeout=GUARD_S))
   assert call(trainer.address, "heartbeat")["pid"] == trainer.proc.pid
@@ -150,23 +152,24 @@ def test_a_refused_header_or_frame_is_answered_on_its_own_call(trainer, header_s
 def test_a_header_reusing_an_id_in_flight_is_refused_and_leaves_the_other_call_alone(trainer):
   """Before: the refused header's cleanup ended the other call's transfer, which then got no reply
   at all and waited its deadline."""
-  transfer = secrets.token_bytes(wire.TRANSFER_ID_BYTES)
+  transfer = secrets.token_bytes(frames.TRANSFER_ID_BYTES)
   header = bulk_header("heartbeat", [MIB], transfer)
 
   async def go() -> tuple[bytes, Any]:
-    async with grpc.aio.insecure_channel(trainer.address, options=wire.grpc_options()) as channel:
-      call_bulk = channel.unary_unary(wire.CALL_BULK)
+    async with grpc.aio.insecure_channel(trainer.address,
+                                         options=server_lib.grpc_options()) as channel:
+      call_bulk = channel.unary_unary(server_lib.CALL_BULK)
       calls = [asyncio.ensure_future(call_bulk(header, timeout=GUARD_S)) for _ in range(2)]
       done, _ = await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
       refused = done.pop()
       waiting = calls[1] if refused is calls[0] else calls[0]
       with bulk_connection(await bulk_port(channel)) as sock:  # the bytes of the call that holds it
         sock.sendall(bulk_frame(transfer, [MIB], bytes(MIB)))
-        return refused.result(), wire.decode_reply("heartbeat", await waiting)
+        return refused.result(), client_lib.decode_reply(await waiting)
 
   refused, answer = asyncio.run(go())
-  with pytest.raises(wire.RemoteCallError, match="a bulk transfer id was used twice"):
-    wire.decode_reply("heartbeat", refused)
+  with pytest.raises(contract.RemoteError, match="a bulk transfer id was used twice"):
+    client_lib.decode_reply(refused)
   assert answer["pid"] == trainer.proc.pid
 
 
@@ -184,7 +187,7 @@ def test_a_client_refused_at_the_connection_cap_is_told_at_once_and_the_trainer_
   finally:
     for sock in holders:
       sock.close()
-  assert isinstance(refused, wire.WireError), refused
+  assert isinstance(refused, frames.WireError), refused
   assert re.fullmatch(
       rf"the trainer's bulk listener at 127.0.0.1:{port} refused a connection: \d+ bulk "
       r"connections are open, this trainer's cap \(BulkLimits.max_connections\); one client "

@@ -27,10 +27,10 @@ import pytest
 from tests import procs
 from tests.embedded.support import (bulk_frame, bulk_header, call, process_state, raw_bulk_call,
                                     wait_for)
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
-from tunix_stage_plugin.lab.embedded import wire
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="needs Linux /proc and prctl")
@@ -232,16 +232,16 @@ def test_an_oversized_or_mismatched_call_is_refused_before_its_bytes_are_read():
     assert reply["pid"] == trainer.pid
     peak_before = _peak_bytes(trainer.pid)
     big = secrets.token_bytes(16)
-    with pytest.raises(wire.RemoteCallError, match=r"heartbeat announces 9437184 bytes, above "
-                       r"this trainer's 8388608-byte cap on one call \(trainer_main "
-                       r"--max_call_mib\); refused before reading any of its bytes"):
+    with pytest.raises(contract.RemoteError, match=r"heartbeat announces 9437184 bytes "
+                       r"\(9.0 MiB\), above this trainer's 8388608-byte cap on one call "
+                       r"\(trainer_main --max_call_mib\); refused before reading any of its bytes"):
       asyncio.run(raw_bulk_call(trainer.address, bulk_header("heartbeat", [9 * MIB], big),
                                  bulk_frame(big, [9 * MIB], bytes(9 * MIB))))
     # A frame announcing more than its call's header (the bytes of an overrun): refused by its
     # frame header, before a buffer is made for it.
     lying = secrets.token_bytes(16)
-    with pytest.raises(wire.RemoteCallError, match=r"WireError: the bulk frame announced buffer "
-                       r"sizes \[268435456\] where the call's header announced \[1\]"):
+    with pytest.raises(contract.RemoteError, match=r"\[WireError\]: the bulk frame announced "
+                       r"buffer sizes \[268435456\] where the call's header announced \[1\]"):
       asyncio.run(raw_bulk_call(trainer.address, bulk_header("heartbeat", [1], lying),
                                  bulk_frame(lying, [256 * MIB], bytes(16 * MIB))))
     grown_mib = (_peak_bytes(trainer.pid) - peak_before) / (1 << 20)

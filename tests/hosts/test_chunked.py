@@ -1,5 +1,5 @@
-"""The chunked form of a tunix call (hosts/tunix/chunked.py), without tunix: framing, refusals,
-and one payload far over a real grpc.aio channel's message cap crossing it as a client stream."""
+"""The bulk format carried as a gRPC client stream (hosts/tunix/chunked.py), without tunix: its
+messages, refusals, and one payload far over a real grpc.aio channel's message cap crossing it."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.transport import frames
 
 MIB = 1 << 20
-CHUNK = chunked.CHUNK_BYTES
+CHUNK = frames.CHUNK_BYTES
+TRANSFER = bytes(frames.TRANSFER_ID_BYTES)
 
 
 class Messages:
@@ -37,9 +39,9 @@ class Messages:
 
 
 def receive(messages, pool=None, max_bytes=1 << 40):
-  received = asyncio.run(chunked.receive(messages, pool or buffers_lib.HostBufferPool(),
-                                         max_bytes))
-  return received.request
+  header, received = asyncio.run(chunked.receive(messages, pool or buffers_lib.HostBufferPool(),
+                                                 max_bytes, "the setting"))
+  return request_lib.decode_received(header, received.buffers)
 
 
 def payload():
@@ -76,8 +78,8 @@ def test_a_call_round_trips_in_chunks_into_aligned_pooled_buffers_without_a_copy
 def test_a_large_pickle_travels_as_the_streams_first_part():
   strided = np.arange(4 * MIB, dtype=np.uint8)[::2]  # not contiguous: numpy pickles it in band
   encoded = request_lib.encode("r-1", "stage_batch", (), {"payload": {"a": strided}, "key": "k"})
-  assert len(encoded.body) > request_lib.HEADER_BODY_MAX and not encoded.buffers
-  header = chunked.decode_header(next(chunked.messages(encoded)), 1 << 40)
+  assert len(encoded.body) > frames.HEADER_BODY_MAX and not encoded.buffers
+  header = frames.decode_header(next(chunked.messages(encoded)))
   assert header.body is None and header.sizes == [len(encoded.body)]
   request_id, method, _, kwargs = receive(Messages(chunked.messages(encoded)))
   assert (request_id, method, kwargs["key"]) == ("r-1", "stage_batch", "k")
@@ -92,7 +94,8 @@ def test_over_measures_the_pickle_and_its_buffers_against_the_cap():
 
 
 def _messages(sizes, chunks, method="fwd_bwd", body=b"x"):
-  return [pickle.dumps({"method": method, "body": body, "sizes": sizes})] + chunks
+  return [pickle.dumps({"method": method, "body": body, "sizes": sizes, "transfer": TRANSFER})
+          ] + chunks
 
 
 @pytest.mark.parametrize("messages, message", [
@@ -101,20 +104,21 @@ def _messages(sizes, chunks, method="fwd_bwd", body=b"x"):
     ([pickle.dumps(["method"])], "must be its header, a dict of"),
     (_messages([-1], []), "list of integers >= 0"),
     (_messages(["4"], []), "list of integers >= 0"),
-    ([pickle.dumps({"method": 3, "body": b"", "sizes": []})], "name its method as a str"),
+    ([pickle.dumps({"method": 3, "body": b"", "sizes": [], "transfer": TRANSFER})],
+     "name its method as a str"),
     (_messages([], [], body=None), "carry its pickle"),
     (_messages([CHUNK + 1], [b"\0" * (CHUNK + 1)]), "larger than the 4194304-byte chunks"),
     (_messages([8], [b"\0" * 4]), "ended after 4 of the 8 bytes"),
     (_messages([4, 4], [b"\0" * 8]), "overruns buffer 0"),
 ])
 def test_a_stream_that_breaks_the_form_is_refused_naming_the_rule(messages, message):
-  with pytest.raises(chunked.StreamError, match=message):
+  with pytest.raises(frames.WireError, match=message):
     receive(Messages(messages))
 
 
 def test_a_header_announcing_more_than_the_cap_is_refused_before_any_chunk_is_read():
   stream = Messages(_messages([6 * MIB, 4 * MIB], [b"\0" * CHUNK] * 3))
-  with pytest.raises(chunked.StreamError,
+  with pytest.raises(frames.WireError,
                      match=r"fwd_bwd announces 10485760 bytes \(10.0 MiB\), above this trainer's "
                      r"8388608-byte cap .* refused before reading any of its bytes"):
     receive(stream, max_bytes=8 * MIB)
@@ -123,7 +127,7 @@ def test_a_header_announcing_more_than_the_cap_is_refused_before_any_chunk_is_re
 
 def test_a_stream_carrying_more_than_it_announced_is_refused_at_the_first_chunk_past_it():
   stream = Messages(_messages([2 * MIB], [b"\0" * MIB] * 2 + [b"\0"] + [b"\0" * MIB] * 5))
-  with pytest.raises(chunked.StreamError, match="carried more than the 2097152 bytes it "
+  with pytest.raises(frames.WireError, match="carried more than the 2097152 bytes it "
                      "announced"):
     receive(stream)
   assert stream.pulled == 4  # the header, two full chunks, and the one byte past the total
@@ -131,8 +135,9 @@ def test_a_stream_carrying_more_than_it_announced_is_refused_at_the_first_chunk_
 
 def test_a_pickle_for_another_method_than_the_header_names_is_refused():
   encoded = request_lib.encode(None, "update", (), {})
-  header = pickle.dumps({"method": "fwd_bwd", "body": encoded.body, "sizes": []})
-  with pytest.raises(chunked.StreamError, match="not a request for the method its header names"):
+  header = pickle.dumps({"method": "fwd_bwd", "body": encoded.body, "sizes": [],
+                         "transfer": TRANSFER})
+  with pytest.raises(frames.WireError, match="not a request for the method its header names"):
     receive(Messages([header]))
 
 
@@ -181,10 +186,11 @@ async def serve_and_send(payload, cap, max_bytes):
     async def accept():
       await context.send_initial_metadata(((contract.STREAM_READY_KEY, contract.STREAM_READY),))
     try:
-      received = await chunked.receive(request_iterator, pool, max_bytes, accept)
-      _, method, _, kwargs = received.request
+      header, received = await chunked.receive(request_iterator, pool, max_bytes, "the setting",
+                                               accept)
+      _, method, _, kwargs = request_lib.decode_received(header, received.buffers)
       del received
-    except chunked.StreamError as e:
+    except frames.WireError as e:
       return pickle.dumps(("refused", str(e)))
     array = kwargs["payload"]
     return pickle.dumps((method, array.nbytes, int(array[::4096].astype(np.int64).sum()),
@@ -235,8 +241,8 @@ def test_a_refused_header_is_answered_before_any_chunk_is_sent():
 
 def test_a_received_call_says_what_its_header_announced_and_when_its_bytes_came():
   encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": payload()})
-  received = asyncio.run(chunked.receive(Messages(chunked.messages(encoded)),
-                                         buffers_lib.HostBufferPool(), 1 << 40))
-  assert received.request[1] == "fwd_bwd"
-  assert received.nbytes == sum(b.nbytes for b in encoded.buffers)
+  header, received = asyncio.run(chunked.receive(Messages(chunked.messages(encoded)),
+                                                 buffers_lib.HostBufferPool(), 1 << 40, "setting"))
+  assert header.method == "fwd_bwd"
+  assert header.announced == sum(b.nbytes for b in encoded.buffers)
   assert received.started <= received.ended

@@ -29,10 +29,11 @@ def test_a_header_round_trips_and_its_cap_names_the_setting():
   message = frames.encode_header("fwd_bwd", b"body", views(np.zeros(3, np.int16),
                                                            np.zeros(5, np.uint8)), transfer)
   header = frames.decode_header(message)
-  assert header == {"method": "fwd_bwd", "body": b"body", "sizes": [6, 5], "transfer": transfer}
+  assert header == frames.Header("fwd_bwd", b"body", [6, 5], transfer)
   assert frames.announced_bytes(header, 11, "the setting") == 11
-  with pytest.raises(frames.WireError, match=r"fwd_bwd announces 11 bytes, above this trainer's "
-                     r"10-byte cap on one call \(the setting\); refused before reading any"):
+  with pytest.raises(frames.WireError, match=r"fwd_bwd announces 11 bytes \(0.0 MiB\), above "
+                     r"this trainer's 10-byte cap on one call \(the setting\); refused before "
+                     r"reading any"):
     frames.announced_bytes(header, 10, "the setting")
   with pytest.raises(frames.WireError, match="must be its header"):
     frames.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4]}))

@@ -10,8 +10,8 @@ dtype, shape and the crc32 of its raw bytes. `unpack_array` decompresses into a 
 64-byte-aligned buffer and checks size and crc32, so a corrupted payload raises CodecError and
 never yields a wrong array. tunix's TrainerWorker host maps them over a payload's pytree
 (hosts/tunix/compression.py), the embedded host over a dict of arrays (lab/embedded/data.py).
-The compressed chunks are numpy uint8 arrays, so they travel out of band through the embedded
-wire's pickle (lab/embedded/wire.py) and in band through tunix's cloudpickle.
+The compressed chunks are numpy uint8 arrays, so they travel out of band through the plugin's
+request encoding (hosts/tunix/request.py) and in band through tunix's own cloudpickle.
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""What both ends of a bulk call agree on: the format of its two halves and the limits of the
-channel that carries the bytes.
+"""The one bulk format: what both ends of a call too large for the host's own message agree on,
+whichever carrier takes its bytes.
 
-A bulk call is its header on the host's own call (`encode_header`: the method, the call's
-protocol-5 pickle with every array out of band, the buffers' sizes, a fresh transfer id) and its
-buffers' bytes on a plain TCP connection under that id (a frame: `frame_header`, then the
-bytes). A connection opens with one byte from the listener, ACCEPTED, or REFUSED and why. The
-listener (listener.py) enforces `BulkLimits`; the sender (sender.py) learns them from the
-listener's `announcement` and lives within them. Why the bytes leave gRPC, and every rule:
-docs/embedded.md "The bulk channel" and "Limits of the bulk channel".
+A bulk call is its header (`encode_header`: the method, the call's protocol-5 pickle with every
+array out of band, or None when that pickle is itself large and travels as the first part, the
+parts' sizes, a fresh transfer id) and its parts' bytes in chunks of at most CHUNK_BYTES, never
+spanning two parts. Two carriers take it: the bulk channel (the header on the host's own call,
+the bytes on a plain TCP connection as a frame: `frame_header`, then the chunks; listener.py,
+sender.py), and, on tunix's host where the trainer's bulk port is unreachable, a gRPC client
+stream (the header, then the chunks as messages: hosts/tunix/chunked.py). Either way the
+trainer checks the header (`decode_header`) and its cap (`announced_bytes`) before any byte,
+fails a call with WireError, and hands on the buffers as `Received`. The rules:
+docs/embedded.md "The bulk channel" and "Limits of the bulk channel", docs/tunix.md "Which path
+a call takes".
 """
 
 from __future__ import annotations
@@ -18,11 +22,16 @@ import secrets
 import select
 import socket
 import struct
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
+
+import numpy as np
 
 TRANSFER_ID_BYTES = 16
-MAX_BUFFERS = 1 << 16  # the most buffers one bulk call (its header and its frame) may carry
-CHUNK_BYTES = 4 << 20  # a sender hands the socket at most this much at once
+MAX_BUFFERS = 1 << 16  # the most parts one bulk call (its header and its frame) may carry
+CHUNK_BYTES = 4 << 20  # a chunk carries at most this much (one socket hand-over, one message)
+# A call's pickle above this travels as its first part rather than in its header (arrays that are
+# not contiguous travel in band).
+HEADER_BODY_MAX = 1 << 20
 HEADER_KEYS = frozenset({"method", "body", "sizes", "transfer"})
 
 MAGIC = b"TSB1"
@@ -33,7 +42,8 @@ MAX_REFUSAL_BYTES = 1024
 
 
 class WireError(RuntimeError):
-  """A message broke the wire format (sizes, order, or an oversized reply)."""
+  """A call broke the bulk format or a bound (its header, sizes, chunks or order); nothing of it
+  is executed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,40 +83,84 @@ def new_transfer_id() -> bytes:
   return secrets.token_bytes(TRANSFER_ID_BYTES)
 
 
+def parts(body: bytes, buffers: Sequence[memoryview]) -> list[memoryview]:
+  """What a call's chunks carry, in order: its out-of-band buffers, after its pickle when that is
+  too large for the header."""
+  if len(body) > HEADER_BODY_MAX:
+    return [memoryview(body), *buffers]
+  return list(buffers)
+
+
 def encode_header(method: str, body: bytes, buffers: Sequence[memoryview], transfer: bytes
                   ) -> bytes:
-  """The header of a call whose out-of-band `buffers` travel under `transfer`."""
-  return pickle.dumps({"method": method, "body": body, "sizes": [b.nbytes for b in buffers],
-                       "transfer": transfer}, protocol=5)
+  """The header of a call (`body`: its pickle, its arrays out of band in `buffers`) whose parts
+  travel under `transfer`."""
+  inline = body if len(body) <= HEADER_BODY_MAX else None
+  return pickle.dumps({"method": method, "body": inline,
+                       "sizes": [p.nbytes for p in parts(body, buffers)], "transfer": transfer},
+                      protocol=5)
 
 
-def decode_header(message: bytes) -> dict[str, Any]:
-  header = pickle.loads(message)
-  if not isinstance(header, dict) or set(header) != HEADER_KEYS:
-    raise WireError(f"a bulk call's message must be its header {sorted(HEADER_KEYS)}")
-  sizes = header["sizes"]
+@dataclasses.dataclass(frozen=True)
+class Header:
+  """A bulk call's header, as the trainer decoded and checked it."""
+
+  method: str
+  body: bytes | None  # None: the pickle is the first part
+  sizes: list[int]
+  transfer: bytes
+
+  @property
+  def announced(self) -> int:
+    return sum(self.sizes)
+
+
+def decode_header(message: bytes) -> Header:
+  """A bulk call's header; WireError naming the rule it breaks."""
+  try:
+    fields = pickle.loads(message)
+  except Exception as e:  # pylint: disable=broad-except  (anything but a header is refused)
+    raise WireError(f"a bulk call's message must be its header; it did not unpickle "
+                    f"({type(e).__name__})") from None
+  if not isinstance(fields, dict) or set(fields) != HEADER_KEYS:
+    raise WireError(f"a bulk call's message must be its header, a dict of {sorted(HEADER_KEYS)}")
+  method, body, sizes, transfer = (fields[k] for k in ("method", "body", "sizes", "transfer"))
+  if not isinstance(method, str):
+    raise WireError(f"a bulk call's header must name its method as a str; got {method!r:.80}")
   if not isinstance(sizes, list) or not all(type(n) is int and n >= 0 for n in sizes):
-    raise WireError(f"a bulk call's header must announce its buffer sizes as a list of "
+    raise WireError(f"{method}: a bulk call's header must announce its buffer sizes as a list of "
                     f"integers >= 0; got {sizes!r:.80}")
-  transfer = header["transfer"]
+  if not (isinstance(body, bytes) or (body is None and sizes)):
+    raise WireError(f"{method}: a bulk call's header must carry its pickle (bytes), or None with "
+                    "the pickle as its first part")
   if not isinstance(transfer, bytes) or len(transfer) != TRANSFER_ID_BYTES:
-    raise WireError(f"a bulk call's header must carry a {TRANSFER_ID_BYTES}-byte transfer id")
-  return header
+    raise WireError(f"{method}: a bulk call's header must carry a {TRANSFER_ID_BYTES}-byte "
+                    "transfer id")
+  return Header(method, body, sizes, transfer)
 
 
-def announced_bytes(header: dict[str, Any], max_call_bytes: int, setting: str) -> int:
-  """The bytes a bulk call's header announces; refuses more than MAX_BUFFERS buffers or more than
-  `max_call_bytes` bytes (`setting` names where that cap is set)."""
-  count = len(header["sizes"])
+def announced_bytes(header: Header, max_call_bytes: int, setting: str) -> int:
+  """The bytes a bulk call's header announces; refuses more than MAX_BUFFERS parts or more than
+  `max_call_bytes` bytes (`setting` names where that cap is set), before any of them is read."""
+  count = len(header.sizes)
   if count > MAX_BUFFERS:
-    raise WireError(f"{header['method']} announces {count} buffers, above the {MAX_BUFFERS} "
+    raise WireError(f"{header.method} announces {count} buffers, above the {MAX_BUFFERS} "
                     "one call may carry; refused before reading any of its bytes")
-  total = sum(header["sizes"])
+  total = header.announced
   if total > max_call_bytes:
-    raise WireError(f"{header['method']} announces {total} bytes, above this trainer's "
-                    f"{max_call_bytes}-byte cap on one call ({setting}); "
+    raise WireError(f"{header.method} announces {total} bytes ({total / (1 << 20):.1f} MiB), above "
+                    f"this trainer's {max_call_bytes}-byte cap on one call ({setting}); "
                     "refused before reading any of its bytes")
   return total
+
+
+@dataclasses.dataclass
+class Received:
+  """A call's parts, in the buffers they were received into, and when they arrived."""
+
+  buffers: list[np.ndarray]
+  started: float  # perf_counter: its first byte was awaited (the frame's or stream's header read)
+  ended: float  # its last byte was in
 
 
 # ---------------------------------------------------------------- the frame
@@ -119,6 +173,7 @@ def frame_header(transfer: bytes, sizes: Sequence[int]) -> bytes:
 
 def iter_chunks(buffers: Sequence[memoryview], chunk_bytes: int = CHUNK_BYTES
                 ) -> Iterator[memoryview]:
+  """`buffers` (a call's parts) in chunks of at most `chunk_bytes`, never spanning two."""
   for view in buffers:
     for start in range(0, view.nbytes, chunk_bytes):
       yield view[start:start + chunk_bytes]

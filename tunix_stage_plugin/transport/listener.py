@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import socket
 import struct
@@ -32,15 +31,6 @@ log = logging.getLogger("tunix_stage_plugin.transport")
 RECV_BYTES = 16 << 20  # one recv_into asks for at most this much
 REMEMBERED = 4096  # ended transfer ids remembered, so a late frame for one is dropped at once
 STOPPING = "the trainer is stopping: its bulk listener closed before this call's bytes arrived"
-
-
-@dataclasses.dataclass
-class Received:
-  """A transfer's bytes, in the buffers they were received into, and when they arrived."""
-
-  buffers: list[np.ndarray]
-  started: float  # perf_counter: the frame's header was read (its call announced)
-  ended: float  # the last byte was read
 
 
 class _Transfer:
@@ -107,7 +97,7 @@ class Transfers:
         self._remember(transfer_id)
         self._cond.notify_all()
 
-  async def receive(self, transfer_id: bytes, sizes: list[int]) -> Received:
+  async def receive(self, transfer_id: bytes, sizes: list[int]) -> frames.Received:
     """The bytes a call's header announced. Its frame must begin within `pair_wait_s`; the
     listener bounds the rest. The transfer is ended on every path."""
     future = self.expect(transfer_id, sizes)  # an id in use is refused here, untouched
@@ -341,7 +331,7 @@ class BulkListener:
       _fail(claimed, WireError(failure))
       return False
     try:
-      claimed.future.set_result(Received(buffers, started, time.perf_counter()))
+      claimed.future.set_result(frames.Received(buffers, started, time.perf_counter()))
     except concurrent.futures.InvalidStateError:  # the call ended meanwhile: drop the bytes
       pass
     return True
@@ -354,16 +344,10 @@ class BulkListener:
       threads = list(self._threads)
     self._transfers.close()
     if sock is not None:
-      try:
-        sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked in its thread (Linux)
-      except OSError:
-        pass
+      frames.shutdown(sock)  # wakes the accept() blocked in its thread (Linux)
       sock.close()
     for conn in connections:
-      try:
-        conn.shutdown(socket.SHUT_RDWR)
-      except OSError:
-        pass
+      frames.shutdown(conn)
     deadline = time.monotonic() + timeout
     for thread in threads:
       thread.join(max(0.0, deadline - time.monotonic()))

@@ -23,7 +23,8 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 
 from tunix.experimental.orchestrator import distributed_rl_engine  # pylint: disable=wrong-import-position
 
-from tests.hosts.tunix.test_stream import ACTOR, MIB, big, close, new_worker, serve
+# pylint: disable-next=unused-import  (cap: a fixture)
+from tests.hosts.tunix.test_stream import ACTOR, MIB, big, cap, close, new_worker, serve
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.outcome import StageStatus
@@ -126,6 +127,37 @@ def test_a_trainer_without_a_side_channel_is_asked_once_and_said_in_one_line(sta
   assert len(lines) == 1 and lines[0].startswith("tunix-stage: no side channel on 127.0.0.1:")
   assert lines[0].endswith("calls over the 128 MiB cap use the chunked stream"), lines
   assert not staging.bulk_calls and len(worker._trainer.fwd) == 3  # pylint: disable=protected-access
+
+
+def test_a_side_channel_this_process_cannot_reach_leaves_calls_over_the_cap_to_the_stream(
+    cap, staging, caplog):
+  """The trainer announces its bulk port, but nothing there accepts a connection (as where only
+  tunix's own port is open between two pods): said in one line, and a call over tunix's cap
+  (lowered to 8 MiB) travels the chunked stream on tunix's port instead, whole."""
+  caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
+  worker = new_worker()
+  sent = big(7)
+
+  async def main():
+    server, handle, engine = await serve(worker)
+    staging.side_channels[server].listener.close()  # announced still; unreachable now
+    router = route.router_of(ADAPTER.installation, engine)
+    try:
+      await route.train_step(engine, router, sent, role=ACTOR, accumulate_gradients=True,
+                             apply_optimizer=False)
+    finally:
+      await close(server, handle, engine)
+    return router
+
+  router = asyncio.run(main())
+  assert router.calls[contract.STREAM] == 1 and router.calls[contract.SIDE_CHANNEL] == 0
+  assert staging.chunked_calls == {"fwd_bwd": 1} and not staging.bulk_calls
+  (payload, _, _), = worker._trainer.fwd  # pylint: disable=protected-access
+  np.testing.assert_array_equal(payload["experts"], sent["experts"])
+  lines = [r.getMessage() for r in caplog.records if "side channel" in r.getMessage()]
+  assert len(lines) == 1 and lines[0].startswith("tunix-stage: the side channel at 127.0.0.1:")
+  assert "cannot be reached from here (ConnectionRefusedError" in lines[0], lines
+  assert lines[0].endswith("calls over the 8 MiB cap use the chunked stream"), lines
 
 
 def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_its_buffers(

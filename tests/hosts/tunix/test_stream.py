@@ -209,7 +209,7 @@ def test_a_header_over_the_trainers_cap_is_refused_before_its_bytes(cap, staging
     return str(refused.value)
 
   message = asyncio.run(main())
-  assert message.startswith("RemoteExecutionError [StreamError]: fwd_bwd announces 25165888 "
+  assert message.startswith("RemoteExecutionError [WireError]: fwd_bwd announces 25165888 "
                             "bytes (24.0 MiB), above this trainer's 16777216-byte cap"), message
   assert "refused before reading any of its bytes" in message
   assert worker._trainer.fwd == [] and not staging.chunked_calls  # pylint: disable=protected-access

@@ -1,6 +1,7 @@
 """The trainer's one door: every call a trainer's server received, whatever carried it (tunix's
 unary call, the side channel, the chunked stream), is handed to the worker's method lanes here,
-once, with a `Receipt` saying how it came.
+once, with a `Receipt` saying how it came; a bulk call (either carrier) is decoded and answered
+here too (`answer`), its failures in tunix's envelope.
 
 tunix runs a sync worker method on the server's event loop, so a stage request would wait behind
 a running fwd_bwd and the step boundary's calls. Here a server bound to a TrainerWorker sends
@@ -14,20 +15,28 @@ between steps. docs/design.md "A micro-batch's way", docs/observability.md.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import inspect
 import threading
+import traceback
 import weakref
 from typing import Any, Awaitable, Callable
 
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.transport import frames
 
 # The compute-lane calls the worker's hooks observe as computations (worker.py); every other call
 # on that lane is the lane's own (tracks.TRAINER_LANE).
 COMPUTATIONS = frozenset({"fwd_bwd", "update"})
+# Where the trainer's cap on one bulk call (Installation.max_stream_bytes) is set, for the line
+# that refuses a header over it.
+CAP_SETTING = "tunix_stage_plugin.hosts.tunix.installation.MAX_STREAM_BYTES"
+
 
 @dataclasses.dataclass(frozen=True)
 class Receipt:
@@ -46,9 +55,12 @@ class Lanes:
   """Each server's method executor (started on its first routed call), and the one dispatch."""
 
   def __init__(self, host_execute: Callable[[Any, Any], Awaitable[Any]],
-               trainer_worker_cls: type, recorder: recorder_lib.Recorder) -> None:
+               trainer_worker_cls: type, recorder: recorder_lib.Recorder,
+               request_cls: type, response_cls: type) -> None:
     self._host_execute = host_execute  # tunix's own RemoteExecutionServer.execute_request
     self._trainer_worker_cls = trainer_worker_cls
+    # tunix's ExecutionRequest and ExecutionResponse (this module imports no tunix)
+    self._request_cls, self._response_cls = request_cls, response_cls
     self._recorder = recorder
     self._lock = threading.Lock()
     self._executors: "weakref.WeakKeyDictionary[Any, executor_lib.MethodExecutor]" = (
@@ -72,6 +84,32 @@ class Lanes:
     if executor.lane_of(name) is executor_lib.Lane.COMPUTE and name not in COMPUTATIONS:
       run = functools.partial(self._lane_call, name, run)
     return await executor.run(name, run, request)
+
+  async def answer(self, server: Any, transport: str,
+                   receive: Callable[[], Awaitable[tuple[frames.Header, frames.Received]]],
+                   request_id: str | None = None) -> Any:
+    """A bulk call (`receive()`: its header and its parts' buffers, as `transport` carried them)
+    decoded over its buffers and dispatched with its receipt; tunix's ExecutionResponse, any
+    failure in its envelope, as tunix's own handler answers one (`request_id`: the carrying
+    call's)."""
+    try:
+      header, received = await receive()
+      receipt = Receipt(transport, header.method, header.announced, received.started,
+                        received.ended)
+      buffers = received.buffers
+      del received
+      if header.body is None:  # a large pickle: unpickled off the event loop
+        call = await asyncio.to_thread(request_lib.decode_received, header, buffers)
+      else:
+        call = request_lib.decode_received(header, buffers)
+      del buffers  # the arrays over them are all that is kept
+      request = self._request_cls(request_id=call[0], method_name=call[1], args=call[2],
+                                  kwargs=call[3])
+      del call
+      return await self.dispatch(server, request, receipt)
+    except Exception as e:  # pylint: disable=broad-except  (travels back, as tunix's handler does)
+      return self._response_cls(error_message=str(e), error_type=type(e).__name__,
+                                traceback=traceback.format_exc(), request_id=request_id)
 
   def _lane_call(self, name: str, run: Callable[[Any], Any], request: Any) -> Any:
     """A compute-lane call of the lane's own, timed on the lane."""

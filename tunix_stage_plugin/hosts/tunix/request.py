@@ -1,25 +1,25 @@
-"""A tunix call in the form the plugin's transports carry: the request tuple tunix pickles
-(request id, method, args, kwargs), pickled with protocol 5 and a `buffer_callback`, so every
-contiguous array stays out of band in its own memory and the pickle is a few KiB.
+"""A call in the form the plugin's transports carry: the request tuple tunix pickles (request id,
+method, args, kwargs), pickled with protocol 5 and a `buffer_callback`, so every contiguous array
+stays out of band in its own memory and the pickle is a few KiB.
 
 Encoding copies no array byte, so the orchestrator measures every call that may carry a
-micro-batch this way before it picks a transport (route.py); the side channel and the chunked
-stream send this form, and the trainer decodes it over the buffers its bytes were received into
-(no further copy). docs/design.md "A micro-batch's way".
+micro-batch this way before it picks a transport (route.py); the bulk format (transport/frames.py)
+carries this form, whichever carrier takes it, and the trainer decodes it over the buffers its
+bytes were received into (no further copy). Imports no tunix: the embedded host (the lab) encodes
+its calls the same way. docs/design.md "A micro-batch's way".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pickle
-from typing import Any
+from typing import Any, Sequence
 
 import cloudpickle
 
+from tunix_stage_plugin.transport import frames
+
 MIB = 1 << 20
-# A request pickle above this travels apart from its header (arrays that are not contiguous
-# travel in band), on both transports.
-HEADER_BODY_MAX = 1 << 20
 # What a call adds to its pickle on tunix's unary path beyond the out-of-band form (each in-band
 # buffer's opcode and length, the gRPC message's framing): a call this close to the cap is over it.
 CAP_MARGIN = 64 << 10
@@ -46,6 +46,15 @@ class EncodedRequest:
     """Whether tunix's unary path would refuse it (within CAP_MARGIN of `cap` counts as over)."""
     return self.nbytes > cap - CAP_MARGIN
 
+  def header(self, transfer: bytes) -> bytes:
+    """Its bulk header (frames.encode_header), its parts to travel under `transfer`."""
+    return frames.encode_header(self.method, self.body, self.buffers, transfer)
+
+  @property
+  def parts(self) -> list[memoryview]:
+    """What its bulk chunks carry (frames.parts)."""
+    return frames.parts(self.body, self.buffers)
+
 
 def encode(request_id: str | None, method_name: str, args: tuple, kwargs: dict[str, Any]
            ) -> EncodedRequest:
@@ -59,11 +68,26 @@ def encode(request_id: str | None, method_name: str, args: tuple, kwargs: dict[s
   return EncodedRequest(method_name, body, [b.raw() for b in buffers])
 
 
-def decode(body: Any, buffers: list[Any], method: str, what: str, error: type[Exception]
-           ) -> tuple[Any, ...]:
-  """The request tuple `body` pickles, its arrays over `buffers`; `error` (naming `what` carried
-  it) unless it is a request for the `method` its header names."""
+def encode_whole(request_id: str | None, method_name: str, args: tuple, kwargs: dict[str, Any]
+                 ) -> bytes:
+  """The same tuple with its arrays in band: one message (what tunix's own unary call sends)."""
+  return cloudpickle.dumps((request_id, method_name, tuple(args), dict(kwargs)), protocol=5)
+
+
+def decode(body: Any, buffers: Sequence[Any] = (), method: str | None = None) -> tuple[Any, ...]:
+  """The request tuple `body` pickles, its arrays over `buffers`; WireError unless it is a request
+  (for `method`, when a header named one)."""
   request = pickle.loads(body, buffers=buffers)
-  if not (isinstance(request, tuple) and len(request) == 4 and request[1] == method):
-    raise error(f"{method}: the {what}'s pickle is not a request for the method its header names")
+  if not (isinstance(request, tuple) and len(request) == 4
+          and (request[1] == method if method is not None else isinstance(request[1], str))):
+    raise frames.WireError(f"{method}: the call's pickle is not a request for the method its "
+                           "header names" if method is not None else
+                           "a call's message is not a request (request_id, method, args, kwargs)")
   return request
+
+
+def decode_received(header: frames.Header, buffers: list[Any]) -> tuple[Any, ...]:
+  """The request a bulk call carried, over the buffers its parts were received into."""
+  if header.body is None:  # the pickle came as the first part
+    return decode(buffers[0], buffers[1:], header.method)
+  return decode(header.body, buffers, header.method)

@@ -25,6 +25,8 @@ import contextvars
 import functools
 from typing import Any
 
+from tunix.experimental.worker import remote_execution
+
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
@@ -43,7 +45,9 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
   original_execute = server_cls.__dict__["execute_request"]
   original_start = grpc_server_cls.__dict__["start_serving_async"]
   original_stop = grpc_server_cls.__dict__["stop_serving"]
-  inst.lanes = lanes_lib.Lanes(original_execute, trainer_worker_cls, inst.recorder)
+  inst.lanes = lanes_lib.Lanes(original_execute, trainer_worker_cls, inst.recorder,
+                               remote_execution.ExecutionRequest,
+                               remote_execution.ExecutionResponse)
 
   @functools.wraps(original_execute)
   async def execute_request(self: Any, request: Any) -> Any:

@@ -11,9 +11,10 @@ channel sends the arrays from their own memory into the trainer's pooled aligned
   call's header, whose bytes are awaited within the listener's limits and whose request then goes
   to the lanes (lanes.py) like any received call. A server without the plugin answers both with
   tunix's AttributeError.
-- Orchestrator: `SideChannel` asks a trainer once whether it has one (the answer, "none"
-  included, is kept and said in one log line) and sends calls over it; route.py decides which
-  calls.
+- Orchestrator: `SideChannel` asks a trainer once whether it has one it can reach (one
+  connection to the announced port; the answer, "none" included, is kept and said in one log
+  line) and sends calls over it; route.py decides which calls (without one, the chunked stream
+  carries those over tunix's cap).
 
 docs/tunix.md "Which path a call takes"; docs/security.md "The side channel".
 """
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import traceback
 from typing import Any
 
 from tunix.experimental.worker import remote_execution
@@ -45,7 +45,9 @@ MIN_BYTES = 1 << 20
 BIND_HOSTS = ("::", "0.0.0.0")
 # A send that broke leaves the header's call this long to bring its own answer (a refusal).
 SEND_FAILURE_GRACE_S = 1.0
-CAP_SETTING = "tunix_stage_plugin.hosts.tunix.installation.MAX_STREAM_BYTES"
+# The trainer's announced bulk port must accept a connection within this, or calls take tunix's
+# port (the chunked stream over the cap, tunix's own call below it).
+REACH_TIMEOUT_S = 5.0
 
 
 class SideChannelError(ConnectionError):
@@ -84,33 +86,21 @@ async def answer(inst: installation_lib.Installation, side: installation_lib.Sid
     return remote_execution.ExecutionResponse(
         result=frames.announcement(side.listener.port, side.transfers.limits),
         request_id=request.request_id)
-  try:
+
+  async def receive() -> tuple[frames.Header, frames.Received]:
     header = frames.decode_header(_header_bytes(request))
-    method = header["method"]
     try:
-      nbytes = frames.announced_bytes(header, inst.max_stream_bytes, CAP_SETTING)
+      frames.announced_bytes(header, inst.max_stream_bytes, lanes_lib.CAP_SETTING)
     except frames.WireError:
-      side.transfers.refuse(header["transfer"])  # its frame is dropped at once
+      side.transfers.refuse(header.transfer)  # its frame is dropped at once
       raise
     # Bounded by the listener's limits (the frame begins within pair_wait_s, no pause longer
     # than stall_s); the transfer ends on every path.
-    received = await side.transfers.receive(header["transfer"], header["sizes"])
-    receipt = lanes_lib.Receipt(contract.SIDE_CHANNEL, method, nbytes, received.started,
-                                received.ended)
-    buffers = received.buffers
-    del received
-    request_id, method_name, args, kwargs = request_lib.decode(
-        header["body"], buffers, method, "side-channel call", frames.WireError)
-    del buffers  # the arrays over them are all that is kept
-    inst.bulk_calls[method] += 1
-    inner = remote_execution.ExecutionRequest(request_id=request_id, method_name=method_name,
-                                              args=args, kwargs=kwargs)
-    del args, kwargs
-    return await inst.lanes.dispatch(server, inner, receipt)
-  except Exception as e:  # pylint: disable=broad-except  (travels back, as tunix's handler does)
-    return remote_execution.ExecutionResponse(error_message=str(e), error_type=type(e).__name__,
-                                              traceback=traceback.format_exc(),
-                                              request_id=request.request_id)
+    received = await side.transfers.receive(header.transfer, header.sizes)
+    inst.bulk_calls[header.method] += 1
+    return header, received
+
+  return await inst.lanes.answer(server, contract.SIDE_CHANNEL, receive, request.request_id)
 
 
 def _header_bytes(request: Any) -> bytes:
@@ -131,7 +121,7 @@ def wanted(encoded: request_lib.EncodedRequest) -> bool:
   """Whether a call goes to the side channel (when its trainer has one): enough bytes out of
   band, and a pickle small enough to travel in the header."""
   return (encoded.out_of_band_bytes >= MIN_BYTES
-          and len(encoded.body) <= request_lib.HEADER_BODY_MAX)
+          and len(encoded.body) <= frames.HEADER_BODY_MAX)
 
 
 def _host(address: str) -> str:
@@ -150,8 +140,8 @@ class SideChannel:
     self._loop: asyncio.AbstractEventLoop | None = None
 
   async def offered(self, worker: Any, cap: int) -> bool:
-    """Whether the trainer behind `worker` has a side channel; asked once, also under concurrent
-    first calls (`cap`: tunix's message cap, for the log line)."""
+    """Whether the trainer behind `worker` has a side channel this process reaches; asked once,
+    also under concurrent first calls (`cap`: tunix's message cap, for the log line)."""
     if self._known:
       return self._sender is not None
     loop = asyncio.get_running_loop()
@@ -175,9 +165,18 @@ class SideChannel:
                self.address, cap >> 20)
       return None
     host = _host(self.address)
+    sender = sender_lib.BulkSender(host, port, limits=limits)
+    try:  # one connection, at once closed: is the port reachable from here at all?
+      (await asyncio.wait_for(sender.lease(), REACH_TIMEOUT_S)).end()
+    except (OSError, asyncio.TimeoutError) as e:  # e.g. only tunix's own port is open to it
+      sender.close()
+      log.warning("tunix-stage: the side channel at %s:%d cannot be reached from here (%s): calls "
+                  "over the %d MiB cap use the chunked stream", host, port,
+                  f"{type(e).__name__}: {e}".rstrip(": "), cap >> 20)
+      return None
     log.info("tunix-stage: bulk side channel to %s:%d for micro-batch calls >= %d MiB", host, port,
              MIN_BYTES >> 20)
-    return sender_lib.BulkSender(host, port, limits=limits)
+    return sender
 
   async def send(self, worker: Any, encoded: request_lib.EncodedRequest) -> Any:
     """Sends `encoded`'s header on tunix's call and its bytes on the side channel (once
@@ -185,11 +184,10 @@ class SideChannel:
     reads it)."""
     assert self._sender is not None, "send only once the trainer offered a side channel"
     transfer = frames.new_transfer_id()
-    header = frames.encode_header(encoded.method, encoded.body, encoded.buffers, transfer)
     try:
       return await sender_lib.call_with_bytes(
-          worker.asubmit(contract.SIDE_CALL, **{contract.SIDE_HEADER: header}), self._sender,
-          transfer, encoded.buffers, SEND_FAILURE_GRACE_S)
+          worker.asubmit(contract.SIDE_CALL, **{contract.SIDE_HEADER: encoded.header(transfer)}),
+          self._sender, transfer, encoded.parts, SEND_FAILURE_GRACE_S)
     except OSError as e:
       self._sender.close()  # its idle connections may be as broken: the next call connects anew
       raise SideChannelError(

@@ -1,13 +1,13 @@
-"""The chunked stream on tunix's host, both ends: a call over tunix's message cap as a gRPC client
-stream (chunked.py's format) on the trainer's own server port.
+"""The chunked stream on tunix's host, both ends: a call over tunix's message cap in the bulk
+format, carried as a gRPC client stream (chunked.py) on the trainer's own server port.
 
 tunix's channels and servers refuse any message over `remote_execution._MAX_MESSAGE_BYTES`
-(128 MiB), so without it a larger micro-batch could not train at all (not staged, not inline,
-not as a fallback).
+(128 MiB); where the trainer's bulk port cannot be reached (route.py then finds no side channel)
+this is what lets a larger micro-batch train at all (staged, inline or as a fallback).
 
 - Trainer: `handler` is the method server.py adds to every GrpcRemoteExecutionServer's grpc
-  server before tunix starts it. It receives the call into the installation's pool and hands the
-  request to the lanes (lanes.py) like any received call.
+  server before tunix starts it. It receives the call into the installation's pool and hands it
+  to the lanes (lanes.Lanes.answer) like the side channel's calls.
 - Orchestrator: `StreamClient` sends a call on a grpc.aio channel of its own to the trainer
   handle's address, with tunix's channel options and the handle's deadline; route.py decides
   which calls. A trainer without the method (no plugin there, or staging off there) answers
@@ -20,7 +20,6 @@ docs/tunix.md "Micro-batches over tunix's message cap".
 from __future__ import annotations
 
 import asyncio
-import traceback
 import weakref
 from typing import Any
 
@@ -32,6 +31,7 @@ from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.transport import frames
 
 MIB = request_lib.MIB
 
@@ -56,25 +56,17 @@ def handler(inst: installation_lib.Installation, server: Any) -> Any:
     async def accept() -> None:  # the header passed: the client sends the chunks now
       await context.send_initial_metadata(((contract.STREAM_READY_KEY, contract.STREAM_READY),))
 
-    try:
-      received = await chunked.receive(request_iterator, inst.pool, inst.max_stream_bytes, accept)
-      request_id, method_name, args, kwargs = received.request
-      receipt = lanes_lib.Receipt(contract.STREAM, method_name, received.nbytes, received.started,
-                                  received.ended)
-      del received
-      request = remote_execution.ExecutionRequest(request_id=request_id, method_name=method_name,
-                                                  args=args, kwargs=kwargs)
-      del args, kwargs
-      inst.chunked_calls[method_name] += 1
-      serving = server_ref()
+    serving = server_ref()  # held for this call only
+
+    async def receive() -> tuple[frames.Header, frames.Received]:
       if serving is None:
         raise RuntimeError("the server this stream belongs to is gone")
-      response = await inst.lanes.dispatch(serving, request, receipt)
-    except Exception as e:  # pylint: disable=broad-except  (travels back, as tunix's handler does)
-      response = remote_execution.ExecutionResponse(error_message=str(e),
-                                                    error_type=type(e).__name__,
-                                                    traceback=traceback.format_exc())
-    return response.serialize()
+      header, received = await chunked.receive(request_iterator, inst.pool, inst.max_stream_bytes,
+                                               lanes_lib.CAP_SETTING, accept)
+      inst.chunked_calls[header.method] += 1
+      return header, received
+
+    return (await inst.lanes.answer(serving, contract.STREAM, receive)).serialize()
 
   return grpc.method_handlers_generic_handler(contract.STREAM_SERVICE, {
       contract.STREAM_METHOD_NAME: grpc.stream_unary_rpc_method_handler(execute_stream),

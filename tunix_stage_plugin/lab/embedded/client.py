@@ -1,5 +1,10 @@
 """Async client for the trainer's generic method-call service, with an emulated wire.
 
+A call is encoded as tunix's host encodes it (hosts/tunix/request.py): one unary message when its
+arrays total at most UNARY_MAX_BYTES, else the bulk format's header on gRPC and its parts' bytes
+on the bulk channel (transport/); the trainer's failure comes back as contract.RemoteError
+(docs/embedded.md "How a call travels").
+
 Concurrent calls share one HTTP/2 connection and one emulated link (`LinkPacer`): a stage's bytes
 and an inline train's bytes on the bulk channel (transport/) queue for the same bandwidth, as on a
 real NIC. Only payload bytes are paced (the bulk bytes); headers and small unary calls are not.
@@ -24,6 +29,7 @@ gets one TrainerUnresponsiveError naming the trainer and the call.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import re
 import time
 from typing import Any
@@ -31,8 +37,10 @@ from typing import Any
 import grpc
 
 from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.lab.embedded import pacing
-from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.lab.embedded import server as server_lib
 from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.transport import sender as sender_lib
 
@@ -40,6 +48,8 @@ _ADDRESS_RE = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>
 
 
 DEFAULT_LIVENESS_S = 60.0
+# A call whose arrays total at most this goes whole as one unary message; a larger one in bulk.
+UNARY_MAX_BYTES = 1 << 20
 # What any call may take before its reply, on top of its bytes: scheduling, (un)pickling, a lane.
 CALL_BASE_S = 2.0
 # The bandwidth assumed for an unpaced link: loopback gRPC runs at ~1 GB/s, a loaded machine less.
@@ -58,6 +68,10 @@ MIN_PROBE_S = 0.5
 # A bulk send that failed leaves the call this long to bring its own answer (e.g. a refusal by its
 # header, after which the trainer drops the bytes' connection) before the send's error is reported.
 SEND_FAILURE_GRACE_S = 1.0
+
+
+def _bulk(encoded: request_lib.EncodedRequest) -> bool:
+  return encoded.out_of_band_bytes > UNARY_MAX_BYTES
 
 
 class TrainerUnresponsiveError(ConnectionError):
@@ -79,18 +93,26 @@ def _unanswered(e: grpc.aio.AioRpcError) -> bool:
   return e.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(e)
 
 
-_HEARTBEAT = wire.encode_call("heartbeat", (), {}).unary  # one small unary message, made once
+_HEARTBEAT = request_lib.encode_whole(None, "heartbeat", (), {})  # one small message, made once
 
 
 # What a call to the trainer can fail with; a command reports each in one line and exits 1.
-CALL_ERRORS = (ConnectionError, wire.RemoteCallError, wire.WireError, grpc.aio.AioRpcError)
+CALL_ERRORS = (ConnectionError, contract.RemoteError, frames.WireError, grpc.aio.AioRpcError)
 
 
 def describe_call_error(e: BaseException, trainer: str) -> str:
-  """One line for a CALL_ERRORS exception; gRPC's own errors get their status code."""
+  """One line for a CALL_ERRORS exception; gRPC's own errors get their status code, the
+  trainer's own its type and first line."""
   if isinstance(e, grpc.aio.AioRpcError):
     return f"a call to {trainer} failed: {e.code().name}: {e.details()}"
+  if isinstance(e, contract.RemoteError):
+    return f"a call to {trainer} failed there: {e.type_name}: {e.message}"
   return str(e)
+
+
+def decode_reply(message: bytes) -> Any:
+  """A reply's result, or the trainer's error raised as contract.RemoteError."""
+  return contract.unwrap(pickle.loads(message))
 
 
 def check_address(address: str) -> str:
@@ -148,10 +170,10 @@ class WorkerClient:
     self.pacer = pacing.LinkPacer(wire_bytes_per_s)
     self.liveness_s = check_liveness(liveness_s)
     self._channel = grpc.aio.insecure_channel(
-        address, options=[*wire.grpc_options(), *keepalive_options(self.liveness_s)])
-    self._unary = self._channel.unary_unary(wire.CALL)
-    self._bulk_header = self._channel.unary_unary(wire.CALL_BULK)
-    self._bulk_port = self._channel.unary_unary(wire.BULK_PORT)
+        address, options=[*server_lib.grpc_options(), *keepalive_options(self.liveness_s)])
+    self._unary = self._channel.unary_unary(server_lib.CALL)
+    self._bulk_header = self._channel.unary_unary(server_lib.CALL_BULK)
+    self._bulk_port = self._channel.unary_unary(server_lib.BULK_PORT)
     self._sender: sender_lib.BulkSender | None = None
     self._sender_made = asyncio.Lock()  # concurrent first bulk calls make one sender
     # The watchdog (docs/embedded.md "Liveness bound"): quiet for silence_s with calls in flight
@@ -189,8 +211,7 @@ class WorkerClient:
     last: BaseException | None = None
     while time.monotonic() < deadline:
       try:
-        return wire.decode_reply("heartbeat", await self._unary(
-            _HEARTBEAT, timeout=min(5.0, timeout_s)))
+        return decode_reply(await self._unary(_HEARTBEAT, timeout=min(5.0, timeout_s)))
       except grpc.aio.AioRpcError as e:
         last = e
         try:
@@ -202,13 +223,13 @@ class WorkerClient:
     raise ConnectionError(f"trainer at {self.address} did not answer within {timeout_s:.0f} s: "
                           f"{detail}")
 
-  def expected_s(self, encoded: wire.EncodedCall, args: tuple[Any, ...] = ()) -> float:
+  def expected_s(self, encoded: request_lib.EncodedRequest, args: tuple[Any, ...] = ()) -> float:
     """What a call is expected to take: its bytes over the link (behind the bytes queued on it),
     plus the seconds a weight sync announces, plus CALL_BASE_S."""
     expected = CALL_BASE_S
-    if encoded.unary is None:
+    if _bulk(encoded):
       rate = self.pacer.bytes_per_s or UNPACED_BYTES_PER_S
-      expected += self.pacer.backlog_s() + encoded.payload_bytes / rate
+      expected += self.pacer.backlog_s() + encoded.out_of_band_bytes / rate
     if encoded.method in ANNOUNCED_SECONDS and args and isinstance(args[0], (int, float)):
       expected += max(0.0, float(args[0]))
     return expected
@@ -223,7 +244,7 @@ class WorkerClient:
     """
     if not 1.0 <= _pace < float("inf"):
       raise ValueError(f"_pace must be a finite slowdown >= 1; got {_pace!r}")
-    encoded = wire.encode_call(method, args, kwargs)
+    encoded = request_lib.encode(None, method, args, kwargs)
     expected = self.expected_s(encoded, args) * _pace
     timeout = _timeout_s if _timeout_s is not None else expected + self.liveness_s
     after_dead_peer = self.unresponsive is not None
@@ -231,7 +252,7 @@ class WorkerClient:
       timeout = min(timeout, DEAD_PEER_DEADLINE_S)
     start = time.monotonic()
     flight = _Flight(method, asyncio.get_running_loop().create_future())
-    work = asyncio.ensure_future(self._send(encoded, timeout, _pace))
+    work = asyncio.ensure_future(self._send(encoded, args, kwargs, timeout, _pace))
     self._flights.add(flight)
     self._watch()
     try:
@@ -264,13 +285,15 @@ class WorkerClient:
     if verdict is not None:
       raise verdict  # the trainer stopped answering: a heartbeat got no reply either
     self._heard_from()
-    return wire.decode_reply(method, reply)
+    return decode_reply(reply)
 
-  async def _send(self, encoded: wire.EncodedCall, timeout: float, pace: float) -> bytes:
-    if encoded.unary is not None:
+  async def _send(self, encoded: request_lib.EncodedRequest, args: tuple[Any, ...],
+                  kwargs: dict[str, Any], timeout: float, pace: float) -> bytes:
+    if not _bulk(encoded):
       # Small messages are not paced: a train-by-key call never queues behind a stage's
       # payload on the emulated link.
-      return await self._unary(encoded.unary, timeout=timeout)
+      whole = request_lib.encode_whole(None, encoded.method, args, kwargs)
+      return await self._unary(whole, timeout=timeout)
     return await self._call_bulk(encoded, timeout, pace)
 
   def _heard_from(self) -> None:
@@ -318,14 +341,16 @@ class WorkerClient:
         self._sender = sender_lib.BulkSender(self._host, port, limits)
     return self._sender
 
-  async def _call_bulk(self, encoded: wire.EncodedCall, timeout: float, pace: float) -> bytes:
+  async def _call_bulk(self, encoded: request_lib.EncodedRequest, timeout: float,
+                       pace: float) -> bytes:
     """The header on gRPC and the bytes on the bulk channel, at once, once a connection for the
     bytes is held (within the trainer's cap: this client's sends queue for one, each ending
     within the bulk channel's bounds); the call's answer wins."""
-    return await sender_lib.call_with_bytes(self._bulk_header(encoded.header, timeout=timeout),
-                                            await self._bulk_sender(timeout), encoded.transfer,
-                                            encoded.buffers, SEND_FAILURE_GRACE_S,
-                                            self.pacer.chunks(pace))
+    transfer = frames.new_transfer_id()
+    return await sender_lib.call_with_bytes(
+        self._bulk_header(encoded.header(transfer), timeout=timeout),
+        await self._bulk_sender(timeout), transfer, encoded.parts, SEND_FAILURE_GRACE_S,
+        self.pacer.chunks(pace))
 
   async def _diagnose(self, e: grpc.aio.AioRpcError, method: str, waited: float, timeout: float,
                       expected: float) -> BaseException:
@@ -348,7 +373,7 @@ class WorkerClient:
   async def _diagnose_bulk(self, e: OSError, method: str, waited: float) -> BaseException:
     """A broken bulk connection: the trainer went away, stopped answering, or only the
     connection failed (a WireError naming it)."""
-    return await self._probe(method, waited, f"its bytes' connection: {e}") or wire.WireError(
+    return await self._probe(method, waited, f"its bytes' connection: {e}") or frames.WireError(
         f"{method}: the connection carrying its bytes to {self.address} failed: "
         f"{type(e).__name__}: {e}")
 

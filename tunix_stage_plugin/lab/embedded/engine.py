@@ -1,4 +1,6 @@
-"""The orchestrator's engine for the embedded trainer: core.pipeline.StageEngine over gRPC."""
+"""The orchestrator's engine for the embedded trainer: core.pipeline.StageEngine over gRPC. The
+trainer's errors come back as contract.RemoteError and are matched by their type's name, as on
+tunix's host (docs/embedded.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,22 @@ from typing import Any, Callable
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
-from tunix_stage_plugin.lab.embedded import wire
+
+# The trainer's errors a caller handles by type: a StageKeyError is a caller bug (fail loud here
+# too), a StagedPayloadUnreadable the pipeline answers by training the micro-batch inline.
+TYPED_ERRORS = (store_lib.StageKeyError, outcome_lib.StagedPayloadUnreadable)
+
+
+def typed_error(remote: contract.RemoteError) -> Exception | None:
+  """The plugin's typed error `remote` stands for; None for any other."""
+  for error in TYPED_ERRORS:
+    if remote.type_name == error.__name__:
+      return error(remote.message)
+  return None
 
 
 @dataclasses.dataclass
@@ -53,12 +67,22 @@ class EmbeddedEngine:
     self.wire = WireStats()
     self.recorder: recorder_lib.Spans = recorder_lib.DISABLED  # each payload's send (telemetry)
 
+  async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    """One call to the trainer; its error, when the plugin has a type for it, raised as that."""
+    try:
+      return await self.client.call(method, *args, **kwargs)
+    except contract.RemoteError as e:
+      typed = typed_error(e)
+      if typed is None:
+        raise
+      raise typed from e
+
   async def _send(self, method: str, nbytes: int, *args: Any, **kwargs: Any) -> Any:
     """One call carrying a micro-batch (its bytes on the bulk channel), its send recorded."""
     call = recorder_lib.CALL.get()
     with self.recorder.span(tracks.ORCHESTRATOR_SEND, method, transport="side", bytes=nbytes,
                             step=None if call is None else call[0]):
-      return await self.client.call(method, *args, **kwargs)
+      return await self._call(method, *args, **kwargs)
 
   def _pack(self, payload: data_lib.Batch) -> data_lib.PackedBatch:
     """Runs on a worker thread."""
@@ -75,24 +99,14 @@ class EmbeddedEngine:
     self.wire.stages += 1
     self.wire.stage_raw_bytes += payload.nbytes
     self.wire.stage_sent_bytes += sent_bytes
-    try:
-      answer = await self._send("stage_batch", sent_bytes, sent, key=key,
-                                _pace=self._slowdown(payload))
-    except wire.RemoteCallError as e:
-      if e.error_type == store_lib.StageKeyError.__name__:  # a caller bug: fail loud here too
-        raise store_lib.StageKeyError(str(e)) from e
-      raise
+    answer = await self._send("stage_batch", sent_bytes, sent, key=key,
+                              _pace=self._slowdown(payload))
     return outcome_lib.StageOutcome.from_dict(answer)
 
   async def train(self, payload: data_lib.Batch | None, *, stage_key: str | None,
                   apply_optimizer: bool) -> outcome_lib.Trained:
     if stage_key is not None:
-      try:
-        result = await self.client.call("fwd_bwd", stage_key=stage_key)
-      except wire.RemoteCallError as e:
-        if e.error_type == outcome_lib.StagedPayloadUnreadable.__name__:  # the pipeline sends it
-          raise outcome_lib.StagedPayloadUnreadable(str(e).split(": ", 2)[-1]) from e
-        raise
+      result = await self._call("fwd_bwd", stage_key=stage_key)
     else:
       result = await self._train_inline(payload)
     return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer),
@@ -104,7 +118,7 @@ class EmbeddedEngine:
     return await self._send("fwd_bwd", payload.nbytes, payload, _pace=self._slowdown(payload))
 
   async def train_resident(self, mb_id: str, *, apply_optimizer: bool) -> outcome_lib.Trained:
-    result = await self.client.call("fwd_bwd", resident=mb_id)
+    result = await self._call("fwd_bwd", resident=mb_id)
     return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer))
 
   def resident(self) -> "ResidentEngine":
@@ -112,14 +126,14 @@ class EmbeddedEngine:
 
   async def _maybe_update(self, result: dict[str, Any], apply_optimizer: bool) -> dict[str, Any]:
     if apply_optimizer:
-      result = {**result, **await self.client.call("update")}
+      result = {**result, **await self._call("update")}
     return result
 
   async def reset(self, keys: list[str]) -> None:
-    await self.client.call("reset_staged", keys)
+    await self._call("reset_staged", keys)
 
   async def weight_sync(self, seconds: float) -> None:
-    await self.client.call("weight_sync", seconds)
+    await self._call("weight_sync", seconds)
 
 
 class ResidentEngine:

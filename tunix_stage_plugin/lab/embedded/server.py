@@ -1,4 +1,7 @@
-"""The trainer's gRPC service: a generic method call (method name + pickled arguments), as tunix's.
+"""The trainer's gRPC service: a generic method call, as tunix's, on the production wire: a call is
+the request tunix's host sends (hosts/tunix/request.py), a large one the bulk format
+(transport/frames.py) with its bytes on the bulk channel, and a failure answers in tunix's
+error envelope, which the client reads with hosts/tunix/contract.py (`unwrap`, `RemoteError`).
 
 The server's event loop only moves messages: it never copies a payload, unpickles one, places it
 or waits for the device. Each method runs on its core.executor lane (compute, staging or inline),
@@ -17,7 +20,10 @@ Binds 127.0.0.1 only: the calls are pickles, trusted because they come from this
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import pickle
+import traceback
 from typing import Any, Protocol
 
 import grpc
@@ -26,7 +32,7 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.lab.embedded import wire
+from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.transport import listener as listener_lib
 
@@ -34,6 +40,15 @@ log = logging.getLogger("tunix_stage_plugin.lab.embedded")
 
 BIND_HOST = "127.0.0.1"
 DEFAULT_MAX_CALL_BYTES = 4096 << 20
+CAP_SETTING = "trainer_main --max_call_mib"
+
+SERVICE = "tunix_stage.EmbeddedWorker"
+CALL = f"/{SERVICE}/Call"  # a small call whole (request.encode_whole)
+CALL_BULK = f"/{SERVICE}/CallBulk"  # a bulk call's header; its bytes come on the bulk channel
+BULK_PORT = f"/{SERVICE}/BulkPort"  # () -> frames.announcement
+# One message is a header, a small call or a reply; the cap leaves room for a header but refuses
+# the multi-GB single messages the bulk channel exists to avoid.
+MAX_MESSAGE_BYTES = 16 << 20
 
 # The clients ping (WorkerClient's keepalive) to notice a trainer that stopped answering; accept
 # those pings at any rate down to one a second, with or without calls in flight.
@@ -42,6 +57,37 @@ PING_POLICY = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+
+def grpc_options() -> list[tuple[str, int]]:
+  return [
+      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+  ]
+
+
+@dataclasses.dataclass
+class Reply:
+  """A call's answer: the fields of tunix's ExecutionResponse that contract.unwrap reads."""
+
+  result: Any = None
+  error_message: str | None = None
+  error_type: str | None = None
+  traceback: str | None = None
+
+
+def encode_reply(result: Any) -> bytes:
+  message = pickle.dumps(Reply(result), protocol=5)
+  if len(message) > MAX_MESSAGE_BYTES:
+    raise frames.WireError(f"reply of {len(message)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte "
+                           "message cap; methods return small results")
+  return message
+
+
+def encode_error(error: Exception) -> bytes:
+  """`error` as tunix's handler answers one (contract.unwrap raises it as a RemoteError)."""
+  return pickle.dumps(Reply(error_message=str(error), error_type=type(error).__name__,
+                            traceback="".join(traceback.format_exception(error))), protocol=5)
 
 
 class ServedWorker(Protocol):
@@ -76,8 +122,8 @@ class WorkerServer:
     # grpc sets SO_REUSEPORT by default: a second trainer would then "bind" a port in use and
     # share its connections. Refuse instead.
     server = grpc.aio.server(
-        options=[*wire.grpc_options(), *PING_POLICY, ("grpc.so_reuseport", 0)])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(wire.SERVICE, {
+        options=[*grpc_options(), *PING_POLICY, ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {
         "Call": grpc.unary_unary_rpc_method_handler(self._call),
         "CallBulk": grpc.unary_unary_rpc_method_handler(self._call_bulk),
         "BulkPort": grpc.unary_unary_rpc_method_handler(self._bulk_port),
@@ -109,12 +155,12 @@ class WorkerServer:
   async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     method = "?"
     try:
-      method, args, kwargs = wire.decode_unary(request)  # small by construction: fine on the loop
+      _, method, args, kwargs = request_lib.decode(request)  # small by construction: on the loop
       fn = self._method(method)
-      return wire.encode_reply(await self._executor.run(method, fn, *args, **kwargs))
+      return encode_reply(await self._executor.run(method, fn, *args, **kwargs))
     except Exception as e:  # pylint: disable=broad-except  (travels back to the caller)
       log.debug("call %s failed: %s: %s", method, type(e).__name__, e)
-      return wire.encode_error(e)
+      return encode_error(e)
 
   async def _bulk_port(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     return frames.announcement(self._bulk.port, self._bulk.limits)
@@ -122,26 +168,26 @@ class WorkerServer:
   async def _call_bulk(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     method = "?"
     try:
-      header = wire.decode_header(request)  # a few hundred bytes: fine on the loop
-      method = header["method"]
+      header = frames.decode_header(request)  # a few hundred bytes: fine on the loop
+      method = header.method
       try:
         fn = self._method(method)
-        announced = wire.announced_bytes(header, self.max_call_bytes)
+        announced = frames.announced_bytes(header, self.max_call_bytes, CAP_SETTING)
       except Exception:
-        self._transfers.refuse(header["transfer"])  # its frame is dropped when it comes
+        self._transfers.refuse(header.transfer)  # its frame is dropped when it comes
         raise
-      received = await self._transfers.receive(header["transfer"], header["sizes"])
+      received = await self._transfers.receive(header.transfer, header.sizes)
       self._timeline.add(tracks.TRAINER_RECEIVE, method, received.started, received.ended,
                          bytes=announced, transport="side")
       buffers = received.buffers
       del received
 
       def run() -> Any:
-        args, kwargs = wire.decode_bulk(header, buffers)
+        _, _, args, kwargs = request_lib.decode_received(header, buffers)
         buffers.clear()  # the arrays over them are all that is kept
         return fn(*args, **kwargs)
 
-      return wire.encode_reply(await self._executor.run(method, run))
+      return encode_reply(await self._executor.run(method, run))
     except Exception as e:  # pylint: disable=broad-except  (travels back to the caller)
       log.debug("bulk call %s failed: %s: %s", method, type(e).__name__, e)
-      return wire.encode_error(e)
+      return encode_error(e)
