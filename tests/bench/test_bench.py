@@ -29,7 +29,8 @@ from tunix_stage_plugin.lab.bench import command as bench_cmd
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.timeline import Span, lane_track
+from tunix_stage_plugin.core.telemetry.recorder import Span
+from tunix_stage_plugin.lab.bench.trace import lane_track
 from tunix_stage_plugin.lab.embedded import bench as embedded_bench
 from tunix_stage_plugin.lab.embedded import data as data_lib
 

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 from tests.core.engines import ThreadedEngine, source_of
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.pipeline import StagePipeline
 from tunix_stage_plugin.core.telemetry import analysis
@@ -28,14 +28,14 @@ from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
-from tunix_stage_plugin.core.timeline import Span
+from tunix_stage_plugin.core.telemetry.recorder import Span
 
 MIB = 1 << 20
 
 
 def test_a_recorder_tells_every_sink_and_drops_one_that_raises(caplog):
   rec = recorder_lib.Recorder()
-  kept = timeline_lib.Timeline()
+  kept = trace_lib.Kept()
 
   class Broken:
     def record(self, span):
@@ -56,7 +56,7 @@ def test_a_recorder_tells_every_sink_and_drops_one_that_raises(caplog):
 
 def test_the_disabled_recorder_takes_no_sink_and_records_nothing():
   with pytest.raises(RuntimeError, match="disabled"):
-    recorder_lib.DISABLED.add_sink(timeline_lib.Timeline())
+    recorder_lib.DISABLED.add_sink(trace_lib.Kept())
   with recorder_lib.DISABLED.span(tracks.TRAINER_H2D, "x", lane="inline") as args:
     assert args == {"lane": "inline"}
   assert not recorder_lib.DISABLED.enabled
@@ -66,7 +66,7 @@ def test_the_watcher_records_each_computation_when_its_output_is_ready():
   """Real JAX computations, dispatched asynchronously: the call answers before the output is
   ready, and the watcher, on its own thread, records the device span once it is."""
   rec = recorder_lib.Recorder()
-  kept = timeline_lib.Timeline()
+  kept = trace_lib.Kept()
   rec.add_sink(kept)
   watcher = trainer_lib.ComputeWatcher(rec, jax.block_until_ready)
   work = jax.jit(lambda x: jnp.tanh(x @ x).sum())
@@ -91,7 +91,7 @@ def test_the_watcher_records_each_computation_when_its_output_is_ready():
 
 def test_a_failed_computation_is_not_recorded_and_the_watcher_goes_on():
   rec = recorder_lib.Recorder()
-  kept = timeline_lib.Timeline()
+  kept = trace_lib.Kept()
   rec.add_sink(kept)
 
   def wait(output):

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 from tunix.perf.experimental import constants as perf_constants
 from tunix.perf.experimental import tracer as tracer_lib
 
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import tracks
 
 # The staging tracks tunix's timelines show, under tunix-style span names.
@@ -49,7 +49,7 @@ class TracerSink:
   def __init__(self, tracer: tracer_lib.PerfTracer) -> None:
     self.tracer = tracer
 
-  def record(self, span: timeline_lib.Span) -> None:
+  def record(self, span: recorder_lib.Span) -> None:
     name = SPAN_NAMES.get(span.track)
     if name is None:
       return

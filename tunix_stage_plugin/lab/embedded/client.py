@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import wire
 from tunix_stage_plugin.transport import frames
@@ -377,4 +377,4 @@ class WorkerClient:
     async def remote_clock() -> float:
       return (await self.call("heartbeat"))["time"]
 
-    return await timeline_lib.clock_offset(remote_clock, samples)
+    return await trace_lib.clock_offset(remote_clock, samples)

@@ -51,7 +51,7 @@ class EmbeddedEngine:
     self._slowdown = transfer_slowdown or (lambda batch: 1.0)
     self.codec = codec
     self.wire = WireStats()
-    self.recorder: recorder_lib.Spans = recorder_lib.DISABLED  # each payload's send (telemetry)
+    self.recorder: recorder_lib.Recorder = recorder_lib.DISABLED  # each payload's send (telemetry)
 
   async def _send(self, method: str, nbytes: int, *args: Any, **kwargs: Any) -> Any:
     """One call carrying a micro-batch (its bytes on the bulk channel), its send recorded."""

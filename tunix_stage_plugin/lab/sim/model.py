@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.lab.bench import trace as bench_trace
 from tunix_stage_plugin.lab.sim import trace as trace_lib
 
 COMPUTE, SYNC = tracks.DEVICE_COMPUTE, tracks.DEVICE_SYNC
@@ -62,7 +62,7 @@ class SimTrainer:
                slot_wait_s: float = 30.0) -> None:
     self.resident = resident
     self.slot_wait_s = slot_wait_s
-    self.timeline = timeline_lib.Timeline()
+    self.timeline = bench_trace.Kept()
     # The wire is shared by concurrent calls (their streams interleave); copies queue whole.
     self._wire, self._h2d = _Resource(chunks=WIRE_CHUNKS), _Resource()
     self._compute, self._staging = asyncio.Lock(), asyncio.Lock()

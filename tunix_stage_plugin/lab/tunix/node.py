@@ -47,7 +47,8 @@ from tunix.experimental.worker import remote_execution
 from tunix.experimental.worker import trainer_worker
 from tunix.sft import sharding_utils
 
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.embedded import data as data_lib
@@ -124,7 +125,7 @@ class Clocked:
   it is queued or when the one before it ends, whichever is later."""
 
   def __init__(self) -> None:
-    self.timeline = timeline_lib.Timeline()
+    self.timeline = trace_lib.Kept()
     self.lane = _Lane()
     self._queue: queue.Queue[_Dispatched] = queue.Queue()
     self._last_end = 0.0
@@ -310,7 +311,7 @@ class BenchWorker(trainer_worker.TrainerWorker):
                                            MB: place(np.array([step, index], np.int32))}
     return len(trainer.resident)
 
-  def bench_timeline(self) -> list[timeline_lib.Span]:
+  def bench_timeline(self) -> list[recorder_lib.Span]:
     self.clocked.drain()
     return self.clocked.timeline.spans()
 
@@ -334,10 +335,10 @@ class _PoolWaits:
   """A sink on the plugin's recorder (core.telemetry): its receive-pool waits, onto the bench's
   timeline (the bench draws them, and leaves them out of the host path)."""
 
-  def __init__(self, timeline: timeline_lib.Timeline) -> None:
+  def __init__(self, timeline: trace_lib.Kept) -> None:
     self.timeline = timeline
 
-  def record(self, span: timeline_lib.Span) -> None:
+  def record(self, span: recorder_lib.Span) -> None:
     if span.track == tracks.TRAINER_POOL_WAIT:
       self.timeline.record(span)
 
