@@ -106,6 +106,32 @@ def test_a_failed_computation_is_not_recorded_and_the_watcher_goes_on():
   watcher.close()
 
 
+def test_the_watcher_waits_once_and_then_tells_what_needs_the_end(caplog):
+  """One wait per computation: what else needs its end (tunix's PerfTracer's device span) is told
+  by the watcher after its span is recorded; one that raises is said and the watcher goes on."""
+  rec = recorder_lib.Recorder()
+  kept = trace_lib.Kept()
+  rec.add_sink(kept)
+  waited, told = [], []
+
+  def broken():
+    raise KeyError("no timeline")
+
+  watcher = trainer_lib.ComputeWatcher(rec, waited.append)
+  watcher.dispatched("fwd_bwd", 0.0, 0.0, "a", on_ready=lambda: told.append(len(kept.spans())))
+  watcher.dispatched("fwd_bwd", 0.0, 0.0, "b")
+  with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
+    watcher.dispatched("fwd_bwd", 0.0, 0.0, "c", on_ready=broken)
+    watcher.dispatched("update", 0.0, 0.0, "d", on_ready=lambda: told.append(len(kept.spans())))
+    assert watcher.drain(10)
+  assert waited == ["a", "b", "c", "d"]
+  assert told == [1, 4]  # each after its own span was recorded
+  assert [r.message for r in caplog.records] == [
+      "tunix-stage: telemetry: telling the end of a fwd_bwd computation failed (KeyError: "
+      "'no timeline')"]
+  watcher.close()
+
+
 def compute(kind, start, end, **args):
   return Span(tracks.DEVICE_COMPUTE, kind, start, end, tuple(sorted({"kind": kind, **args}.items())))
 

@@ -41,11 +41,13 @@ class _Dispatched:
   answered: float  # when the call returned
   output: Any  # an output of the computation: ready when it has ended
   args: dict[str, Any]
+  on_ready: Callable[[], None] | None  # told once the output is ready (a tracer's device span)
 
 
 class ComputeWatcher:
   """Records each dispatched computation's device span (tracks.DEVICE_COMPUTE) once `wait(output)`
-  returns, on a daemon thread of its own; in dispatch order (one device, one queue)."""
+  returns, on a daemon thread of its own; in dispatch order (one device, one queue). The one wait
+  for a computation: whatever else needs its end (tunix's PerfTracer) is told by `on_ready`."""
 
   def __init__(self, rec: recorder_lib.Recorder, wait: Callable[[Any], None]) -> None:
     self._recorder = rec
@@ -55,14 +57,14 @@ class ComputeWatcher:
     self._thread: threading.Thread | None = None
     self._last_end = 0.0
 
-  def dispatched(self, kind: str, queued: float, answered: float, output: Any,
-                 **args: Any) -> None:
+  def dispatched(self, kind: str, queued: float, answered: float, output: Any, *,
+                 on_ready: Callable[[], None] | None = None, **args: Any) -> None:
     with self._lock:
       if self._thread is None:
         self._thread = threading.Thread(target=self._watch, name="tunix-stage-compute-watch",
                                         daemon=True)
         self._thread.start()
-    self._queue.put(_Dispatched(kind, queued, answered, output, args))
+    self._queue.put(_Dispatched(kind, queued, answered, output, args, on_ready))
 
   def drain(self, timeout: float | None = None) -> bool:
     """Waits until every computation dispatched so far is recorded."""
@@ -100,6 +102,12 @@ class ComputeWatcher:
       self._last_end = end
       self._recorder.add(tracks.DEVICE_COMPUTE, item.kind, start, end, kind=item.kind,
                          answered=item.answered, **item.args)
+      if item.on_ready is not None:
+        try:
+          item.on_ready()
+        except Exception as e:  # pylint: disable=broad-except  (telemetry never fails a job)
+          log.warning("tunix-stage: telemetry: telling the end of a %s computation failed "
+                      "(%s: %s)", item.kind, type(e).__name__, e)
 
 
 # What a trainer's step is made of.
