@@ -66,13 +66,13 @@ def step_timings(spans: Iterable[recorder_lib.Span], steps: Iterable[int]) -> li
 def fwd_bwd_durations(spans: Iterable[recorder_lib.Span], step: int) -> list[float]:
   """Device time of each of the step's fwd_bwd calls (longer under CPU contention)."""
   return [s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE and _step_of(s) == step
-          and dict(s.args).get("kind") == "fwd_bwd"]
+          and dict(s.args).get("kind") == tracks.FWD_BWD]
 
 
 def update_duration(spans: Iterable[recorder_lib.Span], step: int) -> float:
   """Device time of the step's update."""
   return max(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE and _step_of(s) == step
-             and dict(s.args).get("kind") == "update")
+             and dict(s.args).get("kind") == tracks.UPDATE)
 
 
 def calibrated(spans: Iterable[recorder_lib.Span], steps: Iterable[int]) -> tuple[float, float]:
@@ -80,7 +80,7 @@ def calibrated(spans: Iterable[recorder_lib.Span], steps: Iterable[int]) -> tupl
   spans = list(spans)
   compute = statistics.median(d for step in steps for d in fwd_bwd_durations(spans, step))
   update = statistics.median(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE
-                             and dict(s.args).get("kind") == "update")
+                             and dict(s.args).get("kind") == tracks.UPDATE)
   return compute, update
 
 

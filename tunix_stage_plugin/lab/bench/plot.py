@@ -34,7 +34,7 @@ class PlotUnavailable(RuntimeError):
 def _colour(span: recorder_lib.Span) -> str:
   args = dict(span.args)
   if span.track == tracks.DEVICE_COMPUTE:
-    return COLOURS["update" if args.get("kind") == "update" else args.get("source", "inline")]
+    return COLOURS["update" if args.get("kind") == tracks.UPDATE else args.get("source", "inline")]
   if span.track == tracks.TRAINER_H2D:
     return COLOURS[f"h2d/{args.get('lane', 'inline')}"]
   return COLOURS.get(span.track, "#7f7f7f")

@@ -119,13 +119,13 @@ class SimTrainer:
       await asyncio.sleep(payload.times.compute_s)
       source = "resident" if self.resident else ("staged" if stage_key else "inline")
       self.timeline.add(COMPUTE, payload.name, start, self._now(), step=payload.step,
-                        kind="fwd_bwd", source=source)
+                        kind=tracks.FWD_BWD, source=source)
     if apply_optimizer:  # the update is its own call on the compute lane, right after
       async with self._compute:
         start = self._now()
         await asyncio.sleep(payload.update_s)
         self.timeline.add(COMPUTE, f"update s{payload.step}", start, self._now(),
-                          step=payload.step, kind="update")
+                          step=payload.step, kind=tracks.UPDATE)
     return outcome_lib.Trained(payload.name)
 
   async def boundary(self, step: int, seconds: float) -> None:

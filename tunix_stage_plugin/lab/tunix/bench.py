@@ -383,7 +383,7 @@ def host_path(spans: list[recorder_lib.Span], stage_calls: list[recorder_lib.Spa
       waits = []
       for s in places:
         before = [c for c in computations if c["answered"] <= s.start]
-        if before and before[-1]["kind"] == "fwd_bwd":
+        if before and before[-1]["kind"] == tracks.FWD_BWD:
           answered = before[-1]["answered"]
           waits.append(s.start - answered - recorder_lib.busy_time(held, answered, s.start))
       receive_s = metrics.median(waits)
