@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import platform
+import random
 import selectors
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 
 import tunix_stage_plugin
 from tests import procs
+from tests.bench import split_oracle
 from tests.core.trace_check import partial_overlaps
 from tunix_stage_plugin.core.inputs import echo
 from tunix_stage_plugin.lab.bench import meta as meta_lib
@@ -29,7 +31,8 @@ from tunix_stage_plugin.lab.bench import command as bench_cmd
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.timeline import Span, lane_track
+from tunix_stage_plugin.core.telemetry.recorder import Span
+from tunix_stage_plugin.lab.bench.trace import lane_track
 from tunix_stage_plugin.lab.embedded import bench as embedded_bench
 from tunix_stage_plugin.lab.embedded import data as data_lib
 
@@ -51,6 +54,31 @@ def test_step_timings_split_a_step_into_boundary_idle_mid_step_idle_and_compute(
   assert t.seconds == pytest.approx(t.boundary_idle + t.mid_step_idle + t.compute)
   with pytest.raises(ValueError, match="no device compute spans for step 0"):
     metrics.step_timings(spans, [0])
+
+
+def test_the_bench_s_split_is_the_oracle_s_on_random_steps():
+  """The trainer's split (what metrics.step_timings reads) against the oracle, on steps of
+  random computations, gaps and weight syncs at the boundary (the sync, a compute-lane call,
+  adds to the oracle's boundary idle and is the split's boundary wait plus other calls)."""
+  rng = random.Random(7)
+  for _ in range(50):
+    spans, t = [], 0.0
+    steps = rng.randint(2, 6)
+    for step in range(steps):
+      for _ in range(rng.randint(1, 5)):
+        t += rng.choice([0.0, rng.uniform(0.0, 0.3)])
+        spans.append(_compute(step, t, t + rng.uniform(0.01, 1.0)))
+        t = spans[-1].end
+      spans.append(_compute(step, t, t + rng.uniform(0.01, 0.2), "update"))
+      t = spans[-1].end
+      if rng.random() < 0.5:  # it holds the compute lane: the next step starts after it
+        spans.append(Span(tracks.DEVICE_SYNC, "weight sync", t, t + rng.uniform(0.0, 0.5)))
+        t = spans[-1].end
+      t += rng.uniform(0.0, 0.5)
+    rng.shuffle(spans)
+    timings = metrics.step_timings(spans, range(1, steps))
+    assert [(x.step, x.seconds, x.mid_step_idle, x.boundary_idle, x.compute) for x in timings] \
+        == [pytest.approx(o, abs=1e-9) for o in split_oracle.step_timings(spans, range(1, steps))]
 
 
 @pytest.mark.parametrize("inline, mode, resident, expected", [
@@ -379,6 +407,27 @@ def test_tiny_quick_run_writes_json_png_and_trace(tiny_run):
   assert partial_overlaps(trace) == []  # every thread's events nest: Perfetto draws them right
   assert sum(e["ph"] == "X" for e in trace["traceEvents"]) > 0
   assert all(lane_track(n) == n or lane_track(n) in thread_names for n in thread_names)
+
+
+def test_the_tiny_run_s_step_figures_are_the_oracle_s_over_its_own_spans(tiny_run):
+  """Each run's step figures (the trainer's own split, which the bench reads) against the split
+  oracle (tests/bench/split_oracle.py) over the same run's device spans, read back from its
+  trace (times to 0.1 us)."""
+  result, out = tiny_run
+  assert result.returncode == 0, result.stdout + result.stderr
+  report_json = json.loads((out / "bench.json").read_text())
+  events = json.loads((out / "trace.json").read_text())["traceEvents"]
+  modes = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+  threads = {(e["pid"], e["tid"]): lane_track(e["args"]["name"]) for e in events
+             if e["name"] == "thread_name"}
+  for run in report_json["runs"]:
+    (pid,) = [p for p, name in modes.items() if name == f"{run['mode']} (round 1)"]
+    spans = [Span(threads[pid, e["tid"]], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6,
+                  tuple(e["args"].items())) for e in events if e["ph"] == "X" and e["pid"] == pid]
+    expected = split_oracle.step_timings(spans, range(1, 1 + len(run["step_s"])))
+    assert expected and [list(t[1:4]) for t in expected] == [
+        pytest.approx([s, m, b], abs=1e-6) for s, m, b in zip(
+            run["step_s"], run["mid_step_idle_s"], run["boundary_idle_s"])], run["mode"]
 
 
 def test_the_tiny_run_records_its_context_and_checks_as_numbers(tiny_run):

@@ -24,7 +24,7 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 # pylint: disable=wrong-import-position
 from tests import procs
 from tunix_stage_plugin.activation import manager
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.lab.bench import host as host_lib
 from tunix_stage_plugin.lab.bench import results
@@ -215,7 +215,7 @@ def test_the_host_path_leaves_out_what_the_trainers_receive_pool_held_back():
   """Spans as a run records them (the node's clock 100 s behind this process's): a stage call of
   0.5 s whose bytes waited 0.3 s for the bounded pool, and an inline micro-batch placed 0.4 s
   after the answer before it, 0.1 s of that waiting. The host path counts 0.2 s and 0.3 s."""
-  span = timeline_lib.Span
+  span = recorder_lib.Span
   node = [
       span(tracks.DEVICE_COMPUTE, "c", 0.0, 0.6, (("answered", 0.1), ("kind", "fwd_bwd"))),
       span(tracks.TRAINER_POOL_WAIT, "pool wait", 0.15, 0.25, (("bytes", 1),)),

@@ -48,7 +48,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.json"))
@@ -200,16 +201,16 @@ def _chrome_trace() -> dict[str, Any]:
     t = step * 2.0
     for i in range(2):
       name = f"s{step}-m{i}"
-      spans += [timeline_lib.Span("trainer/receive", name, t, t + 0.2),
-                timeline_lib.Span("trainer/h2d", name, t + 0.2, t + 0.3),
-                timeline_lib.Span("device/compute", name, t + 0.3, t + 0.8,
+      spans += [recorder_lib.Span("trainer/receive", name, t, t + 0.2),
+                recorder_lib.Span("trainer/h2d", name, t + 0.2, t + 0.3),
+                recorder_lib.Span("device/compute", name, t + 0.3, t + 0.8,
                                   (("kind", "fwd_bwd"), ("step", step)))]
       t += 0.8
-    spans += [timeline_lib.Span("device/compute", f"update s{step}", t, t + 0.1,
+    spans += [recorder_lib.Span("device/compute", f"update s{step}", t, t + 0.1,
                                 (("kind", "update"), ("step", step))),
-              timeline_lib.Span("device/sync", f"sync s{step}", t + 0.1, t + 0.3,
+              recorder_lib.Span("device/sync", f"sync s{step}", t + 0.1, t + 0.3,
                                 (("step", step),))]
-  return timeline_lib.to_chrome_trace({"inline (round 1)": spans})
+  return trace_lib.to_chrome_trace({"inline (round 1)": spans})
 
 
 @st.composite
@@ -257,6 +258,7 @@ def _records() -> tuple[dict[str, Any], ...]:
   """A real trainer's and orchestrator's records, as the telemetry core writes them."""
   # pylint: disable=import-outside-toplevel
   from tests.cli.test_report import write_trainer_job
+  from tunix_stage_plugin.core import outcome
   from tunix_stage_plugin.core import pipeline
   from tunix_stage_plugin.core import tracks
   from tunix_stage_plugin.core.telemetry import process
@@ -270,7 +272,8 @@ def _records() -> tuple[dict[str, Any], ...]:
       tel.recorder.add(tracks.ORCHESTRATOR_SEND, "stage_batch", 0.0, 0.5, step=step,
                        transport="side", bytes=1 << 20)
       tel.orchestrator_step(pipeline.StepReport(step, trained=2, staged=1, inline=1, fallbacks=1,
-                                                peak_staged=1, fallback_reasons=["refused: x"]), 2)
+                                                peak_staged=1, fallback_reasons=[pipeline.Fallback(
+                                                    outcome.StageStatus.REFUSED, "x")]), 2)
     tel.close()
     return tuple(json.loads(line) for path in record_lib.files([folder])
                  for line in pathlib.Path(path).read_text().splitlines())

@@ -18,7 +18,7 @@ from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.timeline import Span
+from tunix_stage_plugin.core.telemetry.recorder import Span
 
 MIB = 1 << 20
 

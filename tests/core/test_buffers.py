@@ -11,7 +11,7 @@ import pytest
 
 from tests.embedded.support import wait_for
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 
 MIB = 1 << 20
@@ -102,7 +102,7 @@ def test_a_chunk_sink_refuses_streams_that_break_their_sizes(chunks, message):
 def test_a_bounded_pool_waits_for_a_transfer_to_come_back_before_making_more():
   pool = buffers_lib.HostBufferPool()
   pool.set_bound(2, wait_s=60)  # long: the release below, not the wait's end, lets it go
-  told = timeline_lib.Timeline()  # the pool's waits, as a telemetry sink sees them
+  told = trace_lib.Kept()  # the pool's waits, as a telemetry sink sees them
   pool.recorder = told
   first, second = pool.take_all([4 * MIB, 2 * MIB]), pool.take_all([4 * MIB, 2 * MIB])
   got = []

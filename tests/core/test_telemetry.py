@@ -19,23 +19,25 @@ import jax.numpy as jnp
 import pytest
 
 from tests.core.engines import ThreadedEngine, source_of
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.pipeline import StagePipeline
+from tunix_stage_plugin.core.outcome import StageStatus
+from tunix_stage_plugin.core.pipeline import Fallback, StagePipeline, StepReport
 from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
-from tunix_stage_plugin.core.timeline import Span
+from tunix_stage_plugin.core.telemetry.recorder import Span
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 
 MIB = 1 << 20
 
 
 def test_a_recorder_tells_every_sink_and_drops_one_that_raises(caplog):
   rec = recorder_lib.Recorder()
-  kept = timeline_lib.Timeline()
+  kept = trace_lib.Kept()
 
   class Broken:
     def record(self, span):
@@ -56,7 +58,7 @@ def test_a_recorder_tells_every_sink_and_drops_one_that_raises(caplog):
 
 def test_the_disabled_recorder_takes_no_sink_and_records_nothing():
   with pytest.raises(RuntimeError, match="disabled"):
-    recorder_lib.DISABLED.add_sink(timeline_lib.Timeline())
+    recorder_lib.DISABLED.add_sink(trace_lib.Kept())
   with recorder_lib.DISABLED.span(tracks.TRAINER_H2D, "x", lane="inline") as args:
     assert args == {"lane": "inline"}
   assert not recorder_lib.DISABLED.enabled
@@ -66,7 +68,7 @@ def test_the_watcher_records_each_computation_when_its_output_is_ready():
   """Real JAX computations, dispatched asynchronously: the call answers before the output is
   ready, and the watcher, on its own thread, records the device span once it is."""
   rec = recorder_lib.Recorder()
-  kept = timeline_lib.Timeline()
+  kept = trace_lib.Kept()
   rec.add_sink(kept)
   watcher = trainer_lib.ComputeWatcher(rec, jax.block_until_ready)
   work = jax.jit(lambda x: jnp.tanh(x @ x).sum())
@@ -91,7 +93,7 @@ def test_the_watcher_records_each_computation_when_its_output_is_ready():
 
 def test_a_failed_computation_is_not_recorded_and_the_watcher_goes_on():
   rec = recorder_lib.Recorder()
-  kept = timeline_lib.Timeline()
+  kept = trace_lib.Kept()
   rec.add_sink(kept)
 
   def wait(output):
@@ -103,6 +105,32 @@ def test_a_failed_computation_is_not_recorded_and_the_watcher_goes_on():
   watcher.dispatched("update", 0.0, 0.0, "fine")
   assert watcher.drain(10)
   assert [s.name for s in kept.spans()] == ["update"]
+  watcher.close()
+
+
+def test_the_watcher_waits_once_and_then_tells_what_needs_the_end(caplog):
+  """One wait per computation: what else needs its end (tunix's PerfTracer's device span) is told
+  by the watcher after its span is recorded; one that raises is said and the watcher goes on."""
+  rec = recorder_lib.Recorder()
+  kept = trace_lib.Kept()
+  rec.add_sink(kept)
+  waited, told = [], []
+
+  def broken():
+    raise KeyError("no timeline")
+
+  watcher = trainer_lib.ComputeWatcher(rec, waited.append)
+  watcher.dispatched("fwd_bwd", 0.0, 0.0, "a", on_ready=lambda: told.append(len(kept.spans())))
+  watcher.dispatched("fwd_bwd", 0.0, 0.0, "b")
+  with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
+    watcher.dispatched("fwd_bwd", 0.0, 0.0, "c", on_ready=broken)
+    watcher.dispatched("update", 0.0, 0.0, "d", on_ready=lambda: told.append(len(kept.spans())))
+    assert watcher.drain(10)
+  assert waited == ["a", "b", "c", "d"]
+  assert told == [1, 4]  # each after its own span was recorded
+  assert [r.message for r in caplog.records] == [
+      "tunix-stage: telemetry: telling the end of a fwd_bwd computation failed (KeyError: "
+      "'no timeline')"]
   watcher.close()
 
 
@@ -244,6 +272,38 @@ def test_the_orchestrator_figures_count_a_real_pipeline_s_calls_by_step():
             in lines.orchestrator_line(f))
   assert figures[0]["step_s"] is None and figures[1]["step_s"] > 0
   assert [r["step"] for r in tel.history["orchestrator"]] == [0, 1]
+
+
+def test_the_orchestrator_counts_fallbacks_by_their_typed_status():
+  """By each fallback's status, never by its text: a reason may say anything (here, another
+  kind's word before a colon), and the line and the bench still read it as written."""
+  reasons = [Fallback(StageStatus.REFUSED, "device bound reached"),
+             Fallback(StageStatus.UNPLACED, "failed: the slot wait ran out"),
+             Fallback(StageStatus.REFUSED, "unsupported: not here"),
+             Fallback(StageStatus.FAILED, "LostReply")]
+  tel = process.Telemetry(process.Settings(host="tunix", log_every=0))
+  figures = tel.orchestrator_step(StepReport(0, trained=4, inline=4, fallbacks=4,
+                                             fallback_reasons=reasons), 2)
+  assert figures["fallbacks"] == {"count": 4,
+                                  "by_kind": {"refused": 2, "failed": 1, "unplaced": 1}}
+  assert list(figures["fallbacks"]["by_kind"]) == ["refused", "failed", "unplaced"]
+  assert reasons[1] == "unplaced: failed: the slot wait ran out"
+  assert json.loads(json.dumps(reasons)) == [str(r) for r in reasons]
+
+
+def test_the_settings_a_record_carries_come_from_the_settings_table():
+  """One list (record.CARRIED) of the table's settings: what a process's records carry, the
+  types a reader accepts, and the defaults the report takes where a record lacks one."""
+  cfg = config_lib.resolve({"mode": "stage", "max_host_batches": 3}, env={})
+  settings = process.Settings.of("tunix", cfg)
+  assert dict(settings.shaping) == {"max_staged_batches": 2, "max_device_batches": 1,
+                                    "max_host_batches": 3, "codec": "off"}
+  assert record_lib.SHAPES["common"]["settings"] == {
+      "?max_staged_batches": record_lib.COUNT, "?max_device_batches": record_lib.COUNT,
+      "?max_host_batches": record_lib.COUNT, "?codec": record_lib.TEXT}
+  assert record_lib.setting({"settings": {}}, "max_host_batches") == \
+      config_lib.SETTINGS_BY_FIELD["max_host_batches"].default
+  assert record_lib.setting({"settings": {"max_host_batches": 3}}, "max_host_batches") == 3
 
 
 def test_records_are_written_one_line_per_step_and_read_back(tmp_path):

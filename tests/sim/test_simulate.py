@@ -15,7 +15,8 @@ import pytest
 
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.lab.sim import command as simulate_cmd
-from tunix_stage_plugin.core.timeline import Span, to_chrome_trace
+from tunix_stage_plugin.core.telemetry.recorder import Span
+from tunix_stage_plugin.lab.bench.trace import to_chrome_trace
 from tunix_stage_plugin.lab.sim import run as run_lib
 from tunix_stage_plugin.lab.sim import trace as trace_lib
 

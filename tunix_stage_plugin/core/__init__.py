@@ -1,4 +1,4 @@
-"""Host-neutral core: configuration, staged-batch store, method executor, stage pipeline, timeline.
+"""Host-neutral core: configuration, staged-batch store, method executor, stage pipeline, telemetry.
 
 Nothing here imports a host (tunix, MaxText) or JAX, so it is tested everywhere.
 """

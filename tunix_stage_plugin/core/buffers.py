@@ -83,7 +83,7 @@ class HostBufferPool:
     self.over_bound = 0  # of those, the ones that found none back in time and made more
     # Each such wait is a span (tracks.TRAINER_POOL_WAIT: the transfer's pooled bytes, whether
     # it ran out): the trainer's telemetry counts it in its step.
-    self.recorder: recorder_lib.Spans = recorder_lib.DISABLED
+    self.recorder: recorder_lib.Recorder = recorder_lib.DISABLED
 
   def set_bound(self, transfers: int | None, wait_s: float = BOUND_WAIT_S) -> None:
     """At most `transfers` transfers' worth of pooled bytes in use at once (None: unbounded); a

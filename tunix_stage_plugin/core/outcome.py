@@ -15,6 +15,9 @@ class StageStatus(enum.Enum):
   REFUSED = "refused"  # nothing is held on the trainer (bound, reset, not stageable): train inline
   FAILED = "failed"  # the trainer may hold something (an error mid-stage, a lost reply): reset, inline
   UNSUPPORTED = "unsupported"  # this trainer can never stage: train inline and stop offering
+  # A train call's, never a stage's: staged, but the trainer could not place it and trained it
+  # inline from its payload (Trained.fallback).
+  UNPLACED = "unplaced"
 
 
 @dataclasses.dataclass(frozen=True)

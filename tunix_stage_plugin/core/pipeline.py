@@ -88,6 +88,19 @@ class _Entry:
   prestaged: bool = False
 
 
+class Fallback(str):
+  """Why a micro-batch trained inline instead of by key, as logs and the bench say it ("refused:
+  device bound reached"), with its typed status: its stage's (refused, failed, unsupported), or
+  UNPLACED. The telemetry counts fallbacks by `status`."""
+
+  status: outcome_lib.StageStatus
+
+  def __new__(cls, status: outcome_lib.StageStatus, reason: str | None) -> "Fallback":
+    fallback = super().__new__(cls, f"{status.value}: {reason}")
+    fallback.status = status
+    return fallback
+
+
 @dataclasses.dataclass
 class StepReport:
   step: int
@@ -97,7 +110,7 @@ class StepReport:
   fallbacks: int = 0  # stages refused or failed, trained inline instead
   prestaged: int = 0  # staged during the previous step boundary and dispatched by key
   peak_staged: int = 0  # most micro-batches staged or staging at once
-  fallback_reasons: list[str] = dataclasses.field(default_factory=list)
+  fallback_reasons: list[Fallback] = dataclasses.field(default_factory=list)
   result: Any = None  # what the step's last train call returned (the optimizer-applying one)
 
   def metrics(self) -> dict[str, int]:
@@ -228,7 +241,7 @@ class _Window:
   def _fallback(self, entry: _Entry, outcome: outcome_lib.StageOutcome) -> None:
     entry.status = _Status.FALLBACK
     self.report.fallbacks += 1
-    self.report.fallback_reasons.append(f"{outcome.status.value}: {outcome.reason}")
+    self.report.fallback_reasons.append(Fallback(outcome.status, outcome.reason))
     log.info("stage of step %d micro-batch %d fell back to inline (%s): %s", self.step,
              entry.index, outcome.status.value, outcome.reason)
     if outcome.status is outcome_lib.StageStatus.FAILED:
@@ -297,7 +310,7 @@ class StagePipeline:
   breaks the contract (PipelineContractError)."""
 
   def __init__(self, engine: StageEngine, depth: int, *, key_prefix: str | None = None,
-               recorder: recorder_lib.Spans = recorder_lib.DISABLED, staging: bool = True,
+               recorder: recorder_lib.Recorder = recorder_lib.DISABLED, staging: bool = True,
                depth_for: DepthFor | None = None, open_ended: bool = False) -> None:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
@@ -503,7 +516,8 @@ class StagePipeline:
     if staged and trained.fallback is not None:  # placed nothing: the trainer trained it inline
       staged = False
       report.fallbacks += 1
-      report.fallback_reasons.append(f"unplaced: {trained.fallback}")
+      report.fallback_reasons.append(Fallback(outcome_lib.StageStatus.UNPLACED,
+                                              trained.fallback))
       log.info("staged micro-batch %d of step %d could not be placed; the trainer trained it "
                "inline: %s", entry.index, window.step, trained.fallback)
     if staged:

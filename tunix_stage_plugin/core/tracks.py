@@ -21,6 +21,10 @@ ORCHESTRATOR_STAGE = "orchestrator/stage"
 ORCHESTRATOR_TRAIN = "orchestrator/train"
 ORCHESTRATOR_SEND = "orchestrator/send"
 
+# A DEVICE_COMPUTE span's kind (its args' `kind`): a micro-batch's computation, and the one that
+# ends a step (its optimizer update). The hosts' trainers name their calls so too.
+FWD_BWD, UPDATE = "fwd_bwd", "update"
+
 
 @dataclasses.dataclass(frozen=True)
 class Track:

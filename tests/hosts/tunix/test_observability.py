@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
+import types
 
 import pytest
 
@@ -83,3 +86,46 @@ def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
   assert "trainer " in out and "orchestrator " in out and "(tunix, 4 steps)" in out
   assert "wait boundary" in out and "staging hid" in out
   assert out.splitlines()[-1].startswith("recommendation: ")
+
+
+def test_the_peft_train_device_span_ends_on_the_watcher_s_one_wait():
+  """With a PerfTracer, each computation is waited for once: the plugin's watcher ends tunix's
+  device span of `peft_train` after its own wait; no thread of tunix's waits for the output."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh
+  from tunix.perf.experimental import tracer as perf_tracer
+
+  from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+  from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
+  from tunix_stage_plugin.hosts.tunix import tracing
+
+  tracer = perf_tracer.PerfTracer(devices=jax.devices(), export_fn=lambda timelines: timelines)
+  mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))
+  waits = []
+  watcher = trainer_lib.ComputeWatcher(recorder_lib.Recorder(), lambda out: waits.append(
+      jax.block_until_ready(out)))
+  work = jax.jit(lambda x: jnp.tanh(x @ x).sum())
+  x = jnp.ones((256, 256))
+  work(x).block_until_ready()  # compiled
+  threads = threading.active_count()
+  start = time.perf_counter()
+  with tracing.computation(tracer, types.SimpleNamespace(_train_steps=3), mesh) as ended:
+    out = work(x)
+  assert threading.active_count() == threads  # tunix started no thread to wait for it
+  watcher.dispatched("fwd_bwd", start, time.perf_counter(), out, on_ready=ended)
+  assert watcher.drain(30)
+  assert len(waits) == 1
+  timelines = tracer.export()
+  spans = {tid: [s for step in tl.all_steps for s in step.values()]
+           for tid, tl in timelines.items()}
+  device = {tid: found for tid, found in spans.items() if found and not tid.startswith("host")}
+  (only,) = device.values()  # the mesh's first device, as tunix's tracer.span picks it
+  (span,) = only
+  assert span.name == "peft_train" and span.tags["step"] == 3
+  assert start <= span.begin <= span.end
+  host = [s for tid, found in spans.items() if tid.startswith("host") for s in found]
+  assert [s.name for s in host] == ["peft_train"]
+  watcher.close()

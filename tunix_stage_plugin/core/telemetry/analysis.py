@@ -7,7 +7,10 @@ the records and `tunix-stage report` alike, so they never disagree. docs/observa
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Iterable
+
+from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core.telemetry import record
 
 # A part of a step counts once it is at least this share of the step, and at least FLOOR_S.
 SHARE = 0.05
@@ -78,26 +81,25 @@ def recommendations(trainer: list[dict[str, Any]], orchestrator: list[dict[str, 
   per_mb = _median([f["place"]["bytes"] / f["place"]["count"] for f in steps
                     if f["place"]["count"]])
   mib = f"{per_mb / (1 << 20):.0f} MiB" if per_mb else "one micro-batch"
-  settings = trainer[-1].get("settings", {})
-  o_settings = orchestrator[-1].get("settings", {}) if orchestrator else {}
   over = sum(f["pool"]["over_bound"] for f in steps)
   pool_wait = statistics.median(f["pool"]["wait_s"] for f in steps)
   if over or significant(pool_wait, step_s):
-    host = settings.get("max_host_batches", 1)
+    host = record.setting(trainer[-1], "max_host_batches")
     out.append(f"the trainer's receive pool held transfers back ({pool_wait:.2f} s a step, "
                f"{over} ran out of their wait): TUNIX_STAGE_MAX_HOST_BATCHES={host + 1} (costs "
                f"one more receive buffer on the trainer: {mib} of host memory)")
-  refused = sum(f["fallbacks"]["by_kind"].get("refused", 0) for f in orchestrator)
+  refused = sum(f["fallbacks"]["by_kind"].get(outcome.StageStatus.REFUSED.value, 0)
+                for f in orchestrator)
   if refused:
-    device = settings.get("max_device_batches", 1)
+    device = record.setting(trainer[-1], "max_device_batches")
     out.append(f"{refused} stage(s) were refused (a bound on the trainer was full): "
                f"TUNIX_STAGE_MAX_DEVICE_BATCHES={device + 1} (costs {mib} of device memory)")
   mid = statistics.median(f["input_wait_s"]["mid_step"] for f in steps)
   at_depth = orchestrator and all(f["peak_staged"] >= f["depth"] for f in orchestrator if
                                   f["depth"])
   if significant(mid, step_s) and at_depth:
-    depth = o_settings.get("max_staged_batches", orchestrator[-1]["depth"])
-    device = settings.get("max_device_batches", 1)
+    depth = orchestrator[-1]["settings"].get("max_staged_batches", orchestrator[-1]["depth"])
+    device = record.setting(trainer[-1], "max_device_batches")
     out.append(f"the trainer waited {mid:.2f} s a step mid-step with {depth} micro-batch(es) "
                f"staged ahead: TUNIX_MAX_STAGED_BATCHES={depth + 1} with "
                f"TUNIX_STAGE_MAX_DEVICE_BATCHES={max(device, depth + 1)} (costs {mib} of device "
@@ -172,16 +174,25 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
   return out
 
 
-def _transports(per_step: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def transports(parts: Iterable[tuple[str, int, int, float]], *, rate: bool = True
+               ) -> dict[str, dict[str, Any]]:
+  """Per transport, the (transport, calls, bytes, seconds) of `parts` summed: a step's receives
+  or sends, or a job's steps; with `rate`, their bytes over their seconds (`gib_s`)."""
   total: dict[str, dict[str, Any]] = {}
-  for step in per_step:
-    for name, t in step.items():
-      acc = total.setdefault(name, {"calls": 0, "bytes": 0, "seconds": 0.0})
-      for k in ("calls", "bytes", "seconds"):
-        acc[k] += t[k]
-  for t in total.values():
-    t["gib_s"] = t["bytes"] / t["seconds"] / GIB if t["seconds"] > 0 else None
+  for name, calls, nbytes, seconds in parts:
+    t = total.setdefault(name, {"calls": 0, "bytes": 0, "seconds": 0.0})
+    t["calls"] += calls
+    t["bytes"] += nbytes
+    t["seconds"] += seconds
+  if rate:
+    for t in total.values():
+      t["gib_s"] = t["bytes"] / t["seconds"] / GIB if t["seconds"] > 0 else None
   return total
+
+
+def _transports(per_step: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+  return transports((name, t["calls"], t["bytes"], t["seconds"])
+                    for step in per_step for name, t in step.items())
 
 
 def _counts(per_step: list[dict[str, int]]) -> dict[str, int]:

@@ -11,13 +11,14 @@ import threading
 import time
 from typing import Any
 
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
-GIB = 1 << 30
-# A fallback reason starts with what happened (core.pipeline: "refused: ...", "failed: ...",
-# "unsupported: ...", "unplaced: ..."): its kind, counted per step.
-FALLBACK_KINDS = ("refused", "failed", "unsupported", "unplaced")
+# What a fallback can be (core.pipeline.Fallback's status), counted per step in this order.
+FALLBACK_KINDS = tuple(status for status in outcome_lib.StageStatus
+                       if status is not outcome_lib.StageStatus.STAGED)
 
 
 class OrchestratorSteps:
@@ -27,10 +28,10 @@ class OrchestratorSteps:
 
   def __init__(self) -> None:
     self._lock = threading.Lock()
-    self._spans: dict[int | None, list[timeline_lib.Span]] = collections.defaultdict(list)
+    self._spans: dict[int | None, list[recorder_lib.Span]] = collections.defaultdict(list)
     self._last: float | None = None
 
-  def record(self, span: timeline_lib.Span) -> None:
+  def record(self, span: recorder_lib.Span) -> None:
     if span.track not in (tracks.ORCHESTRATOR_STAGE, tracks.ORCHESTRATOR_SEND):
       return
     with self._lock:
@@ -44,7 +45,7 @@ class OrchestratorSteps:
       step_s = None if self._last is None else now - self._last
       self._last = now
     stages = [s.duration for s in spans if s.track == tracks.ORCHESTRATOR_STAGE]
-    kinds = collections.Counter(r.split(":", 1)[0] for r in report.fallback_reasons)
+    kinds = collections.Counter(f.status for f in report.fallback_reasons)
     return {
         "step": report.step,
         "step_s": step_s,
@@ -55,7 +56,7 @@ class OrchestratorSteps:
         "prestaged": report.prestaged,
         "peak_staged": report.peak_staged,
         "fallbacks": {"count": report.fallbacks,
-                      "by_kind": {k: kinds[k] for k in FALLBACK_KINDS if kinds[k]}},
+                      "by_kind": {k.value: kinds[k] for k in FALLBACK_KINDS if kinds[k]}},
         "sent": _sent([s for s in spans if s.track == tracks.ORCHESTRATOR_SEND]),
         "stage_calls": {"count": len(stages), "seconds": sum(stages),
                         "median_s": statistics.median(stages) if stages else None,
@@ -63,16 +64,7 @@ class OrchestratorSteps:
     }
 
 
-def _sent(spans: list[timeline_lib.Span]) -> dict[str, dict[str, Any]]:
-  out: dict[str, dict[str, Any]] = {}
-  for s in spans:
-    args = dict(s.args)
-    if args["bytes"] is None:  # a call that crossed no wire (an in-process handle)
-      continue
-    t = out.setdefault(args["transport"], {"calls": 0, "bytes": 0, "seconds": 0.0})
-    t["calls"] += 1
-    t["bytes"] += args["bytes"]
-    t["seconds"] += s.duration
-  for t in out.values():
-    t["gib_s"] = t["bytes"] / t["seconds"] / GIB if t["seconds"] > 0 else None
-  return out
+def _sent(spans: list[recorder_lib.Span]) -> dict[str, dict[str, Any]]:
+  sent = (dict(s.args) | {"seconds": s.duration} for s in spans)
+  return analysis.transports((a["transport"], 1, a["bytes"], a["seconds"]) for a in sent
+                             if a["bytes"] is not None)  # None: a call that crossed no wire

@@ -25,20 +25,17 @@ class Settings:
   host: str
   metrics_dir: str | None = None  # TUNIX_STAGE_METRICS; None: no record
   log_every: int = 1  # TUNIX_STAGE_LOG_EVERY; 0: no line
-  shaping: tuple[tuple[str, Any], ...] = ()  # the settings each record carries
+  shaping: tuple[tuple[str, Any], ...] = ()  # the settings each record carries (record.CARRIED)
 
   @classmethod
   def of(cls, host: str, config: Any) -> "Settings":
     """From a core.config.StageConfig: its metrics folder and log interval, and the settings
     that shape the figures."""
     return cls(host=host, metrics_dir=config.metrics or None, log_every=config.log_every,
-               shaping=tuple((f, getattr(config, f)) for f in SHAPING))
+               shaping=tuple((s.field, getattr(config, s.field)) for s in record_lib.CARRIED))
 
 
 HISTORY = 1024  # recent records kept per side in memory
-
-# The settings a record says it ran with (core.config's fields).
-SHAPING = ("max_staged_batches", "max_device_batches", "max_host_batches", "codec")
 
 
 class Telemetry:

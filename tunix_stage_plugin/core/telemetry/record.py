@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any, Iterable
 
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import inputs
 
 SCHEMA = "tunix-stage-metrics"
@@ -39,12 +40,15 @@ class Maybe:  # pylint: disable=too-few-public-methods
     self.shape = shape
 
 
+# The staging settings a record carries (those that shape its figures: depths, bounds, codec),
+# from the settings table; a reader takes a missing one at the table's default.
+CARRIED = tuple(config_lib.SETTINGS_BY_FIELD[field] for field in (
+    "max_staged_batches", "max_device_batches", "max_host_batches", "codec"))
 TRANSFERS = {"*": {"calls": COUNT, "bytes": COUNT, "seconds": NUMBER, "?gib_s": Maybe(NUMBER)}}
 SHAPES = {
     "common": {"host": TEXT, "process": {"pid": COUNT, "hostname": TEXT}, "time": NUMBER,
-               "step": COUNT, "settings": {"?max_staged_batches": COUNT,
-                                           "?max_device_batches": COUNT,
-                                           "?max_host_batches": COUNT, "?codec": TEXT}},
+               "step": COUNT, "settings": {f"?{s.field}": COUNT if isinstance(s.default, int)
+                                           else TEXT for s in CARRIED}},
     TRAINER: {
         "step_s": Maybe(NUMBER), "compute_s": NUMBER,
         "input_wait_s": {"mid_step": NUMBER, "boundary": Maybe(NUMBER)}, "other_s": NUMBER,
@@ -81,6 +85,11 @@ def make(role: str, host: str, figures: dict[str, Any], settings: dict[str, Any]
   return {"schema": SCHEMA, "version": VERSION, "role": role, "host": host,
           "process": {"pid": os.getpid(), "hostname": socket.gethostname()},
           "time": time.time(), "settings": settings, **figures}
+
+
+def setting(rec: dict[str, Any], field: str) -> Any:
+  """A setting `rec` says it ran with (CARRIED), or the settings table's default."""
+  return rec["settings"].get(field, config_lib.SETTINGS_BY_FIELD[field].default)
 
 
 def file_name(role: str) -> str:

@@ -1,10 +1,11 @@
 """The spans one process records of its staging path, told to whatever listens (its sinks).
 
-Production code records a span where the work happens (a receive where its bytes end, a
-placement on the staging lane, a stage call on the orchestrator's loop), each on its process's
-perf_counter clock, and knows nothing of who listens: the step aggregators (trainer.py,
-orchestrator.py), tunix's PerfTracer where a trainer has one (hosts/tunix/tracing.py), a bench's
-timeline (the lab). A recorder with no sink costs one branch per span. A sink that raises is dropped with one line: telemetry never fails a job.
+A span is (track, name, start, end, args) in seconds of its process's `time.perf_counter`,
+recorded where the work happens (a receive where its bytes end, a placement on the staging lane,
+a stage call on the orchestrator's loop) by code that knows nothing of who listens: the step
+aggregators (trainer.py, orchestrator.py), tunix's PerfTracer where a trainer has one
+(hosts/tunix/tracing.py), a bench's kept spans (the lab). A recorder with no sink costs one
+branch per span. A sink that raises is dropped with one line: telemetry never fails a job.
 docs/observability.md.
 """
 
@@ -12,31 +13,32 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Iterator, Protocol
-
-from tunix_stage_plugin.core import timeline as timeline_lib
+from typing import Any, Iterable, Iterator, Protocol
 
 log = logging.getLogger("tunix_stage_plugin")
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+  track: str  # core.tracks
+  name: str
+  start: float
+  end: float
+  args: tuple[tuple[str, Any], ...] = ()
+
+  @property
+  def duration(self) -> float:
+    return self.end - self.start
 
 
 class Sink(Protocol):
   """Told of each finished span (on the thread that recorded it; keep it short)."""
 
-  def record(self, span: timeline_lib.Span) -> None:
-    ...
-
-
-class Spans(Protocol):
-  """Where code records spans: a Recorder (production), or a lab's timeline directly."""
-
-  def add(self, track: str, name: str, start: float, end: float, **args: Any) -> None:
-    ...
-
-  def span(self, track: str, name: str, **args: Any
-           ) -> contextlib.AbstractContextManager[dict[str, Any]]:
+  def record(self, span: Span) -> None:
     ...
 
 
@@ -63,7 +65,7 @@ class Recorder:
     sinks = self._sinks
     if not sinks:
       return
-    span = timeline_lib.Span(track, name, start, end, tuple(sorted(args.items())))
+    span = Span(track, name, start, end, tuple(sorted(args.items())))
     for sink in sinks:
       try:
         sink.record(span)
@@ -89,7 +91,7 @@ class Recorder:
 
 
 class _Disabled(Recorder):
-  """A recorder that never takes a sink (the default of code given none)."""
+  """A recorder that never takes a sink: the shared default of code given none."""
 
   def add_sink(self, sink: Sink) -> None:
     raise RuntimeError("this recorder is disabled; make a Recorder() to record")
@@ -101,3 +103,20 @@ DISABLED = _Disabled()
 # sends on the way down (a route recording its transport) is counted in its step.
 CALL: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "tunix_stage_call", default=None)
+
+
+def busy_time(spans: Iterable[Span], start: float, end: float) -> float:
+  """Seconds of [start, end] covered by at least one span (overlaps counted once)."""
+  intervals = sorted((max(s.start, start), min(s.end, end)) for s in spans)
+  total, cursor = 0.0, start
+  for lo, hi in intervals:
+    lo = max(lo, cursor)
+    if hi > lo:
+      total += hi - lo
+      cursor = hi
+  return total
+
+
+def idle_time(spans: Iterable[Span], start: float, end: float) -> float:
+  """Seconds of [start, end] that no span covers: the device waiting for work."""
+  return max(0.0, (end - start) - busy_time(spans, start, end))

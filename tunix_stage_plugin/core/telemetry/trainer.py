@@ -25,13 +25,11 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
 log = logging.getLogger("tunix_stage_plugin")
-FWD_BWD, UPDATE = "fwd_bwd", "update"
 ALONE_WINDOW = 64  # the recent fwd_bwd computations that ran alone, the slowdown's baseline
 WATCH_CLOSE_S = 10.0
 
@@ -43,11 +41,13 @@ class _Dispatched:
   answered: float  # when the call returned
   output: Any  # an output of the computation: ready when it has ended
   args: dict[str, Any]
+  on_ready: Callable[[], None] | None  # told once the output is ready (a tracer's device span)
 
 
 class ComputeWatcher:
   """Records each dispatched computation's device span (tracks.DEVICE_COMPUTE) once `wait(output)`
-  returns, on a daemon thread of its own; in dispatch order (one device, one queue)."""
+  returns, on a daemon thread of its own; in dispatch order (one device, one queue). The one wait
+  for a computation: whatever else needs its end (tunix's PerfTracer) is told by `on_ready`."""
 
   def __init__(self, rec: recorder_lib.Recorder, wait: Callable[[Any], None]) -> None:
     self._recorder = rec
@@ -57,14 +57,14 @@ class ComputeWatcher:
     self._thread: threading.Thread | None = None
     self._last_end = 0.0
 
-  def dispatched(self, kind: str, queued: float, answered: float, output: Any,
-                 **args: Any) -> None:
+  def dispatched(self, kind: str, queued: float, answered: float, output: Any, *,
+                 on_ready: Callable[[], None] | None = None, **args: Any) -> None:
     with self._lock:
       if self._thread is None:
         self._thread = threading.Thread(target=self._watch, name="tunix-stage-compute-watch",
                                         daemon=True)
         self._thread.start()
-    self._queue.put(_Dispatched(kind, queued, answered, output, args))
+    self._queue.put(_Dispatched(kind, queued, answered, output, args, on_ready))
 
   def drain(self, timeout: float | None = None) -> bool:
     """Waits until every computation dispatched so far is recorded."""
@@ -102,6 +102,12 @@ class ComputeWatcher:
       self._last_end = end
       self._recorder.add(tracks.DEVICE_COMPUTE, item.kind, start, end, kind=item.kind,
                          answered=item.answered, **item.args)
+      if item.on_ready is not None:
+        try:
+          item.on_ready()
+        except Exception as e:  # pylint: disable=broad-except  (telemetry never fails a job)
+          log.warning("tunix-stage: telemetry: telling the end of a %s computation failed "
+                      "(%s: %s)", item.kind, type(e).__name__, e)
 
 
 # What a trainer's step is made of.
@@ -123,7 +129,7 @@ class TrainerSteps:
     self._on_step = on_step
     self.peaks = peaks
     self._lock = threading.Lock()
-    self._spans: dict[str, list[timeline_lib.Span]] = collections.defaultdict(list)
+    self._spans: dict[str, list[recorder_lib.Span]] = collections.defaultdict(list)
     self._alone: collections.deque[float] = collections.deque(alone, maxlen=ALONE_WINDOW)
     self._step = 0
     self._last_end: float | None = None
@@ -133,31 +139,31 @@ class TrainerSteps:
     with self._lock:
       return list(self._alone)
 
-  def record(self, span: timeline_lib.Span) -> None:
+  def record(self, span: recorder_lib.Span) -> None:
     if span.track not in TRACKS:  # another side's (an orchestrator in the same process)
       return
     with self._lock:
       self._spans[span.track].append(span)
-      if span.track != tracks.DEVICE_COMPUTE or dict(span.args).get("kind") != UPDATE:
+      if span.track != tracks.DEVICE_COMPUTE or dict(span.args).get("kind") != tracks.UPDATE:
         return
       figures = self._close(span)
     self._on_step(figures)
 
-  def _close(self, update: timeline_lib.Span) -> dict[str, Any]:
+  def _close(self, update: recorder_lib.Span) -> dict[str, Any]:
     spans, self._spans = self._spans, collections.defaultdict(list)
     computations = sorted(spans[tracks.DEVICE_COMPUTE], key=lambda s: s.start)
     # The compute lane's own calls: the weight sync (the embedded host's DEVICE_SYNC), ...
     lanes = [*spans[tracks.TRAINER_LANE], *spans[tracks.DEVICE_SYNC]]
     first, end = computations[0].start, update.end
     prev_end, self._last_end = self._last_end, end
-    busy = timeline_lib.busy_time(computations, first, end)
+    busy = recorder_lib.busy_time(computations, first, end)
     # The device idle mid-step while the compute lane ran no call of its own (e.g. an eval).
-    mid_wait = timeline_lib.idle_time([*computations, *lanes], first, end)
-    boundary = None if prev_end is None else timeline_lib.idle_time(
+    mid_wait = recorder_lib.idle_time([*computations, *lanes], first, end)
+    boundary = None if prev_end is None else recorder_lib.idle_time(
         lanes, prev_end, max(prev_end, first))
     transfers = [*spans[tracks.TRAINER_RECEIVE], *spans[tracks.TRAINER_H2D]]
-    fwd_bwds = [s for s in computations if dict(s.args).get("kind") == FWD_BWD]
-    beside = [s for s in fwd_bwds if timeline_lib.busy_time(transfers, s.start, s.end) > 0]
+    fwd_bwds = [s for s in computations if dict(s.args).get("kind") == tracks.FWD_BWD]
+    beside = [s for s in fwd_bwds if recorder_lib.busy_time(transfers, s.start, s.end) > 0]
     self._alone.extend(s.duration for s in fwd_bwds if s not in beside)
     alone_s = statistics.median(self._alone) if self._alone else None
     figures: dict[str, Any] = {
@@ -165,7 +171,7 @@ class TrainerSteps:
         "step_s": None if prev_end is None else end - prev_end,
         "compute_s": busy,
         "input_wait_s": {"mid_step": mid_wait, "boundary": boundary},
-        "other_s": timeline_lib.busy_time(lanes, first if prev_end is None else prev_end, end),
+        "other_s": recorder_lib.busy_time(lanes, first if prev_end is None else prev_end, end),
         "microbatches": len(fwd_bwds),
         "compute": {
             "fwd_bwd_median_s": statistics.median(s.duration for s in fwd_bwds) if fwd_bwds
@@ -190,19 +196,15 @@ class TrainerSteps:
     return figures
 
 
-def _receives(spans: list[timeline_lib.Span]) -> dict[str, Any]:
-  by_transport: dict[str, dict[str, Any]] = {}
-  for s in spans:
-    args = dict(s.args)
-    t = by_transport.setdefault(args["transport"], {"calls": 0, "bytes": 0, "seconds": 0.0})
-    t["calls"] += 1
-    t["bytes"] += args["bytes"]
-    t["seconds"] += s.duration
+def _receives(spans: list[recorder_lib.Span]) -> dict[str, Any]:
+  by_transport = analysis.transports(
+      ((dict(s.args)["transport"], 1, dict(s.args)["bytes"], s.duration) for s in spans),
+      rate=False)
   return {"calls": len(spans), "bytes": sum(t["bytes"] for t in by_transport.values()),
           "seconds": sum(s.duration for s in spans), "by_transport": by_transport}
 
 
-def _placements(spans: list[timeline_lib.Span]) -> dict[str, Any]:
+def _placements(spans: list[recorder_lib.Span]) -> dict[str, Any]:
   lanes = collections.Counter(dict(s.args)["lane"] for s in spans)
   return {"count": len(spans), "seconds": sum(s.duration for s in spans),
           "bytes": sum(dict(s.args)["bytes"] for s in spans),

@@ -47,7 +47,7 @@ class Router:
   contract.STREAM). The program's staged run closes its stream channels when it ends (`close`);
   uninstall closes what is left (`close_sides`)."""
 
-  def __init__(self, recorder: recorder_lib.Spans = recorder_lib.DISABLED) -> None:
+  def __init__(self, recorder: recorder_lib.Recorder = recorder_lib.DISABLED) -> None:
     self._recorder = recorder  # each call's send, by transport (the job's telemetry)
     self._sides: "weakref.WeakKeyDictionary[Any, side_lib.SideChannel]" = (
         weakref.WeakKeyDictionary())

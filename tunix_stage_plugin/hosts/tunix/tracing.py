@@ -4,22 +4,24 @@ tunix's distributed path emits no span of its own (TrainerWorker.fwd_bwd and upd
 the trainer's `perf_tracer_v2`). So where a PeftTrainer was given a `PerfTracer`, the plugin adds
 to it each staging span the trainer's recorder sees (`stage_receive`, `stage_place`,
 `stage_pool_wait`, `stage_fallback`, on a host timeline of the tracer's per kind, with the span's
-own times: both clocks are perf_counter) and opens a `peft_train` span, tunix's own name, around
-each fwd_bwd and update the worker runs (its device span ended by the computation's output). So
+own times: both clocks are perf_counter) and a `peft_train` span, tunix's own name, for each
+fwd_bwd and update the worker runs: its host span around the call, its device span ended when
+the plugin's compute watcher sees the computation's output ready (one wait per computation). So
 tunix's own export (PerfMetricsExport, its Perfetto writer) shows staging next to the training it
-feeds. A trainer without one (tunix's NoopTracer, the default) gets nothing. docs/observability.md
-"tunix's perf trace".
+feeds. A trainer without one (tunix's NoopTracer, the default) gets nothing.
+docs/observability.md "tunix's perf trace".
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import time
+from typing import Any, Callable, Iterator
 
 from tunix.perf.experimental import constants as perf_constants
 from tunix.perf.experimental import tracer as tracer_lib
 
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import tracks
 
 # The staging tracks tunix's timelines show, under tunix-style span names.
@@ -43,13 +45,13 @@ class TracerSink:
   tunix's PerfTracer opens host spans only around a block on the thread running it; a staging
   span is known once it ended (a receive ends on a listener's thread or the event loop), so it is
   added with its own times to a host timeline of the tracer's that only this sink writes, one per
-  kind of span (`PerfTracer._get_or_create_host_timeline`, checked by the probes), as a span
-  started and stopped at once."""
+  kind of span (`PerfTracer._get_or_create_host_timeline`), as a span started and stopped at
+  once."""
 
   def __init__(self, tracer: tracer_lib.PerfTracer) -> None:
     self.tracer = tracer
 
-  def record(self, span: timeline_lib.Span) -> None:
+  def record(self, span: recorder_lib.Span) -> None:
     name = SPAN_NAMES.get(span.track)
     if name is None:
       return
@@ -59,10 +61,22 @@ class TracerSink:
 
 
 @contextlib.contextmanager
-def computation(tracer: tracer_lib.PerfTracer, trainer: Any, mesh: Any) -> Iterator[Any]:
-  """A `peft_train` span around one fwd_bwd or update call on `trainer` (a PeftTrainer; its step,
-  as its own train() tags it); yields the waitlist the caller hands the computation's output
-  (`async_end`), so its device span ends when the device does."""
+def computation(tracer: tracer_lib.PerfTracer, trainer: Any, mesh: Any
+                ) -> Iterator[Callable[[], None]]:
+  """A `peft_train` span of one fwd_bwd or update call on `trainer` (a PeftTrainer; its step, as
+  its own train() tags it): its host span around the block (tunix's `tracer.span`, on no device);
+  yields what adds its device span, from the block's start to when it is called, on the devices
+  tunix's `tracer.span` would pick. The compute watcher calls it once the computation's output
+  is ready (so no thread of tunix's waits for the same output again)."""
   tags = {perf_constants.STEP: trainer._train_steps, perf_constants.ROLE: "actor"}  # pylint: disable=protected-access
-  with tracer.span(perf_constants.PEFT_TRAIN, mesh.devices, tags=tags) as waitlist:
-    yield waitlist
+  devices = mesh.devices
+  if tracer._collect_on_first_device_per_mesh:  # pylint: disable=protected-access
+    devices = devices.flat[:1]
+  begin = time.perf_counter()
+
+  def ended() -> None:
+    timelines = tracer._get_or_create_device_timelines(devices)  # pylint: disable=protected-access
+    timelines.span(perf_constants.PEFT_TRAIN, begin, [], tags=tags)  # no waitlist: ended now
+
+  with tracer.span(perf_constants.PEFT_TRAIN, tags=tags):
+    yield ended

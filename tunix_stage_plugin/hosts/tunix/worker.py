@@ -196,16 +196,16 @@ def _observed(inst: installation_lib.Installation, worker: Any, kind: str, call:
   started = time.perf_counter()
   with contextlib.ExitStack() as stack:
     inline = stack.enter_context(placements.Inline(inst.recorder, nbytes))
-    waitlist = (None if tracer is None else
-                stack.enter_context(tracing.computation(tracer, target, model_mesh(target.model))))
+    device_span = (None if tracer is None else stack.enter_context(
+        tracing.computation(tracer, target, model_mesh(target.model))))
     result = call()
     output = _unless_broken(inst, target, lambda: placement.computation(target, kind))
-    if waitlist is not None and output is not None:
-      waitlist.async_end([output])
   if output is not None:
     queued = started if inline.ended is None else max(started, inline.ended)
     inst.watcher(jax.block_until_ready, placement.host).dispatched(
-        kind, queued, time.perf_counter(), output)
+        kind, queued, time.perf_counter(), output, on_ready=device_span)
+  elif device_span is not None:  # no output to watch: its device span ends with the call
+    device_span()
   return result
 
 

@@ -1,16 +1,18 @@
-"""Step time and device idle from the trainer's device compute spans (one clock: the trainer's).
-
-A step's compute is its fwd_bwd spans and its update span (each from the call's start on the
-device to block_until_ready). For step i:
+"""The bench's figures from a run's spans: each step's time and device idle as the trainer's own
+telemetry splits it (core.telemetry.trainer.TrainerSteps, over the trainer's device compute and
+compute-lane spans: one clock, the trainer's), the compute per step, the host path, and whether
+the job's own records agree. For step i:
 
 - step seconds = end of step i's update - end of step i-1's update: one full cycle, including
   the boundary before the step (weight sync, then waiting for the first micro-batch);
 - mid-step idle = the time between step i's first compute start and its update end that no
   compute span covers: the device waiting for the next micro-batch;
 - boundary idle = step i's first compute start - step i-1's update end (this includes the
-  emulated weight sync, which holds the trainer in every mode alike).
+  emulated weight sync, which holds the trainer in every mode alike: the split's boundary wait
+  and its other calls).
 
-So step seconds = boundary idle + mid-step idle + busy compute, exactly.
+So step seconds = boundary idle + mid-step idle + busy compute. tests/bench/split_oracle.py
+computes the same from the spans directly, and the tests hold the two together.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import dataclasses
 import statistics
 from typing import Iterable, Sequence
 
-from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
-
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,47 +35,52 @@ class StepTiming:
   compute: float
 
 
-def _step_of(span: timeline_lib.Span) -> int:
+def _step_of(span: recorder_lib.Span) -> int:
   return dict(span.args)["step"]
 
 
-def step_timings(spans: Iterable[timeline_lib.Span], steps: Iterable[int]) -> list[StepTiming]:
-  """Timings of `steps` (each needs the step before it) from device compute spans."""
-  by_step: dict[int, list[timeline_lib.Span]] = {}
-  for span in spans:
-    if span.track == tracks.DEVICE_COMPUTE:
-      by_step.setdefault(_step_of(span), []).append(span)
+# What a step's timing is made of: the computations and the compute lane's own calls.
+SPLIT_TRACKS = (tracks.DEVICE_COMPUTE, tracks.DEVICE_SYNC, tracks.TRAINER_LANE)
+
+
+def step_timings(spans: Iterable[recorder_lib.Span], steps: Iterable[int]) -> list[StepTiming]:
+  """Timings of `steps` (each needs the step before it; steps count from the spans' first), as
+  the trainer's own step split makes them from the spans, fed in the order they ended."""
+  figures: list[dict] = []
+  split = trainer_telemetry.TrainerSteps(figures.append)
+  for span in sorted((s for s in spans if s.track in SPLIT_TRACKS), key=lambda s: s.end):
+    split.record(span)
+  by_step = {f["step"]: f for f in figures}
   out = []
   for step in steps:
     if step not in by_step or step - 1 not in by_step:
       raise ValueError(f"no device compute spans for step {step} or the step before it; "
                        f"recorded steps: {sorted(by_step)}")
-    mine, before = by_step[step], by_step[step - 1]
-    prev_end = max(s.end for s in before)
-    first, last = min(s.start for s in mine), max(s.end for s in mine)
-    busy = timeline_lib.busy_time(mine, first, last)
-    out.append(StepTiming(step, last - prev_end, (last - first) - busy, first - prev_end, busy))
+    f = by_step[step]
+    wait = f["input_wait_s"]
+    out.append(StepTiming(step, f["step_s"], wait["mid_step"], wait["boundary"] + f["other_s"],
+                          f["compute_s"]))
   return out
 
 
-def fwd_bwd_durations(spans: Iterable[timeline_lib.Span], step: int) -> list[float]:
+def fwd_bwd_durations(spans: Iterable[recorder_lib.Span], step: int) -> list[float]:
   """Device time of each of the step's fwd_bwd calls (longer under CPU contention)."""
   return [s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE and _step_of(s) == step
-          and dict(s.args).get("kind") == "fwd_bwd"]
+          and dict(s.args).get("kind") == tracks.FWD_BWD]
 
 
-def update_duration(spans: Iterable[timeline_lib.Span], step: int) -> float:
+def update_duration(spans: Iterable[recorder_lib.Span], step: int) -> float:
   """Device time of the step's update."""
   return max(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE and _step_of(s) == step
-             and dict(s.args).get("kind") == "update")
+             and dict(s.args).get("kind") == tracks.UPDATE)
 
 
-def calibrated(spans: Iterable[timeline_lib.Span], steps: Iterable[int]) -> tuple[float, float]:
+def calibrated(spans: Iterable[recorder_lib.Span], steps: Iterable[int]) -> tuple[float, float]:
   """A calibration's compute: the median fwd_bwd over `steps` and the median update."""
   spans = list(spans)
   compute = statistics.median(d for step in steps for d in fwd_bwd_durations(spans, step))
   update = statistics.median(s.duration for s in spans if s.track == tracks.DEVICE_COMPUTE
-                             and dict(s.args).get("kind") == "update")
+                             and dict(s.args).get("kind") == tracks.UPDATE)
   return compute, update
 
 
@@ -107,7 +114,7 @@ def hidden_fraction(t_inline: float | None, t_mode: float | None,
 HOST_PATHS = {"staged": ("stage_batch", "staging"), "inline": ("fwd_bwd", "inline")}
 
 
-def host_path(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
+def host_path(spans: Iterable[recorder_lib.Span], since: float = float("-inf")
               ) -> dict[str, dict[str, float | int | None]]:
   """Per path: the median receive and placement seconds of one micro-batch, and its bytes over
   their sum (GiB/s), over the spans that end after `since` (the warm-up's end). Emulated links
@@ -121,7 +128,7 @@ def host_path(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
   return out
 
 
-def path_figures(receive_s: float | None, places: Sequence[timeline_lib.Span]
+def path_figures(receive_s: float | None, places: Sequence[recorder_lib.Span]
                  ) -> dict[str, float | int | None]:
   """One host path's figures: its median receive (given) and placement (from its TRAINER_H2D
   spans) seconds of one micro-batch, and its bytes over their sum (GiB/s)."""
@@ -133,13 +140,13 @@ def path_figures(receive_s: float | None, places: Sequence[timeline_lib.Span]
           "bytes": nbytes, "gib_per_s": rate}
 
 
-def warmed_up(spans: Iterable[timeline_lib.Span], warmup_steps: int) -> float:
+def warmed_up(spans: Iterable[recorder_lib.Span], warmup_steps: int) -> float:
   """When the warm-up steps ended (their last update): the receive buffers are faulted by then."""
   return max(s.end for s in spans if s.track == tracks.DEVICE_COMPUTE
              and _step_of(s) == warmup_steps - 1)
 
 
-def placement_overlap(spans: Iterable[timeline_lib.Span], since: float = float("-inf")
+def placement_overlap(spans: Iterable[recorder_lib.Span], since: float = float("-inf")
                       ) -> float | None:
   """The share of the staging lane's placement time (after `since`) during which the device
   computed: 1.0 = every staged copy overlapped compute; None when nothing was placed there."""
@@ -149,7 +156,7 @@ def placement_overlap(spans: Iterable[timeline_lib.Span], since: float = float("
   total = sum(s.duration for s in placed)
   if not placed or total <= 0:
     return None
-  return sum(timeline_lib.busy_time(compute, s.start, s.end) for s in placed) / total
+  return sum(recorder_lib.busy_time(compute, s.start, s.end) for s in placed) / total
 
 
 # The job-side figures agree with the bench's when within this share of the bench's, or AGREE_S.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tunix_stage_plugin.lab.bench import results
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import tracks
 
 # (row label, track): the tracks with a label in core.tracks, drawn top to bottom in table order.
@@ -31,10 +31,10 @@ class PlotUnavailable(RuntimeError):
   """matplotlib is not installed (the 'bench' extra)."""
 
 
-def _colour(span: timeline_lib.Span) -> str:
+def _colour(span: recorder_lib.Span) -> str:
   args = dict(span.args)
   if span.track == tracks.DEVICE_COMPUTE:
-    return COLOURS["update" if args.get("kind") == "update" else args.get("source", "inline")]
+    return COLOURS["update" if args.get("kind") == tracks.UPDATE else args.get("source", "inline")]
   if span.track == tracks.TRAINER_H2D:
     return COLOURS[f"h2d/{args.get('lane', 'inline')}"]
   return COLOURS.get(span.track, "#7f7f7f")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from tunix_stage_plugin.core import codec as codec_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
@@ -118,7 +118,7 @@ class ModeRun:
   trained_order: list[str]
   param_digest: str
   step_foreign_cores: list[float | None]  # other processes' CPU during each timed step
-  spans: list[timeline_lib.Span]  # orchestrator and trainer spans, on the orchestrator's clock
+  spans: list[recorder_lib.Span]  # orchestrator and trainer spans, on the orchestrator's clock
   origin: float  # orchestrator time the run started
   # engine.WireStats.as_dict() of the run: micro-batch bytes as arrays and as sent (all steps)
   wire: dict = dataclasses.field(default_factory=dict)

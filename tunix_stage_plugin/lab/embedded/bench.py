@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.bench import cpu
@@ -145,7 +145,7 @@ class BenchHost:
                                 else calibration.h2d_bytes_per_s / 1e6),
                       receive_buffers=receive_buffers(self.options, mode))
     plan = plan_for(mode, self.options.total_steps, self.options.microbatches, calibration.sync_s)
-    recorder = timeline_lib.Timeline()
+    recorder = trace_lib.Kept()
     load = cpu.ForeignLoad([os.getpid(), self.trainer.pid])
     step_loads: list[float | None] = []
     if mode == "resident":  # the trainer built these itself; only their ids travel
@@ -164,7 +164,7 @@ class BenchHost:
     trainer_spans = await self.client.call("timeline")
     records = await self.client.call("records")
     timings = metrics.step_timings(trainer_spans, range(results.WARMUP_STEPS, self.options.total_steps))
-    spans = recorder.spans() + timeline_lib.shifted(trainer_spans, calibration.clock_offset_s)
+    spans = recorder.spans() + trace_lib.shifted(trainer_spans, calibration.clock_offset_s)
     fwd_bwd = [metrics.fwd_bwd_durations(trainer_spans, t.step) for t in timings]
     return results.ModeRun(
         mode=mode, round=round_, timings=timings, fwd_bwd_s=fwd_bwd,

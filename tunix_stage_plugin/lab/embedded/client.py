@@ -36,9 +36,9 @@ from typing import Any
 
 import grpc
 
-from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import server as server_lib
 from tunix_stage_plugin.transport import frames
@@ -402,4 +402,4 @@ class WorkerClient:
     async def remote_clock() -> float:
       return (await self.call("heartbeat"))["time"]
 
-    return await timeline_lib.clock_offset(remote_clock, samples)
+    return await trace_lib.clock_offset(remote_clock, samples)

@@ -65,7 +65,7 @@ class EmbeddedEngine:
     self._slowdown = transfer_slowdown or (lambda batch: 1.0)
     self.codec = codec
     self.wire = WireStats()
-    self.recorder: recorder_lib.Spans = recorder_lib.DISABLED  # each payload's send (telemetry)
+    self.recorder: recorder_lib.Recorder = recorder_lib.DISABLED  # each payload's send (telemetry)
 
   async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
     """One call to the trainer; its error, when the plugin has a type for it, raised as that."""

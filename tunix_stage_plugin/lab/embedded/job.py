@@ -17,7 +17,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from tunix_stage_plugin.core import pipeline as pipeline_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
@@ -70,7 +70,7 @@ async def _source(batch_for: Callable[[int, int], data_lib.Batch], step: int, mi
 
 async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
                   batch_for: Callable[[int, int], data_lib.Batch], *,
-                  timeline: timeline_lib.Timeline | None = None,
+                  timeline: trace_lib.Kept | None = None,
                   telemetry: telemetry_lib.Telemetry | None = None,
                   on_step: Callable[[StepOutcome], None] | None = None) -> list[StepOutcome]:
   """Runs `plan`; `batch_for(step, index)` gives each micro-batch (called when it is pulled).
@@ -80,7 +80,7 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
     await engine.client.call("place_resident", [(s, i) for s in range(plan.steps)
                                                 for i in range(plan.microbatches)])
     train_engine = engine.resident()
-  recorder: recorder_lib.Spans = timeline or timeline_lib.Timeline(enabled=False)
+  recorder: recorder_lib.Recorder = timeline or recorder_lib.Recorder()
   if telemetry is not None:
     telemetry.orchestrator()  # this process orchestrates: its step figures listen
     if timeline is not None:

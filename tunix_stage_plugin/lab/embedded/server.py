@@ -30,7 +30,7 @@ import grpc
 
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.transport import frames
@@ -100,7 +100,7 @@ class WorkerServer:
   """Serves one worker's METHODS on 127.0.0.1, each on its executor lane."""
 
   def __init__(self, worker: ServedWorker, executor: executor_lib.MethodExecutor, *,
-               timeline: timeline_lib.Timeline | None = None,
+               timeline: recorder_lib.Recorder | None = None,
                max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
                pool: buffers_lib.HostBufferPool | None = None) -> None:
     if not max_call_bytes > 0:
@@ -108,7 +108,7 @@ class WorkerServer:
     self._worker = worker
     self.max_call_bytes = max_call_bytes
     self._executor = executor
-    self._timeline = timeline or timeline_lib.Timeline(enabled=False)
+    self._timeline = timeline or recorder_lib.Recorder()
     self.pool = pool or buffers_lib.HostBufferPool()  # where large calls' bytes are received
     self._transfers = listener_lib.Transfers()
     self._bulk = listener_lib.BulkListener(self.pool, self._transfers, host=BIND_HOST)

@@ -24,7 +24,7 @@ from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.core import store as store_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
@@ -60,13 +60,13 @@ class TrainerWorker:
   })
 
   def __init__(self, cfg: config_lib.StageConfig, *,
-               timeline: timeline_lib.Timeline | None = None,
+               timeline: trace_lib.Kept | None = None,
                fail_stage: Iterable[str] = ()) -> None:
     self.cfg = cfg
     self._configured_fail_stage = frozenset(fail_stage)
     # What this process records (core.telemetry): the bench's timeline and, with staging on,
     # the job's own step figures (its records and per-step line).
-    self._timeline = timeline or timeline_lib.Timeline()
+    self._timeline = timeline or trace_lib.Kept()
     self.telemetry = (telemetry_lib.Telemetry(telemetry_lib.Settings.of("embedded", cfg))
                       if cfg.enabled else None)
     self.recorder = (recorder_lib.Recorder() if self.telemetry is None
@@ -114,7 +114,7 @@ class TrainerWorker:
     return {**rss.report(reset=reset), "pool_held_bytes": self.pool.held_bytes(),
             "pool_idle_bytes": self.pool.idle_bytes()}
 
-  def timeline(self) -> list[timeline_lib.Span]:
+  def timeline(self) -> list[recorder_lib.Span]:
     """The spans recorded since the last setup, on this process's perf_counter clock."""
     return self._timeline.spans()
 
@@ -156,7 +156,9 @@ class TrainerWorker:
     self._trained.clear()
     self._last_step = -1
     self._timeline.clear()
-    self._timeline.enabled = record_timeline
+    self.recorder.remove_sink(self._timeline)
+    if record_timeline:
+      self.recorder.add_sink(self._timeline)
     if self.telemetry is not None:
       self.telemetry.restart()  # the job's step figures start again with this run
     # The memory this run starts from: the previous run's buffers given back, the peak restarted.

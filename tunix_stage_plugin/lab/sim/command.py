@@ -355,7 +355,7 @@ class _Picture:
   def __init__(self, mode: str, result: Any, step: int) -> None:
     from tunix_stage_plugin.core import tracks  # pylint: disable=import-outside-toplevel
     ends = {dict(s.args)["step"]: s.end for s in result.spans
-            if s.track == tracks.DEVICE_COMPUTE and dict(s.args).get("kind") == "update"}
+            if s.track == tracks.DEVICE_COMPUTE and dict(s.args).get("kind") == tracks.UPDATE}
     self.mode, self.round = mode, 0
     self.origin = ends.get(step - 1, 0.0)
     end = ends[step]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 
 from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.lab.bench import trace as bench_trace
 from tunix_stage_plugin.lab.sim import trace as trace_lib
 
 COMPUTE, SYNC = tracks.DEVICE_COMPUTE, tracks.DEVICE_SYNC
@@ -62,7 +62,7 @@ class SimTrainer:
                slot_wait_s: float = 30.0) -> None:
     self.resident = resident
     self.slot_wait_s = slot_wait_s
-    self.timeline = timeline_lib.Timeline()
+    self.timeline = bench_trace.Kept()
     # The wire is shared by concurrent calls (their streams interleave); copies queue whole.
     self._wire, self._h2d = _Resource(chunks=WIRE_CHUNKS), _Resource()
     self._compute, self._staging = asyncio.Lock(), asyncio.Lock()
@@ -119,13 +119,13 @@ class SimTrainer:
       await asyncio.sleep(payload.times.compute_s)
       source = "resident" if self.resident else ("staged" if stage_key else "inline")
       self.timeline.add(COMPUTE, payload.name, start, self._now(), step=payload.step,
-                        kind="fwd_bwd", source=source)
+                        kind=tracks.FWD_BWD, source=source)
     if apply_optimizer:  # the update is its own call on the compute lane, right after
       async with self._compute:
         start = self._now()
         await asyncio.sleep(payload.update_s)
         self.timeline.add(COMPUTE, f"update s{payload.step}", start, self._now(),
-                          step=payload.step, kind="update")
+                          step=payload.step, kind=tracks.UPDATE)
     return outcome_lib.Trained(payload.name)
 
   async def boundary(self, step: int, seconds: float) -> None:

@@ -17,7 +17,7 @@ from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.lab.sim import model
 from tunix_stage_plugin.lab.sim import trace as trace_lib
 
@@ -60,7 +60,7 @@ class ModeResult:
   boundary_idle_s: list[float]
   total_s: float  # the whole trace, start to the last update's end
   fallbacks: int
-  spans: list[timeline_lib.Span]
+  spans: list[recorder_lib.Span]
 
   @property
   def median_step_s(self) -> float | None:

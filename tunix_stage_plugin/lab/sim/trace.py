@@ -19,7 +19,7 @@ import statistics
 from typing import Any
 
 from tunix_stage_plugin.core import inputs
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.lab import inputs as lab_inputs
 
@@ -315,7 +315,7 @@ def from_chrome_trace(data: dict[str, Any], source: str) -> Trace:
     raise _refuse(source, "a tunix-stage bench trace.json with the inline mode",
                   "no inline run in this trace")
   tracks = {_field(e, "tid", int, f"{source} traceEvents[{i}].tid"):
-            timeline_lib.lane_track(args_name(i, e)) for i, e in enumerate(checked)
+            trace_lib.lane_track(args_name(i, e)) for i, e in enumerate(checked)
             if e.get("name") == "thread_name" and e.get("pid") == pid}
   spans = []
   for i, e in enumerate(checked):

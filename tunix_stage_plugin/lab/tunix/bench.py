@@ -39,7 +39,8 @@ from tunix.experimental.worker import remote_execution
 
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import timeline as timeline_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import request as request_lib
@@ -162,7 +163,7 @@ class BenchHost:
       node.handle = remote_execution.ActorHandle.from_address(
           f"grpc://127.0.0.1:{node.port}", rpc_timeout_s=RPC_TIMEOUT_S)
       self.info[kind] = await node.handle.asubmit("bench_info")
-      node.offset, node.uncertainty = await timeline_lib.clock_offset(
+      node.offset, node.uncertainty = await trace_lib.clock_offset(
           functools.partial(node.handle.asubmit, "bench_clock"), CLOCK_SAMPLES)
     if self.info[PLAIN]["plugin"] or not self.info[PLUGIN]["plugin"]:
       raise host_lib.HostError(f"the plain node must run without the plugin and the plugin's "
@@ -244,7 +245,7 @@ class BenchHost:
     node_name = self.node_for(mode)
     node = self.nodes[node_name]
     await node.handle.asubmit("bench_setup")
-    recorder = timeline_lib.Timeline()
+    recorder = trace_lib.Kept()
     load = cpu.ForeignLoad([os.getpid(), *self.pids])
     step_loads: list[float | None] = []
     gc.collect()  # the previous run's garbage is not this run's memory
@@ -272,7 +273,7 @@ class BenchHost:
         peak_host_batches=finish["store"]["peak_host"],
         trained_order=finish["trained_order"], param_digest=finish["param_digest"],
         step_foreign_cores=step_loads[results.WARMUP_STEPS:],
-        spans=recorder.spans() + timeline_lib.shifted(trainer_spans, node.offset), origin=origin,
+        spans=recorder.spans() + trace_lib.shifted(trainer_spans, node.offset), origin=origin,
         trainer_rss=finish["rss"],
         orchestrator_rss={"baseline": orchestrator_baseline, "peak": rss.peak()},
         host_path=host_path(trainer_spans, stage_calls, stage_waits, since=warm,
@@ -284,7 +285,7 @@ class BenchHost:
         job_side=records[results.WARMUP_STEPS:] if node_name == PLUGIN else None)
 
   async def _job(self, node: _Node, mode: str, steps: int, make: data_lib.BatchMaker | None, *,
-                 recorder: timeline_lib.Timeline | None = None,
+                 recorder: trace_lib.Kept | None = None,
                  on_step: Callable[[], None] = lambda: None) -> list[dict[str, int]]:
     """`steps` steps of tunix's train loop on `node`, as `mode` runs it; each step's staging
     metrics (empty where the plugin is not installed here)."""
@@ -338,7 +339,7 @@ def _payload(make: data_lib.BatchMaker | None, step: int, index: int, *,
   return {**make(step, index).arrays, node_lib.MB: mb}
 
 
-def _record_calls(engine: Any, recorder: timeline_lib.Timeline) -> None:
+def _record_calls(engine: Any, recorder: trace_lib.Kept) -> None:
   """Each stage_train_batch call of this engine (the plugin's), as this process sees it."""
   stage = engine.stage_train_batch
 
@@ -349,15 +350,15 @@ def _record_calls(engine: Any, recorder: timeline_lib.Timeline) -> None:
   engine.stage_train_batch = timed
 
 
-def pool_waits(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Span], *,
+def pool_waits(spans: list[recorder_lib.Span], stage_calls: list[recorder_lib.Span], *,
                offset: float) -> list[float]:
   """Each stage call's seconds (this process's spans) during which its bytes waited for the
   trainer's bounded receive pool (the node's TRAINER_POOL_WAIT spans, `offset` onto this clock)."""
-  waits = timeline_lib.shifted([s for s in spans if s.track == tracks.TRAINER_POOL_WAIT], offset)
-  return [timeline_lib.busy_time(waits, c.start, c.end) for c in stage_calls]
+  waits = trace_lib.shifted([s for s in spans if s.track == tracks.TRAINER_POOL_WAIT], offset)
+  return [recorder_lib.busy_time(waits, c.start, c.end) for c in stage_calls]
 
 
-def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Span],
+def host_path(spans: list[recorder_lib.Span], stage_calls: list[recorder_lib.Span],
               stage_waits: list[float], *, since: float, offset: float
               ) -> dict[str, dict[str, float | int | None]]:
   """metrics.host_path's figures over tunix's real links, after `since` (the node's clock; its
@@ -382,9 +383,9 @@ def host_path(spans: list[timeline_lib.Span], stage_calls: list[timeline_lib.Spa
       waits = []
       for s in places:
         before = [c for c in computations if c["answered"] <= s.start]
-        if before and before[-1]["kind"] == "fwd_bwd":
+        if before and before[-1]["kind"] == tracks.FWD_BWD:
           answered = before[-1]["answered"]
-          waits.append(s.start - answered - timeline_lib.busy_time(held, answered, s.start))
+          waits.append(s.start - answered - recorder_lib.busy_time(held, answered, s.start))
       receive_s = metrics.median(waits)
     out[path] = metrics.path_figures(receive_s, places)
   return out

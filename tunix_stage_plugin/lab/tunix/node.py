@@ -10,8 +10,9 @@ own bookkeeping sits around tunix's classes, never inside them:
 
 - a wrapper around the PeftTrainer (as tunix's trainer node binds one to its mesh) records
   which micro-batch trained and swaps a resident micro-batch's id for its placed arrays; each
-  fwd_bwd's and update's device span is recorded by a watcher thread once its output is ready,
-  so the calls still answer once XLA has the work queued, as tunix's do;
+  fwd_bwd's and update's device span is the trainer's own compute watcher's
+  (core.telemetry.trainer.ComputeWatcher: the plugin's on its node, one of its class on the
+  plain node), so the calls still answer once XLA has the work queued, as tunix's do;
 - a PeftTrainer subclass times `_prepare_payload` (the placement, on whichever lane runs it);
 - `bench_*` methods on the TrainerWorker subclass: setup (the initial state again), resident
   placement, the timeline, the clock, and a run's figures.
@@ -24,16 +25,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
-import dataclasses
 import json
 import os
-import queue
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,10 @@ from tunix.experimental.worker import remote_execution
 from tunix.experimental.worker import trainer_worker
 from tunix.sft import sharding_utils
 
-from tunix_stage_plugin.core import timeline as timeline_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import trainer as trainer_lib
@@ -106,49 +108,53 @@ class _Lane(threading.local):
   inline = False  # this thread runs a fwd_bwd: a placement here is the inline one
 
 
-@dataclasses.dataclass
-class _Dispatched:
-  """A computation tunix handed to XLA, its output not yet ready."""
-
-  name: str
-  queued: float  # when it could start: the call's start, after an inline placement
-  answered: float  # when the call returned (tunix answers once XLA has the work queued)
-  output: Any  # a fresh output of the computation: ready when it has ended
-  args: dict[str, Any]
-
-
 class Clocked:
-  """The node's timeline, whether the current thread is inside a fwd_bwd, and a watcher that
-  records each computation's device span once its output is ready, so the calls stay tunix's
-  own (answered once queued) and the spans are still the device's: a computation starts when
-  it is queued or when the one before it ends, whichever is later."""
+  """The node's timeline, whether the current thread is inside a fwd_bwd, and each
+  computation's device span as the trainer's own compute watcher records it (a computation
+  starts when it is queued or when the one before it ends, whichever is later; it ends when its
+  output is ready), given the bench's name and args (step, index, source) in dispatch order.
+  On the plugin's node the watcher is the plugin's (`listen`): the bench waits for nothing."""
 
   def __init__(self) -> None:
-    self.timeline = timeline_lib.Timeline()
+    self.timeline = trace_lib.Kept()
     self.lane = _Lane()
-    self._queue: queue.Queue[_Dispatched] = queue.Queue()
-    self._last_end = 0.0
-    threading.Thread(target=self._watch, name="bench-device-spans", daemon=True).start()
+    self._named: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
+    own = recorder_lib.Recorder()
+    own.add_sink(self)
+    self._watcher: trainer_telemetry.ComputeWatcher | None = trainer_telemetry.ComputeWatcher(
+        own, jax.block_until_ready)
+    self._drain: Callable[[float], bool] = self._watcher.drain
 
-  def dispatched(self, item: _Dispatched) -> None:
-    self._queue.put(item)
+  def listen(self, installation: Any) -> None:
+    """The plugin's node: its watcher records the computations (and its receive pool's waits,
+    which the bench draws and leaves out of the host path), onto this timeline."""
+    self._watcher = None
+    self._drain = installation.drain
+    installation.recorder.add_sink(self)
+
+  def dispatched(self, name: str, queued: float, answered: float, output: Any,
+                 args: dict[str, Any]) -> None:
+    self._named.append((name, args))
+    if self._watcher is not None:
+      self._watcher.dispatched(args["kind"], queued, answered, output)
 
   def drain(self) -> None:
     """Returns once every computation dispatched so far has its span."""
-    self._queue.join()
+    self._drain(60)
 
-  def _watch(self) -> None:
-    while True:
-      item = self._queue.get()
-      try:
-        jax.block_until_ready(item.output)
-        end = time.perf_counter()
-        start = min(max(item.queued, self._last_end), end)
-        self._last_end = end
-        self.timeline.add(tracks.DEVICE_COMPUTE, item.name, start, end,
-                          answered=item.answered, **item.args)
-      finally:
-        self._queue.task_done()
+  def reset(self) -> None:
+    """An empty timeline for the next run (once every computation so far has its span)."""
+    self.drain()
+    self.timeline.clear()
+    self._named.clear()
+
+  def record(self, span: recorder_lib.Span) -> None:
+    """A sink of the watcher's recorder."""
+    if span.track == tracks.DEVICE_COMPUTE:
+      name, args = self._named.popleft()
+      self.timeline.add(span.track, name, span.start, span.end, **{**dict(span.args), **args})
+    elif span.track == tracks.TRAINER_POOL_WAIT:
+      self.timeline.record(span)
 
 
 class TimedTrainer(peft_trainer_v2.PeftTrainer):
@@ -211,19 +217,18 @@ class MeshBound:
       self._clocked.lane.inline = False
     placed = [s.end for s in self._clocked.timeline.spans(tracks.TRAINER_H2D)
               if s.end >= start and dict(s.args)["lane"] == "inline"]
-    self._clocked.dispatched(_Dispatched(
+    self._clocked.dispatched(
         f"fwd_bwd s{step}-m{index}", max([start, *placed]), time.perf_counter(),
-        self._trainer.output, {"step": self.step, "kind": "fwd_bwd", "index": index,
-                               "source": source}))
+        self._trainer.output, {"step": self.step, "kind": tracks.FWD_BWD, "index": index,
+                               "source": source})
     return result
 
   def update(self, **kwargs: Any) -> Any:
     start = time.perf_counter()
     with self.mesh:
       result = self._trainer.update(**kwargs)
-    self._clocked.dispatched(_Dispatched(f"update s{self.step}", start, time.perf_counter(),
-                                         self._trainer.output,
-                                         {"step": self.step, "kind": "update"}))
+    self._clocked.dispatched(f"update s{self.step}", start, time.perf_counter(),
+                             self._trainer.output, {"step": self.step, "kind": tracks.UPDATE})
     self.step += 1
     return result
 
@@ -243,7 +248,7 @@ class BenchWorker(trainer_worker.TrainerWorker):
   clocked: Clocked
   initial: tuple[Any, Any] | None = None
   baseline: int | None = None
-  listening = False  # the plugin's pool waits reach the bench's timeline
+  listening = False  # the plugin's watcher and pool waits reach the bench's timeline
 
   def bench_info(self) -> dict[str, Any]:
     return {"platform": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
@@ -266,17 +271,14 @@ class BenchWorker(trainer_worker.TrainerWorker):
     trainer.resident.clear()
     trainer.trained.clear()
     trainer.step = 0
-    self.clocked.drain()
-    self.clocked.timeline.clear()
     store = _store(self)
+    if store is not None and not self.listening:  # the plugin's watcher: the bench's spans
+      self.clocked.listen(_installation())
+      self.listening = True
+    self.clocked.reset()  # the last run's computations recorded (by the plugin's watcher too)
     if store is not None:
       store.stats.peak = store.stats.peak_host = 0
-      installation = _installation()
-      installation.drain(60)  # the plugin's own watcher: the last run's computations recorded
-      installation.telemetry.restart()  # its step figures start again with this run
-      if not self.listening:  # the plugin's receive-pool waits go on the bench's timeline too
-        installation.recorder.add_sink(_PoolWaits(self.clocked.timeline))
-        self.listening = True
+      _installation().telemetry.restart()  # its step figures start again with this run
     self.baseline = rss.reset_peak()
     return self.baseline
 
@@ -310,7 +312,7 @@ class BenchWorker(trainer_worker.TrainerWorker):
                                            MB: place(np.array([step, index], np.int32))}
     return len(trainer.resident)
 
-  def bench_timeline(self) -> list[timeline_lib.Span]:
+  def bench_timeline(self) -> list[recorder_lib.Span]:
     self.clocked.drain()
     return self.clocked.timeline.spans()
 
@@ -328,18 +330,6 @@ class BenchWorker(trainer_worker.TrainerWorker):
         "max_device_batches": store.max_device_batches if plugin else 0,
         "device_memory": {"baseline": None, "sampled_peak": None, "allocator_peak": None},
     }
-
-
-class _PoolWaits:
-  """A sink on the plugin's recorder (core.telemetry): its receive-pool waits, onto the bench's
-  timeline (the bench draws them, and leaves them out of the host path)."""
-
-  def __init__(self, timeline: timeline_lib.Timeline) -> None:
-    self.timeline = timeline
-
-  def record(self, span: timeline_lib.Span) -> None:
-    if span.track == tracks.TRAINER_POOL_WAIT:
-      self.timeline.record(span)
 
 
 def _installation() -> Any:

@@ -1,4 +1,5 @@
-"""Timeline: span recording from threads, idle arithmetic, Chrome trace export."""
+"""The spans: recorded from threads and kept (the bench's), idle arithmetic (the telemetry's),
+moved onto one clock and exported as a Chrome trace (the bench's)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import random
 import threading
 
 from tests.core.trace_check import partial_overlaps
-from tunix_stage_plugin.core.timeline import (Span, Timeline, busy_time, idle_time, lane_track,
-                                              shifted, to_chrome_trace, write_chrome_trace)
+from tunix_stage_plugin.core.telemetry.recorder import Recorder, Span, busy_time, idle_time
+from tunix_stage_plugin.lab.bench.trace import (Kept, lane_track, shifted, to_chrome_trace,
+                                                write_chrome_trace)
 
 
 def test_busy_and_idle_count_overlaps_once_and_clip_to_the_window():
@@ -21,7 +23,7 @@ def test_busy_and_idle_count_overlaps_once_and_clip_to_the_window():
 
 
 def test_spans_from_many_threads_are_all_recorded():
-  tl = Timeline()
+  tl = Kept()
 
   def work(i):
     for j in range(100):
@@ -38,12 +40,14 @@ def test_spans_from_many_threads_are_all_recorded():
   assert dict(tl.spans("thread-3")[0].args) == {"i": 3}
 
 
-def test_disabled_timeline_records_nothing():
-  tl = Timeline(enabled=False)
-  with tl.span("t", "x"):
+def test_a_sink_taken_off_its_recorder_keeps_nothing_more():
+  rec, tl = Recorder(), Kept()
+  rec.add_sink(tl)
+  rec.remove_sink(tl)
+  with rec.span("t", "x"):
     pass
-  tl.add("t", "y", 0, 1)
-  assert tl.spans() == []
+  rec.add("t", "y", 0, 1)
+  assert tl.spans() == [] and not rec.enabled
 
 
 def test_shift_and_chrome_trace(tmp_path):
