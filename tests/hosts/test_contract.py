@@ -27,6 +27,10 @@ def test_an_answer_is_read_back_as_it_was_built():
   trained = contract.mark_placement_fallback(response(), "its placement failed")
   assert contract.placement_fallback(trained) == "its placement failed"
   assert contract.placement_fallback(response()) is None
+  answer = contract.train_step_answer(trained, 3, accumulated=True)
+  assert answer == {"fwd_bwd": trained, "updated": True, "train_step": 3, "accumulated": True}
+  assert contract.fwd_bwd_response(answer, updated=True) is trained
+  assert contract.fwd_bwd_response(trained, updated=False) is trained
 
 
 def test_a_remote_error_keeps_tunixs_envelope_and_is_matched_by_its_type():

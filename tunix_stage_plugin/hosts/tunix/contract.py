@@ -1,6 +1,7 @@
 """The wire contract between the orchestrator's hooks and the trainer's on tunix's host: the methods
-the plugin adds to a TrainerWorker and its server, their keywords, what their answers carry, the
-names of the transports a call may take, and the remote errors both ends answer with.
+the plugin adds to a TrainerWorker and its server, their keywords, what their answers carry (and
+tunix's train_step answer, made here when its fwd_bwd took another transport), the names of the
+transports a call may take, and the remote errors both ends answer with.
 
 Each name is written here once and both ends import it from here; what an answer carries is
 built and read by the pair of functions below; tunix's error envelope (the RuntimeError
@@ -83,6 +84,17 @@ def mark_placement_fallback(response: Any, reason: str | None) -> Any:
 
 def placement_fallback(response: Any) -> str | None:
   return response.metadata.get(_PLACEMENT_FALLBACK)
+
+
+def train_step_answer(fwd_bwd: Any, step: Any, *, accumulated: bool) -> dict[str, Any]:
+  """tunix's train_step answer after an update (DistributedRLEngine.train_step's keys), for a
+  fwd_bwd the plugin's transports carried and the update sent after it."""
+  return {"fwd_bwd": fwd_bwd, "updated": True, "train_step": step, "accumulated": accumulated}
+
+
+def fwd_bwd_response(answer: Any, *, updated: bool) -> Any:
+  """fwd_bwd's response in a train_step answer: the answer itself, or its part after an update."""
+  return answer["fwd_bwd"] if updated else answer
 
 
 # ---------------------------------------------------------------- remote errors

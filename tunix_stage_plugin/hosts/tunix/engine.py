@@ -75,17 +75,12 @@ async def train(engine: Any, router: route.Router, payload: Any, *, stage_key: s
         lambda: engine.train_step(payload, role=role, accumulate_gradients=accumulate_gradients,
                                   apply_optimizer=apply_optimizer, **keyed),
         carries_batch=stage_key is None)
-  # tunix's train_step answers fwd_bwd's response, or {"fwd_bwd": response, ...} after an update.
-  if transport != contract.UNARY:
-    fwd_bwd = answer
-    if apply_optimizer:  # the rest of tunix's train_step, as it sends it
-      step = await engine._invoke_worker(worker, contract.UPDATE)  # pylint: disable=protected-access
-      answer = {"fwd_bwd": fwd_bwd, "updated": True, "train_step": step,
-                "accumulated": accumulate_gradients}
-  else:
-    fwd_bwd = answer["fwd_bwd"] if apply_optimizer else answer
-  return outcome_lib.Trained(
-      answer, fallback=None if stage_key is None else contract.placement_fallback(fwd_bwd))
+  if transport != contract.UNARY and apply_optimizer:  # the rest of tunix's train_step, as it is
+    step = await engine._invoke_worker(worker, contract.UPDATE)  # pylint: disable=protected-access
+    answer = contract.train_step_answer(answer, step, accumulated=accumulate_gradients)
+  fallback = (None if stage_key is None else contract.placement_fallback(
+      contract.fwd_bwd_response(answer, updated=apply_optimizer)))
+  return outcome_lib.Trained(answer, fallback=fallback)
 
 
 async def reset(engine: Any, keys: list[str] | None = None, *, role: datatypes.Role = ACTOR,
