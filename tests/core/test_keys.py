@@ -25,3 +25,13 @@ def test_a_prefix_leaves_room_for_the_step_and_index_within_the_key_rule():
     keys.check_prefix("a b")
   with pytest.raises(keys.StageKeyError, match="of length 0"):
     keys.check("")
+
+
+def test_a_prefix_carries_a_session_or_a_runs_own_mark():
+  session = keys.new_session()
+  prefix = keys.session_prefix(session, 3)
+  assert prefix == f"ts{session}.3" and keys.check_prefix(prefix) == prefix
+  assert keys.session_of(keys.build(prefix, 1, 2)) == session
+  run = keys.run_prefix()
+  assert run != keys.run_prefix() and keys.check_prefix(run) == run
+  assert keys.session_of(keys.build(run, 0, 0)) is None

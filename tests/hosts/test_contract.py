@@ -8,6 +8,7 @@ import types
 
 import pytest
 
+from tunix_stage_plugin.core import keys
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.hosts.tunix import contract
 
@@ -26,6 +27,10 @@ def test_an_answer_is_read_back_as_it_was_built():
   trained = contract.mark_placement_fallback(response(), "its placement failed")
   assert contract.placement_fallback(trained) == "its placement failed"
   assert contract.placement_fallback(response()) is None
+  answer = contract.train_step_answer(trained, 3, accumulated=True)
+  assert answer == {"fwd_bwd": trained, "updated": True, "train_step": 3, "accumulated": True}
+  assert contract.fwd_bwd_response(answer, updated=True) is trained
+  assert contract.fwd_bwd_response(trained, updated=False) is trained
 
 
 def test_a_remote_error_keeps_tunixs_envelope_and_is_matched_by_its_type():
@@ -49,6 +54,39 @@ def test_a_remote_error_keeps_tunixs_envelope_and_is_matched_by_its_type():
 
 def test_a_missing_module_is_named_only_by_a_module_not_found_error():
   missing = contract.RemoteError("ModuleNotFoundError", "No module named 'tunix_stage_plugin.x'")
-  assert missing.missing_module == "tunix_stage_plugin.x"
+  typed = contract.typed_error(missing, contract.FWD_BWD)
+  assert isinstance(typed, contract.Unsupported)
+  assert str(typed) == "tunix-stage-plugin is not installed on the trainer"
   other = contract.RemoteError("ImportError", "No module named 'tunix_stage_plugin'")
-  assert other.missing_module is None
+  assert contract.typed_error(other, contract.STAGE_BATCH) is None
+  elsewhere = contract.RemoteError("ModuleNotFoundError", "No module named 'numpy'")
+  assert contract.typed_error(elsewhere, contract.STAGE_BATCH) is None
+
+
+def test_one_map_turns_the_trainers_errors_into_the_plugins_types():
+  envelope = RuntimeError("RemoteExecutionError [StageKeyError]: stage key 'k' is not staged\n"
+                          "Remote traceback:\n...")
+  typed = contract.typed_error(envelope, contract.FWD_BWD)
+  assert type(typed) is keys.StageKeyError and str(typed) == "stage key 'k' is not staged"
+  unreadable = contract.RemoteError("StagedPayloadUnreadable", "zstd: corrupt")
+  typed = contract.typed_error(unreadable, contract.FWD_BWD)
+  assert type(typed) is outcome_lib.StagedPayloadUnreadable and str(typed) == "zstd: corrupt"
+  # AttributeError is "no such method" only for a method the plugin adds to the trainer.
+  missing = contract.RemoteError("AttributeError", "Method 'stage_batch' not found")
+  typed = contract.typed_error(missing, contract.STAGE_BATCH)
+  assert isinstance(typed, contract.Unsupported) and "has no stage_batch" in str(typed)
+  assert isinstance(contract.typed_error(missing, contract.SIDE_PORT), contract.Unsupported)
+  assert contract.typed_error(missing, contract.FWD_BWD) is None  # the trainer's own bug
+  assert contract.typed_error(RuntimeError("not an envelope"), contract.STAGE_BATCH) is None
+  assert contract.typed_error(ValueError("RemoteExecutionError [StageKeyError]: k"),
+                              contract.STAGE_BATCH) is None
+  # The context manager raises the typed error from the original; any other error as it is.
+  with pytest.raises(keys.StageKeyError) as raised:
+    with contract.typed_errors(contract.STAGE_BATCH):
+      raise envelope
+  assert raised.value.__cause__ is envelope
+  plain = RuntimeError("connection reset")
+  with pytest.raises(RuntimeError) as raised:
+    with contract.typed_errors(contract.STAGE_BATCH):
+      raise plain
+  assert raised.value is plain

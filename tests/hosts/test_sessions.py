@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from tunix_stage_plugin.core import keys
 from tunix_stage_plugin.core.store import StagedBatchStore
 from tunix_stage_plugin.hosts.tunix import sessions
 
@@ -16,10 +17,10 @@ def place(payload):
 def test_keys_carry_the_process_session_and_one_prefix_per_loop():
   first, second = sessions.key_prefix(), sessions.key_prefix()
   assert first != second and first.startswith(f"ts{sessions.SESSION}.")
-  assert sessions.session_of(f"{first}-s0-m3") == sessions.SESSION
-  assert sessions.session_of(f"{second}-s12-m0") == sessions.SESSION
+  assert keys.session_of(f"{first}-s0-m3") == sessions.SESSION
+  assert keys.session_of(f"{second}-s12-m0") == sessions.SESSION
   for key in ("t-1", "over-raw", "st0123abcd-s0-m0", f"{first}-s0", f"{first}-s0-m0x", 7):
-    assert sessions.session_of(key) is None, key
+    assert keys.session_of(key) is None, key
 
 
 def test_a_new_session_drops_the_older_sessions_batches_once_and_says_so(caplog):

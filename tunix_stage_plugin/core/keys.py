@@ -2,8 +2,8 @@
 checked and parsed here and nowhere else.
 
 A pipeline names micro-batch `index` of step `step` `<prefix>-s<step>-m<index>`: the prefix is
-per run (a host may put its own fields in it: tunix's orchestrator session, hosts/tunix/
-sessions.py), the step and index make every key of a run unique. The trainer's store takes any key
+per run (`st<8 hex>`, or `ts<session>.<n>` carrying an orchestrator process's session, whose rule
+is hosts/tunix/sessions.py's), the step and index make every key of a run unique. The trainer's store takes any key
 of the charset and length below (a key staged by hand carries no step). docs/design.md "Core
 semantics".
 """
@@ -11,6 +11,7 @@ semantics".
 from __future__ import annotations
 
 import re
+import secrets
 from typing import Any, NamedTuple
 
 CHARS = "A-Za-z0-9._:-"
@@ -21,6 +22,7 @@ MAX_PREFIX_LEN = MAX_LEN - 32
 
 _KEY = re.compile(f"[{CHARS}]+")
 _PIPELINE_KEY = re.compile(r"(?P<prefix>.+)-s(?P<step>[0-9]+)-m(?P<index>[0-9]+)")
+_SESSION_PREFIX = re.compile(r"ts(?P<session>[0-9a-f]{8})\.[0-9]+")
 
 
 class StageKeyError(KeyError):
@@ -68,3 +70,26 @@ def parse(key: Any) -> PipelineKey | None:
   if match is None:
     return None
   return PipelineKey(match["prefix"], int(match["step"]), int(match["index"]))
+
+
+def run_prefix() -> str:
+  """A fresh prefix for a run that names no session: keys unique across orchestrator restarts
+  on one trainer."""
+  return f"st{secrets.token_hex(4)}"
+
+
+def new_session() -> str:
+  """A fresh orchestrator session, as a prefix carries it (8 hex digits)."""
+  return secrets.token_hex(4)
+
+
+def session_prefix(session: str, loop: int) -> str:
+  """The prefix of loop `loop` of the orchestrator process whose session is `session`."""
+  return f"ts{session}.{loop}"
+
+
+def session_of(key: Any) -> str | None:
+  """The session a pipeline key's prefix carries (None for a key that carries none)."""
+  parsed = parse(key)
+  match = None if parsed is None else _SESSION_PREFIX.fullmatch(parsed.prefix)
+  return match["session"] if match else None

@@ -19,7 +19,6 @@ import collections
 import dataclasses
 import enum
 import logging
-import secrets
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from tunix_stage_plugin.core import keys as keys_lib
@@ -314,8 +313,7 @@ class StagePipeline:
                depth_for: DepthFor | None = None, open_ended: bool = False) -> None:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
-    # A per-pipeline prefix keeps keys unique across orchestrator restarts on one trainer.
-    key_prefix = f"st{secrets.token_hex(4)}" if key_prefix is None else key_prefix
+    key_prefix = keys_lib.run_prefix() if key_prefix is None else key_prefix
     keys_lib.check_prefix(key_prefix)  # raises naming the rule
     self.engine = engine
     self.depth = depth

@@ -82,16 +82,16 @@ def _orchestrate(port: int) -> None:
   # pylint: disable=import-outside-toplevel
   sys.path.insert(0, HERE)
   import test_grpc
-  from tunix_stage_plugin.hosts.tunix import program
+  from tunix_stage_plugin.hosts.tunix import run
 
-  stage = program.StagingCalls.stage
+  stage = run.StagingCalls.stage
 
   async def stage_and_say(self, payload, *, key):
     outcome = await stage(self, payload, key=key)
     print(f"{outcome.status.value} {key}", flush=True)
     return outcome
 
-  program.StagingCalls.stage = stage_and_say
+  run.StagingCalls.stage = stage_and_say
   test_grpc.run_program(port, staged=True)
 
 
@@ -177,6 +177,7 @@ from tests.embedded.support import process_state, wait_for
 from tests.hosts.tunix import test_grpc
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import sessions
 from tunix_stage_plugin.hosts.tunix import side as side_lib
@@ -366,7 +367,7 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   assert after["keys"] == []
   del params, inputs
   # The trainer said so, in one line naming the count and the dead session.
-  dead = sessions.session_of(staged[0])
+  dead = keys_lib.session_of(staged[0])
   assert dead is not None and dead != sessions.SESSION
   line = (f"staging on this trainer: dropped 2 staged batch(es) of 1 older session(s) (ts{dead})")
   wait_for(lambda: line in _read(node.log.name), 10, "the trainer's log line")

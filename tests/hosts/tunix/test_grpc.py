@@ -345,8 +345,8 @@ from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.hosts.tunix import compression
-from tunix_stage_plugin.hosts.tunix import program as program_hooks
 from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.hosts.tunix import run as run_lib
 from tunix_stage_plugin.hosts.tunix import stream as stream_hooks
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
@@ -773,7 +773,7 @@ def test_an_over_cap_fallback_trains_inline_through_the_stream(node, big_payload
   itself, without sending (a real refusal needs the trainer's 30 s slot wait; a real failure,
   a broken trainer): the pipeline trains each of those micro-batches inline, and that inline
   call, 256 MiB, goes through the chunked stream like any other."""
-  stage, calls = program_hooks.StagingCalls.stage, []
+  stage, calls = run_lib.StagingCalls.stage, []
 
   async def stage_or_fall_back(self, payload, *, key):
     calls.append(key)
@@ -783,7 +783,7 @@ def test_an_over_cap_fallback_trains_inline_through_the_stream(node, big_payload
       return outcome_lib.failed(key, "injected failure")
     return await stage(self, payload, key=key)
 
-  monkeypatch.setattr(program_hooks.StagingCalls, "stage", stage_or_fall_back)
+  monkeypatch.setattr(run_lib.StagingCalls, "stage", stage_or_fall_back)
   port = node["over_cap_fallback"]
   before = chunked_calls(port)
   params, _, reports = run_program(port, staged=True, payloads=big_payloads)

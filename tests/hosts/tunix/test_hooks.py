@@ -42,7 +42,10 @@ from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts import tunix as tunix_host
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.hosts.tunix import run as run_lib
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -350,6 +353,35 @@ def test_engine_stage_answers_a_typed_outcome(staging):
                         .stage_train_batch(payload, key="c-1"))
   assert outcome.status is StageStatus.UNSUPPORTED
   assert outcome.reason == "tunix-stage-plugin is not installed on the trainer"
+
+
+def test_the_pipelines_calls_go_once_through_the_router_the_run_holds(staging):
+  """A stage, a train by key and an inline train: each one Router.call of the router handed to
+  StagingCalls (never a second lookup), tunix's answer as tunix gives it, and a trainer's error
+  typed by the one map."""
+  trainer = RecordingTrainer()
+  engine = make_engine(trainer_worker.TrainerWorker(lambda: trainer))
+  router = route.Router()
+  calls = run_lib.StagingCalls(engine, router)
+  payload = {"mb": np.full((1, 2), 4, np.int32)}
+
+  async def main():
+    outcome = await calls.stage(payload, key="r-1")
+    staged = await calls.train(None, stage_key="r-1", apply_optimizer=False)
+    inline = await calls.train(payload, stage_key=None, apply_optimizer=True)
+    with pytest.raises(store_lib.StageKeyError, match="not staged"):
+      await calls.train(None, stage_key="r-1", apply_optimizer=False)  # consumed
+    return outcome, staged, inline
+
+  with mock.patch.object(router, "call", wraps=router.call) as call, \
+       mock.patch.object(route, "router_of", side_effect=AssertionError("a second lookup")):
+    outcome, staged, inline = asyncio.run(main())
+  assert [c.args[1] for c in call.call_args_list] == [
+      contract.STAGE_BATCH, contract.FWD_BWD, contract.FWD_BWD, contract.FWD_BWD]
+  assert outcome.staged and staged.fallback is None and inline.fallback is None
+  assert set(inline.result) == {"fwd_bwd", "updated", "train_step", "accumulated"}
+  assert inline.result["train_step"] == 1 and inline.result["accumulated"] is True
+  assert trainer.calls == [("fwd", 4, True), ("fwd", 4, False), ("update",)]
 
 
 def test_worker_stages_on_the_mesh_and_consumes_a_key_once(staging):

@@ -29,9 +29,10 @@ from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import program as program_hooks
+from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.hosts.tunix import run as run_lib
 from tunix_stage_plugin.hosts.tunix import side
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 from tunix_stage_plugin.transport import frames
@@ -59,11 +60,11 @@ def test_a_stage_and_an_inline_train_call_travel_the_side_channel(staging, caplo
     try:
       outcome = await engine.stage_train_batch(staged, key="b-1")
       await engine.train_step(None, role=ACTOR, apply_optimizer=False, stage_key="b-1")
-      result = await route.train_step(engine, router, inline, role=ACTOR,
-                                      accumulate_gradients=True, apply_optimizer=True)
+      trained = await engine_lib.train(engine, router, inline, stage_key=None,
+                                       apply_optimizer=True)
     finally:
       await close(server, handle, engine)
-    return outcome, result, router
+    return outcome, trained.result, router
 
   outcome, result, router = asyncio.run(main())
   assert outcome.status is StageStatus.STAGED
@@ -92,7 +93,7 @@ def test_below_the_threshold_the_call_is_the_hosts_own(staging):
     try:
       with mock.patch.object(distributed_rl_engine.DistributedRLEngine, "train_step",
                              autospec=True, side_effect=host) as train_step:
-        await program_hooks.StagingCalls(engine, router).train(small, stage_key=None,
+        await run_lib.StagingCalls(engine, router).train(small, stage_key=None,
                                                                apply_optimizer=False)
     finally:
       await close(server, handle, engine)
@@ -184,9 +185,8 @@ def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_i
             "fwd_bwd", encoded.body, encoded.buffers, transfer))
       raw.settimeout(10)
       ended = raw.recv(1) == b""  # the trainer dropped the connection
-      await route.train_step(engine, route.router_of(ADAPTER.installation, engine), big(5, mib=4),
-                             role=ACTOR, accumulate_gradients=True,
-                             apply_optimizer=False)  # the next works
+      await engine_lib.train(engine, route.router_of(ADAPTER.installation, engine), big(5, mib=4),
+                             stage_key=None, apply_optimizer=False)  # the next works
     finally:
       raw.close()
       await close(server, handle, engine)

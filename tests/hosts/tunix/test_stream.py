@@ -35,9 +35,10 @@ from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import program as program_hooks
+from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.hosts.tunix import run as run_lib
 from tunix_stage_plugin.hosts.tunix import stream
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
@@ -124,11 +125,11 @@ def test_an_inline_train_call_over_the_cap_goes_in_chunks_and_runs_on_the_comput
     try:
       with pytest.raises(grpc.aio.AioRpcError) as unary:  # tunix's own call cannot carry it
         await engine.train_step(sent, role=ACTOR)
-      result = await route.train_step(engine, router, sent, role=ACTOR,
-                                      accumulate_gradients=True, apply_optimizer=True)
+      trained = await engine_lib.train(engine, router, sent, stage_key=None,
+                                       apply_optimizer=True)
     finally:
       await close(server, handle, engine)
-    return unary.value.code(), result, router
+    return unary.value.code(), trained.result, router
 
   code, result, router = asyncio.run(main())
   assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -154,7 +155,7 @@ def test_below_the_cap_the_inline_call_is_the_hosts_own_train_step(cap, staging)
   async def main():
     server, handle, engine = await serve(worker)
     router = route.router_of(ADAPTER.installation, engine)
-    calls = program_hooks.StagingCalls(engine, router)
+    calls = run_lib.StagingCalls(engine, router)
     host = distributed_rl_engine.DistributedRLEngine.train_step
     try:
       with mock.patch.object(distributed_rl_engine.DistributedRLEngine, "train_step",
@@ -202,8 +203,8 @@ def test_a_header_over_the_trainers_cap_is_refused_before_its_bytes(cap, staging
     server, handle, engine = await serve(worker)
     try:
       with pytest.raises(RuntimeError) as refused:
-        await route.train_step(engine, route.router_of(ADAPTER.installation, engine), big(),
-                               role=ACTOR, accumulate_gradients=True, apply_optimizer=False)
+        await engine_lib.train(engine, route.router_of(ADAPTER.installation, engine), big(),
+                               stage_key=None, apply_optimizer=False)
     finally:
       await close(server, handle, engine)
     return str(refused.value)
@@ -227,8 +228,8 @@ def test_a_trainer_without_the_stream_stops_an_over_cap_call_with_one_line(cap):
     try:
       outcome = await engine.stage_train_batch(big(), key="big-1")
       with pytest.raises(stream.PayloadOverCap) as stopped:
-        await route.train_step(engine, route.router_of(ADAPTER.installation, engine), big(),
-                               role=ACTOR, accumulate_gradients=True, apply_optimizer=True)
+        await engine_lib.train(engine, route.router_of(ADAPTER.installation, engine), big(),
+                               stage_key=None, apply_optimizer=True)
       await route.router_of(ADAPTER.installation, engine).close()
     finally:
       manager.uninstall("tunix", quiet=True)

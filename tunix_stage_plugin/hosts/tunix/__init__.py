@@ -1,8 +1,8 @@
 """tunix host adapter: stage_batch on TrainerWorker, a staged train loop on StandardRLProgram.
 
 Importing this package does not import tunix: the activation layer calls `ADAPTER.load()` when
-it installs. The hook modules (server, worker, engine, program, and the transports' ends they
-use: route, side, stream) import tunix at their top and are imported only from `ADAPTER.apply`;
+it installs. The hook modules (server, worker, engine, program with run, loop_copy and loop_seam,
+and the transports' ends they use: route, side, stream) import tunix at their top and are imported only from `ADAPTER.apply`;
 contract, request, chunked, lanes, installation and sessions import no tunix. Which file does
 what: docs/design.md "Layout".
 """

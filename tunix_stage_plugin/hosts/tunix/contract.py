@@ -1,19 +1,23 @@
 """The wire contract between the orchestrator's hooks and the trainer's on tunix's host: the methods
-the plugin adds to a TrainerWorker and its server, their keywords, what their answers carry, the
-names of the transports a call may take, and the remote errors both ends answer with.
+the plugin adds to a TrainerWorker and its server, their keywords, what their answers carry (and
+tunix's train_step answer, made here when its fwd_bwd took another transport), the names of the
+transports a call may take, and the remote errors both ends answer with.
 
 Each name is written here once and both ends import it from here; what an answer carries is
 built and read by the pair of functions below; tunix's error envelope (the RuntimeError
-`ExecutionResponse.unwrap` raises) is parsed here and nowhere else, into a `RemoteError` that
-callers match by its type's name. Stage keys: core/keys.py. Imports no tunix (the plain suite
-reads it). docs/design.md "A micro-batch's way".
+`ExecutionResponse.unwrap` raises) is parsed here into a `RemoteError`, and `typed_error` is the
+one map from it to the plugin's typed errors: every caller catches those, none reads a type's
+name. Stage keys: core/keys.py. Imports no tunix (the plain suite reads it). docs/design.md "A
+micro-batch's way".
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any
+from typing import Any, Iterator
 
+from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 
 # ---------------------------------------------------------------- TrainerWorker's methods
@@ -82,11 +86,28 @@ def placement_fallback(response: Any) -> str | None:
   return response.metadata.get(_PLACEMENT_FALLBACK)
 
 
+def train_step_answer(fwd_bwd: Any, step: Any, *, accumulated: bool) -> dict[str, Any]:
+  """tunix's train_step answer after an update (DistributedRLEngine.train_step's keys), for a
+  fwd_bwd the plugin's transports carried and the update sent after it."""
+  return {"fwd_bwd": fwd_bwd, "updated": True, "train_step": step, "accumulated": accumulated}
+
+
+def fwd_bwd_response(answer: Any, *, updated: bool) -> Any:
+  """fwd_bwd's response in a train_step answer: the answer itself, or its part after an update."""
+  return answer["fwd_bwd"] if updated else answer
+
+
 # ---------------------------------------------------------------- remote errors
 
 _ENVELOPE = re.compile(
     r"RemoteExecutionError \[(?P<type>[A-Za-z_][A-Za-z0-9_.]*)\](: (?P<message>[^\n]*))?")
 _MISSING_MODULE = re.compile(r"No module named '(?P<module>[^']+)'")
+PACKAGE = __name__.split(".", 1)[0]  # what a trainer without the plugin cannot import
+# The methods the plugin adds to the trainer: a trainer without them answers AttributeError
+# (tunix's "Method '...' not found").
+_ADDED = frozenset({STAGE_BATCH, RESET_STAGED, SIDE_PORT})
+# The plugin's errors a trainer raises by their name, as the orchestrator raises them.
+_BY_NAME = {t.__name__: t for t in (keys_lib.StageKeyError, outcome_lib.StagedPayloadUnreadable)}
 
 
 class RemoteError(RuntimeError):
@@ -112,13 +133,45 @@ class RemoteError(RuntimeError):
       return None
     return cls(match["type"], match["message"] or "", str(error))
 
-  @property
-  def missing_module(self) -> str | None:
-    """The module a ModuleNotFoundError names (None for any other error)."""
-    if self.type_name != ModuleNotFoundError.__name__:
-      return None
-    match = _MISSING_MODULE.search(self.message)
-    return match["module"] if match else None
+
+class Unsupported(RuntimeError):
+  """The trainer can never answer this call: the plugin's method is not there (no plugin there,
+  or staging off there), or the call names the plugin's classes, which it cannot import."""
+
+
+def typed_error(error: BaseException, method: str) -> Exception | None:
+  """The plugin's typed error that `error`, raised by a call of `method` to the trainer (tunix's
+  envelope, or a RemoteError from the plugin's transports), stands for: a StageKeyError, a
+  StagedPayloadUnreadable, an Unsupported; None for any other error (raise it as it is)."""
+  remote = RemoteError.of(error)
+  if remote is None:
+    return None
+  typed = _BY_NAME.get(remote.type_name)
+  if typed is not None:
+    return typed(remote.message)
+  if remote.type_name == AttributeError.__name__ and method in _ADDED:
+    return Unsupported(
+        f"the trainer has no {method} (tunix-stage-plugin not installed there, or "
+        "TUNIX_STAGE_BATCH is not 'stage' in the trainer's environment)")
+  missing = (_MISSING_MODULE.search(remote.message)
+             if remote.type_name == ModuleNotFoundError.__name__ else None)
+  if missing is not None and missing["module"].split(".")[0] == PACKAGE:
+    # A compressed payload names our classes: a trainer without the plugin cannot unpickle it.
+    return Unsupported("tunix-stage-plugin is not installed on the trainer")
+  return None
+
+
+@contextlib.contextmanager
+def typed_errors(method: str) -> Iterator[None]:
+  """Raises, for an error of the call of `method` in its block, the typed error it stands for
+  (typed_error), from it; any other error as it is."""
+  try:
+    yield
+  except RuntimeError as e:
+    typed = typed_error(e, method)
+    if typed is None:
+      raise
+    raise typed from e
 
 
 def unwrap(response: Any) -> Any:

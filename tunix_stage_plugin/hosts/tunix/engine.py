@@ -1,13 +1,16 @@
-"""tunix's DistributedRLEngine, the orchestrator's handle on its workers: stage_train_batch and
-reset_staged_batches added, per_token_logps routed.
+"""The orchestrator's calls to a trainer, one function per kind (a stage, a train, a reset, the
+reference model's log-probs), each over tunix's DistributedRLEngine and the engine's router: the
+staged loop's calls (program.py) use them with the router its run holds, and the hooks this
+module adds to the engine (stage_train_batch, reset_staged_batches; per_token_logps routed) are
+the same functions, or thin callers of them.
 
-stage_train_batch answers a typed StageOutcome (core.outcome): the trainer's own answer, or
-UNSUPPORTED when the trainer can never stage (no stage_batch there: no plugin, or staging off;
-a stage over tunix's message cap that the trainer cannot take in chunks), so the pipeline asks
-once instead of sending every payload twice; a malformed or reused key raises here too. Its
-call, and per_token_logps's, take the transport route.py picks. train_step itself is not
-touched: `train_step(None, stage_key=k, ...)` already reaches the worker's fwd_bwd through
-tunix's **kwargs, with no payload on the wire. docs/tunix.md "What it hooks".
+Every call that may carry a micro-batch goes through `route.Router.call` once; a train is
+tunix's own `train_step`, byte for byte, and answers tunix's answer as tunix gives it (with
+`stage_key=k` it reaches the worker's fwd_bwd through tunix's **kwargs, no payload on the wire);
+a trainer's error becomes the plugin's typed error through the one map (contract.typed_errors).
+A stage answers a typed StageOutcome (core.outcome): UNSUPPORTED when the trainer can never
+stage, so the pipeline asks once instead of sending every payload twice. docs/tunix.md "What it
+hooks".
 """
 
 from __future__ import annotations
@@ -20,17 +23,16 @@ from tunix.experimental.common import datatypes
 
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import patching
-from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import stream
 
+ACTOR = datatypes.Role.ACTOR
 # The staged loop's reset deadline: a trainer answers a reset at once, off its lanes, so a reset
 # that waited tunix's whole call deadline on a stopped trainer would only delay the job's failure
 # (~20 s on tunix's 60 s default). A failed reset is kept and retried before the next step.
 RESET_TIMEOUT_S = 3.0
-PACKAGE = __name__.split(".", 1)[0]  # what a trainer without the plugin cannot import
 
 
 def _trainer(engine: Any, role: datatypes.Role) -> Any:
@@ -40,39 +42,54 @@ def _trainer(engine: Any, role: datatypes.Role) -> Any:
   return worker
 
 
-async def _stage(engine: Any, router: route.Router, payload: Any, key: str,
-                 role: datatypes.Role) -> outcome_lib.StageOutcome:
+async def stage(engine: Any, router: route.Router, payload: Any, *, key: str,
+                role: datatypes.Role = ACTOR) -> outcome_lib.StageOutcome:
+  """`stage_batch(payload, key)` on the trainer of `role`: its StageOutcome; a trainer that can
+  never stage it answers UNSUPPORTED, a failure FAILED; a malformed or reused key raises
+  StageKeyError (the caller's bug, not a fallback)."""
   worker = _trainer(engine, role)
   try:
-    response = await route.invoke(engine, router, worker, contract.STAGE_BATCH, payload=payload,
-                                  key=key)
-  except stream.PayloadOverCap as e:  # no chunked stream on that trainer: it cannot stage this
+    with contract.typed_errors(contract.STAGE_BATCH):
+      response = await route.invoke(engine, router, worker, contract.STAGE_BATCH,
+                                    payload=payload, key=key)
+  except (stream.PayloadOverCap, contract.Unsupported) as e:  # e.g. no chunked stream there
     return outcome_lib.unsupported(key, str(e))
-  except RuntimeError as e:  # tunix's remote-error envelope, or a failure on this side
-    remote = contract.RemoteError.of(e)
-    if remote is None:
-      return outcome_lib.failed(key, f"stage_batch failed on the trainer: {str(e)[:500]}")
-    if remote.type_name == store_lib.StageKeyError.__name__:
-      raise store_lib.StageKeyError(remote.message) from e
-    if remote.type_name == AttributeError.__name__:  # tunix's "Method 'stage_batch' not found"
-      return outcome_lib.unsupported(
-          key, "the trainer has no stage_batch (tunix-stage-plugin not installed there, or "
-          "TUNIX_STAGE_BATCH is not 'stage' in the trainer's environment)")
-    if (remote.missing_module or "").split(".")[0] == PACKAGE:
-      # A compressed payload names our classes: a trainer without the plugin cannot unpickle it.
-      return outcome_lib.unsupported(key, "tunix-stage-plugin is not installed on the trainer")
+  except RuntimeError as e:  # the trainer's error, or a failure on this side
     return outcome_lib.failed(key, f"stage_batch failed on the trainer: {str(e)[:500]}")
   return contract.stage_outcome(response)
 
 
-async def reset_staged_batches(self: Any, keys: list[str] | None = None, *,
-                               role: datatypes.Role = datatypes.Role.ACTOR,
-                               timeout_s: float | None = None) -> list[str]:
+async def train(engine: Any, router: route.Router, payload: Any, *, stage_key: str | None,
+                apply_optimizer: bool, role: datatypes.Role = ACTOR,
+                accumulate_gradients: bool = True) -> outcome_lib.Trained:
+  """tunix's `engine.train_step(payload, ...)` (`train_step(None, stage_key=k, ...)` for a
+  staged batch), byte for byte, unless its fwd_bwd takes the side channel or the stream: then
+  that fwd_bwd goes there with the same keywords, and `update` and the answer are tunix's
+  train_step's (distributed_rl_engine.DistributedRLEngine.train_step). Trained.result is that
+  answer; Trained.fallback, for a staged batch, why the trainer trained it from its payload."""
+  worker = _trainer(engine, role)
+  keyed = {} if stage_key is None else {contract.STAGE_KEY: stage_key}
+  with contract.typed_errors(contract.FWD_BWD):
+    transport, answer = await router.call(
+        worker, contract.FWD_BWD, {"payload": payload, "skip_jit": False, **keyed},
+        lambda: engine.train_step(payload, role=role, accumulate_gradients=accumulate_gradients,
+                                  apply_optimizer=apply_optimizer, **keyed),
+        carries_batch=stage_key is None)
+  if transport != contract.UNARY and apply_optimizer:  # the rest of tunix's train_step, as it is
+    step = await engine._invoke_worker(worker, contract.UPDATE)  # pylint: disable=protected-access
+    answer = contract.train_step_answer(answer, step, accumulated=accumulate_gradients)
+  fallback = (None if stage_key is None else contract.placement_fallback(
+      contract.fwd_bwd_response(answer, updated=apply_optimizer)))
+  return outcome_lib.Trained(answer, fallback=fallback)
+
+
+async def reset(engine: Any, keys: list[str] | None = None, *, role: datatypes.Role = ACTOR,
+                timeout_s: float | None = None) -> list[str]:
   """Drops staged batches on the trainer (all when `keys` is None); returns the dropped keys.
 
   `timeout_s` bounds the call (TimeoutError after it); None leaves the handle's own deadline.
   """
-  call = self._invoke_worker(_trainer(self, role), contract.RESET_STAGED, keys=keys)  # pylint: disable=protected-access
+  call = engine._invoke_worker(_trainer(engine, role), contract.RESET_STAGED, keys=keys)  # pylint: disable=protected-access
   if timeout_s is None:
     response = await call
   else:
@@ -90,19 +107,23 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
   @functools.wraps(original_logps)
   async def per_token_logps(self: Any, role: datatypes.Role, items: Any, **kwargs: Any) -> Any:
     """tunix's call, unless it carries a micro-batch large enough for the side channel or over
-    tunix's message cap (then it goes that way, to the worker tunix's call would reach)."""
+    tunix's message cap: then it goes that way, to the worker tunix's call would reach (an
+    inference worker of `role`, else the trainer)."""
     if kwargs:  # what the plugin's transports do not carry: tunix's own call
       return await original_logps(self, role, items, **kwargs)
-    return await route.per_token_logps(self, route.router_of(inst, self), role, items,
-                                       functools.partial(original_logps, self))
+    # pylint: disable-next=protected-access
+    worker = self._inference_workers.get(role) or self._trainer_workers.get(role)
+    _, result = await route.router_of(inst, self).call(
+        worker, contract.PER_TOKEN_LOGPS, {"items": items},
+        lambda: original_logps(self, role, items=items))
+    return result
 
-  async def stage_train_batch(self: Any, payload: Any, *, key: str,
-                              role: datatypes.Role = datatypes.Role.ACTOR
+  async def stage_train_batch(self: Any, payload: Any, *, key: str, role: datatypes.Role = ACTOR
                               ) -> outcome_lib.StageOutcome:
     """Sends stage_batch to the trainer (over the side channel or the chunked stream when it is
     large); the outcome says whether to train by key or inline."""
-    return await _stage(self, route.router_of(inst, self), payload, key, role)
+    return await stage(self, route.router_of(inst, self), payload, key=key, role=role)
 
   registry.set(engine_cls, "stage_train_batch", stage_train_batch)
-  registry.set(engine_cls, "reset_staged_batches", reset_staged_batches)
+  registry.set(engine_cls, "reset_staged_batches", reset)  # a method as it is
   registry.set(engine_cls, "per_token_logps", per_token_logps)

@@ -19,6 +19,7 @@ import inspect
 from typing import Any
 
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.probing import Probe, check as _check, free as _free
 from tunix_stage_plugin.hosts.probing import method as _method, parameters as _params
@@ -118,8 +119,8 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
     try:
       m.remote_execution.ExecutionResponse(error_message="m", error_type="StageKeyError").unwrap()
     except RuntimeError as e:
-      remote = contract.RemoteError.of(e)
-      if remote is not None and (remote.type_name, remote.message) == ("StageKeyError", "m"):
+      typed = contract.typed_error(e, contract.STAGE_BATCH)
+      if isinstance(typed, keys_lib.StageKeyError) and str(typed) == "m":
         return None
       return f"the remote error envelope changed: {str(e)[:80]!r}"
     return "ExecutionResponse.unwrap() did not raise for an error response"

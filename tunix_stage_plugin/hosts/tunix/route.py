@@ -1,7 +1,8 @@
 """The orchestrator's one decision per call that may carry a micro-batch (a stage, the inline or
 fallback fwd_bwd of one, the reference model's log-probs): which transport takes it, from its
 size and what the trainer offers. `Router.call` decides once, sends the call that way and awaits
-it.
+it; every call of engine.py's goes through it once (a train by key, which carries no
+micro-batch, as tunix's own call).
 
 The first that fits: the side channel (side.py) when at least side.MIN_BYTES travel out of band,
 the pickle fits in a header, and the trainer announced one; the chunked stream (stream.py) when
@@ -17,7 +18,6 @@ import collections
 import weakref
 from typing import Any, Awaitable, Callable
 
-from tunix.experimental.common import datatypes
 from tunix.experimental.worker import remote_execution
 
 from tunix_stage_plugin.core import tracks
@@ -79,9 +79,13 @@ class Router:
     return contract.UNARY
 
   async def call(self, worker: Any, method: str, kwargs: dict[str, Any],
-                 unary: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
+                 unary: Callable[[], Awaitable[Any]], *, carries_batch: bool = True
+                 ) -> tuple[str, Any]:
     """`method(**kwargs)` on the trainer behind `worker`, over the transport that takes it:
-    (that transport, the result). `unary()` is tunix's own call for it."""
+    (that transport, the result). `unary()` is tunix's own call for it, and the only way for a
+    call that carries no micro-batch (a train by key: nothing to route or count)."""
+    if not carries_batch:
+      return contract.UNARY, await unary()
     encoded = _encode(worker, method, kwargs)
     transport = await self._choose(worker, encoded)
     if transport == contract.SIDE_CHANNEL:
@@ -122,33 +126,4 @@ async def invoke(engine: Any, router: Router, worker: Any, method: str, **kwargs
   _, result = await router.call(
       worker, method, kwargs,
       lambda: engine._invoke_worker(worker, method, **kwargs))  # pylint: disable=protected-access
-  return result
-
-
-async def train_step(engine: Any, router: Router, payload: Any, *, role: datatypes.Role,
-                     accumulate_gradients: bool, apply_optimizer: bool) -> Any:
-  """tunix's `engine.train_step(payload, ...)`, byte for byte, unless its fwd_bwd takes the side
-  channel or the stream: then that fwd_bwd goes there with the same keywords, and `update` and
-  the answer are tunix's train_step's (distributed_rl_engine.DistributedRLEngine.train_step)."""
-  worker = engine._trainer_workers.get(role)  # pylint: disable=protected-access
-  transport, fwd_bwd = await router.call(
-      worker, contract.FWD_BWD, {"payload": payload, "skip_jit": False},
-      lambda: engine.train_step(payload, role=role, accumulate_gradients=accumulate_gradients,
-                                apply_optimizer=apply_optimizer))
-  if transport == contract.UNARY or not apply_optimizer:
-    return fwd_bwd  # tunix's whole train_step's answer, or the routed fwd_bwd's
-  step = await engine._invoke_worker(worker, contract.UPDATE)  # pylint: disable=protected-access
-  return {"fwd_bwd": fwd_bwd, "updated": True, "train_step": step,
-          "accumulated": accumulate_gradients}
-
-
-async def per_token_logps(engine: Any, router: Router, role: datatypes.Role, items: Any,
-                          host_call: Callable[..., Awaitable[Any]]) -> Any:
-  """`host_call(role, items=items)` (tunix's per_token_logps), unless the call takes the side
-  channel or the stream, to the worker tunix's method picks (an inference worker of `role`, else
-  the trainer)."""
-  # pylint: disable-next=protected-access
-  worker = engine._inference_workers.get(role) or engine._trainer_workers.get(role)
-  _, result = await router.call(worker, contract.PER_TOKEN_LOGPS, {"items": items},
-                                lambda: host_call(role, items=items))
   return result

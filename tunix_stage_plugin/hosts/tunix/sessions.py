@@ -4,8 +4,9 @@ An orchestrator that dies without its cleanup (SIGKILL, OOM, a preempted pod, wh
 pods keep running) leaves the keys it staged holding the trainer's slots, and tunix has no call
 that tells a trainer a new orchestrator started. So each staged train loop's keys carry the
 orchestrator process's session (`key_prefix()`: `ts<session>.<n>`, n counting the loops of that
-process), and a worker that sees a session for the first time drops every staged batch of the
-sessions before it, logged on the trainer in one line and counted (`Sessions.dropped`).
+process; core/keys.py builds and parses it), and a worker that sees a session for the first time
+drops every staged batch of the sessions before it, logged on the trainer in one line and counted
+(`Sessions.dropped`).
 
 The assumption: one orchestrator per trainer at a time. Loops of one orchestrator process share
 its session and never drop each other's batches; a second orchestrator process staging on the
@@ -19,8 +20,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import re
-import secrets
 import threading
 
 from tunix_stage_plugin.core import keys as keys_lib
@@ -31,22 +30,14 @@ log = logging.getLogger("tunix_stage_plugin")
 # This orchestrator process's session, and its loops so far. Per process, not per installation:
 # a loop's prefix must never come back while a trainer remembers its keys (an uninstall and
 # install in one process keep counting).
-SESSION = secrets.token_hex(4)
+SESSION = keys_lib.new_session()
 _loops = itertools.count()
-_SESSION_PREFIX = re.compile(r"ts([0-9a-f]{8})\.[0-9]+")
 REMEMBERED_SESSIONS = 64  # a worker remembers the last these many sessions it saw
 
 
 def key_prefix() -> str:
   """The key prefix of one staged train loop of this orchestrator process."""
-  return f"ts{SESSION}.{next(_loops)}"
-
-
-def session_of(key: str) -> str | None:
-  """The session a pipeline key carries (None for a key that carries none)."""
-  parsed = keys_lib.parse(key)
-  match = None if parsed is None else _SESSION_PREFIX.fullmatch(parsed.prefix)
-  return match.group(1) if match else None
+  return keys_lib.session_prefix(SESSION, next(_loops))
 
 
 class Sessions:
@@ -59,7 +50,7 @@ class Sessions:
 
   def admit(self, store: store_lib.StagedBatchStore, key: str) -> list[str]:
     """Called before `key` is staged; returns the keys dropped (a new session's first stage)."""
-    session = session_of(key)
+    session = keys_lib.session_of(key)
     if session is None:
       return []
     with self._lock:
@@ -68,11 +59,11 @@ class Sessions:
       self._seen[session] = None
       while len(self._seen) > REMEMBERED_SESSIONS:
         self._seen.popitem(last=False)
-      older = [k for k in store.keys() if session_of(k) not in (None, session)]
+      older = [k for k in store.keys() if keys_lib.session_of(k) not in (None, session)]
       dropped = store.reset(older) if older else []
       self.dropped += len(dropped)
     if dropped:
-      sessions = sorted({session_of(k) for k in dropped})
+      sessions = sorted({keys_lib.session_of(k) for k in dropped})
       log.warning("tunix-stage: orchestrator session ts%s started staging on this trainer: "
                   "dropped %d staged batch(es) of %d older session(s) (%s) that no one will "
                   "train (one orchestrator per trainer at a time; docs/tunix.md)", session,

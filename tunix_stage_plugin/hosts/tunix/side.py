@@ -155,11 +155,9 @@ class SideChannel:
 
   async def _ask(self, worker: Any, cap: int) -> sender_lib.BulkSender | None:
     try:
-      port, limits = frames.read_announcement(await worker.asubmit(contract.SIDE_PORT))
-    except RuntimeError as e:  # tunix's envelope: a trainer without the plugin (or staging off)
-      remote = contract.RemoteError.of(e)
-      if remote is None or remote.type_name != AttributeError.__name__:
-        raise
+      with contract.typed_errors(contract.SIDE_PORT):
+        port, limits = frames.read_announcement(await worker.asubmit(contract.SIDE_PORT))
+    except contract.Unsupported:  # a trainer without the plugin (or staging off)
       log.info("tunix-stage: no side channel on %s (tunix-stage-plugin is not installed there, "
                "or staging is off there): calls over the %d MiB cap use the chunked stream",
                self.address, cap >> 20)
@@ -180,8 +178,8 @@ class SideChannel:
 
   async def send(self, worker: Any, encoded: request_lib.EncodedRequest) -> Any:
     """Sends `encoded`'s header on tunix's call and its bytes on the side channel (once
-    `offered`); the result, or the trainer's error in tunix's envelope (contract.RemoteError.of
-    reads it)."""
+    `offered`); the result, or the trainer's error in tunix's envelope (contract.typed_error
+    maps it)."""
     assert self._sender is not None, "send only once the trainer offered a side channel"
     transfer = frames.new_transfer_id()
     try:

@@ -1,0 +1,147 @@
+"""The COPY way of the staged loop (program.py), for tunix c7d8950, which has no seam: the plugin's
+copy of its StandardRLProgram.train_stage replaces it.
+
+The core step loop is fed from the program's scored queue in tunix's order (one group at a time,
+`assembler.pack`, the group's reference log-probs before any of its micro-batches trains; the
+step's last micro-batch applies the optimizer), and the step's bookkeeping (callbacks, weight
+sync, policy version, commit, RLStepResult) is reproduced. probes.py pins the body it reproduces
+by its fingerprint (a tunix whose loop changed is refused unless TUNIX_STAGE_ACCEPT_TRAIN_STAGE
+accepts it), with tunix's defaults where it reads one (an item's `traj.reward`, 0.0; its
+`payload`, None; the algorithm's `requires_reference_kl`, False). It differs from tunix's loop in
+two ways: the point of it (the next step's first groups leave the scored queue during this step's
+boundary, before `on_step_end(step)` and `on_step_begin(step + 1)` run; not at all with
+`max_staleness=0`), and a step with no optimizer-applying micro-batch (the scored queue cleared,
+`mini_batch_size` 0, a last group that packs into nothing) raises where tunix's loop ends the
+step without an update (micro-batches pulled ahead stay untrained, staged ones are released).
+docs/tunix.md "The train loop, two ways".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Any, AsyncIterator
+
+import numpy as np
+from tunix.experimental.common import datatypes
+from tunix.experimental.orchestrator import rl_program
+
+from tunix_stage_plugin.core import patching
+from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.hosts import probing
+from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.hosts.tunix import run as run_lib
+
+log = logging.getLogger("tunix_stage_plugin")
+ACTOR = datatypes.Role.ACTOR
+
+
+@dataclasses.dataclass
+class _StepFeed:
+  """One step's micro-batch source and what it pulled (a prestaged step keeps its own feed)."""
+
+  source: AsyncIterator[pipeline_lib.MicroBatch] | None = None
+  groups: list[list[Any]] = dataclasses.field(default_factory=list)
+  rewards: list[float] = dataclasses.field(default_factory=list)
+  num_microbatches: int = 0
+
+
+async def _microbatches(program: Any, engine: Any, feed: _StepFeed
+                        ) -> AsyncIterator[pipeline_lib.MicroBatch]:
+  for group_idx in range(program.mini_batch_size):
+    items = await program.scored_q.get_batch(num_groups=1)
+    if not items:
+      raise RuntimeError(
+          f"the scored queue returned no group ({group_idx} of {program.mini_batch_size} pulled "
+          "this step: it was cleared); tunix's loop would end the step without an update, the "
+          "staged loop cannot (docs/tunix.md)")
+    feed.groups.append(items)
+    # tunix's loop reads these three with defaults (a dict traj has no .reward; an item or an
+    # algorithm may lack the attribute): the same defaults here.
+    feed.rewards.extend(float(getattr(item.traj, "reward", 0.0)) for item in items)
+    batches = program.assembler.pack([getattr(item, "payload", None) for item in items])
+    if getattr(program.algo, "requires_reference_kl", False):
+      # The whole group's, before any of it trains (tunix's order: a micro-batch that cannot take
+      # them stops the group before any of its micro-batches is trained).
+      batches = [await _with_reference_logps(engine, batch) for batch in batches]
+    feed.num_microbatches += len(batches)
+    closing_group = group_idx == program.mini_batch_size - 1
+    for i, batch in enumerate(batches):
+      yield pipeline_lib.MicroBatch(batch, closes_step=closing_group and i == len(batches) - 1)
+
+
+async def _with_reference_logps(engine: Any, batch: Any) -> Any:
+  # pylint: disable=import-outside-toplevel  (tunix's modules the copy of its loop reads)
+  from tunix.experimental.orchestrator import batch_assembly
+  from tunix.rl import common as rl_common
+  if not isinstance(batch, rl_common.TrainExample):
+    raise TypeError("Reference KL requires an assembler that returns rl_common.TrainExample "
+                    f"microbatches; got {type(batch).__name__}.")
+  # The engine's hook sends it over the side channel or the stream when the call is large.
+  logps = await engine.per_token_logps(datatypes.Role.REFERENCE, items=batch)
+  return batch_assembly.with_ref_per_token_logps(batch, logps)
+
+
+async def _copy_train_stage(run: run_lib.Run) -> None:
+  program, engine = run.program, run.engine
+  feeds: dict[int, _StepFeed] = {}  # a prestaged step keeps its own feed
+
+  def source_for(step: int) -> AsyncIterator[pipeline_lib.MicroBatch]:
+    feed = feeds[step] = _StepFeed()
+    feed.source = _microbatches(program, engine, feed)  # it records into its own feed
+    return feed.source
+
+  def before_step(step: int) -> None:
+    if program.on_step_begin:
+      program.on_step_begin(program.step)
+
+  async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
+    # From here on, the host's own step bookkeeping.
+    feed = feeds.pop(step)
+    if program.sync_weights:
+      new_version = await engine.sync_weights(role=ACTOR)
+      program.policy_version = new_version if new_version else program.step + 1
+    else:
+      program.policy_version = program.step + 1
+    program.scored_q.commit(step, groups=feed.groups)
+    program.last_step_result = run.step_result(rl_program.RLStepResult(
+        step=step,
+        policy_version=program.policy_version,
+        num_rollouts=sum(len(g) for g in feed.groups),
+        num_microbatches=feed.num_microbatches,
+        reward_mean=float(np.mean(feed.rewards)) if feed.rewards else 0.0,
+        reward_std=float(np.std(feed.rewards)) if feed.rewards else 0.0,
+        train_result=report.result,
+    ), report)
+    if program.on_step_end:
+      program.on_step_end(program.step, report.result)
+
+  await run.pipeline.run_steps(source_for, steps=run.num_steps,
+                               prestage_next=program._prestage_across_boundary,  # pylint: disable=protected-access
+                               before_step=before_step, after_step=after_step)
+
+
+def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+                program_cls: type, engine_cls: type) -> None:
+  original_train_stage = program_cls.__dict__["train_stage"]
+  found = probing.fingerprint(original_train_stage)
+  if found != probes.TRAIN_STAGE_FINGERPRINT:  # passed the probe: the setting accepts it
+    log.warning("tunix-stage: the staged loop replaces a StandardRLProgram.train_stage whose body "
+                "(fingerprint %s) is not tunix %s's (%s): accepted by %s", found,
+                probes.TRAIN_STAGE_COMMIT, probes.TRAIN_STAGE_FINGERPRINT, probes.ACCEPT.env)
+
+  @functools.wraps(original_train_stage)
+  async def train_stage(self: Any, engine: Any, num_steps: int | None = None) -> None:
+    # The real type: a MagicMock(spec=DistributedRLEngine) passes isinstance, and would answer
+    # stage_train_batch with a mock; the host's loop is the right one for it.
+    if not issubclass(type(engine), engine_cls):
+      return await original_train_stage(self, engine, num_steps)
+    run = run_lib.Run(inst, self, engine, num_steps, open_ended=False)
+    try:
+      return await _copy_train_stage(run)
+    finally:
+      await run.close()
+
+  registry.set(program_cls, "train_stage", train_stage)

@@ -1,0 +1,115 @@
+"""One staged train_stage run, the same for both ways of the loop (program.py): the core step loop
+(core.pipeline.StagePipeline) over the program's engine, its calls (`StagingCalls`) made by
+engine.py's functions through the one router the run holds, and each step's staging metrics on
+tunix's step result.
+
+The loop stages micro-batch k+1 (and k+2) while k trains, trains each exactly once and in order,
+stages the next step's first micro-batches during this step's boundary (its update and weight
+sync) and releases every staged key on every path. Its keys carry this process's session
+(sessions.key_prefix). docs/design.md "A micro-batch's way".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+from tunix.experimental.orchestrator import rl_program
+
+from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.hosts.tunix import engine as engine_lib
+from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.hosts.tunix import sessions
+
+
+@dataclasses.dataclass(kw_only=True)
+class StagedRLStepResult(rl_program.RLStepResult):
+  """The host's step result plus the step's staging metrics (stage/fallbacks, ...)."""
+
+  stage_metrics: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+class StagingCalls:
+  """The pipeline's three calls (core.pipeline.StageEngine: stage, train, reset) as engine.py's
+  calls to the actor's trainer, each through `router`.
+
+  With a codec (TUNIX_STAGE_CODEC) a stage's payload is compressed on a worker thread, never on
+  the event loop; `raw_bytes` / `sent_bytes` count its array bytes before and after.
+  """
+
+  def __init__(self, engine: Any, router: route.Router,
+               codec: codec_lib.Codec | None = None) -> None:
+    self._engine = engine
+    self.router = router
+    self.codec = codec
+    self.raw_bytes = self.sent_bytes = 0
+
+  async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
+    if self.codec is not None:
+      payload = await asyncio.to_thread(compression.compress, self.codec, payload)
+      self.raw_bytes += payload.nbytes
+      self.sent_bytes += payload.wire_bytes
+    return await engine_lib.stage(self._engine, self.router, payload, key=key)
+
+  async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
+                  ) -> outcome_lib.Trained:
+    return await engine_lib.train(self._engine, self.router, payload, stage_key=stage_key,
+                                  apply_optimizer=apply_optimizer)
+
+  async def reset(self, keys: list[str]) -> None:
+    # Cleanup, often after a failed call: bounded by a short deadline of its own, never another
+    # whole call deadline on a stopped trainer (a failed reset is kept and retried).
+    await engine_lib.reset(self._engine, keys, timeout_s=engine_lib.RESET_TIMEOUT_S)
+
+
+class Run:
+  """One staged train_stage run (either way): the pipeline over the program's engine, the router
+  its calls travel through (its stream channels closed with the run), and how each step's staging
+  went."""
+
+  def __init__(self, inst: installation_lib.Installation, program: Any, engine: Any,
+               num_steps: int | None, *, open_ended: bool) -> None:
+    config = inst.live.config
+    self.inst = inst
+    self.program = program
+    self.engine = engine
+    self.num_steps = num_steps
+    self.router = route.router_of(inst, engine)
+    self.calls = StagingCalls(engine, self.router, codec_lib.parse(config.codec))
+    inst.telemetry.orchestrator()  # this process orchestrates: its step figures listen
+    # The program's seams (its subclass's overrides included) decide depth and prestage.
+    self.pipeline = pipeline_lib.StagePipeline(
+        self.calls, config.max_staged_batches,
+        key_prefix=sessions.key_prefix(),  # this process's session
+        recorder=inst.recorder,
+        depth_for=program._stage_ahead_while_pending,  # pylint: disable=protected-access
+        open_ended=open_ended)
+
+  def may_prestage(self, next_step: int) -> bool:
+    return self.pipeline.may_prestage(next_step, self.num_steps,
+                                      self.program._prestage_across_boundary)  # pylint: disable=protected-access
+
+  def step_result(self, result: Any, report: pipeline_lib.StepReport) -> StagedRLStepResult:
+    """tunix's step result with the step's staging metrics; the step's figures recorded and
+    said (the job's telemetry)."""
+    self.inst.telemetry.orchestrator_step(report, self.pipeline.depth, _codec_note(self.calls))
+    fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+    return StagedRLStepResult(**fields, stage_metrics=report.metrics())
+
+  async def close(self) -> None:
+    await self.router.close()  # the stream channels belong to this loop
+
+
+def _codec_note(calls: StagingCalls) -> str:
+  """The compressed stages so far, for the step's log line ("" without a codec)."""
+  if calls.codec is None or not calls.sent_bytes:
+    return ""
+  mib = request_lib.MIB
+  return (f"; codec {calls.codec}: staged arrays {calls.raw_bytes / mib:.1f} MiB sent as "
+          f"{calls.sent_bytes / mib:.1f} MiB (ratio {calls.raw_bytes / calls.sent_bytes:.2f})")
