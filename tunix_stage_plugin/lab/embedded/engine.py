@@ -1,6 +1,6 @@
 """The orchestrator's engine for the embedded trainer: core.pipeline.StageEngine over gRPC. The
-trainer's errors come back as contract.RemoteError and are matched by their type's name, as on
-tunix's host (docs/embedded.md)."""
+trainer's errors come back as contract.RemoteError and are typed by contract.typed_errors, the map
+tunix's host uses (docs/embedded.md)."""
 
 from __future__ import annotations
 
@@ -11,23 +11,9 @@ from typing import Any, Callable
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
-
-# The trainer's errors a caller handles by type: a StageKeyError is a caller bug (fail loud here
-# too), a StagedPayloadUnreadable the pipeline answers by training the micro-batch inline.
-TYPED_ERRORS = (store_lib.StageKeyError, outcome_lib.StagedPayloadUnreadable)
-
-
-def typed_error(remote: contract.RemoteError) -> Exception | None:
-  """The plugin's typed error `remote` stands for; None for any other."""
-  for error in TYPED_ERRORS:
-    if remote.type_name == error.__name__:
-      return error(remote.message)
-  return None
-
 
 @dataclasses.dataclass
 class WireStats:
@@ -69,13 +55,8 @@ class EmbeddedEngine:
 
   async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
     """One call to the trainer; its error, when the plugin has a type for it, raised as that."""
-    try:
+    with contract.typed_errors(method):  # the one map of the trainer's errors (contract.py)
       return await self.client.call(method, *args, **kwargs)
-    except contract.RemoteError as e:
-      typed = typed_error(e)
-      if typed is None:
-        raise
-      raise typed from e
 
   async def _send(self, method: str, nbytes: int, *args: Any, **kwargs: Any) -> Any:
     """One call carrying a micro-batch (its bytes on the bulk channel), its send recorded."""
