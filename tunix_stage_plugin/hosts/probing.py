@@ -1,5 +1,7 @@
 """Capability probes shared by the host adapters: does a host have what the hooks rely on, with
-the expected shape? Probing never changes the host (docs/tunix.md).
+the expected shape? Probing never changes the host (docs/tunix.md). An adapter's probes are a
+table (`run`): one row per probe, its checks in order, each saying what it checks, on what, and
+the refusal line where it does not hold.
 
 A signature says nothing of what a method does. What a hook relies on in a body (a call it
 makes, an attribute it assigns) is read from the method's parsed code (`Body`), never from its
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import inspect
 import textwrap
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 from tunix_stage_plugin.core import patching
 
@@ -45,6 +48,48 @@ def check(name: str, test: Callable[[], str | None]) -> Probe:
   except Exception as e:  # pylint: disable=broad-except  (a probe that cannot run has failed)
     problem = f"{type(e).__name__}: {e}"
   return Probe(name, problem is None, problem or "ok")
+
+
+# One thing a probe checks on the probed host (`subject`: its module, or the classes the hooks
+# patch): None when it holds, else the refusal line.
+Check = Callable[[Any], "str | None"]
+
+
+def run(table: Iterable[tuple[str, Sequence[Check]]], subject: Any) -> list[Probe]:
+  """A host's probe table, one row per probe (its name, its checks in order), run on `subject`:
+  a probe's refusal line is its first check's that does not hold."""
+  return [check(name, functools.partial(_first_problem, checks, subject))
+          for name, checks in table]
+
+
+def _first_problem(checks: Sequence[Check], subject: Any) -> str | None:
+  return next((problem for problem in (c(subject) for c in checks) if problem is not None), None)
+
+
+def that(holds: Callable[[Any], bool], refusal: str) -> Check:
+  """A check: `refusal` unless `holds(subject)`."""
+  return lambda subject: None if holds(subject) else refusal
+
+
+def has_method(on: str, attr: str, **shape: Any) -> Check:
+  """A check: the subject's `on` (a class) has the method `attr` of that shape (`method`)."""
+  return lambda subject: method(getattr(subject, on), attr, **shape)
+
+
+def is_free(on: str, *attrs: str) -> Check:
+  """A check: the subject's `on` (a class) has none of `attrs` nor the plugin's mark (`free`)."""
+  return lambda subject: free(getattr(subject, on), *attrs)
+
+
+def has_all(what: str, found: Callable[[Any], Iterable[str]], needed: Sequence[str]) -> Check:
+  """A check: `found(subject)` holds each of `needed`; else "<what> lacks [those missing]"."""
+
+  def missing(subject: Any) -> str | None:
+    have = set(found(subject))
+    lacking = [n for n in needed if n not in have]
+    return f"{what} lacks {lacking}" if lacking else None
+
+  return missing
 
 
 def method(cls: type, attr: str, *, params: tuple[str, ...], coroutine: bool,
