@@ -97,7 +97,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     if kwargs.get(contract.STAGE_KEY) is None:  # the host's call, observed only
       payload = kwargs.get("payload", args[0] if args else None)
       return observation.observed(inst, _chosen(inst, self), contract.FWD_BWD,
-                                  lambda: original_fwd_bwd(self, *args, **kwargs),
+                                  functools.partial(original_fwd_bwd, self, *args, **kwargs),
                                   observation.nbytes(payload))
     key = kwargs.pop(contract.STAGE_KEY)
     payload = kwargs.pop("payload", args[0] if args else None)
@@ -109,14 +109,14 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       staged = state.store.take(key)
     except store_lib.PlacementFailed as e:  # received, never placed: the host's own inline call
       unplaced = _unplaced_payload(key, e.payload)
+      inline = functools.partial(original_fwd_bwd, self, unplaced, **kwargs)
       with inst.recorder.span(tracks.TRAINER_FALLBACK, key, reason=e.reason):
-        response = observation.observed(inst, state, contract.FWD_BWD,
-                                        lambda: original_fwd_bwd(self, unplaced, **kwargs),
+        response = observation.observed(inst, state, contract.FWD_BWD, inline,
                                         observation.nbytes(unplaced))
       return contract.mark_placement_fallback(response, e.reason)
     with placements.Consume(staged) as consumed:
       response = observation.observed(inst, state, contract.FWD_BWD,
-                                      lambda: original_fwd_bwd(self, staged, **kwargs))
+                                      functools.partial(original_fwd_bwd, self, staged, **kwargs))
     if not consumed.passed:
       raise RuntimeError(f"fwd_bwd(stage_key={key!r}) did not reach the trainer's preparation "
                          "step; the staged batch was prepared for a trainer that prepares there")
@@ -131,6 +131,6 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
   def update(self: Any, *args: Any, **kwargs: Any) -> Any:
     """The host's update, its computation observed (it ends a step of the telemetry)."""
     return observation.observed(inst, _chosen(inst, self), contract.UPDATE,
-                                lambda: original_update(self, *args, **kwargs))
+                                functools.partial(original_update, self, *args, **kwargs))
 
   registry.set(worker_cls, contract.UPDATE, update)
