@@ -4,8 +4,8 @@ A staged batch is prepared once, on the staging thread, through the hosted train
 preparation step (its placement: hosts/placements.py; PeftTrainer's in peft.py), and handed
 through that step at consume time. A compressed payload (compression.py) is decoded first, on the
 same thread. Every fwd_bwd and update the worker runs is observed for the job's telemetry
-(observation.py). The calls go one way: down into the store, the placement and the observation.
-docs/design.md "A micro-batch's way".
+(observation.py). The calls go one way, down: into the store (which runs the placement step it
+is handed), the placement and the observation. docs/design.md "A micro-batch's way".
 """
 
 from __future__ import annotations
