@@ -16,6 +16,7 @@ from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core.outcome import StageOutcome, StageStatus, StagedPayloadUnreadable
 from tunix_stage_plugin.core.outcome import Trained
 from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 
 OK, PREPARE_FAILS, LOST_REPLY = "ok", "prepare_fails", "lost_reply"
 # Staged, but its train call finds the staged bytes unreadable (a damaged compressed payload):
@@ -25,6 +26,12 @@ UNREADABLE = "unreadable"
 
 class LostReply(ConnectionError):
   """The stage happened on the trainer, but its answer never reached the orchestrator."""
+
+
+def trainer_executor(name: str = "trainer") -> executor_lib.MethodExecutor:
+  """A MethodExecutor with tunix's trainer lane table (hosts/tunix/lanes.py)."""
+  return executor_lib.MethodExecutor(staging_methods=lanes_lib.STAGING_METHODS,
+                                     light_methods=lanes_lib.LIGHT_METHODS, name=name)
 
 
 class TrainFailed(RuntimeError):
@@ -43,7 +50,7 @@ class ThreadedEngine:
                                             slot_wait_s=slot_wait_s)
     # split: a stage is answered once received; its placement runs next on the staging lane.
     self.split = split
-    self.executor = executor_lib.MethodExecutor(name="test")
+    self.executor = trainer_executor(name="test")
     self.stage_outcomes = stage_outcomes or {}
     self.stage_delay_s = stage_delay_s or {}
     self.stage_gate = stage_gate or {}

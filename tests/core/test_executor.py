@@ -7,12 +7,13 @@ import threading
 
 import pytest
 
+from tests.core.engines import trainer_executor
 from tunix_stage_plugin.core.executor import (ExecutorClosedError, Lane, MethodExecutor,
                                               defer_on_current_lane)
 
 
 def test_lanes():
-  ex = MethodExecutor()
+  ex = trainer_executor()
   assert ex.lane_of("fwd_bwd") is Lane.COMPUTE
   assert ex.lane_of("update") is Lane.COMPUTE
   assert ex.lane_of("prepare_weight_sync") is Lane.COMPUTE
@@ -22,10 +23,12 @@ def test_lanes():
   assert ex.lane_of("heartbeat") is Lane.INLINE and ex.lane_of("info") is Lane.INLINE
   with pytest.raises(ValueError, match="both staging and light"):
     MethodExecutor(staging_methods={"x"}, light_methods={"x"})
+  # core names no method: without a host's table every call runs on the compute lane.
+  assert MethodExecutor().lane_of("stage_batch") is Lane.COMPUTE
 
 
 def test_stage_runs_while_compute_is_blocked():
-  ex = MethodExecutor()
+  ex = trainer_executor()
   staged = threading.Event()
   # fwd_bwd only returns once stage_batch has run: on one thread this would time out.
   compute = ex.submit("fwd_bwd", lambda: staged.wait(10))
@@ -35,7 +38,7 @@ def test_stage_runs_while_compute_is_blocked():
 
 
 def test_compute_lane_is_fifo_and_single_threaded():
-  ex = MethodExecutor()
+  ex = trainer_executor()
   order, threads = [], set()
 
   def call(i):
@@ -51,7 +54,7 @@ def test_compute_lane_is_fifo_and_single_threaded():
 
 
 def test_light_methods_run_inline_on_the_caller_thread():
-  ex = MethodExecutor()
+  ex = trainer_executor()
   assert ex.submit("heartbeat", threading.current_thread).result() is threading.current_thread()
   error = ex.submit("info", lambda: 1 / 0).exception()
   assert isinstance(error, ZeroDivisionError)
@@ -59,7 +62,7 @@ def test_light_methods_run_inline_on_the_caller_thread():
 
 
 def test_async_run_keeps_the_loop_free_for_light_calls():
-  ex = MethodExecutor()
+  ex = trainer_executor()
   release = threading.Event()
 
   async def scenario():
@@ -78,7 +81,7 @@ def test_async_run_keeps_the_loop_free_for_light_calls():
 
 def test_close_joins_every_thread_and_is_idempotent():
   before = set(threading.enumerate())
-  ex = MethodExecutor(name="closetest")
+  ex = trainer_executor(name="closetest")
   ex.submit("fwd_bwd", lambda: None).result(10)
   ex.submit("stage_batch", lambda: None).result(10)
   started = [t for t in threading.enumerate() if t.name.startswith("closetest-")]
@@ -93,7 +96,7 @@ def test_close_joins_every_thread_and_is_idempotent():
 
 
 def test_close_waits_for_queued_work():
-  ex = MethodExecutor()
+  ex = trainer_executor()
   done = []
   futures = [ex.submit("fwd_bwd", done.append, i) for i in range(20)]
   ex.close()
@@ -101,7 +104,7 @@ def test_close_waits_for_queued_work():
 
 
 def test_close_with_a_timeout_returns_the_busy_lane_and_abandons_it():
-  ex = MethodExecutor(name="abandon")
+  ex = trainer_executor(name="abandon")
   release, running = threading.Event(), threading.Event()
   held = ex.submit("fwd_bwd", lambda: (running.set(), release.wait(60))[1])
   assert ex.submit("stage_batch", lambda: "staged").result(10) == "staged"
@@ -119,7 +122,7 @@ def test_close_with_a_timeout_returns_the_busy_lane_and_abandons_it():
 
 
 def test_close_from_one_of_its_own_lanes_does_not_join_itself():
-  ex = MethodExecutor(name="selfclose")
+  ex = trainer_executor(name="selfclose")
   ex.submit("stage_batch", lambda: None).result(10)
   # Today's pool raised "cannot join current thread" here; the lane must close the rest instead.
   assert ex.submit("fwd_bwd", ex.close).result(10) == []
@@ -132,7 +135,7 @@ def test_close_from_one_of_its_own_lanes_does_not_join_itself():
 
 
 def test_a_job_deferred_on_a_lane_runs_before_the_calls_already_queued():
-  ex = MethodExecutor()
+  ex = trainer_executor()
   order, go = [], threading.Event()
 
   def first():

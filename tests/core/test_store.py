@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core.executor import MethodExecutor
 from tunix_stage_plugin.core.outcome import StageStatus
+from tests.core.engines import trainer_executor
 from tunix_stage_plugin.core.store import PlacementFailed, StagedBatchStore, StageKeyError
 
 
@@ -442,7 +442,7 @@ def test_a_received_batch_is_placed_before_the_stages_queued_behind_it_on_a_real
     return store.stage(key, key, prepare, check=check_of(key),
                        defer=executor_lib.defer_on_current_lane())
 
-  with MethodExecutor() as ex:
+  with trainer_executor() as ex:
     a = ex.submit("stage_batch", stage, "a")
     assert receiving.wait(10)
     b, c = ex.submit("stage_batch", stage, "b"), ex.submit("stage_batch", stage, "c")

@@ -18,6 +18,7 @@ from tests.embedded.support import no_new_threads
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import pacing
@@ -195,7 +196,8 @@ class _Echo:
 
 
 async def _serve(echo):
-  executor = executor_lib.MethodExecutor(name="echo")
+  executor = executor_lib.MethodExecutor(staging_methods=lanes_lib.STAGING_METHODS,
+                                         light_methods=lanes_lib.LIGHT_METHODS, name="echo")
   server = server_lib.WorkerServer(echo, executor)
   port = await server.start(0)
   return server, executor, f"127.0.0.1:{port}"

@@ -1,5 +1,6 @@
 """Probes that read parsed code, not text: a comment or a string naming what a probe looks for
-does not satisfy it (activation/drivers.py's driver flags, hosts/maxtext/adapter.py's order)."""
+does not satisfy it (activation/drivers.py's driver flags, hosts/maxtext/adapter.py's order); and
+a probe table (hosts/probing.py `run`) refuses with each row's first failing check."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import textwrap
 import pytest
 
 from tunix_stage_plugin.activation import drivers
+from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.hosts.maxtext import adapter as maxtext_adapter
 
@@ -71,3 +73,26 @@ def test_maxtext_fwd_bwd_must_prepare_before_it_waits_by_its_calls(module):
   for fwd_bwd in (module.Engine.waits_first, module.Engine.says_it):
     problem = maxtext_adapter._prepares_first(fwd_bwd)  # pylint: disable=protected-access
     assert problem and "does not call self._prepare_batch(payload) before waiting" in problem
+
+
+def test_a_probe_table_refuses_with_its_first_failing_check_per_row():
+  class Host:
+    def fwd_bwd(self, payload, **kwargs):
+      return payload
+
+  subject = type("Subject", (), {"Host": Host, "fields": ("a",)})
+  table = (
+      ("ok", (probing.has_method("Host", "fwd_bwd", params=("payload",), coroutine=False),
+              probing.is_free("Host", "stage_batch"))),
+      ("first of two", (probing.has_all("Host's fields", lambda s: s.fields, ("a", "b", "c")),
+                        probing.that(lambda s: False, "never reached"))),
+      ("raises", (probing.that(lambda s: s.missing, "unused"),)),
+      ("shape", (probing.has_method("Host", "fwd_bwd", params=("payload",), coroutine=True),)),
+  )
+  assert [(p.name, p.ok, p.detail) for p in probing.run(table, subject)] == [
+      ("ok", True, "ok"),
+      ("first of two", False, "Host's fields lacks ['b', 'c']"),
+      ("raises", False, "AttributeError: type object 'Subject' has no attribute 'missing'"),
+      ("shape", False, "test_a_probe_table_refuses_with_its_first_failing_check_per_row.<locals>"
+                       ".Host.fwd_bwd is not a coroutine function"),
+  ]

@@ -1,16 +1,15 @@
 """Method executor for a served worker: which thread runs which remote method.
 
-Today's host runs every sync worker method inline on the RPC server's only event loop, so a stage
+A host runs every sync worker method inline on its RPC server's only event loop, so a stage
 request waits behind a running fwd_bwd and a heartbeat waits behind both. This executor gives a
-served object three lanes:
+served object three lanes, by the host's lane table (its staging and light methods; tunix's:
+hosts/tunix/lanes.py):
 
-- compute: one thread, FIFO. fwd_bwd, update, weight-sync prepare/release, checkpoint, eval,
-  compile, and any method not named below run here in arrival order, so trainer state is still
-  touched by one thread in the order requests arrived (as on the single loop thread today).
-- staging: one thread. stage_batch runs here, overlapping a running fwd_bwd.
-- inline: heartbeat / info / reset_staged are answered on the caller's thread at once.
-  reset_staged only drops references, and it must not queue behind a stage that is waiting
-  (bounded) for a device slot: the reset is often what frees that slot.
+- compute: one thread, FIFO. Every method the table does not name (the trainer's computations,
+  weight sync, checkpoint, eval, compile, ...) runs here in arrival order, so trainer state is
+  still touched by one thread in the order requests arrived (as on the single loop thread).
+- staging: one thread, for the staging methods, overlapping a running computation.
+- inline: the light methods are answered on the caller's thread at once.
 
 Lane threads are daemon threads, so a process that gives up on a lane still stuck in a long call
 (`close(timeout=...)` returns the busy lanes) can exit: see docs/embedded.md "Stopping the trainer".
@@ -33,10 +32,6 @@ class Lane(enum.Enum):
   COMPUTE = "compute"
   STAGING = "staging"
   INLINE = "inline"
-
-
-STAGING_METHODS = frozenset({"stage_batch"})
-LIGHT_METHODS = frozenset({"heartbeat", "info", "reset_staged"})
 
 
 class ExecutorClosedError(RuntimeError):
@@ -161,15 +156,11 @@ class _LaneThread(concurrent.futures.Executor):
 
 
 class MethodExecutor:
-  """Routes method calls to the compute, staging or inline lane."""
+  """Routes method calls to the compute, staging or inline lane: `staging_methods` and
+  `light_methods` are the host's lane table; any other method runs on the compute lane."""
 
-  def __init__(
-      self,
-      *,
-      staging_methods: Iterable[str] = STAGING_METHODS,
-      light_methods: Iterable[str] = LIGHT_METHODS,
-      name: str = "trainer",
-  ) -> None:
+  def __init__(self, *, staging_methods: Iterable[str] = (), light_methods: Iterable[str] = (),
+               name: str = "trainer") -> None:
     self.staging_methods = frozenset(staging_methods)
     self.light_methods = frozenset(light_methods)
     overlap = self.staging_methods & self.light_methods

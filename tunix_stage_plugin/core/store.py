@@ -2,7 +2,9 @@
 once. A stage is one call (receive and place) or two phases (receive now, place next on the
 staging lane). Why the slot waits, the tombstones and the phases: docs/design.md, "Core semantics".
 Contract breaks (a malformed, reused or unknown key) raise; a stage that fails or is refused
-returns a typed `StageOutcome`, because a failed stage degrades to the inline path.
+returns a typed `StageOutcome`, because a failed stage degrades to the inline path. `track` and
+`discard`: which stores hold batches staged through a trainer, for a host event that makes them
+wrong.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import enum
 import math
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable
 
 from tunix_stage_plugin.core import keys as keys_lib
@@ -336,3 +339,23 @@ class StagedBatchStore:
       self.stats.dropped += len(dropped)
       self._cond.notify_all()
     return dropped
+
+
+# Which stores hold batches staged through which target (the trainer object whose preparation
+# placed them), so a host event that makes them wrong (MaxText's restore_checkpoint or close) can
+# drop them. The process's, as the hosts' placements registry is.
+_holders_lock = threading.Lock()
+_holders: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def track(target: Any, store: StagedBatchStore) -> None:
+  """`store` holds batches staged through `target`."""
+  with _holders_lock:
+    _holders.setdefault(target, weakref.WeakSet()).add(store)
+
+
+def discard(target: Any) -> list[str]:
+  """Drops every batch staged through `target` (their device buffers go); returns their keys."""
+  with _holders_lock:
+    stores = list(_holders.get(target, ()))
+  return [key for store in stores for key in store.reset()]

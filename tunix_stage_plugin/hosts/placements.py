@@ -1,9 +1,10 @@
-"""How each kind of trainer is staged behind tunix's TrainerWorker: one Placement per kind.
+"""How each kind of trainer is staged behind tunix's TrainerWorker: the registry of Placements (one
+per kind) and the seam they stage through.
 
 A Placement prepares and places a payload on the staging thread through the trainer's own
 preparation step, and at consume time that same step (its "seam") hands the staged batch through
 instead of preparing again, so a staged micro-batch is prepared exactly once, as inline. tunix's
-PeftTrainer has one (hosts/tunix/worker.py), MaxText's engine another (hosts/maxtext/). Adapters
+PeftTrainer has one (hosts/tunix/peft.py), MaxText's engine another (hosts/maxtext/). Adapters
 register theirs here; the worker hook asks each in order. The registry is the process's, not one
 installation's: tunix's worker and MaxText's engine are two adapters' hooks that meet here.
 docs/maxtext.md.
@@ -14,14 +15,14 @@ from __future__ import annotations
 import functools
 import threading
 import time
-import weakref
 from typing import Any, Callable, Protocol
 
-from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core import patching
 
 
 class Placement(Protocol):
   name: str
+  host: str  # the host the telemetry names for this kind's computations
   # Raises for a payload this kind of trainer can never stage (refused before any wait); None
   # where no payload can be told unstageable before its preparation runs (a failure there is a
   # failed stage, trained inline).
@@ -34,10 +35,13 @@ class Placement(Protocol):
   def place(self, target: Any, payload: Any) -> Any:
     """On the staging thread: prepare and place `payload`; blocks until the copy is done."""
 
+  def resolve(self, target: Any, staged: Any) -> Any:
+    """In the seam, consuming `staged` (what `place` returned): what the preparation returns."""
+
   def computation(self, target: Any, kind: str) -> Any:
-    """Right after `target`'s fwd_bwd or update (`kind`) returned, on the same thread: an output
-    of the computation it queued, ready once that computation ended (the telemetry's watcher
-    waits for it, off the compute lane); None where there is none to watch."""
+    """Right after `target`'s fwd_bwd or update (`kind`, contract.FWD_BWD or UPDATE) returned, on
+    the same thread: an output of the computation it queued, ready once that computation ended
+    (the telemetry's watcher waits for it, off the compute lane); None where there is none."""
 
   def tracer(self, target: Any) -> Any:
     """`target`'s tunix PerfTracer, where it has one (hosts/tunix/tracing.py); else None."""
@@ -79,34 +83,33 @@ def choose(trainer: Any) -> tuple[Placement | None, Any, str | None]:
                       f"{kinds} (or a proxy forwarding to one)")
 
 
-# Which stores hold batches staged through which target, so a host event that makes them wrong
-# (MaxText's restore_checkpoint or close) can drop them.
-_holders: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+def owner(trainer: Any, seam_name: str, cls: type) -> Any:
+  """The `cls` instance that owns the `seam_name` method `trainer`'s calls reach: the trainer
+  itself, or the one a mesh-binding proxy (tunix's _MeshBoundTrainer) forwards to; else None."""
+  found = getattr(getattr(trainer, seam_name, None), "__self__", None)
+  return found if isinstance(found, cls) else None
 
 
-def track(target: Any, store: Any) -> None:
-  """`store` holds batches staged through `target`."""
-  with _lock:
-    _holders.setdefault(target, weakref.WeakSet()).add(store)
+def set_seam(registry: patching.PatchRegistry, placement: Placement, cls: type, seam_name: str,
+             said: str) -> None:
+  """`cls`'s own `seam_name` becomes a seam resolving through `placement`, undone on uninstall
+  (`said`: the method as a refusal names it)."""
+  registry.set(cls, seam_name, seam(vars(cls)[seam_name], placement.resolve, said))
 
 
-def discard(target: Any) -> list[str]:
-  """Drops every batch staged through `target` (their device buffers go); returns their keys."""
-  with _lock:
-    stores = list(_holders.get(target, ()))
-  return [key for store in stores for key in store.reset()]
+class _Seam(threading.local):
+  """What the seam on this thread is doing: handing a staged batch through (a Consume is active)
+  or, while a Prepared is active, timing the host's own preparation."""
 
-
-class _Consuming(threading.local):
-  """The staged batch a fwd_bwd on this thread is consuming, and what its seam did with it."""
-
-  active = False
+  consuming = False
   staged: Any = None
   passed = False
   fallback: str | None = None
+  timing = False
+  prepared: tuple[float, float] | None = None
 
 
-_consuming = _Consuming()
+_seam = _Seam()
 
 
 class Consume:
@@ -120,13 +123,35 @@ class Consume:
     self.fallback: str | None = None
 
   def __enter__(self) -> "Consume":
-    _consuming.active, _consuming.staged = True, self.staged
-    _consuming.passed, _consuming.fallback = False, None
+    _seam.consuming, _seam.staged = True, self.staged
+    _seam.passed, _seam.fallback = False, None
     return self
 
   def __exit__(self, *exc: Any) -> None:
-    self.passed, self.fallback = _consuming.passed, _consuming.fallback
-    _consuming.active, _consuming.staged, _consuming.fallback = False, None, None
+    self.passed, self.fallback = _seam.passed, _seam.fallback
+    _seam.consuming, _seam.staged, _seam.fallback = False, None, None
+
+
+class Prepared:
+  """`with Prepared() as p:` around a trainer call that may prepare its payload inline (the
+  host's own preparation, through the seam on this thread): afterwards `p.span` says when that
+  preparation ran, (start, end) in perf_counter (None: the call prepared nothing)."""
+
+  def __init__(self) -> None:
+    self.span: tuple[float, float] | None = None
+
+  def __enter__(self) -> "Prepared":
+    _seam.timing, _seam.prepared = True, None
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.span = _seam.prepared
+    _seam.timing, _seam.prepared = False, None
+
+
+def note_fallback(reason: str) -> None:
+  """Called by a `resolve` that trains the staged micro-batch from its payload instead."""
+  _seam.fallback = reason
 
 
 def seam(original: Callable[[Any, Any], Any], resolve: Callable[[Any, Any], Any],
@@ -136,54 +161,19 @@ def seam(original: Callable[[Any, Any], Any], resolve: Callable[[Any, Any], Any]
 
   @functools.wraps(original)
   def wrapper(self: Any, payload: Any) -> Any:
-    if not _consuming.active:
-      if _inline.recorder is None:
+    if not _seam.consuming:
+      if not _seam.timing:
         return original(self, payload)
-      with _inline.recorder.span(tracks.TRAINER_H2D, "inline", lane="inline",
-                                 bytes=_inline.nbytes):
-        prepared = original(self, payload)
-      _inline.ended = time.perf_counter()
-      return prepared
-    _consuming.active = False
-    if payload is not _consuming.staged:
+      start = time.perf_counter()
+      try:
+        return original(self, payload)
+      finally:
+        _seam.prepared = (start, time.perf_counter())
+    _seam.consuming = False
+    if payload is not _seam.staged:
       raise RuntimeError(f"the staged batch was replaced on its way from fwd_bwd to {name}; "
                          "staging cannot keep its one-preparation promise with this trainer")
-    _consuming.passed = True
+    _seam.passed = True
     return resolve(self, payload)
 
   return wrapper
-
-
-class _Inline(threading.local):
-  """The telemetry of a fwd_bwd on this thread that prepares its payload inline."""
-
-  recorder: Any = None  # core.telemetry's Spans while such a call runs
-  nbytes: int | None = None
-  ended: float | None = None  # when its preparation ended (perf_counter)
-
-
-_inline = _Inline()
-
-
-class Inline:
-  """`with Inline(recorder, nbytes) as i:` around a trainer call that may prepare its payload
-  inline: the seam on this thread records that preparation (tracks.TRAINER_H2D, lane inline),
-  and `i.ended` says when it ended (None: the call prepared nothing)."""
-
-  def __init__(self, recorder: Any, nbytes: int | None) -> None:
-    self.recorder = recorder
-    self.nbytes = nbytes
-    self.ended: float | None = None
-
-  def __enter__(self) -> "Inline":
-    _inline.recorder, _inline.nbytes, _inline.ended = self.recorder, self.nbytes, None
-    return self
-
-  def __exit__(self, *exc: Any) -> None:
-    self.ended = _inline.ended
-    _inline.recorder = _inline.nbytes = _inline.ended = None
-
-
-def note_fallback(reason: str) -> None:
-  """Called by a `resolve` that trains the staged micro-batch from its payload instead."""
-  _consuming.fallback = reason

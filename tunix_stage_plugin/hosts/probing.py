@@ -1,5 +1,7 @@
 """Capability probes shared by the host adapters: does a host have what the hooks rely on, with
-the expected shape? Probing never changes the host (docs/tunix.md).
+the expected shape? Probing never changes the host (docs/tunix.md). An adapter's probes are a
+table (`run`): one row per probe, its checks in order, each saying what it checks, on what, and
+the refusal line where it does not hold.
 
 A signature says nothing of what a method does. What a hook relies on in a body (a call it
 makes, an attribute it assigns) is read from the method's parsed code (`Body`), never from its
@@ -16,7 +18,7 @@ import dataclasses
 import hashlib
 import inspect
 import textwrap
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 from tunix_stage_plugin.core import patching
 
@@ -38,38 +40,78 @@ def has_var_kwargs(fn: Any) -> bool:
   return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters(fn).values())
 
 
-def check(name: str, test: Callable[[], str | None]) -> Probe:
-  """`test` returns None when the capability is there, else what is wrong."""
+# One thing a probe checks on the probed host (`subject`: its module, or the classes the hooks
+# patch): None when it holds, else the refusal line.
+Check = Callable[[Any], "str | None"]
+
+
+def run(table: Iterable[tuple[str, Sequence[Check]]], subject: Any) -> list[Probe]:
+  """A host's probe table, one row per probe (its name, its checks in order), run on `subject`:
+  a probe's refusal line is its first check's that does not hold."""
+  return [_probe(name, checks, subject) for name, checks in table]
+
+
+def _probe(name: str, checks: Sequence[Check], subject: Any) -> Probe:
   try:
-    problem = test()
+    problem = next((p for p in (check(subject) for check in checks) if p is not None), None)
   except Exception as e:  # pylint: disable=broad-except  (a probe that cannot run has failed)
     problem = f"{type(e).__name__}: {e}"
   return Probe(name, problem is None, problem or "ok")
 
 
-def method(cls: type, attr: str, *, params: tuple[str, ...], coroutine: bool,
-            var_kwargs: bool = False, own: bool = False) -> str | None:
-  # getattr_static: no descriptor runs, so probing leaves the class untouched (a plain getattr
-  # of e.g. __annotations__ would create and store one on Python 3.12).
-  fn = cls.__dict__.get(attr) if own else inspect.getattr_static(cls, attr, None)
-  if fn is None:
-    return f"{cls.__qualname__}.{attr} is missing"
-  if inspect.iscoroutinefunction(fn) != coroutine:
-    return f"{cls.__qualname__}.{attr} is {'not ' if coroutine else ''}a coroutine function"
-  missing = [p for p in params if p not in parameters(fn)]
-  if missing:
-    return f"{cls.__qualname__}.{attr}{inspect.signature(fn)} lacks {missing}"
-  if var_kwargs and not has_var_kwargs(fn):
-    return f"{cls.__qualname__}.{attr}{inspect.signature(fn)} takes no **kwargs"
-  return None
+def that(holds: Callable[[Any], bool], refusal: str) -> Check:
+  """A check: `refusal` unless `holds(subject)`."""
+  return lambda subject: None if holds(subject) else refusal
 
 
-def free(cls: type, *attrs: str) -> str | None:
-  taken = [a for a in attrs + (patching.SENTINEL,) if hasattr(cls, a)]
-  if taken:
-    return (f"{cls.__qualname__} already has {taken} (the host's own, or another copy of the "
-            "plugin installed)")
-  return None
+def has_all(what: str, found: Callable[[Any], Iterable[str]], needed: Sequence[str]) -> Check:
+  """A check: `found(subject)` holds each of `needed`; else "<what> lacks [those missing]"."""
+
+  def missing(subject: Any) -> str | None:
+    have = set(found(subject))
+    lacking = [n for n in needed if n not in have]
+    return f"{what} lacks {lacking}" if lacking else None
+
+  return missing
+
+
+def has_method(on: str, attr: str, *, params: tuple[str, ...], coroutine: bool,
+               var_kwargs: bool = False, own: bool = False) -> Check:
+  """A check: the subject's `on` (a class) has the method `attr` of that shape (its own, with
+  `own`)."""
+
+  def shape(subject: Any) -> str | None:
+    cls = getattr(subject, on)
+    # getattr_static: no descriptor runs, so probing leaves the class untouched (a plain getattr
+    # of e.g. __annotations__ would create and store one on Python 3.12).
+    fn = cls.__dict__.get(attr) if own else inspect.getattr_static(cls, attr, None)
+    if fn is None:
+      return f"{cls.__qualname__}.{attr} is missing"
+    if inspect.iscoroutinefunction(fn) != coroutine:
+      return f"{cls.__qualname__}.{attr} is {'not ' if coroutine else ''}a coroutine function"
+    missing = [p for p in params if p not in parameters(fn)]
+    if missing:
+      return f"{cls.__qualname__}.{attr}{inspect.signature(fn)} lacks {missing}"
+    if var_kwargs and not has_var_kwargs(fn):
+      return f"{cls.__qualname__}.{attr}{inspect.signature(fn)} takes no **kwargs"
+    return None
+
+  return shape
+
+
+def is_free(on: str, *attrs: str) -> Check:
+  """A check: the subject's `on` (a class) has none of `attrs` (the names the hooks add) nor the
+  plugin's mark."""
+
+  def free(subject: Any) -> str | None:
+    cls = getattr(subject, on)
+    taken = [a for a in attrs + (patching.SENTINEL,) if hasattr(cls, a)]
+    if taken:
+      return (f"{cls.__qualname__} already has {taken} (the host's own, or another copy of the "
+              "plugin installed)")
+    return None
+
+  return free
 
 
 class Body:

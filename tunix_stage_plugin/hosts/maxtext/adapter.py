@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.hosts import version
-from tunix_stage_plugin.hosts.probing import Body, Probe, check, dotted, free, method
+from tunix_stage_plugin.hosts import probing
+from tunix_stage_plugin.hosts.probing import Body, Probe, dotted, has_method, is_free, that
 
 if TYPE_CHECKING:
   from tunix_stage_plugin.core import config as config_lib
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 DIST = "maxtext"
 ENGINE = triggers.MAXTEXT_ENGINE
+ENGINE_CLASS = "MaxTextTrainingEngine"
 SEAM = "_prepare_batch"
 WAIT = "self._throttler.wait_for_next"  # where fwd_bwd waits for the device
 
@@ -30,6 +32,29 @@ def _prepares_first(fwd_bwd: Any) -> str | None:
     return None
   return (f"MaxTextTrainingEngine.fwd_bwd does not call self.{SEAM}(payload) before waiting "
           "for the device (maxtext 0.2.5's order)")
+
+
+# One row per probe (hosts/probing.py `run`), on the engine module: its name, then what it checks,
+# in order; the first check that does not hold gives the probe's refusal line.
+PROBES: tuple[tuple[str, tuple[probing.Check, ...]], ...] = (
+    (f"engine: MaxTextTrainingEngine.fwd_bwd prepares through {SEAM}(payload) first", (
+        that(lambda m: getattr(m, ENGINE_CLASS, None) is not None,
+             f"{ENGINE} has no MaxTextTrainingEngine"),
+        has_method(ENGINE_CLASS, SEAM, params=("payload",), coroutine=False, own=True),
+        has_method(ENGINE_CLASS, "fwd_bwd", params=("payload",), coroutine=False, own=True),
+        lambda m: _prepares_first(m.MaxTextTrainingEngine.fwd_bwd),
+        has_method(ENGINE_CLASS, "_batch_data_shardings", params=("dynamic_batch",),
+                   coroutine=False),
+        is_free(ENGINE_CLASS))),
+    ("engine: _split_static_and_dynamic(batch)", (
+        that(lambda m: callable(getattr(m, "_split_static_and_dynamic", None)),
+             f"{ENGINE} lacks ['_split_static_and_dynamic']"),)),
+    ("engine: with_gen_model_input_fn / restore_checkpoint / close", (
+        has_method(ENGINE_CLASS, "with_gen_model_input_fn", params=("gen_model_input_fn",),
+                   coroutine=False, own=True),
+        has_method(ENGINE_CLASS, "restore_checkpoint", params=(), coroutine=False, own=True),
+        has_method(ENGINE_CLASS, "close", params=(), coroutine=False, own=True))),
+)
 
 
 class MaxTextAdapter:
@@ -58,36 +83,7 @@ class MaxTextAdapter:
 
   def probe(self, config: config_lib.StageConfig) -> list[Probe]:
     del config  # no setting bears on what MaxText's hooks need
-    m = self.module
-
-    def engine_seam() -> str | None:
-      engine = getattr(m, "MaxTextTrainingEngine", None)
-      if engine is None:
-        return f"{ENGINE} has no MaxTextTrainingEngine"
-      return (method(engine, SEAM, params=("payload",), coroutine=False, own=True)
-              or method(engine, "fwd_bwd", params=("payload",), coroutine=False, own=True)
-              or _prepares_first(engine.fwd_bwd)
-              or method(engine, "_batch_data_shardings", params=("dynamic_batch",),
-                        coroutine=False)
-              or free(engine))
-
-    def split() -> str | None:
-      missing = [f for f in ("_split_static_and_dynamic",) if not callable(getattr(m, f, None))]
-      return f"{ENGINE} lacks {missing}" if missing else None
-
-    def lifecycle() -> str | None:
-      engine = m.MaxTextTrainingEngine
-      return (method(engine, "with_gen_model_input_fn", params=("gen_model_input_fn",),
-                     coroutine=False, own=True)
-              or method(engine, "restore_checkpoint", params=(), coroutine=False, own=True)
-              or method(engine, "close", params=(), coroutine=False, own=True))
-
-    return [
-        check(f"engine: MaxTextTrainingEngine.fwd_bwd prepares through {SEAM}(payload) first",
-              engine_seam),
-        check("engine: _split_static_and_dynamic(batch)", split),
-        check("engine: with_gen_model_input_fn / restore_checkpoint / close", lifecycle),
-    ]
+    return probing.run(PROBES, self.module)
 
   def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
     del live  # the bounds are the trainer worker's (the tunix adapter's installation)

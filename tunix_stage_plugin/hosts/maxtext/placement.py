@@ -18,7 +18,9 @@ import jax
 import numpy as np
 
 from tunix_stage_plugin.core import patching
+from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts import placements
+from tunix_stage_plugin.hosts.tunix import contract
 
 SEAM = "_prepare_batch"
 
@@ -70,8 +72,8 @@ class MaxTextPlacement:
       self._generations[engine] = self._generations.get(engine, 0) + 1
 
   def find(self, trainer: Any) -> tuple[Any, str | None]:
-    owner = getattr(getattr(trainer, SEAM, None), "__self__", None)
-    if not isinstance(owner, self.engine_cls):
+    owner = placements.owner(trainer, SEAM, self.engine_cls)
+    if owner is None:
       return None, None
     if getattr(type(owner), SEAM) is not self.engine_cls.__dict__[SEAM]:
       return None, (f"{type(owner).__qualname__} overrides {SEAM}; staging prepares through "
@@ -114,7 +116,7 @@ class MaxTextPlacement:
   def computation(self, engine: Any, kind: str) -> Any:
     # What the engine's own throttler waits on: fwd_bwd's loss (also kept in _cached_losses),
     # the last computation update queued there (its gradient norm).
-    if kind == "fwd_bwd":
+    if kind == contract.FWD_BWD:
       return engine._cached_losses[-1]  # pylint: disable=protected-access
     return engine._throttler._inflight_queue.queue[-1][0]  # pylint: disable=protected-access
 
@@ -134,12 +136,12 @@ class MaxTextPlacement:
 
     def restore_checkpoint(engine: Any, **kwargs: Any) -> Any:
       # A staged micro-batch may already be folded into the restored accumulator.
-      placements.discard(engine)
+      store_lib.discard(engine)
       self._bump(engine)
       return original_restore(engine, **kwargs)
 
     def close(engine: Any) -> None:
-      placements.discard(engine)  # frees device memory before the engine's final save
+      store_lib.discard(engine)  # frees device memory before the engine's final save
       return original_close(engine)
 
     for name, fn in (("with_gen_model_input_fn", with_gen_model_input_fn),
@@ -147,5 +149,5 @@ class MaxTextPlacement:
       fn.__wrapped__ = cls.__dict__[name]
       fn.__doc__ = cls.__dict__[name].__doc__
       registry.set(cls, name, fn)
-    registry.set(cls, SEAM, placements.seam(self.original, self.resolve, SEAM))
+    placements.set_seam(registry, self, cls, SEAM, SEAM)
     registry.on_undo(placements.register(self))

@@ -27,6 +27,7 @@ RESET_STAGED = "reset_staged"  # (keys=None) -> the dropped keys (reset_answer)
 FWD_BWD = "fwd_bwd"  # tunix's; the plugin adds the keyword STAGE_KEY
 UPDATE = "update"  # tunix's
 PER_TOKEN_LOGPS = "per_token_logps"  # tunix's (the reference worker's)
+HEARTBEAT, INFO = "heartbeat", "info"  # tunix's
 STAGE_KEY = "stage_key"  # fwd_bwd(stage_key=k): train the batch staged under k
 
 # ---------------------------------------------------------------- the trainer server's own methods

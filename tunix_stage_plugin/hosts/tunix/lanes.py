@@ -27,12 +27,19 @@ from typing import Any, Awaitable, Callable
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.transport import frames
 
+# A TrainerWorker's lane table (core.executor): stage_batch on the staging thread; heartbeat, info
+# and reset_staged answered at once (a reset only drops references, and must not queue behind a
+# stage waiting for a device slot: the reset is often what frees that slot); any other method on
+# the compute thread.
+STAGING_METHODS = frozenset({contract.STAGE_BATCH})
+LIGHT_METHODS = frozenset({contract.HEARTBEAT, contract.INFO, contract.RESET_STAGED})
 # The compute-lane calls the worker's hooks observe as computations (worker.py); every other call
 # on that lane is the lane's own (tracks.TRAINER_LANE).
-COMPUTATIONS = frozenset({"fwd_bwd", "update"})
+COMPUTATIONS = frozenset({contract.FWD_BWD, contract.UPDATE})
 # Where the trainer's cap on one bulk call (Installation.max_stream_bytes) is set, for the line
 # that refuses a header over it.
 CAP_SETTING = "tunix_stage_plugin.hosts.tunix.installation.MAX_STREAM_BYTES"
@@ -121,7 +128,8 @@ class Lanes:
     with self._lock:
       executor = self._executors.get(server)
       if executor is None:
-        executor = self._executors[server] = executor_lib.MethodExecutor(name="trainer")
+        executor = self._executors[server] = executor_lib.MethodExecutor(
+            staging_methods=STAGING_METHODS, light_methods=LIGHT_METHODS, name="trainer")
         # A server collected without stop_serving (tunix's in-process one has none) must not
         # leave its idle lane threads behind: they stop after the call they are running.
         weakref.finalize(server, executor.close, timeout=0)

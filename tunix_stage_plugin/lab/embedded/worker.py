@@ -28,14 +28,15 @@ from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import pacing
 
-LIGHT_METHODS = executor_lib.LIGHT_METHODS | {"timeline", "memory", "records"}
+LIGHT_METHODS = lanes_lib.LIGHT_METHODS | {"timeline", "memory", "records"}
 
 
 def make_executor(cfg: config_lib.StageConfig) -> executor_lib.MethodExecutor:
-  staging = executor_lib.STAGING_METHODS if cfg.enabled else frozenset()
+  staging = lanes_lib.STAGING_METHODS if cfg.enabled else frozenset()
   return executor_lib.MethodExecutor(staging_methods=staging, light_methods=LIGHT_METHODS)
 
 
