@@ -14,13 +14,13 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import engine as engine_lib
 from tunix_stage_plugin.lab.embedded import job as job_lib
 from tunix_stage_plugin.lab.embedded import server as server_lib
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import request as request_lib
 
 TINY = data_lib.TINY_SIZES
 

@@ -19,11 +19,11 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import server as server_lib
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import request as request_lib
 
 MIB = 1 << 20
 

@@ -13,8 +13,8 @@ import pytest
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import request as request_lib
 
 MIB = 1 << 20
 CHUNK = frames.CHUNK_BYTES

@@ -11,7 +11,7 @@ dtype, shape and the crc32 of its raw bytes. `unpack_array` decompresses into a 
 never yields a wrong array. tunix's TrainerWorker host maps them over a payload's pytree
 (hosts/tunix/compression.py), the embedded host over a dict of arrays (lab/embedded/data.py).
 The compressed chunks are numpy uint8 arrays, so they travel out of band through the plugin's
-request encoding (hosts/tunix/request.py) and in band through tunix's own cloudpickle.
+request encoding (transport/request.py) and in band through tunix's own cloudpickle.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 # The spec's grammar (names, levels, defaults, what is accepted) lives in codec_spec, without
 # numpy, so core.config can say what it accepts; re-exported here (codec.LEVELS is that table).
 # pylint: disable-next=unused-import
+from tunix_stage_plugin.core import install_hint
 from tunix_stage_plugin.core.codec_spec import ACCEPTED, CODECS, DEFAULT_CODEC, DEFAULT_LEVELS
 from tunix_stage_plugin.core.codec_spec import EXTRA, EXTRA_NAME, LEVELS, MODULES, OFF, ON
-from tunix_stage_plugin.core import install_hint
 
 MIN_PACK_BYTES = 64 << 10  # smaller arrays travel raw: their bytes are not worth a codec call
 CHUNK_BYTES = 64 << 20  # under every codec's 2 GiB per-call limit; one decode call per chunk

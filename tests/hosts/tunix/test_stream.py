@@ -36,11 +36,11 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import run as run_lib
 from tunix_stage_plugin.hosts.tunix import stream
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
+from tunix_stage_plugin.transport import request as request_lib
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR

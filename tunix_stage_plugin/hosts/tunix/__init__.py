@@ -3,7 +3,7 @@
 Importing this package does not import tunix: the activation layer calls `ADAPTER.load()` when
 it installs. The hook modules (server, worker with peft and observation, engine, program with run,
 loop_copy and loop_seam, and the transports' ends they use: route, side, stream) import tunix at
-their top and are imported only from `ADAPTER.apply`; contract, request, chunked, lanes,
+their top and are imported only from `ADAPTER.apply`; contract, chunked, lanes,
 installation and sessions import no tunix. Which file does what: docs/design.md "Layout".
 """
 

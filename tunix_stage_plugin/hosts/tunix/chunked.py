@@ -23,9 +23,9 @@ import time
 from typing import AsyncIterator, Awaitable, Callable, Iterator
 
 from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.hosts.tunix.request import EncodedRequest
 from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.transport.frames import WireError
+from tunix_stage_plugin.transport.request import EncodedRequest
 
 # ---------------------------------------------------------------- the sender's side
 

@@ -28,8 +28,8 @@ from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import request as request_lib
 
 # A TrainerWorker's lane table (core.executor): stage_batch on the staging thread; heartbeat, info
 # and reset_staged answered at once (a reset only drops references, and must not queue behind a

@@ -24,9 +24,9 @@ from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.hosts.tunix import side as side_lib
 from tunix_stage_plugin.hosts.tunix import stream as stream_lib
+from tunix_stage_plugin.transport import request as request_lib
 
 
 def _encode(worker: Any, method: str, kwargs: dict[str, Any]

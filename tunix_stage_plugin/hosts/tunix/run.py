@@ -23,9 +23,9 @@ from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import sessions
+from tunix_stage_plugin.transport import request as request_lib
 
 
 @dataclasses.dataclass(kw_only=True)

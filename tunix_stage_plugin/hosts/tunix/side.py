@@ -30,9 +30,9 @@ from tunix.experimental.worker import remote_execution
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.transport import listener as listener_lib
+from tunix_stage_plugin.transport import request as request_lib
 from tunix_stage_plugin.transport import sender as sender_lib
 
 log = logging.getLogger("tunix_stage_plugin")

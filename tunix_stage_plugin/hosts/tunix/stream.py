@@ -30,8 +30,8 @@ from tunix_stage_plugin.hosts.tunix import chunked
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import request as request_lib
 
 MIB = request_lib.MIB
 

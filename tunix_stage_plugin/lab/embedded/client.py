@@ -1,6 +1,6 @@
 """Async client for the trainer's generic method-call service, with an emulated wire.
 
-A call is encoded as tunix's host encodes it (hosts/tunix/request.py): one unary message when its
+A call is encoded as tunix's host encodes it (transport/request.py): one unary message when its
 arrays total at most UNARY_MAX_BYTES, else the bulk format's header on gRPC and its parts' bytes
 on the bulk channel (transport/); the trainer's failure comes back as contract.RemoteError
 (docs/embedded.md "How a call travels").
@@ -37,11 +37,11 @@ from typing import Any
 import grpc
 
 from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import server as server_lib
 from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import request as request_lib
 from tunix_stage_plugin.transport import sender as sender_lib
 
 _ADDRESS_RE = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")

@@ -1,5 +1,5 @@
 """The trainer's gRPC service: a generic method call, as tunix's, on the production wire: a call is
-the request tunix's host sends (hosts/tunix/request.py), a large one the bulk format
+the request tunix's host sends (transport/request.py), a large one the bulk format
 (transport/frames.py) with its bytes on the bulk channel, and a failure answers in tunix's
 error envelope, which the client reads with hosts/tunix/contract.py (`unwrap`, `RemoteError`).
 
@@ -30,11 +30,11 @@ import grpc
 
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.hosts.tunix import request as request_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.transport import listener as listener_lib
+from tunix_stage_plugin.transport import request as request_lib
 
 log = logging.getLogger("tunix_stage_plugin.lab.embedded")
 

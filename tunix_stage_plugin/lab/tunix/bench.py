@@ -39,19 +39,19 @@ from tunix.experimental.worker import remote_execution
 
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import request as request_lib
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import host as host_lib
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab.bench import results
+from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.tunix import node as node_lib
+from tunix_stage_plugin.transport import request as request_lib
 
 ACTOR = datatypes.Role.ACTOR
 PLAIN, PLUGIN = "plain", "plugin"  # the two trainer nodes
