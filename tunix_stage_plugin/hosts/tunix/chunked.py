@@ -1,19 +1,12 @@
-"""The bulk format (transport/frames.py) carried as a gRPC client stream: the fallback for a call
-over tunix's 128 MiB message cap where the trainer's bulk port cannot be reached (no side
-channel there, or only tunix's own gRPC port is open between the two pods).
+"""The bulk format (transport/frames.py) carried as a gRPC client stream: message 0 the call's
+header (its transfer id unused, the stream being the call), then the parts' chunks, one message
+each (`messages`, `send`, `receive`).
 
-- message 0: the call's bulk header (frames.encode_header; its transfer id goes unused, the
-  stream being the call itself);
-- the trainer accepts the header with its initial metadata (contract.STREAM_READY_KEY); only then
-  are the chunks sent, so a refusal or a missing method is answered before any of them;
-- then the parts' chunks (frames.iter_chunks), one message each.
-
-The trainer copies each chunk once, as it arrives, into pooled aligned buffers
-(core.buffers.ChunkSink), refuses a header over its cap before any chunk and a stream carrying
-more than it announced at the first chunk past the total, and hands on the header and buffers
-as the side channel's listener does (frames.Received). Both ends on tunix's gRPC: stream.py.
-Imports no tunix (the plain suite tests it). docs/tunix.md "Micro-batches over tunix's message
-cap".
+The chunks are sent only once the trainer accepts the header with its initial metadata
+(contract.STREAM_READY_KEY), so a refusal is answered before any chunk; the trainer copies each
+chunk once, as it arrives, into pooled aligned buffers (core.buffers.ChunkSink). Both ends on
+tunix's gRPC: stream.py. Imports no tunix (the plain suite tests it). docs/tunix.md "Micro-batches
+over tunix's message cap".
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The wire contract between the orchestrator's hooks and the trainer's on tunix's host: the methods
-the plugin adds to a TrainerWorker and its server, their keywords, what their answers carry (and
-tunix's train_step answer, made here when its fwd_bwd took another transport), the names of the
-transports a call may take, and the remote errors both ends answer with.
+the plugin adds to a TrainerWorker and its server, their keywords, what their answers carry, the
+transports' names, and the remote errors both ends answer with.
 
-Each name is written here once and both ends import it from here; what an answer carries is
-built and read by the pair of functions below; tunix's error envelope (the RuntimeError
-`ExecutionResponse.unwrap` raises) is parsed here into a `RemoteError`, and `typed_error` is the
-one map from it to the plugin's typed errors: every caller catches those, none reads a type's
-name. Stage keys: core/keys.py. Imports no tunix (the plain suite reads it). docs/design.md "A
-micro-batch's way".
+Each name is written here once and both ends import it; an answer is built and read by one pair of
+functions; tunix's error envelope is parsed here into a `RemoteError`, and `typed_error` is the one
+map to the plugin's typed errors (no caller reads a type's name). Imports no tunix (the plain suite
+reads it). docs/design.md "A micro-batch's way".
 """
 
 from __future__ import annotations

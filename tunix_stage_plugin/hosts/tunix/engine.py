@@ -1,16 +1,12 @@
 """The orchestrator's calls to a trainer, one function per kind (a stage, a train, a reset, the
 reference model's log-probs), each over tunix's DistributedRLEngine and the engine's router: the
-staged loop's calls (program.py) use them with the router its run holds, and the hooks this
-module adds to the engine (stage_train_batch, reset_staged_batches; per_token_logps routed) are
-the same functions, or thin callers of them.
+staged loop (program.py) uses them with its run's router, and the hooks added to the engine
+(stage_train_batch, reset_staged_batches; per_token_logps routed) are the same functions.
 
-Every call that may carry a micro-batch goes through `route.Router.call` once; a train is
-tunix's own `train_step`, byte for byte, and answers tunix's answer as tunix gives it (with
-`stage_key=k` it reaches the worker's fwd_bwd through tunix's **kwargs, no payload on the wire);
-a trainer's error becomes the plugin's typed error through the one map (contract.typed_errors).
-A stage answers a typed StageOutcome (core.outcome): UNSUPPORTED when the trainer can never
-stage, so the pipeline asks once instead of sending every payload twice. docs/tunix.md "What it
-hooks".
+Every call that may carry a micro-batch goes through `route.Router.call` once; a train is tunix's
+own `train_step`, byte for byte; a trainer's error becomes the plugin's typed error through the
+one map (contract.typed_errors); a stage answers a typed StageOutcome (core.outcome).
+docs/tunix.md "What it hooks".
 """
 
 from __future__ import annotations

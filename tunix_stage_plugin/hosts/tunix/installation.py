@@ -1,11 +1,8 @@
-"""The state of one tunix installation, kept outside tunix's objects and closed with it.
-
-Trainer side: each worker's staged batches, each server's method lanes, side channel and chunked
-stream, the receive buffers of large calls. Orchestrator side: each engine's router (its side
-channels and stream clients). The adapter holds the installation (`TunixAdapter.installation`);
-a re-install with new depths applies them to live workers, and uninstall closes every lane,
-listener and side channel, drops every staged batch and gives back the idle receive buffers
-(docs/design.md "Layout").
+"""The state of one tunix installation, kept outside tunix's objects and closed with it: the
+trainer's staged batches, method lanes, side channels, chunked streams and receive buffers; the
+orchestrator's routers. A re-install with new depths applies them to live workers; uninstall
+closes every lane, listener and side channel, drops every staged batch and gives back the idle
+receive buffers (docs/design.md "Layout").
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The trainer's one door: every call a trainer's server received, whatever carried it (tunix's
 unary call, the side channel, the chunked stream), is handed to the worker's method lanes here,
 once, with a `Receipt` saying how it came; a bulk call (either carrier) is decoded and answered
-here too (`answer`), its failures in tunix's envelope.
+here too (`Lanes.answer`, the one receive side), its failures in tunix's envelope.
 
-tunix runs a sync worker method on the server's event loop, so a stage request would wait behind
-a running fwd_bwd and the step boundary's calls. Here a server bound to a TrainerWorker sends
-trainer compute to one FIFO thread, stage_batch to the staging thread, and answers heartbeat,
-info and reset_staged at once (core.executor's lanes); a server bound to anything else (rollout,
-inference, the reference worker, tests' objects) runs tunix's own dispatch. The job's telemetry
-sees each call here too: a receipt's receive (its bytes' arrival), and each compute-lane call that
-is no computation of the trainer's own (the weight sync, a checkpoint), which holds the device
-between steps. docs/design.md "A micro-batch's way", docs/observability.md.
+Why: tunix runs a sync worker method on the server's event loop, so a stage would wait behind a
+running fwd_bwd. A server bound to a TrainerWorker gets core.executor's lanes; one bound to anything
+else runs tunix's own dispatch. The job's telemetry sees each call here (its receive, and the
+compute lane's own calls). docs/design.md "A micro-batch's way", docs/observability.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """The COPY way of the staged loop (program.py), for tunix c7d8950, which has no seam: the plugin's
 copy of its StandardRLProgram.train_stage replaces it.
 
-The core step loop is fed from the program's scored queue in tunix's order (one group at a time,
-`assembler.pack`, the group's reference log-probs before any of its micro-batches trains; the
-step's last micro-batch applies the optimizer), and the step's bookkeeping (callbacks, weight
-sync, policy version, commit, RLStepResult) is reproduced. probes.py pins the body it reproduces
-by its fingerprint (a tunix whose loop changed is refused unless TUNIX_STAGE_ACCEPT_TRAIN_STAGE
-accepts it), with tunix's defaults where it reads one (an item's `traj.reward`, 0.0; its
-`payload`, None; the algorithm's `requires_reference_kl`, False). It differs from tunix's loop in
-two ways: the point of it (the next step's first groups leave the scored queue during this step's
-boundary, before `on_step_end(step)` and `on_step_begin(step + 1)` run; not at all with
-`max_staleness=0`), and a step with no optimizer-applying micro-batch (the scored queue cleared,
-`mini_batch_size` 0, a last group that packs into nothing) raises where tunix's loop ends the
-step without an update (micro-batches pulled ahead stay untrained, staged ones are released).
-docs/tunix.md "The train loop, two ways".
+It reproduces tunix's loop and bookkeeping (probes.py pins the body by its fingerprint, with
+tunix's defaults where it reads one) and differs from it in two ways only: the next step's first
+groups leave the scored queue during this step's boundary, before `on_step_end(step)` and
+`on_step_begin(step + 1)` run (not at all with `max_staleness=0`); and a step with no
+optimizer-applying micro-batch (the scored queue cleared, `mini_batch_size` 0, a last group that
+packs into nothing) raises where tunix's loop ends the step without an update (micro-batches
+pulled ahead stay untrained, staged ones are released). docs/tunix.md "The train loop, two ways".
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """The SEAM way of the staged loop (program.py), for a tunix with the train loop's seam
-(patches/tunix-plugins-entry-point.patch): tunix's train_stage runs as tunix wrote it, and so does
-the step's bookkeeping; the hooks are the seam.
-
-`_train_microbatches` (one step's per-micro-batch loop) becomes the staged step, and
-`_step_microbatches` hands back the next step's micro-batches when they were made early, to stage
-during the boundary. `train_stage` is wrapped, not replaced: the wrapper opens the staged run
-around tunix's own call (its `num_steps` says which step is the last; its exit releases what is
-staged). `last_step_result` becomes a property whose setter adds the step's `stage/*` metrics (a
-StagedRLStepResult) when tunix records the step, before `on_step_end`. A subclass that overrides
-either seam method is staged within each step but not across the boundary (micro-batches made
-early could not reach its override). docs/tunix.md "The train loop, two ways".
+(patches/tunix-plugins-entry-point.patch): tunix's train_stage and the step's bookkeeping run as
+tunix wrote them; the hooks are the seam (`_train_microbatches`, `_step_microbatches`, a wrapped
+`train_stage`, and `last_step_result` as a property adding the step's `stage/*` metrics).
+What each hook does, and why a subclass overriding a seam method is not staged across the
+boundary: docs/tunix.md "The train loop, two ways".
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Capability probes: does this tunix have what each hook relies on, with the expected shape?
 
 Run before anything is patched; any failure means nothing is installed. The probes are a table
-(`PROBES`, `LOOP_PROBES`; hosts/probing.py `run`) over the tunix classes (`Tunix`). A probe
-checks the attributes the hooks call or replace, what their bodies do (read from the parsed code,
-never from text), and that the names the hooks add are still free, so a tunix that grew its own
-stage_batch is not silently overridden. The train loop is staged one of two ways (`loop_way`):
-through the loop's seam (`_step_microbatches` / `_train_microbatches`,
-patches/tunix-plugins-entry-point.patch), checked by its parsed code; or, on a tunix without the
-seam, by the plugin's copy of StandardRLProgram.train_stage, whose body is pinned by its
-fingerprint, so a tunix whose loop does more (or else) is refused unless
-TUNIX_STAGE_ACCEPT_TRAIN_STAGE accepts it (docs/tunix.md, "The train loop, two ways").
+(`PROBES`, `LOOP_PROBES`; hosts/probing.py `run`) over the tunix classes (`Tunix`): the attributes
+the hooks call or replace, what their bodies do (from the parsed code), and that the names the
+hooks add are still free. `loop_way` picks how the train loop is staged: through its seam, or by
+the plugin's fingerprint-pinned copy (docs/tunix.md "The train loop, two ways").
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """StandardRLProgram: the staged train loop, used only when staging is on and the engine can stage.
 
-Either way the loop is one staged run (run.py: the core step loop over engine.py's calls, through
-the engine's router). An engine that is not really a DistributedRLEngine (tunix's tests use
-spec'd MagicMocks, which pass isinstance but are not engines) keeps tunix's loop. Two ways in, by
-what this tunix has (probes.loop_way; docs/tunix.md "The train loop, two ways"): SEAM, a tunix
-with the train loop's seam, its hooks in loop_seam.py; COPY, tunix c7d8950, which has no seam,
-the plugin's copy of its train_stage in loop_copy.py.
-
-The loop asks the program at the upstream change's two seams, methods this module adds to
-StandardRLProgram (removed exactly on uninstall) so that a subclass can override them:
-`_stage_ahead_while_pending(step, max_staged_batches)`, how many micro-batches to keep staged
-while a train call is pending (the pipeline's `depth_for`), and `_prestage_across_boundary(
-next_step)`, whether to stage the next step's first micro-batches during the boundary (its
-`prestage_next`). Prestage rules and the seams: docs/tunix.md.
+Either way the loop is one staged run (run.py), in by what this tunix has (probes.loop_way): SEAM,
+the hooks in loop_seam.py; COPY (tunix c7d8950), the plugin's copy of train_stage in loop_copy.py.
+An engine whose type is not DistributedRLEngine (tunix's tests use spec'd MagicMocks, which pass
+isinstance) keeps tunix's loop. This module also adds the upstream change's two seams,
+`_stage_ahead_while_pending` and `_prestage_across_boundary`, as real methods a subclass can
+override (removed exactly on uninstall). docs/tunix.md "The train loop, two ways" and "The two
+seams a program subclass overrides".
 """
 
 from __future__ import annotations

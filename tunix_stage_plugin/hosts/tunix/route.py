@@ -1,15 +1,12 @@
-"""The orchestrator's one decision per call that may carry a micro-batch (a stage, the inline or
-fallback fwd_bwd of one, the reference model's log-probs): which transport takes it, from its
-size and what the trainer offers. `Router.call` decides once, sends the call that way and awaits
-it; every call of engine.py's goes through it once (a train by key, which carries no
-micro-batch, as tunix's own call).
+"""The orchestrator's one decision per call that may carry a micro-batch: which transport takes
+it, from its size and what the trainer offers. `Router.call` decides once, sends the call that
+way and awaits it; every call of engine.py's goes through it once (a train by key, which carries
+no micro-batch, as tunix's own call).
 
-The first that fits: the side channel (side.py) when at least side.MIN_BYTES travel out of band,
-the pickle fits in a header, and the trainer announced one; the chunked stream (stream.py) when
-the call is over tunix's message cap; else tunix's own call, byte for byte. The size is the
-call's out-of-band encoding (request.py: no copy), made only for tunix's gRPC handle, the only
-one with a cap and a side channel (its in-process handle passes objects). docs/tunix.md "Which
-path a call takes"; docs/design.md "A micro-batch's way".
+The first that fits: the side channel (side.py), the chunked stream (stream.py), else tunix's own
+call, byte for byte. The size is the call's out-of-band encoding (transport/request.py: no copy),
+made only for tunix's gRPC handle, the only one with a cap and a side channel. The rules:
+docs/tunix.md "Which path a call takes"; docs/design.md "A micro-batch's way".
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """One staged train_stage run, the same for both ways of the loop (program.py): the core step loop
 (core.pipeline.StagePipeline) over the program's engine, its calls (`StagingCalls`) made by
-engine.py's functions through the one router the run holds, and each step's staging metrics on
-tunix's step result.
-
-The loop stages micro-batch k+1 (and k+2) while k trains, trains each exactly once and in order,
-stages the next step's first micro-batches during this step's boundary (its update and weight
-sync) and releases every staged key on every path. Its keys carry this process's session
-(sessions.key_prefix). docs/design.md "A micro-batch's way".
+engine.py's functions through the one router the run holds, its keys carrying this process's
+session (sessions.key_prefix), and each step's staging metrics on tunix's step result.
+The loop's invariants: docs/design.md "Core semantics".
 """
 
 from __future__ import annotations

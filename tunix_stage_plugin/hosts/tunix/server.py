@@ -1,21 +1,12 @@
 """tunix's trainer servers (RemoteExecutionServer, gRPC and in-process): where every received call
 enters the plugin, and where the side channel and the chunked stream start and stop with tunix's
-server.
+server (docs/tunix.md "What it hooks").
 
-- `execute_request` (both servers): the side channel's own two methods are answered by side.py
-  on a server that has one; every other call goes to the lanes (lanes.py), which send a
-  TrainerWorker's methods to their threads and run anything else as tunix does.
-- `start_serving_async` and `_server` (gRPC server): the grpc.aio server tunix creates there gets
-  the chunked stream's method (stream.handler) before tunix starts it (grpc takes handlers only
-  before start): `_server` becomes a property that sees tunix's assignment while the wrapped
-  `start_serving_async` runs (the value stays in the instance's `__dict__`). Once started, the
-  server's side channel listens (side.listen).
-- `stop_serving` (gRPC server): the side channel stops, then tunix's stop, then the server's
-  lanes are joined (an in-process server's go when the server is collected).
-
-The compute thread does not inherit thread-local JAX contexts entered around the serving loop
-(`with mesh:` around asyncio.run); bind the mesh in the trainer, as tunix's trainer node does.
-docs/tunix.md "What it hooks".
+Traps specific to this code: grpc takes handlers only before start, so the stream's method is added
+when tunix assigns `_server` inside the wrapped `start_serving_async` (a property for that one
+moment; the value stays in the instance's `__dict__`). `stop_serving` stops the side channel first
+(no new bytes), then tunix's stop, then joins the server's lanes; an in-process server's lanes go
+when the server is collected.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """Orchestrator sessions on tunix's host: a restarted orchestrator does not pay for its predecessor.
 
-An orchestrator that dies without its cleanup (SIGKILL, OOM, a preempted pod, while the trainer
-pods keep running) leaves the keys it staged holding the trainer's slots, and tunix has no call
-that tells a trainer a new orchestrator started. So each staged train loop's keys carry the
-orchestrator process's session (`key_prefix()`: `ts<session>.<n>`, n counting the loops of that
-process; core/keys.py builds and parses it), and a worker that sees a session for the first time
-drops every staged batch of the sessions before it, logged on the trainer in one line and counted
-(`Sessions.dropped`).
-
-The assumption: one orchestrator per trainer at a time. Loops of one orchestrator process share
-its session and never drop each other's batches; a second orchestrator process staging on the
-same trainer drops the first one's staged batches once, at its first stage (docs/tunix.md, "One
-orchestrator per trainer"). Keys without a session (staged by hand, another tool's) are never
-dropped and never start one.
+An orchestrator that dies without its cleanup leaves its staged keys holding the trainer's slots,
+and tunix has no call that tells a trainer a new orchestrator started. So each staged loop's keys
+carry the orchestrator process's session (`key_prefix()`: `ts<session>.<n>`; core/keys.py builds
+and parses it), and a worker that sees a session for the first time drops every staged batch of
+the sessions before it (`Sessions.dropped`). Keys without a session are never dropped and never
+start one. The rule and its assumption: docs/tunix.md "One orchestrator per trainer".
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The bulk side channel on tunix's host, both ends: a call's header on tunix's own gRPC call, its
 arrays' bytes beside it on the transport's bulk channel (tunix_stage_plugin.transport).
 
-Why: tunix's unary call copies every byte in and out of pickles and gRPC slices; the bulk
-channel sends the arrays from their own memory into the trainer's pooled aligned buffers
-(docs/performance.md has the figures).
-
-- Trainer: every GrpcRemoteExecutionServer started while staging is installed also runs a
-  BulkListener, bound like tunix's server (`listen`, from server.py). Its server answers the two
-  contract.SIDE_METHODS before tunix's dispatch (`answer`): the listener's port and limits, and a
-  call's header, whose bytes are awaited within the listener's limits and whose request then goes
-  to the lanes (lanes.py) like any received call. A server without the plugin answers both with
-  tunix's AttributeError.
-- Orchestrator: `SideChannel` asks a trainer once whether it has one it can reach (one
-  connection to the announced port; the answer, "none" included, is kept and said in one log
-  line) and sends calls over it; route.py decides which calls (without one, the chunked stream
-  carries those over tunix's cap).
-
-docs/tunix.md "Which path a call takes"; docs/security.md "The side channel".
+Why: tunix's unary call copies every byte in and out of pickles and gRPC slices; the bulk channel
+sends the arrays from their own memory into the trainer's pooled aligned buffers. Trainer: a
+BulkListener beside each GrpcRemoteExecutionServer (`listen`), whose server answers the two
+contract.SIDE_METHODS before tunix's dispatch (`answer`, handing the call to lanes.Lanes.answer).
+Orchestrator: `SideChannel` asks a trainer once for its port and sends the calls route.py gives it.
+docs/tunix.md "Which path a call takes"; docs/security.md "Where the trust boundary is".
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """The chunked stream on tunix's host, both ends: a call over tunix's message cap in the bulk
 format, carried as a gRPC client stream (chunked.py) on the trainer's own server port.
 
-tunix's channels and servers refuse any message over `remote_execution._MAX_MESSAGE_BYTES`
-(128 MiB); where the trainer's bulk port cannot be reached (route.py then finds no side channel)
-this is what lets a larger micro-batch train at all (staged, inline or as a fallback).
-
-- Trainer: `handler` is the method server.py adds to every GrpcRemoteExecutionServer's grpc
-  server before tunix starts it. It receives the call into the installation's pool and hands it
-  to the lanes (lanes.Lanes.answer) like the side channel's calls.
-- Orchestrator: `StreamClient` sends a call on a grpc.aio channel of its own to the trainer
-  handle's address, with tunix's channel options and the handle's deadline; route.py decides
-  which calls. A trainer without the method (no plugin there, or staging off there) answers
-  UNIMPLEMENTED, which becomes one line (PayloadOverCap) naming the cap, the size and the
-  setting that helps.
-
-docs/tunix.md "Micro-batches over tunix's message cap".
+Why: where the trainer's bulk port cannot be reached, this is what lets a micro-batch over tunix's
+128 MiB cap train at all. Trainer: `handler`, added by server.py to each GrpcRemoteExecutionServer
+before tunix starts it, hands the received call to lanes.Lanes.answer. Orchestrator: `StreamClient`,
+its own grpc.aio channel to the handle's address; a trainer without the method answers
+UNIMPLEMENTED, which becomes one line (PayloadOverCap). docs/tunix.md "Micro-batches over tunix's
+message cap".
 """
 
 from __future__ import annotations

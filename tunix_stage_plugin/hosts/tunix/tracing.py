@@ -1,15 +1,11 @@
 """Staging on tunix's own perf timelines, where the trainer has a tunix PerfTracer.
 
-tunix's distributed path emits no span of its own (TrainerWorker.fwd_bwd and update never touch
-the trainer's `perf_tracer_v2`). So where a PeftTrainer was given a `PerfTracer`, the plugin adds
-to it each staging span the trainer's recorder sees (`stage_receive`, `stage_place`,
-`stage_pool_wait`, `stage_fallback`, on a host timeline of the tracer's per kind, with the span's
-own times: both clocks are perf_counter) and a `peft_train` span, tunix's own name, for each
-fwd_bwd and update the worker runs: its host span around the call, its device span ended when
-the plugin's compute watcher sees the computation's output ready (one wait per computation). So
-tunix's own export (PerfMetricsExport, its Perfetto writer) shows staging next to the training it
-feeds. A trainer without one (tunix's NoopTracer, the default) gets nothing.
-docs/observability.md "tunix's perf trace".
+tunix's distributed path emits no span of its own, so where a PeftTrainer was given a `PerfTracer`
+the plugin adds each staging span the trainer's recorder sees, and a `peft_train` span for each
+fwd_bwd and update the worker runs, so tunix's own export shows staging next to the training it
+feeds. Both clocks are perf_counter, so a span keeps its own times; a device span ends when the
+plugin's compute watcher sees the output ready (no second wait). A trainer without one (tunix's
+NoopTracer) gets nothing. docs/observability.md "tunix's perf trace".
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """TrainerWorker: stage_batch / reset_staged, and fwd_bwd consuming a staged key exactly once.
 
 A staged batch is prepared once, on the staging thread, through the hosted trainer's own
-preparation step (its placement: hosts/placements.py; PeftTrainer's in peft.py), and handed
-through that step at consume time. A compressed payload (compression.py) is decoded first, on the
-same thread. Every fwd_bwd and update the worker runs is observed for the job's telemetry
-(observation.py). The calls go one way, down: into the store (which runs the placement step it
-is handed), the placement and the observation. docs/design.md "A micro-batch's way".
+preparation step (hosts/placements.py; PeftTrainer's in peft.py), after a compressed payload is
+decoded (compression.py); fwd_bwd and update are observed (observation.py). The calls go one way,
+down: into the store, the placement and the observation. docs/tunix.md "What it hooks".
 """
 
 from __future__ import annotations
