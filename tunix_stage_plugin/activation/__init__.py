@@ -1,11 +1,8 @@
-"""Activation: install / uninstall the staging hooks into a host (docs/tunix.md "Activation").
+"""Activation: install / uninstall the staging hooks into a host (docs/tunix.md "Activation, three
+ways": the `.pth` bootstrap, `tunix-stage run`, explicit `install()` / `configure()`).
 
-Three ways: the env-gated `.pth` bootstrap, `tunix-stage run -- <command>`, and explicit
-`install()` / `uninstall()` (drivers with staging flags: `configure(flags.config_from_argparse(
-args))`, flags beating the environment). Host adapters are found through the
-`tunix_stage_plugin.hosts` entry-point group. The names below are loaded on first use: the
-bootstrap imports this package at every interpreter start with staging on, and the manager
-(entry points, metadata) is what costs start-up time.
+The names below are loaded on first use: the bootstrap imports this package at every interpreter
+start with staging on, and the manager (entry points, metadata) is what costs start-up time.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """The env-gated bootstrap that `tunix_stage_plugin.pth` runs at interpreter start.
 
-The .pth line itself checks TUNIX_STAGE_BATCH before importing anything, so with staging unset
-or "off" (the default) interpreter start-up costs one dict lookup. With any other value, `start`
-registers each known host's install to run when that host's modules are first imported, and does
-nothing else: no validation, no entry points, no metadata (docs/tunix.md "Activation, three ways").
-The configuration is resolved when the host is imported; an invalid value then stops that process
-with one line and exit code 2 (manager.activate_from_env), so a process that never imports the
-host prints nothing, and a typo such as TUNIX_STAGE_BATCH=on is never a silent no-op.
-Nothing here may raise at start-up: a .pth line that raises prints a traceback into every Python
-process.
+With staging on, `start` registers each known host's install to run when that host's modules are
+first imported, and does nothing else (no validation, no entry points, no metadata); the
+configuration is resolved, and an invalid value stops the process, only when the host is imported
+(manager.activate_from_env). docs/tunix.md "Activation, three ways". Nothing here may raise at
+start-up: a .pth line that raises prints a traceback into every Python process.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Driver flags without editing the driver: a known driver's parse function takes the staging flags.
 
-tunix's drivers (the DeepSWE one the upstream change added `--stage_train_batches` /
-`--max_staged_batches` to, and the GSM8K one) parse their command line with a plain argparse
-`_parse_args(argv)` that defines no staging flag, so the recipes' flags would stop them at
-"unrecognized arguments". When staging is requested (TUNIX_STAGE_BATCH=stage, or install()) and
-such a module is imported (the post-import hook that installs the host's hooks), the manager sets
-`accepting_flags(...)` as its parse function, through a patch registry of its own (uninstall puts
-the original back). It takes the orchestrator's staging flags off the command line, hands every
-other argument to the driver's own parser unchanged, puts the effective values on the namespace
-the driver gets back (flags > environment > default), and applies them (activation.configure).
-With staging off nothing is touched. The drivers the plugin knows: triggers.KNOWN_DRIVERS;
-any other driver gets no staging flag from the recipes, only the environment. docs/tunix.md "The
-upstream change's names" and "Driver flags".
+tunix's drivers parse with a plain argparse `_parse_args(argv)` that defines no staging flag, so
+the recipes' flags would stop them at "unrecognized arguments". `accepting_flags(...)` becomes such
+a driver's parse function (through a patch registry of its own, reversed on uninstall): it takes
+the staging flags off the command line, hands every other argument to the driver's parser
+unchanged, puts the effective values on the namespace (flags > environment > default) and applies
+them (activation.configure). The drivers: triggers.KNOWN_DRIVERS. docs/tunix.md "Driver flags".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""A small post-import hook: run a callback once after any of some modules has been imported.
+"""A small post-import hook: run a callback once after any of some modules has been imported, so
+that the bootstrap (at interpreter start) can install when the host is first imported, whatever
+the import order (docs/tunix.md "Activation, three ways").
 
-The env-gated bootstrap runs at interpreter start, long before the host is imported (if it ever
-is), so it registers "install when tunix's experimental modules are imported" here. Import order
-between the plugin and the host therefore does not matter.
-
-The callback imports the rest of the host, so it must not run while a host module is still half
-executed (e.g. `rl_program` importing `rl_engine_interface` importing `remote_execution`: running
-the callback when `remote_execution` is done would meet a half-built `rl_engine_interface`). A
-watch is therefore *triggered* by a watched module and *fired* once no other module of the same
-top-level package is still initializing, i.e. when the outermost host import finishes. The finder
-only wraps loaders of that package's modules, and leaves `sys.meta_path` once every watch fired.
-
-This module runs at interpreter start-up whenever staging is on, so it imports nothing beyond
-builtins (importlib.abc alone costs ~10 ms), and the finder answers any import outside the
-watched top-level packages with one set lookup (docs/tunix.md "Activation, three ways").
+Trap: the callback imports the rest of the host, so it must not run while a host module is still
+half executed (`rl_program` importing `rl_engine_interface` importing `remote_execution`). A watch
+is therefore *triggered* by a watched module and *fired* once no other module of the same
+top-level package is still initializing. The finder wraps only that package's loaders and leaves
+`sys.meta_path` once every watch fired. It runs at every start-up with staging on, so it imports
+nothing beyond builtins (importlib.abc alone costs ~10 ms) and answers any other import with one
+set lookup.
 """
 
 from __future__ import annotations

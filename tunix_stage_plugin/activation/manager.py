@@ -1,20 +1,14 @@
 """install / uninstall: one activation per host per process, idempotent and exactly reversible.
 
-Order of work in `install`: resolve the configuration (off means nothing is touched), load the
-host adapter, import the host, run every capability probe, and only when all pass, apply the hooks
-through a registry that records what each class had. Any refusal installs nothing and prints one
-line saying why; success prints one activation line (host version/commit, hooks, depths). Both go
-to stderr, because a pod's stdout is often the training log that users grep.
-
-An invalid setting is never a refusal: `install` raises ConfigError, and the automatic paths (the
-.pth bootstrap, the tunix.plugins entry point) stop the process through `activate_from_env`. A
-variable under the staging prefixes that is no setting (TUNIX_STAGE_MAX_STAGED_BATCHES for
-TUNIX_MAX_STAGED_BATCHES) gets one warning line, once per process, when staging is requested.
-
-Known drivers (triggers.KNOWN_DRIVERS) take the staging flags while staging is requested for
-their host (its hooks installed, or TUNIX_STAGE_BATCH=stage, even where the host's hooks were
-refused: a launch must not stop at "unrecognized arguments"); `hook_driver` sets the parse
-function of one imported driver (activation/drivers.py), and uninstall removes it.
+`install` resolves the configuration (off touches nothing), loads the host adapter, imports the
+host, runs every capability probe, and only when all pass applies the hooks through a registry
+that records what each class had; a refusal installs nothing. Its one line (refusal or
+activation) goes to stderr, because a pod's stdout is often the training log that users grep. An
+invalid setting is never a refusal: ConfigError, which stops the automatic paths through
+`activate_from_env`. `hook_driver` gives an imported known driver the staging flags
+(activation/drivers.py), even where the host's hooks were refused. docs/tunix.md "Activation,
+three ways", "Driver flags"; docs/configuration.md (the misspelled-variable warning, said once
+per process).
 """
 
 from __future__ import annotations

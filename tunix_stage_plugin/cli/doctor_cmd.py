@@ -1,13 +1,6 @@
-"""`tunix-stage doctor`: can staging work here, and what would it do?
-
-Reports: the effective configuration (and, on stderr and in the JSON, a warning per variable
-under the staging prefixes that is no setting); whether the bootstrap .pth and the entry points are
-installed; whether tunix is importable, its version and commit; MaxText's state next to it
-(importable or not, whether or not tunix is); every capability probe; which trainers staging
-serves and which it refuses; which hooks are installed in this process (the bootstrap installs
-them while doctor imports tunix when TUNIX_STAGE_BATCH=stage); which drivers take the staging
-flags (the recipes pass them to no other). Exit status: 0 when staging is off or can work, 1 when
-staging is requested but cannot work, 2 when a setting is invalid.
+"""`tunix-stage doctor`: can staging work here, and what would it do? What it reports and its exit
+status (0 off or can work, 1 requested but cannot work, 2 an invalid setting): docs/tunix.md
+"Doctor"; a misspelled staging variable is warned about on stderr and in the JSON.
 """
 
 from __future__ import annotations

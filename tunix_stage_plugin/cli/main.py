@@ -1,15 +1,11 @@
-"""`tunix-stage`: one console script, a subcommand per job (docs/bench.md,
-docs/configuration.md, docs/simulate.md, docs/tunix.md "Doctor").
+"""`tunix-stage`: one console script, a subcommand per job (docs/bench.md, docs/configuration.md,
+docs/simulate.md, docs/tunix.md "Doctor").
 
-The lab's subcommands (bench, simulate) are listed by name and one line of help (LAB_COMMANDS),
-and their module is imported only when that subcommand is the one run (its --help included): a
-production command (`config --check` in a launch recipe, `doctor`, `run`) never loads the lab
-(tests/test_layout.py runs them with the lab blocked).
-
-The top-level parser owns a few names in the parsed namespace (SUBCOMMAND_DEST and the keys it
-sets as defaults); a subcommand's own options and positionals may never reuse them, since a
-subcommand's values overwrite the top level's (`run`'s positional COMMAND would replace the
-subcommand's name). build_parser refuses such a clash when the parser is made.
+The lab's subcommands (LAB_COMMANDS) are imported only when run (their --help included), so a
+production command never loads the lab (tests/test_layout.py runs them with the lab blocked). A
+subcommand's own options may never reuse a name the top-level parser owns in the namespace
+(SUBCOMMAND_DEST and its defaults): a subcommand's values overwrite the top level's (`run`'s
+COMMAND would replace the subcommand's name), so build_parser refuses such a clash.
 """
 
 from __future__ import annotations

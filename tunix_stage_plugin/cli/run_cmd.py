@@ -1,12 +1,8 @@
 """`tunix-stage run -- <command>`: run a command with staging switched on through the bootstrap.
 
-The command's Python processes pick staging up from the environment through the package's .pth
-bootstrap, so this sets the environment and execs: TUNIX_STAGE_BATCH=stage unless a mode is given
-(a flag here, else TUNIX_STAGE_BATCH already in the environment), and TUNIX_MAX_STAGED_BATCHES /
-TUNIX_STAGE_MAX_DEVICE_BATCHES from the flags when given (flags beat env). Children of the
-command inherit the environment, so every process of a multi-process launch is covered. A command
-that cannot be run exits as a shell's would: 127 when it is not found, 126 when it is found but
-cannot be executed.
+The command's Python processes (and their children, by inheritance) pick staging up from the
+environment through the .pth bootstrap, so this sets the environment and execs; a command that
+cannot be run exits as a shell's would (127, 126). docs/tunix.md "Activation, three ways".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Aligned host buffers for received payloads, reused once nothing references them.
 
-A received micro-batch lands in 64-byte-aligned buffers: numpy arrays unpickled over them are
-writable and aligned, and on CPU `jax.device_put` of an aligned buffer is zero-copy (the placed
-array *is* the buffer). A fresh 1 GiB buffer costs its page faults on first touch (in this
-project's VMs a fresh copy runs at a third of a warm one, docs/performance.md), so the receive
-path takes its large buffers from a `HostBufferPool`: a buffer goes back to the pool only when no
-array, view or JAX alias references it any more (CPython's reference count of its owner), so a
-placement that aliases it on CPU keeps it out of the pool for as long as it lives.
-
-A pool can be bounded in transfers (`set_bound`): a transfer that would find that many transfers'
-worth of its buffers already in use waits, bounded, for one to come back before it makes more.
-On CPU a trainer's in-use buffers are its staged micro-batches *and* the ones whose computation
-has not ended (tunix's fwd_bwd answers once the work is queued), so the bound is what keeps the
-receive of a micro-batch two ahead from adding a buffer while an earlier one still computes
-(docs/tunix.md, "Where the trainer's memory goes").
+Why: numpy arrays unpickled over a 64-byte-aligned buffer are writable and aligned, and on CPU
+`jax.device_put` of one is zero-copy; a fresh large buffer costs its page faults on first touch
+(docs/performance.md "Throughput of the host path"). So the receive path takes its buffers from a
+`HostBufferPool`, where a buffer goes back only when no array, view or JAX alias references it
+(CPython's reference count of its owner). A pool can be bounded in transfers (`set_bound`),
+counting on CPU the buffers whose computation has not ended.
+docs/tunix.md "Where the trainer's memory goes"; docs/embedded.md "How a call travels".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
-"""Lossless compression of a staged micro-batch's large arrays (TUNIX_STAGE_CODEC).
+"""Lossless compression of a staged micro-batch's large arrays (TUNIX_STAGE_CODEC; docs/codec.md).
 
-A codec spec is `off` or `NAME[:LEVEL]` with NAME one of CODECS. The codec libraries are an
-optional extra (`codec`); a spec naming one that is not installed is refused with one line naming
-the extra and the pip command that fits this installation (core.install_hint).
-
-`pack_array` turns one array of at least MIN_PACK_BYTES into a PackedArray: chunks of at most
-CHUNK_BYTES, each compressed (blosc2 with byte shuffle at the array's itemsize), with the array's
-dtype, shape and the crc32 of its raw bytes. `unpack_array` decompresses into a fresh
-64-byte-aligned buffer and checks size and crc32, so a corrupted payload raises CodecError and
-never yields a wrong array. tunix's TrainerWorker host maps them over a payload's pytree
-(hosts/tunix/compression.py), the embedded host over a dict of arrays (lab/embedded/data.py).
-The compressed chunks are numpy uint8 arrays, so they travel out of band through the plugin's
-request encoding (transport/request.py) and in band through tunix's own cloudpickle.
+`pack_array` turns one array of at least MIN_PACK_BYTES into a PackedArray (compressed chunks, the
+dtype, shape and crc32 of its raw bytes); `unpack_array` decompresses into a fresh 64-byte-aligned
+buffer and checks size and crc32, so a corrupted payload raises CodecError and never yields a wrong
+array. A spec naming a library that is not installed is refused with the pip command that fits
+(core.install_hint). The hosts map these over a payload (hosts/tunix/compression.py,
+lab/embedded/data.py); the chunks are numpy uint8 arrays, so they travel out of band in the
+plugin's encoding (transport/request.py) and in band in tunix's own cloudpickle.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Staging configuration: one table of settings, resolved as explicit > env > default.
 
-Every consumer (the CLI, the bench and the simulator's staging flags, the driver flags, the
-launch recipes through `tunix-stage config --check`) goes through `parse_value`/`resolve`, so a
-value is validated by exactly one set of rules, with one range. A bad value gives one problem
-line naming the variable, the value (cut to inputs.MAX_ECHO characters) and what is accepted
-(inputs.invalid); `resolve` reports every bad setting at once in one ConfigError. A variable
-under the settings' prefixes that is no setting is most likely a misspelled one:
-`unknown_variables` names it and the closest setting, for a warning (docs/configuration.md).
+Every consumer (the CLI, the bench and simulator flags, the driver flags, `tunix-stage config
+--check`) goes through `parse_value`/`resolve`, so a value is validated by one set of rules, with
+one range; `resolve` reports every bad setting at once in one ConfigError (lines from
+inputs.invalid), and `unknown_variables` names a likely misspelled variable and the closest
+setting. docs/configuration.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Method executor for a served worker: which thread runs which remote method.
 
-A host runs every sync worker method inline on its RPC server's only event loop, so a stage
-request waits behind a running fwd_bwd and a heartbeat waits behind both. This executor gives a
-served object three lanes, by the host's lane table (its staging and light methods; tunix's:
-hosts/tunix/lanes.py):
-
-- compute: one thread, FIFO. Every method the table does not name (the trainer's computations,
-  weight sync, checkpoint, eval, compile, ...) runs here in arrival order, so trainer state is
-  still touched by one thread in the order requests arrived (as on the single loop thread).
-- staging: one thread, for the staging methods, overlapping a running computation.
-- inline: the light methods are answered on the caller's thread at once.
-
-Lane threads are daemon threads, so a process that gives up on a lane still stuck in a long call
-(`close(timeout=...)` returns the busy lanes) can exit: see docs/embedded.md "Stopping the trainer".
+Why: a host runs every sync worker method inline on its RPC server's only event loop, so a stage
+waits behind a running fwd_bwd. Three lanes, by the host's lane table (tunix's: hosts/tunix/
+lanes.py): compute, one FIFO thread for every method the table does not name (trainer state is
+still touched by one thread in arrival order); staging, one thread for the staging methods; inline,
+the light methods answered on the caller's thread. Lane threads are daemons, so a process that
+gives up on a stuck lane (`close(timeout=...)` returns the busy ones) can exit: docs/embedded.md
+"Stopping the trainer".
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Inputs given as text: the one integer parser and the one shape of an error about an input.
+"""Inputs given as text: the one integer parser and the one shape of an error about an input
+(`invalid`: `NAME='value' is invalid[: why]; accepted: WHAT`, the value cut to MAX_ECHO
+characters), so a user meets one style for a variable, a flag or a line of a file.
 
-Every command, setting and file check words a refused input the same way (`invalid`):
-`NAME='value' is invalid[: why]; accepted: WHAT`, the value cut to MAX_ECHO characters, so a user
-meets one style whether the input was a variable, a flag or a line of a file. A parser says what
-it accepts by raising Refused. The integer parser accepts plain ASCII decimal digits only (int()
-alone would take "+2", " 2", "2_0" and "٢") and bounds the value, so a typo such as
-99999999999999999999999 is refused with the accepted range rather than taken as a depth
-(docs/configuration.md).
+The integer parser accepts plain ASCII decimal digits only (int() alone would take "+2", " 2",
+"2_0" and "٢") and bounds the value, so 99999999999999999999999 is refused with the accepted range
+rather than taken as a depth (docs/configuration.md).
 """
 
 from __future__ import annotations

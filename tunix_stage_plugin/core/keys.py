@@ -1,10 +1,9 @@
 """Stage keys: the one name a staged micro-batch goes by between orchestrator and trainer, built,
 checked and parsed here and nowhere else.
 
-A pipeline names micro-batch `index` of step `step` `<prefix>-s<step>-m<index>`: the prefix is
-per run (`st<8 hex>`, or `ts<session>.<n>` carrying an orchestrator process's session, whose rule
-is hosts/tunix/sessions.py's), the step and index make every key of a run unique. The trainer's store takes any key
-of the charset and length below (a key staged by hand carries no step). docs/design.md "Core
+A pipeline's key is `<prefix>-s<step>-m<index>`, the prefix per run (`st<8 hex>`, or
+`ts<session>.<n>`, whose rule is hosts/tunix/sessions.py's); the trainer's store takes any key of
+the charset and length below (a key staged by hand carries no step). docs/design.md "Core
 semantics".
 """
 

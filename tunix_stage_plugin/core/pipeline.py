@@ -1,15 +1,11 @@
 """Orchestrator-side stage pipeline: keep up to N micro-batches staged while a train call runs.
 
-One step loop for every host (`run_steps`): pulls each step's micro-batches in order, stages them
-ahead (at most one stage call in flight, at most N staged or staging), trains each exactly once,
-prestages the next step's first micro-batches during the boundary, and releases every staged key
-on every path out of a step. Semantics and invariants: docs/design.md, "Core semantics".
-
-The host gets its say at exactly two points, through two typed hooks (`DepthFor`, given to the
-pipeline; `PrestageNext`, given to `run_steps`): how many of a step's micro-batches to keep staged
-ahead of the pending train call, and whether to prestage the next step during this boundary. The
-pipeline keeps the logic and the invariants either way; tunix's program adapts them onto its
-`_stage_ahead_while_pending` / `_prestage_across_boundary` methods (docs/tunix.md).
+One step loop for every host (`run_steps`): each micro-batch trained exactly once and in order,
+staged ahead (at most one stage call in flight, at most N staged or staging), the next step's
+first ones prestaged during the boundary, every staged key released on every path out of a step.
+The host has its say through two typed hooks only (`DepthFor`, `PrestageNext`); the pipeline keeps
+the logic and the invariants either way. docs/design.md "Core semantics"; docs/tunix.md "The two
+seams a program subclass overrides".
 """
 
 from __future__ import annotations

@@ -2,12 +2,10 @@
 per kind) and the seam they stage through.
 
 A Placement prepares and places a payload on the staging thread through the trainer's own
-preparation step, and at consume time that same step (its "seam") hands the staged batch through
-instead of preparing again, so a staged micro-batch is prepared exactly once, as inline. tunix's
-PeftTrainer has one (hosts/tunix/peft.py), MaxText's engine another (hosts/maxtext/). Adapters
-register theirs here; the worker hook asks each in order. The registry is the process's, not one
-installation's: tunix's worker and MaxText's engine are two adapters' hooks that meet here.
-docs/maxtext.md.
+preparation step, and at consume time that step (its "seam") hands the staged batch through, so a
+staged micro-batch is prepared exactly once, as inline (tunix's PeftTrainer: hosts/tunix/peft.py;
+MaxText's engine: hosts/maxtext/). The registry is the process's, not one installation's: two
+adapters' hooks meet here. docs/maxtext.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Capability probes shared by the host adapters: does a host have what the hooks rely on, with
-the expected shape? Probing never changes the host (docs/tunix.md). An adapter's probes are a
-table (`run`): one row per probe, its checks in order, each saying what it checks, on what, and
-the refusal line where it does not hold.
+the expected shape? Probing never changes the host. An adapter's probes are a table (`run`): one
+row per probe, its checks in order, each with the refusal line where it does not hold.
 
-A signature says nothing of what a method does. What a hook relies on in a body (a call it
-makes, an attribute it assigns) is read from the method's parsed code (`Body`), never from its
-text, so a comment or a string cannot satisfy a probe. Where a hook reproduces a host method's
-body (tunix's staged train loop on a tunix without the loop's seam), `fingerprint` pins the body
-it was written against, so a host whose body changed is refused rather than silently replaced
-(docs/tunix.md, "The train loop, two ways").
+What a hook relies on in a body is read from the method's parsed code (`Body`), never from its
+text, so a comment or a string cannot satisfy a probe; where a hook reproduces a host method's
+body, `fingerprint` pins the body it was written against (docs/tunix.md "The train loop, two ways").
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""The built-in hosts' module names: what installs each one, and the drivers known to take flags.
+"""The built-in hosts' module names: what installs each one (HOST_TRIGGERS, the one home of these
+names: each adapter's `trigger_modules` and the bootstrap's watches), and the drivers known to take
+the staging flags (KNOWN_DRIVERS; docs/tunix.md "Driver flags").
 
-The one home of these names: each adapter takes its `trigger_modules` from HOST_TRIGGERS, and the
-env-gated bootstrap watches them at interpreter start. The bootstrap reads this module rather
-than the adapters because loading adapters (their entry points, importlib.metadata) costs ~100 ms
-per interpreter start; this module imports nothing. A host adapter that is not listed here is
-installed through `tunix_stage_plugin.install(host=...)` (docs/tunix.md "Activation, three ways").
-
-KNOWN_DRIVERS names the drivers known to take the staging flags: the bootstrap watches the
-modules of those whose flags the plugin adds (docs/tunix.md, "Driver flags").
+The bootstrap reads this module rather than the adapters because loading adapters (entry points,
+importlib.metadata) costs ~100 ms per interpreter start; this module imports nothing. An adapter
+not listed here is installed through `install(host=...)` (docs/tunix.md "Activation, three ways").
 """
 
 TUNIX_REMOTE_EXECUTION = "tunix.experimental.worker.remote_execution"

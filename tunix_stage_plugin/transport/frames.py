@@ -1,17 +1,14 @@
 """The one bulk format: what both ends of a call too large for the host's own message agree on,
 whichever carrier takes its bytes.
 
-A bulk call is its header (`encode_header`: the method, the call's protocol-5 pickle with every
-array out of band, or None when that pickle is itself large and travels as the first part, the
-parts' sizes, a fresh transfer id) and its parts' bytes in chunks of at most CHUNK_BYTES, never
-spanning two parts. Two carriers take it: the bulk channel (the header on the host's own call,
-the bytes on a plain TCP connection as a frame: `frame_header`, then the chunks; listener.py,
-sender.py), and, on tunix's host where the trainer's bulk port is unreachable, a gRPC client
-stream (the header, then the chunks as messages: hosts/tunix/chunked.py). Either way the
-trainer checks the header (`decode_header`) and its cap (`announced_bytes`) before any byte,
-fails a call with WireError, and hands on the buffers as `Received`. The rules:
-docs/embedded.md "The bulk channel" and "Limits of the bulk channel", docs/tunix.md "Which path
-a call takes".
+A bulk call is its header (`encode_header`: the method, the call's out-of-band pickle or None when
+that pickle travels as the first part, the parts' sizes, a fresh transfer id) and its parts' bytes
+in chunks of at most CHUNK_BYTES, never spanning two parts. Two carriers take it: the bulk channel
+(a `frame_header`, then the chunks, on a plain TCP connection: listener.py, sender.py) and, on
+tunix's host, a gRPC client stream (hosts/tunix/chunked.py). Either way the trainer checks the
+header (`decode_header`) and its cap (`announced_bytes`) before any byte, fails a call with
+WireError, and hands on the buffers as `Received`. docs/embedded.md "The bulk channel" and "Limits
+of the bulk channel", docs/tunix.md "Which path a call takes".
 """
 
 from __future__ import annotations

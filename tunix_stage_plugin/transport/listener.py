@@ -1,11 +1,8 @@
 """The trainer's end of the bulk channel: a listener that receives each call's bytes into pooled
-aligned buffers and hands them to the call that announced them.
-
-Its host binds it (the embedded trainer: 127.0.0.1; tunix's trainer: where tunix's server
-listens). It never unpickles anything, fills buffers only for a transfer a call's header announced
-(after that header passed its cap), and bounds every wait on a peer by `frames.BulkLimits`. The
-format: frames.py; the rules: docs/embedded.md "The bulk channel" and "Limits of the bulk
-channel".
+aligned buffers and hands them to the call that announced them (its host binds it: 127.0.0.1 for
+the embedded trainer, where tunix's server listens for tunix's). It never unpickles anything,
+fills buffers only for a transfer whose header passed its cap, and bounds every wait on a peer by
+`frames.BulkLimits`. docs/embedded.md "The bulk channel" and "Limits of the bulk channel".
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@ method, args, kwargs), pickled with protocol 5 and a `buffer_callback`, so every
 stays out of band in its own memory and the pickle is a few KiB.
 
 Encoding copies no array byte, so the orchestrator measures every call that may carry a
-micro-batch this way before it picks a transport (route.py); the bulk format (transport/frames.py)
-carries this form, whichever carrier takes it, and the trainer decodes it over the buffers its
-bytes were received into (no further copy). Imports no tunix: the embedded host (the lab) encodes
-its calls the same way. docs/design.md "A micro-batch's way".
+micro-batch this way before it picks a transport (hosts/tunix/route.py), and the trainer decodes
+it over the buffers its bytes were received into. Host-neutral (imports no tunix): tunix's host
+and the embedded one both encode with it. docs/design.md "A micro-batch's way".
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The orchestrator's end of the bulk channel: a call's bytes sent from the arrays' own memory on
-connections leased within the listener's limits, beside the call's header.
+connections leased within the listener's limits, beside the call's header (docs/embedded.md "The
+bulk channel").
 
-`call_with_bytes` is the one way a bulk call goes out: it holds a connection for the bytes (a call
-waits for one while its sender's are all in use), then sends the header (on the host's call) and
-the frame together. The header's answer decides: a refusal by the header ends the send; a send
-that broke leaves the call a grace period to bring its own answer, then its error is the call's.
-Whatever ends the call, both halves are cancelled and awaited and the lease ended: no send
-outlives its call, and a half-sent frame's connection is closed, never reused. The format:
-frames.py; the rules: docs/embedded.md "The bulk channel", docs/tunix.md "Which path a call
-takes".
+`call_with_bytes` is the one way a bulk call goes out, and its invariants live here: a refusal by
+the header ends the send; a send that broke leaves the call a grace period to bring its own
+answer, then its error is the call's; whatever ends the call, both halves are cancelled and
+awaited and the lease ended, so no send outlives its call and a half-sent frame's connection is
+closed, never reused.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The orchestrator's side: one figures dict per step, from the pipeline's step report and the
 spans its calls recorded (each stage call; each call carrying a micro-batch, by the transport that
-sent it). docs/observability.md "The orchestrator's record".
+sent it). docs/observability.md "The record".
 """
 
 from __future__ import annotations

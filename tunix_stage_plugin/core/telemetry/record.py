@@ -1,11 +1,8 @@
-"""The metrics record: one JSON object per line and per step, one file per process.
-
-`TUNIX_STAGE_METRICS=DIR` makes each staging process write `DIR/<role>-<hostname>-<pid>.jsonl`,
-each line flushed as its step ends (a killed job keeps every step it finished). A record that
-cannot be written is said once and dropped; the job never fails for it. The schema is versioned
-(`SCHEMA`, `VERSION`); `read` takes records of this version only, each checked for the fields its
-role carries, of the types it holds (SHAPES), so a record edited by hand is one line naming the
-field. The fields: docs/observability.md "The record".
+"""The metrics record (TUNIX_STAGE_METRICS): one JSON object per line and per step, one file per
+process, each line flushed as its step ends; a record that cannot be written is said once and
+dropped. The schema is versioned (`SCHEMA`, `VERSION`); `read` takes this version only, each field
+checked against SHAPES, so a record edited by hand is one line naming the field.
+The fields: docs/observability.md "The record".
 """
 
 from __future__ import annotations

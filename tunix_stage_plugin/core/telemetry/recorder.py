@@ -1,12 +1,10 @@
 """The spans one process records of its staging path, told to whatever listens (its sinks).
 
-A span is (track, name, start, end, args) in seconds of its process's `time.perf_counter`,
-recorded where the work happens (a receive where its bytes end, a placement on the staging lane,
-a stage call on the orchestrator's loop) by code that knows nothing of who listens: the step
-aggregators (trainer.py, orchestrator.py), tunix's PerfTracer where a trainer has one
-(hosts/tunix/tracing.py), a bench's kept spans (the lab). A recorder with no sink costs one
-branch per span. A sink that raises is dropped with one line: telemetry never fails a job.
-docs/observability.md.
+A span is (track, name, start, end, args) in seconds of the process's `time.perf_counter`,
+recorded where the work happens by code that knows nothing of who listens (the step aggregators,
+tunix's PerfTracer through hosts/tunix/tracing.py, a bench's kept spans). A recorder with no sink
+costs one branch per span; a sink that raises is dropped with one line: telemetry never fails a
+job. docs/observability.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The trainer's side: each computation's device time, observed off the compute lane, and one
 figures dict per step (a step ends with its update's computation).
 
-A trainer's calls answer once the work is queued (tunix's fwd_bwd returns before its computation
-ends), so a computation's end is observed on a watcher thread that waits for its output; the call
-and the compute lane never wait for it. A computation starts when it is queued (after an inline
-placement, if the call placed its payload) or when the one before it ends, whichever is later.
-
-Per step: compute (the device busy), input wait (the device idle while the compute lane was not
-busy with a call of its own, so the next micro-batch was not there yet: mid-step, and at the
-boundary before the step's first computation, less the weight sync and any other compute-lane
-call), the receives, placements and buffer-pool waits that ended in it, the compute's slowdown
-while transfers ran beside it (each fwd_bwd against the median of recent ones that ran alone), and
-what bounds the step. docs/observability.md "The trainer's record".
+Why a watcher thread: a trainer's calls answer once the work is queued (tunix's fwd_bwd returns
+before its computation ends), so a computation's end is seen by waiting for its output there; the
+call and the compute lane never wait for it. A computation starts when it is queued (after an
+inline placement, if the call placed its payload) or when the one before it ends, whichever is
+later. The per-step figures (compute, input wait, other calls, slowdown, bound by):
+docs/observability.md "How it is measured" and "The record".
 """
 
 from __future__ import annotations
