@@ -144,8 +144,7 @@ def test_a_side_channel_this_process_cannot_reach_leaves_calls_over_the_cap_to_t
     staging.side_channels[server].listener.close()  # announced still; unreachable now
     router = route.router_of(ADAPTER.installation, engine)
     try:
-      await route.train_step(engine, router, sent, role=ACTOR, accumulate_gradients=True,
-                             apply_optimizer=False)
+      await engine_lib.train(engine, router, sent, stage_key=None, apply_optimizer=False)
     finally:
       await close(server, handle, engine)
     return router
