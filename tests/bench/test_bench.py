@@ -363,13 +363,7 @@ def test_a_partial_result_summarizes_the_runs_that_finished():
                                                                   True, True, True, True]
 
 
-@pytest.fixture(name="tiny_run", scope="module")
-def fixture_tiny_run(tmp_path_factory):
-  """One real tiny quick run for the module: (the finished process, its output folder)."""
-  out = tmp_path_factory.mktemp("tiny") / "out"
-  cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
-         "--steps", "1", "--microbatches", "3", "--payload_mib", "0.05", "--out", str(out)]
-  return subprocess.run(cmd, capture_output=True, text=True, timeout=240), out
+# tiny_run: one real tiny quick run (--microbatches 3), tests/conftest.py.
 
 
 def test_tiny_quick_run_writes_json_png_and_trace(tiny_run):
@@ -812,11 +806,13 @@ def test_a_bench_beside_a_busy_core_calibrates_again_and_says_it_stayed_noisy(tm
   busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
   try:
     out = tmp_path / "busy"
-    # The default model (not --tiny): its calibration steps last long enough (> 0.5 s) for /proc's
-    # load accounting to judge them.
+    # The default model (not --tiny): its calibration steps last long enough (> 0.5 s, one
+    # micro-batch each beside the busy core) for /proc's load accounting to judge them. One mode
+    # run after it, with no weight sync to emulate: what is checked is the calibration.
     cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--quick",
-           "--steps", "1", "--microbatches", "2", "--payload_mib", "1", "--retries", "0",
-           "--modes", "inline,resident", "--out", str(out), "--png", "", "--trace", ""]
+           "--steps", "1", "--microbatches", "1", "--payload_mib", "1", "--retries", "0",
+           "--modes", "resident", "--sync_ratio", "0", "--out", str(out), "--png", "",
+           "--trace", ""]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
   finally:
     busy.kill()

@@ -1,15 +1,18 @@
 """`tunix-stage bench --host tunix`: the A/B on real tunix processes (lab/tunix).
 
-Every test starts real trainer node processes (tunix's GrpcRemoteExecutionServer, TrainerWorker
-and PeftTrainer on a 2-device CPU mesh) and drives them with tunix's DistributedRLEngine and
-StandardRLProgram from this process. --tiny runs: their step times mean nothing, so only the
-structure and the correctness checks are asserted (timing claims live in the bench's figures,
-docs/bench.md).
+Real trainer node processes (tunix's GrpcRemoteExecutionServer, TrainerWorker and PeftTrainer
+on a 2-device CPU mesh), driven with tunix's DistributedRLEngine and StandardRLProgram from this
+process: one pair for the module (`nodes`), which each bench run here adopts (the command runs in
+this process), its state set again before every job as in any bench; the tests that stop or kill
+a node run the command in a process of its own, with its own pair. --tiny runs: their step times
+mean nothing, so only the structure and the correctness checks are asserted (timing claims live
+in the bench's figures, docs/bench.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -24,6 +27,7 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 # pylint: disable=wrong-import-position
 from tests import procs
 from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.lab.bench import host as host_lib
@@ -39,20 +43,74 @@ CORRECTNESS = ("same param_digest in every mode and round",
                "peak staged device batches <= bound")
 
 
-def _bench(tmp_path, *args, timeout=600):
-  out = tmp_path / "out"
-  done = subprocess.run(
-      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--host", "tunix", "--tiny",
-       "--quick", "--steps", "1", "--microbatches", "2", "--out", str(out), *args],
-      capture_output=True, text=True, timeout=timeout)
-  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-  return out, json.loads((out / "bench.json").read_text()), done
+# The module's nodes; a run on them may differ in the payload's size and the run's length.
+NODES = results.BenchOptions(host="tunix", tiny=True, microbatches=2, steps=1)
+NODE_SPEC = ("tiny", "payload", "seed", "microbatches", "max_device_batches", "max_host_batches",
+             "codec")  # what a node is started with (BenchHost.start) besides the payload's size
 
 
-def test_every_mode_on_tunix_trains_the_same_parameters_in_order(tmp_path):
-  out, report, done = _bench(tmp_path)
+class _Adopted(tunix_bench.BenchHost):
+  """The bench's tunix host on the module's nodes: start() adopts them (as they serve), open()
+  gives them this run's payload size, stop() leaves them serving and says a node's exit code if
+  one exited meanwhile (else 0)."""
+
+  def __init__(self, options, shared):
+    assert all(getattr(options, f) == getattr(NODES, f) for f in NODE_SPEC), options
+    super().__init__(options)
+    self.shared = shared
+
+  def start(self, say):
+    del say
+    self.nodes = {kind: dataclasses.replace(node, handle=None)
+                  for kind, node in self.shared.items()}
+
+  async def open(self):
+    await super().open()
+    for node in self.nodes.values():
+      await node.handle.asubmit("bench_setup", self.options.sizes().as_dict())
+
+  def stop(self):
+    if not self.nodes:
+      return None
+    return next((code for node in self.nodes.values() if (code := node.proc.poll())), 0)
+
+
+@pytest.fixture(scope="module")
+def nodes():
+  """One pair of trainer nodes (node.py, without and with the plugin) for the module's bench
+  runs; stopped at the end, both exiting 0, none left."""
+  host = tunix_bench.BenchHost(NODES)
+  try:
+    host.start(lambda _: None)
+    yield host.nodes
+  finally:
+    code = host.stop()
+  assert code == 0
+  assert not any(procs.running(pid) for pid in host.pids), host.pids
+
+
+@pytest.fixture(name="bench")
+def fixture_bench(nodes, monkeypatch, capsys, tmp_path):
+  """`tunix-stage bench --host tunix --tiny --quick --steps 1 --microbatches 2 ARGS` in this
+  process, on the module's nodes: (its output folder, its JSON, its stdout)."""
+  monkeypatch.setattr(host_lib, "load", lambda options: _Adopted(options, nodes))
+  monkeypatch.delenv("GRPC_VERBOSITY", raising=False)  # the command sets it
+
+  def run(*args):
+    out = tmp_path / "out"
+    code = cli_main.main(["bench", "--host", "tunix", "--tiny", "--quick", "--steps", "1",
+                          "--microbatches", "2", "--out", str(out), *args])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return out, json.loads((out / "bench.json").read_text()), stdout
+
+  return run
+
+
+def test_every_mode_on_tunix_trains_the_same_parameters_in_order(bench, capsys):
+  out, report, stdout = bench()
   assert report["options"]["host"] == "tunix"
-  assert "tunix-stage bench on the tunix host" in done.stdout
+  assert "tunix-stage bench on the tunix host" in stdout
   calibration = report["calibration"]
   assert calibration["wire_bytes_per_s"] is None and calibration["h2d"] == "real"
   assert calibration["sync_s"] == 0.0
@@ -75,25 +133,22 @@ def test_every_mode_on_tunix_trains_the_same_parameters_in_order(tmp_path):
   assert (out / "trace.json").exists() and (out / "timeline.png").exists()
 
   # The same JSON through the host-agnostic tools: simulate's check and --compare.
-  check = subprocess.run(
-      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "simulate", "--check",
-       str(out / "bench.json"), "--json", "-"], capture_output=True, text=True, timeout=120)
-  assert check.returncode == 0, check.stderr
-  assert set(json.loads(check.stdout)["modes"]) == set(modes)
-  compare = subprocess.run(
-      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--compare",
-       str(out / "bench.json"), str(out / "bench.json")], capture_output=True, text=True,
-      timeout=120)
-  assert compare.returncode == 0, compare.stderr
-  assert "depth2_prestage" in compare.stdout
+  code = cli_main.main(["simulate", "--check", str(out / "bench.json"), "--json", "-"])
+  check = capsys.readouterr()
+  assert code == 0, check.err
+  assert set(json.loads(check.out)["modes"]) == set(modes)
+  code = cli_main.main(["bench", "--compare", str(out / "bench.json"), str(out / "bench.json")])
+  compare = capsys.readouterr()
+  assert code == 0, compare.err
+  assert "depth2_prestage" in compare.out
 
 
-def test_inline_runs_with_nothing_of_the_plugin_installed_on_either_side():
+def test_inline_runs_with_nothing_of_the_plugin_installed_on_either_side(nodes):
   """The inline mode is tunix byte for byte: the node it runs on reports no plugin (checked when
   the host connects), and in this process nothing is installed while tunix's loop runs it; a
   staged mode installs the plugin here for its run only."""
   options = results.BenchOptions(host="tunix", tiny=True, microbatches=2, steps=1)
-  host = host_lib.load(options)
+  host = _Adopted(options, nodes)
   seen: dict[str, list[bool]] = {"inline": [], "depth2_prestage": []}
 
   async def main():
@@ -121,7 +176,7 @@ def test_inline_runs_with_nothing_of_the_plugin_installed_on_either_side():
   assert not manager.is_installed()
 
 
-def test_over_tunix_message_cap_inline_takes_the_plugins_path_and_trains_the_same(tmp_path):
+def test_over_tunix_message_cap_inline_takes_the_plugins_path_and_trains_the_same(bench):
   """160 MiB micro-batches (over tunix's 128 MiB cap): tunix's unary call cannot carry them, so
   inline runs on the plugin's node staging nothing, and every mode still trains the same
   parameters."""
@@ -130,8 +185,7 @@ def test_over_tunix_message_cap_inline_takes_the_plugins_path_and_trains_the_sam
   assert host.over_cap(options.sizes())
   assert host.node_for("inline") == tunix_bench.PLUGIN
   assert host.node_for("resident") == tunix_bench.PLAIN
-  _, report, _ = _bench(tmp_path, "--payload_mib", "160", "--modes",
-                        "inline,depth2_prestage,resident")
+  _, report, _ = bench("--payload_mib", "160", "--modes", "inline,depth2_prestage,resident")
   verdicts = {c["name"]: c["passed"] for c in report["criteria"]}
   assert all(verdicts[name] is True for name in CORRECTNESS), verdicts
   assert report["modes"]["inline"]["peak_device_batches"] == 0  # nothing staged

@@ -120,13 +120,10 @@ def test_the_example_of_the_upstream_pattern_runs_and_writes_json(tmp_path, caps
       modes["resident"]["predicted_median_step_s"])
 
 
-def test_check_predicts_a_tiny_bench_run(tmp_path):
-  """Structure only: a --tiny run's steps last milliseconds, so its accuracy means nothing."""
-  out = tmp_path / "b"
-  bench = subprocess.run(
-      [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
-       "--steps", "1", "--microbatches", "3", "--payload_mib", "0.05", "--out", str(out),
-       "--png", ""], capture_output=True, text=True, timeout=300)
+def test_check_predicts_a_tiny_bench_run(tiny_run):
+  """Structure only: a --tiny run's steps last milliseconds, so its accuracy means nothing.
+  (tiny_run: `bench --tiny --quick --steps 1 --microbatches 3`, tests/conftest.py.)"""
+  bench, out = tiny_run
   assert bench.returncode == 0, bench.stderr[-3000:]
   check = subprocess.run(
       [sys.executable, "-m", "tunix_stage_plugin.cli.main", "simulate", "--check",

@@ -64,6 +64,7 @@ def clean():
   manager.uninstall("tunix", quiet=True)
 
 
+@pytest.mark.loop_way
 def test_install_uninstall_reinstall_leaves_classes_exactly_as_they_were(clean):
   before = snapshot()
   seams = ("_stage_ahead_while_pending", "_prestage_across_boundary")
@@ -96,6 +97,7 @@ def test_host_that_has_its_own_stage_batch_gets_nothing(clean, monkeypatch, caps
          "already has ['stage_batch']" in err[0]
 
 
+@pytest.mark.loop_way
 @copy_only
 def test_tunix_c7d8950_s_train_stage_is_the_body_the_staged_loop_reproduces():
   train_stage = rl_program.StandardRLProgram.train_stage
@@ -126,6 +128,7 @@ def newer_train_stage(monkeypatch, tmp_path):
   return train_stage
 
 
+@pytest.mark.loop_way
 @copy_only
 def test_a_tunix_whose_train_stage_body_changed_gets_nothing(clean, newer_train_stage, capsys):
   found = probing.fingerprint(newer_train_stage)
@@ -143,6 +146,7 @@ def test_a_tunix_whose_train_stage_body_changed_gets_nothing(clean, newer_train_
       f"TUNIX_STAGE_ACCEPT_TRAIN_STAGE={found})")
 
 
+@pytest.mark.loop_way
 @copy_only
 def test_the_setting_stages_the_one_body_it_names(clean, newer_train_stage, capsys, caplog):
   found = probing.fingerprint(newer_train_stage)
@@ -169,11 +173,13 @@ def test_the_setting_stages_the_one_body_it_names(clean, newer_train_stage, caps
   assert snapshot() == before
 
 
+@pytest.mark.loop_way
 def test_tunix_s_own_body_stages_whatever_the_setting_names(clean):
   other = config_lib.resolve({"mode": "stage", "accept_train_stage": "0123456789abcdef"}, env={})
   assert manager.install(other, quiet=True).installed
 
 
+@pytest.mark.loop_way
 @copy_only
 def test_a_train_stage_without_source_gets_nothing(clean, monkeypatch, capsys):
   namespace = dict(vars(rl_program))
@@ -187,6 +193,7 @@ def test_a_train_stage_without_source_gets_nothing(clean, monkeypatch, capsys):
   assert "StandardRLProgram.train_stage's body: its source is not available" in line
 
 
+@pytest.mark.loop_way
 @pytest.mark.skipif("TUNIX_STAGE_TEST_TREE" not in os.environ,
                     reason="CI names the tree it runs on (.ci/run); a checkout of yours may be "
                     "either")
@@ -198,6 +205,7 @@ def test_the_train_loop_is_staged_the_way_this_tree_needs(clean):
   assert ("fingerprint" in activation.line) == (WAY == probes.COPY)
 
 
+@pytest.mark.loop_way
 @seam_only
 def test_through_the_seam_train_stage_is_tunix_s_whatever_its_fingerprint(
     clean, newer_train_stage):
@@ -211,6 +219,7 @@ def test_through_the_seam_train_stage_is_tunix_s_whatever_its_fingerprint(
   assert snapshot() == before
 
 
+@pytest.mark.loop_way
 @seam_only
 def test_a_seam_of_another_shape_gets_nothing(clean, monkeypatch, capsys):
   async def _train_microbatches(self, engine, step, microbatches):  # trains nothing
@@ -240,6 +249,7 @@ PROBE_PATCHED = ("import tunix.experimental.orchestrator.rl_program as p; "
                  "'__tunix_stage_patched__' in vars(p.StandardRLProgram))")
 
 
+@pytest.mark.loop_way
 def test_bootstrap_installs_on_first_tunix_import_only_when_stage():
   on = run_fresh(PROBE_PATCHED, TUNIX_STAGE_BATCH="stage", TUNIX_MAX_STAGED_BATCHES="3")
   assert on.stdout.split() == ["True", "True"]

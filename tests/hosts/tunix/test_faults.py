@@ -281,6 +281,7 @@ def staging():
   manager.uninstall("tunix", quiet=True)
 
 
+@pytest.mark.loop_way
 def test_a_sigstopped_trainer_fails_the_job_within_the_call_deadline_plus_a_short_reset(
     node, staging, caplog):
   """The trainer freezes after step 0. Step 1's calls wait tunix's call deadline (the handle's

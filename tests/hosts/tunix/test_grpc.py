@@ -472,6 +472,7 @@ def inline(node):
   return params
 
 
+@pytest.mark.loop_way
 def test_staged_training_is_bit_identical_to_a_trainer_without_the_plugin(node, inline):
   staged_params, staged_inputs, reports = run_program(node["staged"], staged=True)
   # The trainer's own count of staged fwd_bwd calls (arrived placed and sharded) is the
@@ -505,6 +506,7 @@ class OwnDepthProgram(rl_program.StandardRLProgram):
     return 1 if step == 0 else 0
 
 
+@pytest.mark.loop_way
 def test_a_program_subclass_skipping_the_prestage_trains_the_same_parameters(node, inline):
   params, inputs, reports = run_program(node["no_prestage"], staged=True,
                                         program_cls=NoPrestageProgram)
@@ -515,6 +517,7 @@ def test_a_program_subclass_skipping_the_prestage_trains_the_same_parameters(nod
   assert params == inline  # byte for byte
 
 
+@pytest.mark.loop_way
 def test_a_program_subclass_with_its_own_depth_trains_the_same_parameters(node, inline):
   params, inputs, reports = run_program(node["own_depth"], staged=True,
                                         program_cls=OwnDepthProgram)

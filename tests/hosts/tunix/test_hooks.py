@@ -155,6 +155,7 @@ def expected_calls(steps):
   return calls
 
 
+@pytest.mark.loop_way
 def test_staged_program_trains_every_microbatch_once_in_order(staging):
   trainer, worker, reports = run_program(steps=3)
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
@@ -173,6 +174,7 @@ def test_staged_program_trains_every_microbatch_once_in_order(staging):
   assert len(ADAPTER.installation.staging_of(worker).store) == 0  # nothing left on the device
 
 
+@pytest.mark.loop_way
 def test_no_cross_step_prestage_at_max_staleness_0_logged_once(staging, caplog):
   with caplog.at_level(logging.INFO, logger="tunix_stage_plugin"):
     trainer, _, reports = run_program(steps=3, max_staleness=0)
@@ -223,6 +225,7 @@ def run_subclass(program_cls, steps=3):
   return program, trainer, worker, reports
 
 
+@pytest.mark.loop_way
 def test_the_seams_exist_only_while_staging_is_installed(staging):
   program = rl_program.StandardRLProgram(algo=ALGO, assembler=OnePerItem(), max_staleness=None)
   assert program._stage_ahead_while_pending(3, 2) == 2  # pylint: disable=protected-access
@@ -232,6 +235,7 @@ def test_the_seams_exist_only_while_staging_is_installed(staging):
   assert not hasattr(rl_program.StandardRLProgram, "_prestage_across_boundary")
 
 
+@pytest.mark.loop_way
 def test_a_subclass_that_skips_the_prestage_is_honoured(staging):
   program, trainer, _, reports = run_subclass(NoPrestageProgram)
   assert [c[:2] for c in trainer.calls] == expected_calls(3)  # the same micro-batches, in order
@@ -243,6 +247,7 @@ def test_a_subclass_that_skips_the_prestage_is_honoured(staging):
   assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 3  # staging went on in steps
 
 
+@pytest.mark.loop_way
 def test_a_subclass_with_its_own_depth_is_honoured(staging):
   program, trainer, worker, reports = run_subclass(OwnDepthProgram)
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
@@ -257,6 +262,7 @@ def test_a_subclass_with_its_own_depth_is_honoured(staging):
       r.stage_metrics["stage/staged"] for r in reports)
 
 
+@pytest.mark.loop_way
 def test_failing_stage_falls_back_inline_and_is_counted(staging):
   def fail_on_6(payload):
     if int(np.asarray(payload["mb"]).ravel()[0]) == 6:
@@ -274,6 +280,7 @@ def test_failing_stage_falls_back_inline_and_is_counted(staging):
   assert worker.state == datatypes.WorkerState.READY
 
 
+@pytest.mark.loop_way
 @pytest.mark.parametrize("staging", [{"max_device_batches": 1}], indirect=True)
 def test_device_bound_holds_and_order_is_kept(staging):
   trainer, worker, reports = run_program(steps=2)
@@ -284,6 +291,7 @@ def test_device_bound_holds_and_order_is_kept(staging):
              for r in reports)
 
 
+@pytest.mark.loop_way
 def test_mock_engine_keeps_the_hosts_loop(staging):
   engine = mock.MagicMock(spec=distributed_rl_engine.DistributedRLEngine)
   engine.train_step = mock.AsyncMock(return_value="step_done")
@@ -539,6 +547,7 @@ class InstancePreparingTrainer(RecordingTrainer):
     return peft_trainer_v2.PeftTrainer._prepare_payload(self, payload)  # pylint: disable=protected-access
 
 
+@pytest.mark.loop_way
 def test_a_trainer_that_cannot_stage_is_asked_once(staging, caplog):
   with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
     trainer, worker, reports = run_program(steps=3, trainer_cls=InstancePreparingTrainer)
@@ -639,6 +648,7 @@ def run_reading_defaults(missing, steps=2):
   return trainer, reports
 
 
+@pytest.mark.loop_way
 @pytest.mark.parametrize("missing", ["reward", "payload", "requires_reference_kl"])
 def test_the_staged_loop_reads_with_tunix_s_defaults(staging, missing):
   staged, staged_reports = run_reading_defaults(missing)
@@ -707,6 +717,7 @@ def run_reference_kl():
   return trainer, reference
 
 
+@pytest.mark.loop_way
 def test_reference_kl_refuses_the_group_before_any_of_it_trains(staging):
   staged, staged_reference = run_reference_kl()
   manager.uninstall("tunix", quiet=True)
@@ -746,6 +757,7 @@ def run_cleared(steps=2):
   return trainer, worker, reports, main
 
 
+@pytest.mark.loop_way
 @pytest.mark.skipif(WAY != probes.COPY, reason="the plugin's copy of train_stage only (c7d8950)")
 def test_a_cleared_queue_ends_tunix_s_step_and_stops_the_staged_loop(staging):
   """The one behaviour the staged loop does not keep (program.py's docstring says why)."""
@@ -765,6 +777,7 @@ def test_a_cleared_queue_ends_tunix_s_step_and_stops_the_staged_loop(staging):
   assert reports[0].train_result is not None and reports[1].train_result is None
 
 
+@pytest.mark.loop_way
 @pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
 def test_a_cleared_queue_ends_the_step_as_tunix_s_loop_does(staging):
   """Through the seam the staged loop keeps tunix's behaviour: the step whose queue was cleared
@@ -806,6 +819,7 @@ class WrappingProgram(rl_program.StandardRLProgram):
     return await super()._train_microbatches(engine, step, microbatches)
 
 
+@pytest.mark.loop_way
 @pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
 def test_the_seam_way_leaves_train_stage_tunix_s_and_stages_through_the_seam(staging):
   program_cls = rl_program.StandardRLProgram
@@ -823,6 +837,7 @@ def test_the_seam_way_leaves_train_stage_tunix_s_and_stages_through_the_seam(sta
   assert len(ADAPTER.installation.staging_of(worker).store) == 0
 
 
+@pytest.mark.loop_way
 @pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
 def test_a_program_overriding_the_seam_is_staged_within_its_steps(staging, caplog):
   with caplog.at_level(logging.INFO, logger="tunix_stage_plugin"):

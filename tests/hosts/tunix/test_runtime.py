@@ -47,7 +47,7 @@ except ImportError:
 
 # A skip of the selected tests, not of the module: a run that selects none of them (the MaxText
 # venv's `-m maxtext`) reports no skip.
-pytestmark = [pytest.mark.tunix, pytest.mark.skipif(
+pytestmark = [pytest.mark.tunix, pytest.mark.loop_way, pytest.mark.skipif(
     not LOADS_PLUGINS, reason="this tunix's runtime loads no plugin "
     "(patches/tunix-plugins-entry-point.patch is not applied)")]
 

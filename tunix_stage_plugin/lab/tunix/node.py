@@ -14,8 +14,8 @@ own bookkeeping sits around tunix's classes, never inside them:
   (core.telemetry.trainer.ComputeWatcher: the plugin's on its node, one of its class on the
   plain node), so the calls still answer once XLA has the work queued, as tunix's do;
 - a PeftTrainer subclass times `_prepare_payload` (the placement, on whichever lane runs it);
-- `bench_*` methods on the TrainerWorker subclass: setup (the initial state again), resident
-  placement, the timeline, the clock, and a run's figures.
+- `bench_*` methods on the TrainerWorker subclass: setup (the initial state again, and the
+  payload's size), resident placement, the timeline, the clock, and a run's figures.
 
 Prints one JSON line (port, pid) once it serves, then serves until stdin closes.
 docs/bench.md "Hosts".
@@ -257,10 +257,13 @@ class BenchWorker(trainer_worker.TrainerWorker):
   def bench_clock(self) -> float:
     return time.perf_counter()
 
-  def bench_setup(self) -> int | None:
+  def bench_setup(self, sizes: dict[str, Any] | None = None) -> int | None:
     """The initial parameters, optimizer state and accumulator again (compiled functions kept),
     an empty timeline and resident set, the staging store's peaks and this process's peak RSS
-    from now."""
+    from now; `sizes` (data.Sizes fields), when given, the micro-batches' from now (the model
+    does not depend on the payload's size, so one node serves runs of several)."""
+    if sizes is not None:
+      self.spec = {**self.spec, "sizes": sizes}
     trainer = self._trainer
     if self.initial is None:
       self.initial = (_copied(nnx.state(trainer.model)), _copied(nnx.state(trainer.optimizer)))
