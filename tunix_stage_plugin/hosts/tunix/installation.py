@@ -87,7 +87,7 @@ class Installation:
     # computation); in a process that only orchestrates they see no span of theirs.
     self.telemetry.trainer(self._take_peaks)
     self._watcher: trainer_telemetry.ComputeWatcher | None = None
-    self._tracers: list[Any] = []
+    self._told: list[Any] = []  # the tracers and metrics loggers told of staging
     self._bound_pool()
     live.on_update(self._reconfigure)
 
@@ -112,11 +112,21 @@ class Installation:
 
   def trace_into(self, tracer: Any, make_sink: Callable[[Any], recorder_lib.Sink]) -> None:
     """Tells `tracer` (a trainer's tunix PerfTracer) of the staging spans from now on (once)."""
+    if self._first_of(tracer):
+      self.telemetry.recorder.add_sink(make_sink(tracer))
+
+  def log_into(self, logger: Any, make_sink: Callable[[], telemetry_lib.StepSink]) -> None:
+    """Tells `logger` (a trainer's own metrics logger) each trainer step's figures from now on
+    (once)."""
+    if self._first_of(logger):
+      self.telemetry.add_step_sink(make_sink())
+
+  def _first_of(self, told: Any) -> bool:
     with self._lock:
-      if any(t is tracer for t in self._tracers):
-        return
-      self._tracers.append(tracer)
-    self.telemetry.recorder.add_sink(make_sink(tracer))
+      if any(t is told for t in self._told):
+        return False
+      self._told.append(told)
+      return True
 
   def _take_peaks(self) -> tuple[int, int]:
     """The most staged micro-batches held at once, over this node's workers, since last asked."""

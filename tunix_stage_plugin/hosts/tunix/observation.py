@@ -1,7 +1,8 @@
 """Every fwd_bwd and update the worker runs, observed for the job's telemetry without changing what
 it does or answers: its inline preparation timed through the placement's seam, its computation's
 output handed to the installation's watcher (which records the device time off the compute lane),
-and, where the trainer has a tunix PerfTracer, a `peft_train` span around it (tracing.py).
+and, where the trainer has a tunix PerfTracer, a `peft_train` span around it (tracing.py); where
+it has a metrics logger, each step's figures go there too (metrics.py).
 docs/observability.md.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import metrics
 from tunix_stage_plugin.hosts.tunix import peft
 from tunix_stage_plugin.hosts.tunix import tracing
 
@@ -52,6 +54,9 @@ def observed(inst: installation_lib.Installation, state: installation_lib.Worker
   tracer = _unless_broken(inst, target, lambda: placement.tracer(target))
   if tracer is not None:
     inst.trace_into(tracer, tracing.TracerSink)
+  logger = _unless_broken(inst, target, lambda: placement.metrics_logger(target))
+  if logger is not None:
+    inst.log_into(logger, lambda: metrics.MetricsSink(logger, target.metrics_prefix))
   started = time.perf_counter()
   inline = placements.Prepared()
   try:
@@ -66,8 +71,12 @@ def observed(inst: installation_lib.Installation, state: installation_lib.Worker
                         bytes=payload_bytes)
   if output is not None:
     queued = started if inline.span is None else max(started, inline.span[1])
+    # An update answers the host's own step count (TrainerWorker.update -> int): the step its
+    # loss is logged at, carried to the step's figures (`host_step`).
+    step = {"host_step": int(result)} if kind == tracks.UPDATE and isinstance(
+        result, (int, np.integer)) else {}
     inst.watcher(jax.block_until_ready, placement.host).dispatched(
-        kind, queued, time.perf_counter(), output, on_ready=device_span)
+        kind, queued, time.perf_counter(), output, on_ready=device_span, **step)
   elif device_span is not None:  # no output to watch: its device span ends with the call
     device_span()
   return result
