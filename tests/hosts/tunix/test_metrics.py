@@ -82,3 +82,31 @@ def test_a_logger_that_raises_is_said_once_and_dropped_and_the_job_goes_on(logge
   assert len(tel.history["trainer"]) == 3  # every step still made its figures and record
   assert not [e for e in logged if "stage/" in e[0]]
   tel.close()
+
+
+def test_with_opentelemetry_on_the_same_scalars_arrive_as_tunix_s_gauges():
+  """tunix's double-write (`enable_opentelemetry`): each stage scalar is a gauge named as tunix
+  names a metric it does not know (`tunix.stage.<name>`), in train mode, read here by an
+  in-memory OpenTelemetry reader given to the logger."""
+  sdk_metrics = pytest.importorskip("opentelemetry.sdk.metrics")
+  export = pytest.importorskip("opentelemetry.sdk.metrics.export")
+  reader = export.InMemoryMetricReader()
+  backend = types.SimpleNamespace(log_scalar=lambda *args, **kwargs: None, close=lambda: None)
+  logger = metrics_logger_lib.MetricsLogger(
+      metrics_logger_lib.MetricsLoggerOptions(log_dir="unused", enable_opentelemetry=True,
+                                              backend_kwargs={"custom_backend": [lambda: backend]}),
+      otel_meter_provider=sdk_metrics.MeterProvider(metric_readers=[reader]))
+  jax.monitoring.unregister_scalar_listener(backend.log_scalar)  # only the gauges are read here
+  tel = process.Telemetry(process.Settings(host="tunix", log_every=0))
+  tel.trainer()
+  tel.add_step_sink(metrics.MetricsSink(logger, ""))
+  run_steps(tel, [1, 2])
+  points = {m.name: [(dict(p.attributes), p.value) for p in m.data.data_points]
+            for rm in reader.get_metrics_data().resource_metrics
+            for sm in rm.scope_metrics for m in sm.metrics}
+  assert points["tunix.stage.compute_s"] == [({"tunix.training.mode": "train"},
+                                               pytest.approx(1.1))]
+  assert {f"tunix.{scalars.PREFIX.replace('/', '.')}{name}" for name in (
+      "compute_s", "input_wait_mid_step_s", "staged", "bound_by_compute")} <= set(points)
+  assert points["tunix.training.step"] == [({"tunix.training.mode": "train"}, 2)]
+  tel.close()
