@@ -87,7 +87,8 @@ class Installation:
     # computation); in a process that only orchestrates they see no span of theirs.
     self.telemetry.trainer(self._take_peaks)
     self._watcher: trainer_telemetry.ComputeWatcher | None = None
-    self._told: list[Any] = []  # the tracers and metrics loggers told of staging
+    self._tracers: list[Any] = []
+    self._logger: Any = None  # the metrics logger told of each trainer step (the first met)
     self._bound_pool()
     live.on_update(self._reconfigure)
 
@@ -112,21 +113,21 @@ class Installation:
 
   def trace_into(self, tracer: Any, make_sink: Callable[[Any], recorder_lib.Sink]) -> None:
     """Tells `tracer` (a trainer's tunix PerfTracer) of the staging spans from now on (once)."""
-    if self._first_of(tracer):
-      self.telemetry.recorder.add_sink(make_sink(tracer))
+    with self._lock:
+      if any(t is tracer for t in self._tracers):
+        return
+      self._tracers.append(tracer)
+    self.telemetry.recorder.add_sink(make_sink(tracer))
 
   def log_into(self, logger: Any, make_sink: Callable[[], telemetry_lib.StepSink]) -> None:
-    """Tells `logger` (a trainer's own metrics logger) each trainer step's figures from now on
-    (once)."""
-    if self._first_of(logger):
-      self.telemetry.add_step_sink(make_sink())
-
-  def _first_of(self, told: Any) -> bool:
+    """Tells `logger` (a trainer's own metrics logger) each trainer step's figures from now on,
+    where no logger is told yet: the figures are this process's, and a logger's backends listen
+    process-wide (jax.monitoring), so one logger gets them to every backend once."""
     with self._lock:
-      if any(t is told for t in self._told):
-        return False
-      self._told.append(told)
-      return True
+      if self._logger is not None:
+        return
+      self._logger = logger
+    self.telemetry.add_step_sink(make_sink())
 
   def _take_peaks(self) -> tuple[int, int]:
     """The most staged micro-batches held at once, over this node's workers, since last asked."""
