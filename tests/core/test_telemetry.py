@@ -28,6 +28,7 @@ from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.core.telemetry import scalars
 from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
 from tunix_stage_plugin.core.telemetry.recorder import Span
 from tunix_stage_plugin.lab.bench import trace as trace_lib
@@ -358,3 +359,65 @@ def test_the_per_step_line_is_said_every_n_steps(capsys, every, said):
   for step in range(4):
     lines.say(step, every, f"line {step}")
   assert capsys.readouterr().err.splitlines() == [f"line {s}" for s in said]
+
+
+def test_the_step_s_scalars_are_named_under_stage_from_the_one_table():
+  """Each trainer step's figures as named scalars (a trainer's own metrics logger logs them):
+  every name under `stage/`, read from the figures the aggregator made; an unknown figure (the
+  first step's boundary wait, a slowdown without a baseline) is left out, not logged as 0."""
+  steps = []
+  agg = trainer_lib.TrainerSteps(steps.append, peaks=lambda: (2, 1))
+  for span in (compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.2, host_step=7),
+               Span(tracks.TRAINER_RECEIVE, "stage_batch", 1.2, 1.7,
+                    (("bytes", 1 << 30), ("transport", "side"))),
+               Span(tracks.TRAINER_H2D, "s1-m0", 1.7, 1.8, (("bytes", 8), ("lane", "staging"))),
+               compute("fwd_bwd", 2.0, 3.0), compute("update", 3.0, 3.2, host_step=8)):
+    agg.record(span)
+  first, second = steps
+  assert (first["host_step"], second["host_step"]) == (7, 8)  # what each update answered
+  named = scalars.trainer(second)
+  assert all(name.startswith(scalars.PREFIX) for name in named)
+  assert set(named) == {scalars.PREFIX + name for name in scalars.TRAINER}
+  assert named["stage/input_wait_boundary_s"] == pytest.approx(0.8)
+  assert named["stage/received_gib_s"] == pytest.approx(1 / 0.5)
+  assert named["stage/staged"] == 1 and named["stage/inline"] == 0
+  assert named["stage/peak_device_batches"] == 2
+  assert named["stage/bound_by_wire"] == 1
+  assert named["stage/bound_by_compute"] == named["stage/bound_by_shared_cores"] == 0
+  assert "stage/input_wait_boundary_s" not in scalars.trainer(first)
+  assert "stage/received_gib_s" not in scalars.trainer(first)  # nothing received in it
+
+
+def test_a_step_sink_that_raises_is_said_once_and_dropped_and_the_record_goes_on(
+    tmp_path, caplog):
+  tel = process.Telemetry(process.Settings(host="test", metrics_dir=str(tmp_path / "m"),
+                                           log_every=0))
+  tel.trainer()
+  told = []
+
+  class Logger:  # a step sink, as a trainer's metrics logger gets one
+    def step(self, figures):
+      told.append(figures["host_step"])
+
+  class Broken:
+    def step(self, figures):
+      raise OSError("disk full")
+
+  tel.add_step_sink(Broken())
+  tel.add_step_sink(Logger())
+  with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
+    for n in range(3):
+      for span in (compute("fwd_bwd", 2.0 * n, 2.0 * n + 1.0),
+                   compute("update", 2.0 * n + 1.0, 2.0 * n + 1.1, host_step=n + 1)):
+        tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
+  assert told == [1, 2, 3]
+  assert [r.message for r in caplog.records] == [
+      "tunix-stage: telemetry: Broken failed (OSError: disk full) and was dropped; staging goes on"]
+  (path,) = record_lib.files([str(tmp_path / "m")])
+  records, _ = record_lib.read(path)
+  assert [r["host_step"] for r in records] == [1, 2, 3]  # the record carries the host's step
+  tel.close()
+  tel.trainer().record(compute("fwd_bwd", 9.0, 9.5))  # closed: no sink is told any more
+  tel.trainer().record(compute("update", 9.5, 9.6, host_step=4))
+  assert told == [1, 2, 3]
+  tel.close()

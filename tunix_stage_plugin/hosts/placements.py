@@ -44,6 +44,9 @@ class Placement(Protocol):
   def tracer(self, target: Any) -> Any:
     """`target`'s tunix PerfTracer, where it has one (hosts/tunix/tracing.py); else None."""
 
+  def metrics_logger(self, target: Any) -> Any:
+    """`target`'s tunix MetricsLogger, where it has one (hosts/tunix/metrics.py); else None."""
+
 
 _lock = threading.Lock()
 _placements: list[Placement] = []

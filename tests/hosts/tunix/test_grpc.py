@@ -61,6 +61,9 @@ BIG_LAYERS, BIG_TOP_K, BIG_ROUTED = 2048, 512, 8
 NODE_DEPTH = "STAGE_TEST_NODE_MAX_DEVICE_BATCHES"
 # The observed node's metrics folder (TUNIX_STAGE_METRICS of its install).
 NODE_METRICS = "STAGE_TEST_NODE_METRICS"
+# Where the node's PeftTrainers' MetricsLogger writes TensorBoard files (unset: tunix's default,
+# a MetricsLogger with no backend); test_observability.py.
+NODE_TENSORBOARD = "STAGE_TEST_NODE_TENSORBOARD"
 
 
 def batch(seed, layers=LAYERS, top_k=TOP_K, routed=None):
@@ -110,6 +113,7 @@ def serve(kind: str) -> None:
         env={})).installed
   elif kind == "plain":
     remote_execution._MAX_MESSAGE_BYTES = TEST_CAP  # pylint: disable=protected-access
+  # "bare": tunix alone, one worker, nothing of the plugin (test_observability.py).
   # "runtime": launched by tunix's runtime, whatever activated there (test_runtime.py).
   mesh = Mesh(np.array(jax.devices()).reshape(2, 1), ("fsdp", "tp"))
 
@@ -215,6 +219,13 @@ def serve(kind: str) -> None:
       trace_writer.PerfettoTraceWriter(folder).write_timelines(timelines)
       return sorted(names), sorted(os.listdir(folder))
 
+    def close_trainer(self):
+      """Closes the trainer (tunix writes its last loss and closes its MetricsLogger's backends)
+      once the plugin (where installed) has told it every step."""
+      if kind != "bare":
+        assert ADAPTER.installation.drain(60)
+      self._trainer.close()
+
     def parameters(self):
       state = nnx.state(self._trainer.model, nnx.Param)
       return {jax.tree_util.keystr(path): np.asarray(leaf).tobytes()
@@ -244,15 +255,19 @@ def serve(kind: str) -> None:
       traced.append(perf_tracer.PerfTracer(
           devices=jax.devices(), export_fn=lambda timelines: timelines))
       extra["perf_tracer_v2"] = traced[-1]
+    logged = None if NODE_TENSORBOARD not in os.environ else (
+        peft_trainer_v2.MetricsLoggerOptions(log_dir=os.environ[NODE_TENSORBOARD],
+                                             flush_every_n_steps=1))
     with mesh:
       model = TinyLM(nnx.Rngs(0))
       nnx.update(model, jax.tree.map(
           lambda x: jax.device_put(x, NamedSharding(mesh, PartitionSpec())), nnx.state(model)))
       trainer = trainer_cls(
           model, optax.adamw(1e-2),
-          peft_trainer_v2.TrainingConfig(eval_every_n_steps=1000,
-                                         gradient_accumulation_steps=MICRO,
-                                         data_sharding_axis=("fsdp",), pbar_description=None),
+          peft_trainer_v2.TrainingConfig(
+              eval_every_n_steps=1000, gradient_accumulation_steps=MICRO,
+              data_sharding_axis=("fsdp",), pbar_description=None,
+              metrics_logging_options=logged),
           **extra)
     trainer.with_loss_fn(loss_fn)
     return MeshBound(trainer)
@@ -260,7 +275,7 @@ def serve(kind: str) -> None:
   async def main():
     servers, ports = [], {}
     for name in {"plugin": PLUGIN_WORKERS, "plain": PLAIN_WORKERS, "runtime": ("runtime",),
-                 "observed": ("observed",)}[kind]:
+                 "observed": ("observed",), "bare": ("bare",)}[kind]:
       trainer_cls = OwnPreparingTrainer if name in OWN_PREPARE else ShiftingTrainer
       worker = NodeWorker(functools.partial(make_trainer, trainer_cls), worker_id=name)
       worker.initialize()

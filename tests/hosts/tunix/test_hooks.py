@@ -560,6 +560,23 @@ def test_a_trainer_that_cannot_stage_is_asked_once(staging, caplog):
   assert len(lines) == 1, lines
 
 
+def test_what_the_telemetry_cannot_read_of_a_trainer_is_said_once_each_and_it_trains_on(
+    staging, caplog):
+  """RecordingTrainer runs nothing of PeftTrainer's __init__: it holds no computation output, no
+  PerfTracer and no metrics logger. Each is said once, with what is lost; every call trains."""
+  with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
+    trainer, _, _ = run_program(steps=3)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)
+  said = sorted(r.message for r in caplog.records if " holds no " in r.message)
+  assert [line.split(" (")[0] for line in said] == [
+      "tunix-stage: telemetry: RecordingTrainer holds no PerfTracer to read",
+      "tunix-stage: telemetry: RecordingTrainer holds no computation output to watch",
+      "tunix-stage: telemetry: RecordingTrainer holds no metrics logger to read"]
+  assert said[0].endswith("; staging's spans are not on its timelines")
+  assert said[1].endswith("; its steps are not measured")
+  assert said[2].endswith("; staging's figures are not logged there")
+
+
 def test_fwd_bwd_without_a_key_is_the_hosts_call(staging):
   trainer = mock.MagicMock()
   worker = trainer_worker.TrainerWorker(lambda: trainer)

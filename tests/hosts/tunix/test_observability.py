@@ -13,6 +13,7 @@ plugin's spans next to `peft_train`.
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 from tests.hosts.tunix import test_grpc  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import analysis  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import scalars
 
 pytestmark = pytest.mark.tunix
 MIB = 1 << 20
@@ -129,3 +131,57 @@ def test_the_peft_train_device_span_ends_on_the_watcher_s_one_wait():
   host = [s for tid, found in spans.items() if tid.startswith("host") for s in found]
   assert [s.name for s in host] == ["peft_train"]
   watcher.close()
+
+
+def tensorboard_scalars(folder):
+  """{tag: [(step, value)]} of every TensorBoard event file under `folder`, read back from the
+  files' TFRecord framing (length, its CRC, the Event, its CRC) with tensorboardX's Event proto."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+  scalars = {}
+  files = sorted(p for p in folder.rglob("*") if "tfevents" in p.name)
+  assert files, f"no TensorBoard event file under {folder}"
+  for path in files:
+    data, at = path.read_bytes(), 0
+    while at < len(data):
+      (length,) = struct.unpack("<Q", data[at:at + 8])
+      event = event_pb2.Event.FromString(data[at + 12:at + 12 + length])
+      at += 12 + length + 4
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_path):
+  """A trainer node whose PeftTrainer has a MetricsLogger writing TensorBoard files: staged, the
+  files hold `train/stage/...` at the steps of the trainer's own `train/loss`; a node without
+  the plugin (staging off) writes its loss and no `stage/` tag."""
+  on, off = tmp_path / "on", tmp_path / "off"
+  nodes = [test_grpc._start_node("observed", **{test_grpc.NODE_METRICS: str(tmp_path / "m"),  # pylint: disable=protected-access
+                                                test_grpc.NODE_TENSORBOARD: str(on)}),
+           test_grpc._start_node("bare", **{test_grpc.NODE_TENSORBOARD: str(off)})]  # pylint: disable=protected-access
+  try:
+    (port_on,), (port_off,) = (ports.values() for _, ports in nodes)
+    test_grpc.run_program(port_on, staged=True)
+    test_grpc.run_program(port_off, staged=False)
+    for port in (port_on, port_off):
+      test_grpc.ask_node(port, "close_trainer")
+  finally:
+    for proc, _ in nodes:
+      test_grpc._stop_node(proc)  # pylint: disable=protected-access
+  staged = tensorboard_scalars(on)
+  loss_steps = [step for step, _ in staged["train/loss"]]
+  assert loss_steps == list(range(1, test_grpc.STEPS + 1)), staged["train/loss"]
+  stage = {tag: points for tag, points in staged.items() if tag.startswith("train/stage/")}
+  print(f"\nstaged TensorBoard tags: {sorted(staged)}")
+  always = ("compute_s", "input_wait_mid_step_s", "other_s", "staged", "inline", "pool_waits",
+            "bound_by_compute", "bound_by_wire", "bound_by_shared_cores")
+  for name in always:  # known every step: at every step of the loss, once
+    assert [step for step, _ in stage[f"train/stage/{name}"]] == loss_steps, (name, stage)
+  assert {tag.removeprefix("train/") for tag in stage} <= {
+      scalars.PREFIX + name for name in scalars.TRAINER}
+  assert all(step in loss_steps for points in stage.values() for step, _ in points)
+  assert sum(v for _, v in stage["train/stage/staged"]) >= test_grpc.MICRO  # it staged
+  assert all(v > 0 for _, v in stage["train/stage/compute_s"])
+  plain = tensorboard_scalars(off)
+  assert [step for step, _ in plain["train/loss"]] == loss_steps
+  assert not [tag for tag in plain if "stage/" in tag], sorted(plain)

@@ -1,5 +1,6 @@
 """One staging process's telemetry: its recorder, and for each side it plays (trainer,
-orchestrator) the step aggregator, the record file and the per-step line. The host's installation
+orchestrator) the step aggregator, the record file and the per-step line; a trainer's step
+figures also go to its step sinks (the trainer's own metrics logger). The host's installation
 owns it; with staging off none is made. docs/observability.md.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_lib
@@ -35,6 +36,13 @@ class Settings:
                shaping=tuple((s.field, getattr(config, s.field)) for s in record_lib.CARRIED))
 
 
+class StepSink(Protocol):
+  """Told of each trainer step's figures (on the thread that closed the step; keep it short)."""
+
+  def step(self, figures: dict[str, Any]) -> None:
+    ...
+
+
 HISTORY = 1024  # recent records kept per side in memory
 
 
@@ -48,6 +56,7 @@ class Telemetry:
     self._orchestrator: orchestrator_lib.OrchestratorSteps | None = None
     self._trainer_host = settings.host
     self._writers: dict[str, record_lib.Writer] = {}
+    self._step_sinks: tuple[StepSink, ...] = ()
     # Each side's recent records (the bench compares them with its own figures).
     self.history: dict[str, collections.deque[dict[str, Any]]] = {
         role: collections.deque(maxlen=HISTORY) for role in record_lib.FIELDS}
@@ -104,8 +113,21 @@ class Telemetry:
     self._emit(record_lib.ORCHESTRATOR, figures, lines.orchestrator_line(figures) + note)
     return figures
 
+  def add_step_sink(self, sink: StepSink) -> None:
+    """Tells `sink` each trainer step's figures from now on; one that raises is dropped, said
+    once (telemetry never fails a job)."""
+    with self._lock:
+      self._step_sinks = (*self._step_sinks, sink)
+
   def _trainer_step(self, figures: dict[str, Any]) -> None:
     self._emit(record_lib.TRAINER, figures, lines.trainer_line(figures), self._trainer_host)
+    for sink in self._step_sinks:
+      try:
+        sink.step(figures)
+      except Exception as e:  # pylint: disable=broad-except  (telemetry never fails a job)
+        with self._lock:
+          self._step_sinks = tuple(s for s in self._step_sinks if s is not sink)
+        recorder_lib.say_dropped(sink, e)
 
   def _emit(self, role: str, figures: dict[str, Any], line: str, host: str | None = None
             ) -> None:
@@ -125,5 +147,6 @@ class Telemetry:
   def close(self) -> None:
     with self._lock:
       writers, self._writers = list(self._writers.values()), {}
+      self._step_sinks = ()
     for writer in writers:
       writer.close()

@@ -84,8 +84,13 @@ class Recorder:
 
   def _drop(self, sink: Sink, error: Exception) -> None:
     self.remove_sink(sink)
-    log.warning("tunix-stage: telemetry: %s failed (%s: %s) and was dropped; staging goes on",
-                type(sink).__name__, type(error).__name__, error)
+    say_dropped(sink, error)
+
+
+def say_dropped(sink: Any, error: Exception) -> None:
+  """The one line said when a sink (of spans, or of a step's figures) raised and was dropped."""
+  log.warning("tunix-stage: telemetry: %s failed (%s: %s) and was dropped; staging goes on",
+              type(sink).__name__, type(error).__name__, error)
 
 
 class _Disabled(Recorder):

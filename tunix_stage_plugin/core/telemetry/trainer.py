@@ -163,6 +163,9 @@ class TrainerSteps:
     alone_s = statistics.median(self._alone) if self._alone else None
     figures: dict[str, Any] = {
         "step": self._step,
+        # The host trainer's own count after this update (what its update answered: tunix's
+        # train_steps, the step its loss is logged at); None where it answered none.
+        "host_step": dict(update.args).get("host_step"),
         "step_s": None if prev_end is None else end - prev_end,
         "compute_s": busy,
         "input_wait_s": {"mid_step": mid_wait, "boundary": boundary},

@@ -123,6 +123,9 @@ class MaxTextPlacement:
   def tracer(self, engine: Any) -> None:
     del engine  # MaxText's engine takes no tunix PerfTracer
 
+  def metrics_logger(self, engine: Any) -> None:
+    del engine  # MaxText's engine logs with its own writer, not a tunix MetricsLogger
+
   def apply(self, registry: patching.PatchRegistry) -> None:
     cls = self.engine_cls
     original_set_fn = cls.__dict__["with_gen_model_input_fn"]

@@ -88,6 +88,7 @@ class Installation:
     self.telemetry.trainer(self._take_peaks)
     self._watcher: trainer_telemetry.ComputeWatcher | None = None
     self._tracers: list[Any] = []
+    self._logger: Any = None  # the metrics logger told of each trainer step (the first met)
     self._bound_pool()
     live.on_update(self._reconfigure)
 
@@ -117,6 +118,16 @@ class Installation:
         return
       self._tracers.append(tracer)
     self.telemetry.recorder.add_sink(make_sink(tracer))
+
+  def log_into(self, logger: Any, make_sink: Callable[[], telemetry_lib.StepSink]) -> None:
+    """Tells `logger` (a trainer's own metrics logger) each trainer step's figures from now on,
+    where no logger is told yet: the figures are this process's, and a logger's backends listen
+    process-wide (jax.monitoring), so one logger gets them to every backend once."""
+    with self._lock:
+      if self._logger is not None:
+        return
+      self._logger = logger
+    self.telemetry.add_step_sink(make_sink())
 
   def _take_peaks(self) -> tuple[int, int]:
     """The most staged micro-batches held at once, over this node's workers, since last asked."""

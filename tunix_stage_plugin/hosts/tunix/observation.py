@@ -1,7 +1,8 @@
 """Every fwd_bwd and update the worker runs, observed for the job's telemetry without changing what
 it does or answers: its inline preparation timed through the placement's seam, its computation's
 output handed to the installation's watcher (which records the device time off the compute lane),
-and, where the trainer has a tunix PerfTracer, a `peft_train` span around it (tracing.py).
+and, where the trainer has a tunix PerfTracer, a `peft_train` span around it (tracing.py); where
+it has a metrics logger, each step's figures go there too (metrics.py).
 docs/observability.md.
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import metrics
 from tunix_stage_plugin.hosts.tunix import peft
 from tunix_stage_plugin.hosts.tunix import tracing
 
@@ -30,15 +32,22 @@ def nbytes(payload: Any) -> int:
              if isinstance(leaf, (np.ndarray, jax.Array)))
 
 
-def _unless_broken(inst: installation_lib.Installation, target: Any, read: Any) -> Any:
-  """`read()` (what the telemetry reads of the trainer), or None, said once per trainer type,
-  where this trainer does not hold it: its steps are then not measured, and it trains on."""
+# What a trainer may not hold (a line's words): what the telemetry reads, and what is then lost.
+OUTPUT = ("computation output to watch", "its steps are not measured")
+TRACER = ("PerfTracer to read", "staging's spans are not on its timelines")
+LOGGER = ("metrics logger to read", "staging's figures are not logged there")
+
+
+def _unless_broken(inst: installation_lib.Installation, target: Any, read: Any,
+                   lacking: tuple[str, str]) -> Any:
+  """`read()` (what the telemetry reads of the trainer), or None, said once per trainer type
+  and `lacking` (OUTPUT, TRACER, LOGGER) where this trainer does not hold it: it trains on."""
   try:
     return read()
   except Exception as e:  # pylint: disable=broad-except  (telemetry never fails a training call)
-    if inst.first_time(f"unobserved:{type(target).__qualname__}"):
-      log.warning("tunix-stage: telemetry: %s holds no computation output to watch (%s: %s); "
-                  "its steps are not measured", type(target).__qualname__, type(e).__name__, e)
+    if inst.first_time(f"unobserved:{lacking[0]}:{type(target).__qualname__}"):
+      log.warning("tunix-stage: telemetry: %s holds no %s (%s: %s); %s",
+                  type(target).__qualname__, lacking[0], type(e).__name__, e, lacking[1])
     return None
 
 
@@ -49,9 +58,12 @@ def observed(inst: installation_lib.Installation, state: installation_lib.Worker
   placement, target = state.placement, state.target
   if target is None:  # a trainer staging cannot serve: nothing to watch
     return call()
-  tracer = _unless_broken(inst, target, lambda: placement.tracer(target))
+  tracer = _unless_broken(inst, target, lambda: placement.tracer(target), TRACER)
   if tracer is not None:
     inst.trace_into(tracer, tracing.TracerSink)
+  logger = _unless_broken(inst, target, lambda: placement.metrics_logger(target), LOGGER)
+  if logger is not None:
+    inst.log_into(logger, lambda: metrics.MetricsSink(logger, target.metrics_prefix))
   started = time.perf_counter()
   inline = placements.Prepared()
   try:
@@ -59,15 +71,19 @@ def observed(inst: installation_lib.Installation, state: installation_lib.Worker
       device_span = (None if tracer is None else stack.enter_context(
           tracing.computation(tracer, target, peft.model_mesh(target.model))))
       result = call()
-      output = _unless_broken(inst, target, lambda: placement.computation(target, kind))
+      output = _unless_broken(inst, target, lambda: placement.computation(target, kind), OUTPUT)
   finally:  # the call's inline preparation, where it prepared one, returned or raised
     if inline.span is not None:
       inst.recorder.add(tracks.TRAINER_H2D, "inline", *inline.span, lane="inline",
                         bytes=payload_bytes)
   if output is not None:
     queued = started if inline.span is None else max(started, inline.span[1])
+    # An update answers the host's own step count (TrainerWorker.update -> int): the step its
+    # loss is logged at, carried to the step's figures (`host_step`).
+    step = {"host_step": int(result)} if kind == tracks.UPDATE and isinstance(
+        result, (int, np.integer)) else {}
     inst.watcher(jax.block_until_ready, placement.host).dispatched(
-        kind, queued, time.perf_counter(), output, on_ready=device_span)
+        kind, queued, time.perf_counter(), output, on_ready=device_span, **step)
   elif device_span is not None:  # no output to watch: its device span ends with the call
     device_span()
   return result

@@ -19,6 +19,7 @@ from tunix.experimental.common import datatypes
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.hosts.tunix import metrics
 from tunix_stage_plugin.hosts.tunix import tracing
 
 SEAM = "_prepare_payload"
@@ -101,6 +102,9 @@ class PeftPlacement:
 
   def tracer(self, target: Any) -> Any:
     return tracing.tracer_of(target)
+
+  def metrics_logger(self, target: Any) -> Any:
+    return metrics.logger_of(target)
 
   def apply(self) -> None:
     placements.set_seam(self._registry, self, self.peft_cls, SEAM, SEAM)

@@ -1,0 +1,38 @@
+"""Staging's step figures in the trainer's own metrics logger: the `MetricsLogger` a tunix
+PeftTrainer creates or is given (`metrics_logger`), so its backends (TensorBoard through metrax,
+W&B, CLU) and, with `enable_opentelemetry`, its OpenTelemetry gauges show `stage/...` beside the
+loss, at the step the loss is logged at. The names: core/telemetry/scalars.py.
+docs/observability.md "In your metrics logger".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunix.sft import metrics_logger as metrics_logger_lib
+
+from tunix_stage_plugin.core.telemetry import scalars
+
+
+def logger_of(trainer: Any) -> metrics_logger_lib.MetricsLogger | None:
+  """The MetricsLogger a PeftTrainer logs its loss with, or None (a logger of another kind)."""
+  logger = trainer.metrics_logger
+  return logger if isinstance(logger, metrics_logger_lib.MetricsLogger) else None
+
+
+class MetricsSink:
+  """A step sink (core.telemetry.process.StepSink): each trainer step's scalars through
+  `logger.log`, under the trainer's metrics prefix and in train mode (tags
+  `<prefix>/train/stage/...`), at the step the host's update answered: tunix's `train_steps`
+  after it, where PeftTrainer logs the loss of that update's micro-batches."""
+
+  def __init__(self, logger: metrics_logger_lib.MetricsLogger, prefix: str) -> None:
+    self.logger = logger
+    self.prefix = prefix
+
+  def step(self, figures: dict[str, Any]) -> None:
+    step = figures["host_step"]
+    if step is None:  # the update answered no step: no step of the loss's to sit at
+      return
+    for name, value in scalars.trainer(figures).items():
+      self.logger.log(self.prefix, name, value, metrics_logger_lib.Mode.TRAIN, step)
