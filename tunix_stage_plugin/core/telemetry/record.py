@@ -47,7 +47,7 @@ SHAPES = {
                "step": COUNT, "settings": {f"?{s.field}": COUNT if isinstance(s.default, int)
                                            else TEXT for s in CARRIED}},
     TRAINER: {
-        "host_step": Maybe(COUNT), "step_s": Maybe(NUMBER), "compute_s": NUMBER,
+        "?host_step": Maybe(COUNT), "step_s": Maybe(NUMBER), "compute_s": NUMBER,
         "input_wait_s": {"mid_step": NUMBER, "boundary": Maybe(NUMBER)}, "other_s": NUMBER,
         "microbatches": COUNT,
         "compute": {"fwd_bwd_median_s": Maybe(NUMBER), "update_s": NUMBER,
