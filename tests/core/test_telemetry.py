@@ -325,6 +325,14 @@ def test_records_are_written_one_line_per_step_and_read_back(tmp_path):
     f.write(json.dumps(records[0])[:40])
   again, note = record_lib.read(path)
   assert len(again) == 2 and "its last line is cut short" in note
+  # A record written before the metrics logger has no host_step: still read, as it was.
+  old = tmp_path / "old.jsonl"
+  old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "host_step"}) + "\n"
+                         for r in records), encoding="utf-8")
+  assert all("host_step" in r for r in records)
+  read_old, note = record_lib.read(str(old))
+  assert note is None and [r["step"] for r in read_old] == [0, 1]
+  assert not any("host_step" in r for r in read_old)
   tel.close()
 
 

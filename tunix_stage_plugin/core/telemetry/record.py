@@ -66,7 +66,7 @@ SHAPES = {
                         "max_s": Maybe(NUMBER)}},
 }
 # The fields each role's record carries beside the common ones (from the one table above).
-FIELDS = {role: tuple(SHAPES[role]) for role in (TRAINER, ORCHESTRATOR)}
+FIELDS = {role: tuple(k.removeprefix("?") for k in SHAPES[role]) for role in (TRAINER, ORCHESTRATOR)}
 COMMON = ("schema", "version", "role", *SHAPES["common"])
 SUFFIX = ".jsonl"
 PATHS_ACCEPTED = "the folder TUNIX_STAGE_METRICS named, or record files"
@@ -189,12 +189,14 @@ def _parse(path: str, n: int, raw: bytes) -> dict[str, Any]:
   role = record.get("role")
   if not isinstance(role, str) or role not in FIELDS:
     raise _error(where, " | ".join(FIELDS), f"role {role!r}")
-  missing = [k for k in (*COMMON, *FIELDS[role]) if k not in record]
+  missing = [k for k in (*COMMON, *SHAPES[role]) if k not in record and not k.startswith("?")]
   if missing:
     raise _error(where, LINES_ACCEPTED, f"a {role} record without {missing}")
   for shapes in (SHAPES["common"], SHAPES[role]):
-    for field, shape in shapes.items():
-      _check(record[field], shape, f"{where} {field}")
+    for key, shape in shapes.items():
+      field = key.removeprefix("?")  # a field a record may lack
+      if field in record:
+        _check(record[field], shape, f"{where} {field}")
   if role == TRAINER and record["place"]["staged"] + record["place"]["inline"] > \
       record["place"]["count"]:
     raise _error(f"{where} place", LINES_ACCEPTED, "more staged and inline placements than "
