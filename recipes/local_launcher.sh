@@ -2,17 +2,21 @@
 # shellcheck source-path=SCRIPTDIR
 # Runs the processes of one job on this machine, with the same staging environment as the
 # Kubernetes containers (see k8s_launcher.sh): each process gets its role's staging variables
-# and not the other role's. Every process listens on 127.0.0.1 only and logs to its own file;
-# all of them are stopped when the job ends, fails or is interrupted, and on failure the tail of
-# each log is printed. Linux only (it reads /proc).
+# and not the other role's. The processes talk over this machine's loopback and each logs to its
+# own file; all of them are stopped when the job ends, fails or is interrupted, and on failure the
+# tail of each log is printed. Linux only (it reads /proc).
 #
 # Hosts:
 #   embedded  the plugin's embedded host: a trainer (tunix_stage_plugin.lab.embedded.trainer_main)
 #             and an orchestrator (tunix_stage_plugin.lab.embedded.orchestrator_main) that runs
 #             the job against it; the job is done when the orchestrator exits.
 #   tunix     tunix's distributed runtime (python -m tunix.experimental.distributed.runtime.main)
-#             running the orchestrator, trainer and rollout mains from mlperf_base.sh; needs
-#             tunix installed for $PYTHON.
+#             running the plugin's small tunix job (tunix_stage_plugin.lab.tunix.job: tunix's
+#             TrainerWorker and PeftTrainer with a small model on CPU, and an orchestrator running
+#             tunix's train loop), or, when ORCHESTRATOR_MAIN, TRAINER_MAIN or ROLLOUT_MAIN is set,
+#             mlperf_base.sh's three mains with the containers' arguments. Needs tunix installed
+#             for $PYTHON with its runtime's protobuf modules generated (checked before anything
+#             starts). tunix's own servers bind every interface, as tunix's code does.
 #   auto      tunix when its runtime imports, embedded otherwise (the default).
 set -euo pipefail
 
@@ -22,6 +26,8 @@ source "${RECIPES_DIR}/cli_lib.sh"
 PROG="local_launcher.sh"
 LOCALHOST="127.0.0.1"
 TUNIX_RUNTIME_MODULE="tunix.experimental.distributed.runtime.main"
+TUNIX_DISCOVERY_PROTO="tunix/experimental/distributed/runtime/discovery/discovery_service.proto"
+TUNIX_JOB="tunix_stage_plugin.lab.tunix.job"
 EMBEDDED_TRAINER="tunix_stage_plugin.lab.embedded.trainer_main"
 EMBEDDED_ORCHESTRATOR="tunix_stage_plugin.lab.embedded.orchestrator_main"
 
@@ -39,9 +45,9 @@ options:
                           ${TUNIX_RUNTIME_MODULE} imports, else embedded)
   --port PORT             the trainer's port (default: a free port, chosen by the trainer
                           on the embedded host)
-  --steps N               training steps (embedded: --steps; tunix: --max_steps)
-  --microbatches M        micro-batches per step (embedded host only)
-  --tiny                  the embedded host's tiny model (embedded host only)
+  --steps N               training steps (the containers' mains: their --max_steps)
+  --microbatches M        micro-batches per step (embedded host, tunix's small job)
+  --tiny                  a tiny model (embedded host, tunix's small job)
   --log_dir DIR           where the per-process logs go (default: a new temporary directory)
   --timeout SECS          stop everything and fail when the job (start-up included) has not
                           finished after SECS (default: 0, no limit)
@@ -49,6 +55,12 @@ options:
   -h, --help              show this help and exit
   -- ARGS...              more flags for the orchestrator (embedded host), e.g.
                           -- --payload_mib 4 --wire_mbps 200
+
+--host tunix runs, with tunix's runtime, the plugin's small tunix job (${TUNIX_JOB}):
+an orchestrator and a trainer node (no rollout model). With ORCHESTRATOR_MAIN, TRAINER_MAIN or
+ROLLOUT_MAIN set it runs mlperf_base.sh's orchestrator, trainer and rollout mains instead, with
+the containers' arguments. tunix's runtime needs its discovery service's protobuf modules,
+generated in tunix's checkout as its README says (the launcher checks, and prints the command).
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)            orchestrator, trainer
@@ -83,6 +95,9 @@ TIMEOUT=0
 STARTUP_TIMEOUT=120
 STOP_GRACE="${STOP_GRACE:-10}"
 EXTRA_ORCH_ARGS=()
+# --host tunix: the containers' mains when one is named here (before mlperf_base.sh's defaults).
+CONTAINER_MAINS=0
+[[ -z "${ORCHESTRATOR_MAIN:-}${TRAINER_MAIN:-}${ROLLOUT_MAIN:-}" ]] || CONTAINER_MAINS=1
 
 while (($# > 0)); do
   set -- "$(canonical_flag "$1")" "${@:2}"
@@ -136,6 +151,46 @@ python_imports() {
   "${PYTHON}" -c "import $1" >/dev/null 2>&1
 }
 
+# Prints the first of the modules $@ that ${PYTHON} cannot find (nothing when it finds all).
+python_missing() {
+  "${PYTHON}" -c 'import importlib.util, sys
+for name in sys.argv[1:]:
+  try:
+    found = importlib.util.find_spec(name) is not None
+  except (ImportError, ValueError):
+    found = False
+  if not found:
+    print(name)
+    break' "$@" 2>/dev/null
+}
+
+# Checks that tunix's runtime can start a process here: its process executor imports the
+# discovery service's protobuf modules, which a tunix checkout does not carry until they are
+# generated (tunix/experimental/distributed/examples/README.md). Stops with one line otherwise.
+check_tunix_runtime() {
+  local out tree
+  out="$("${PYTHON}" -c 'import importlib, os, sys
+try:
+  importlib.import_module("tunix.experimental.distributed.runtime.executor")
+except ImportError as e:
+  import tunix
+  print(os.path.dirname(os.path.dirname(os.path.abspath(tunix.__file__))))
+  print("proto" if "_pb2" in str(e) else f"{type(e).__name__}: {e}")
+  sys.exit(1)' 2>/dev/null)" && return 0
+  tree="$(head -n 1 <<<"${out}")"
+  if [[ "$(sed -n 2p <<<"${out}")" == proto ]]; then
+    local tools=""
+    python_imports grpc_tools.protoc || tools="${PYTHON} -m pip install grpcio-tools, then "
+    die "tunix's runtime cannot start a process: its discovery service's protobuf modules are" \
+      "not generated in ${tree}; generate them as tunix documents" \
+      "(tunix/experimental/distributed/examples/README.md): ${tools}cd ${tree} &&" \
+      "${PYTHON} -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=." \
+      "${TUNIX_DISCOVERY_PROTO}"
+  fi
+  die "tunix's runtime cannot start a process: 'import" \
+    "tunix.experimental.distributed.runtime.executor' failed ($(tail -n 1 <<<"${out}"))"
+}
+
 if [[ "${HOST}" == auto ]]; then
   if python_imports "${TUNIX_RUNTIME_MODULE}"; then
     HOST=tunix
@@ -148,8 +203,24 @@ if [[ "${HOST}" == tunix ]]; then
     die "tunix's distributed runtime is not installed for ${PYTHON}" \
       "('import ${TUNIX_RUNTIME_MODULE}' failed); install tunix, or use --host embedded"
   fi
-  if [[ -n "${MICROBATCHES}" ]] || ((TINY)) || ((${#EXTRA_ORCH_ARGS[@]})); then
-    usage_error "--microbatches, --tiny and '-- ARGS' are for the embedded host only"
+  if ((${#EXTRA_ORCH_ARGS[@]})); then
+    usage_error "'-- ARGS' are for the embedded host only"
+  fi
+  if ((CONTAINER_MAINS)) && { [[ -n "${MICROBATCHES}" ]] || ((TINY)); }; then
+    usage_error "--microbatches and --tiny are for the embedded host and tunix's small job, not" \
+      "the mains ORCHESTRATOR_MAIN, TRAINER_MAIN and ROLLOUT_MAIN name"
+  fi
+  [[ "${RUNTIME_MAIN}" != "${TUNIX_RUNTIME_MODULE}" ]] || check_tunix_runtime
+  if ((CONTAINER_MAINS)); then
+    for main in ORCHESTRATOR_MAIN TRAINER_MAIN ROLLOUT_MAIN; do
+      module="${!main}"
+      missing="$(python_missing "${module%.*}")"
+      [[ -z "${missing}" ]] || die "${main}=${!main}: module ${missing} is not importable for" \
+        "${PYTHON}"
+    done
+  elif [[ -n "$(python_missing "${TUNIX_JOB}")" ]]; then
+    die "tunix's small job (${TUNIX_JOB}) is not in the tunix-stage-plugin that ${PYTHON}" \
+      "imports"
   fi
 else
   if ! "${PYTHON}" -c 'import importlib.util, sys
@@ -421,8 +492,16 @@ wait_job() {
   done
   wait "${job_pid}" || rc=$?
   REAPED["${job_pid}"]="${rc}"
-  say "${job_name} pid=${job_pid} exited ${rc}; last line of its log:"
-  tail -n 1 "${LOG_DIR}/${job_name}.log" | sed 's/^/  /'
+  # Its summary (a driver's "NAME: OK: ..." or "NAME: FAILED: ..." line), else its last line.
+  local log="${LOG_DIR}/${job_name}.log" summary
+  summary="$(grep -E '^[[:alnum:]_]+: (OK|FAILED): ' "${log}" 2>/dev/null | tail -n 1 || true)"
+  if [[ -n "${summary}" ]]; then
+    say "${job_name} pid=${job_pid} exited ${rc}; its summary:"
+    printf '  %s\n' "${summary}"
+  else
+    say "${job_name} pid=${job_pid} exited ${rc}; last line of its log:"
+    tail -n 1 "${log}" | sed 's/^/  /'
+  fi
   return "${rc}"
 }
 
@@ -431,6 +510,12 @@ say "staging: TUNIX_STAGE_BATCH=${TUNIX_STAGE_BATCH}" \
   "TUNIX_MAX_STAGED_BATCHES=${TUNIX_MAX_STAGED_BATCHES}" \
   "TUNIX_STAGE_MAX_DEVICE_BATCHES=${TUNIX_STAGE_MAX_DEVICE_BATCHES}" \
   "TUNIX_STAGE_MAX_HOST_BATCHES=${TUNIX_STAGE_MAX_HOST_BATCHES}"
+if [[ "${HOST}" == tunix ]] && ((CONTAINER_MAINS)); then
+  say "tunix's runtime (${RUNTIME_MAIN}) runs ORCHESTRATOR_MAIN=${ORCHESTRATOR_MAIN}" \
+    "TRAINER_MAIN=${TRAINER_MAIN} ROLLOUT_MAIN=${ROLLOUT_MAIN}"
+elif [[ "${HOST}" == tunix ]]; then
+  say "tunix's runtime (${RUNTIME_MAIN}) runs the plugin's small tunix job (${TUNIX_JOB})"
+fi
 
 if [[ "${HOST}" == embedded ]]; then
   # --port 0: the trainer binds a free port itself and names it in its READY line.
@@ -454,6 +539,18 @@ if [[ "${HOST}" == embedded ]]; then
   start_process orchestrator orchestrator "${PYTHON}" -m "${EMBEDDED_ORCHESTRATOR}" \
     "${ORCH_ARGS[@]}" ${stage_flags[@]+"${stage_flags[@]}"} \
     ${EXTRA_ORCH_ARGS[@]+"${EXTRA_ORCH_ARGS[@]}"}
+elif ((CONTAINER_MAINS == 0)); then
+  # tunix's small job: the orchestrator's discovery service, which the trainer registers with.
+  ORCHESTRATOR_PORT="$(free_port)"
+  orch_args=("--discovery_id=${ORCHESTRATOR_ID}" "--discovery_port=${ORCHESTRATOR_PORT}"
+    "--process_main=${TUNIX_JOB}.orchestrator_main")
+  [[ -z "${STEPS}" ]] || orch_args+=(--steps "${STEPS}")
+  trainer_args=("--discovery_addrs=${LOCALHOST}:${ORCHESTRATOR_PORT}"
+    "--process_main=${TUNIX_JOB}.trainer_main" --worker_id "${TRAINER_ID}" --port "${PORT:-0}")
+  [[ -z "${MICROBATCHES}" ]] || trainer_args+=(--microbatches "${MICROBATCHES}")
+  ((TINY == 0)) || trainer_args+=(--tiny)
+  start_process orchestrator orchestrator "${PYTHON}" -m "${RUNTIME_MAIN}" "${orch_args[@]}"
+  start_process trainer trainer "${PYTHON}" -m "${RUNTIME_MAIN}" "${trainer_args[@]}"
 else
   ORCHESTRATOR_PORT="$(free_port)"
   TRAINER_PORT="${PORT:-$(free_port)}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,7 +132,8 @@ def test_local_bad_value_stops_before_starting_anything(launch, tmp_path: Path, 
 # the orchestrator, so the trainer stays free to stop at once. The tests that stop it check that
 # it had not finished (job_finished).
 SLOW_JOB = ("--", "--payload_mib", "2", "--wire_mbps", "0.01", "--steps", "50")
-SUMMARY = re.compile(r"^orchestrator_main: (OK|FAILED): ", re.M)  # its last line, once finished
+# The job's summary (the embedded orchestrator's or tunix's small job's), printed at its end.
+SUMMARY = re.compile(r"^(orchestrator_main|tunix_job): (OK|FAILED): ", re.M)
 
 
 def job_finished(logs: Path) -> bool:
@@ -191,14 +193,16 @@ DEFAULT_STOP_SIGNALS = [sys.executable, "-c",
 
 
 def _start_and_signal(launch, tmp_path: Path, sig: int, after: str, *, check_started=None,
-                      timeout: float = 60, **env: str):
-  """Starts a slow job, sends `sig` to the launcher once it started `after` (first calling
-  `check_started(output so far)` when given); returns (rc, out) once the launcher has exited,
-  after checking that the job had not finished: the signal stopped a running job."""
+                      timeout: float = 60,
+                      job: tuple[str, ...] = ("--host", "embedded", "--tiny", "--timeout", "50",
+                                              *SLOW_JOB), **env: str):
+  """Starts a slow job (`job`: the launcher's arguments), sends `sig` to the launcher once it
+  started `after` (first calling `check_started(output so far)` when given); returns (rc, out)
+  once the launcher has exited, after checking that the job had not finished: the signal stopped
+  a running job."""
   logs = tmp_path / "logs"
   proc = subprocess.Popen(
-      [*DEFAULT_STOP_SIGNALS, "bash", str(LOCAL), "--host", "embedded", "--tiny", "--timeout",
-       "50", "--log_dir", str(logs), *SLOW_JOB],
+      [*DEFAULT_STOP_SIGNALS, "bash", str(LOCAL), "--log_dir", str(logs), *job],
       env={**launch.env, "TUNIX_STAGE_BATCH": "stage", **env}, cwd=tmp_path, text=True,
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   seen = []
@@ -364,3 +368,133 @@ def test_local_host_tunix_gives_the_staging_flags_to_a_known_driver_only(launch,
     assert not report["parse_wrapped"] and "stage_train_batches" not in args
   assert "idle" in (logs / "trainer.log").read_text()
   assert_nothing_left(launch, proc.stdout)
+
+
+# --- tunix's small job, with tunix's runtime ------------------------------------------------------
+
+TUNIX_EXECUTOR = "tunix.experimental.distributed.runtime.executor"  # imports the generated protos
+PROTO = "tunix/experimental/distributed/runtime/discovery/discovery_service.proto"
+
+
+def _tunix_tree() -> Path:
+  import tunix  # pylint: disable=import-outside-toplevel
+  return Path(os.path.abspath(tunix.__file__)).parents[1]
+
+
+@pytest.fixture(scope="module")
+def tunix_pythonpath(tmp_path_factory) -> str:
+  """A PYTHONPATH whose tunix's runtime can start a process: this one where tunix's runtime
+  protobuf modules are generated (the patched tree), else a copy of the tunix tree with them
+  generated as tunix documents (the tree itself is never written)."""
+  if not _importable(TUNIX_RUNTIME):
+    pytest.skip("tunix's distributed runtime is not importable")
+  pythonpath = os.environ.get("PYTHONPATH", "")
+  if _importable(TUNIX_EXECUTOR):
+    return pythonpath
+  if not _importable("grpc_tools.protoc"):
+    pytest.skip("grpcio-tools is not installed: no protoc for tunix's runtime protobuf modules")
+  tree, copy = _tunix_tree(), tmp_path_factory.mktemp("tunix-tree")
+  shutil.copytree(tree / "tunix", copy / "tunix", ignore=shutil.ignore_patterns("__pycache__"))
+  if (tree / ".git").is_dir():  # the commit the plugin reads
+    shutil.copytree(tree / ".git", copy / ".git")
+  subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
+                  "--grpc_python_out=.", PROTO], cwd=copy, check=True, capture_output=True)
+  return os.pathsep.join([str(copy), pythonpath])
+
+
+@pytest.mark.tunix
+def test_local_host_tunix_says_at_preflight_that_tunix_s_protos_are_missing(launch):
+  """c7d8950 as checked out: tunix's runtime cannot start a process (its process executor
+  imports protobuf modules generated from a .proto file): one line saying what to run."""
+  if not _importable(TUNIX_RUNTIME):
+    pytest.skip("tunix's distributed runtime is not importable")
+  if _importable(TUNIX_EXECUTOR):
+    pytest.skip("tunix's runtime protobuf modules are generated in this tree")
+  tree = _tunix_tree()
+  proc = launch("--host", "tunix", "--steps", "1", "--tiny",
+                PYTHONPATH=os.environ.get("PYTHONPATH", ""))
+  assert proc.returncode == 2, proc.stdout + proc.stderr
+  assert proc.stderr.splitlines() == [
+      "local_launcher.sh: error: tunix's runtime cannot start a process: its discovery service's "
+      f"protobuf modules are not generated in {tree}; generate them as tunix documents "
+      "(tunix/experimental/distributed/examples/README.md): "
+      f"cd {tree} && {sys.executable} -m grpc_tools.protoc -I. --python_out=. "
+      f"--grpc_python_out=. {PROTO}"]
+  assert "started" not in proc.stdout
+  assert_nothing_left(launch, proc.stdout)
+
+
+@pytest.mark.tunix
+def test_local_host_tunix_runs_tunix_s_small_job_staged_and_report_reads_it(
+    launch, tmp_path: Path, tunix_pythonpath: str):
+  """`--host tunix`, nothing else named: tunix's runtime runs the plugin's small job (an
+  orchestrator running tunix's train loop, a trainer node serving tunix's TrainerWorker and
+  PeftTrainer), staged by the plugin from the environment alone. Each process prints its
+  per-step line and writes its record; `tunix-stage report` reads the two."""
+  from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=import-outside-toplevel
+  logs, metrics = tmp_path / "logs", tmp_path / "metrics"
+  proc = launch("--host", "tunix", "--steps", "3", "--microbatches", "3", "--tiny", "--log_dir",
+                str(logs), "--timeout", "240", timeout=300, TUNIX_STAGE_BATCH="stage",
+                TUNIX_STAGE_METRICS=str(metrics), PYTHONPATH=tunix_pythonpath)
+  out = proc.stdout
+  assert proc.returncode == 0, out + proc.stderr
+  assert set(reported_pids(out)) == {"orchestrator", "trainer"}  # no rollout model
+  assert ("local_launcher.sh: tunix's runtime (tunix.experimental.distributed.runtime.main) runs "
+          "the plugin's small tunix job (tunix_stage_plugin.lab.tunix.job)") in out
+  assert re.search(r"^  tunix_job: OK: 3 steps x 3 micro-batches on tunix's TrainerWorker "
+                   r"tunix-mlperf-train at \S+, staging on: stage/staged per step \[", out, re.M)
+  orchestrator, trainer = ((logs / f"{name}.log").read_text() for name in ("orchestrator",
+                                                                         "trainer"))
+  for log in (orchestrator, trainer):  # activated by the environment, in each process
+    assert log.count("tunix-stage: staging on for tunix") == 1, log[-3000:]
+  # The per-step line, on both processes, for every step.
+  for step in range(3):
+    assert f"tunix-stage: step {step}: 3 micro-batches, staged " in orchestrator
+    assert f"tunix-stage: trainer step {step}: " in trainer
+  # The records: one per process, a record per step; the orchestrator staged micro-batches.
+  by_role = {}
+  for path in record_lib.files([str(metrics)]):
+    records, note = record_lib.read(path)
+    assert note is None, path
+    (role,) = {r["role"] for r in records}
+    by_role[role] = records
+  assert set(by_role) == {"orchestrator", "trainer"}
+  assert all([r["step"] for r in records] == [0, 1, 2] for records in by_role.values())
+  staged = sum(r["staged"] for r in by_role["orchestrator"])
+  assert staged > 0
+  report = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(metrics)],
+                          capture_output=True, text=True, timeout=60, check=False,
+                          env={**os.environ, "PYTHONPATH": tunix_pythonpath})
+  assert report.returncode == 0, report.stdout + report.stderr
+  assert report.stdout.count("(tunix, 3 steps)") == 2, report.stdout  # trainer, orchestrator
+  assert re.search(rf"^  orchestrator: staged {staged} ", report.stdout, re.M), report.stdout
+  assert_nothing_left(launch, out)
+
+
+@pytest.mark.tunix
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_local_host_tunix_stops_everything_when_interrupted(launch, tmp_path: Path,
+                                                            tunix_pythonpath: str, sig: int):
+  """SIGTERM as soon as the trainer started (it is still starting up), SIGINT once the job has
+  trained a step: the launcher stops both of tunix's processes and nothing is left."""
+  logs = tmp_path / "logs"
+
+  def wait_for_a_step(seen: str) -> None:
+    del seen
+    if sig == signal.SIGTERM:
+      return
+    deadline = time.monotonic() + 120
+    while "tunix-stage: trainer step 0: " not in (logs / "trainer.log").read_text():
+      assert time.monotonic() < deadline, (logs / "trainer.log").read_text()[-3000:]
+      time.sleep(0.1)
+
+  rc, out = _start_and_signal(
+      launch, tmp_path, sig, "trainer", check_started=wait_for_a_step, timeout=60,
+      job=("--host", "tunix", "--tiny", "--steps", "100000", "--timeout", "200"),
+      TUNIX_STAGE_BATCH="stage", PYTHONPATH=tunix_pythonpath)
+  assert rc == 128 + sig, out
+  assert out.count(f"local_launcher.sh: interrupted by {signal.Signals(sig).name}") == 1, out
+  for name in ("orchestrator", "trainer"):
+    assert re.search(rf"stopped {name} pid=\d+", out), out
+  assert "SIGKILL" not in out
+  assert_nothing_left(launch, out)
