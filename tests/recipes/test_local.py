@@ -374,6 +374,15 @@ def test_local_host_tunix_gives_the_staging_flags_to_a_known_driver_only(launch,
 
 TUNIX_EXECUTOR = "tunix.experimental.distributed.runtime.executor"  # imports the generated protos
 PROTO = "tunix/experimental/distributed/runtime/discovery/discovery_service.proto"
+LAUNCHING = REPO / "docs" / "launching.md"
+
+
+def documented_tunix_run() -> list[str]:
+  """The launcher's lines docs/launching.md shows for its tunix job (a text block)."""
+  lines = [line.strip() for line in LAUNCHING.read_text().splitlines()]
+  start = lines.index("local_launcher.sh: host=tunix python=/path/to/venv/bin/python "
+                      "logs=/tmp/tsl-tunix")
+  return lines[start:lines.index("```", start)]
 
 
 def _tunix_tree() -> Path:
@@ -429,27 +438,32 @@ def test_local_host_tunix_runs_tunix_s_small_job_staged_and_report_reads_it(
     launch, tmp_path: Path, tunix_pythonpath: str):
   """`--host tunix`, nothing else named: tunix's runtime runs the plugin's small job (an
   orchestrator running tunix's train loop, a trainer node serving tunix's TrainerWorker and
-  PeftTrainer), staged by the plugin from the environment alone. Each process prints its
-  per-step line and writes its record; `tunix-stage report` reads the two."""
-  from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=import-outside-toplevel
+  PeftTrainer), staged by the plugin from the environment alone, as docs/launching.md shows it.
+  Each process prints its per-step line and writes its record; `tunix-stage report` reads the
+  two."""
+  # pylint: disable=import-outside-toplevel
+  from tests.docs.test_documented_commands import _mask  # the docs' samples, masked alike
+  from tunix_stage_plugin.core.telemetry import record as record_lib
   logs, metrics = tmp_path / "logs", tmp_path / "metrics"
-  proc = launch("--host", "tunix", "--steps", "3", "--microbatches", "3", "--tiny", "--log_dir",
-                str(logs), "--timeout", "240", timeout=300, TUNIX_STAGE_BATCH="stage",
+  proc = launch("--host", "tunix", "--steps", "3", "--tiny", "--log_dir", str(logs),
+                "--timeout", "240", timeout=300, TUNIX_STAGE_BATCH="stage",
                 TUNIX_STAGE_METRICS=str(metrics), PYTHONPATH=tunix_pythonpath)
   out = proc.stdout
   assert proc.returncode == 0, out + proc.stderr
   assert set(reported_pids(out)) == {"orchestrator", "trainer"}  # no rollout model
-  assert ("local_launcher.sh: tunix's runtime (tunix.experimental.distributed.runtime.main) runs "
-          "the plugin's small tunix job (tunix_stage_plugin.lab.tunix.job)") in out
-  assert re.search(r"^  tunix_job: OK: 3 steps x 3 micro-batches on tunix's TrainerWorker "
-                   r"tunix-mlperf-train at \S+, staging on: stage/staged per step \[", out, re.M)
+  # What the docs show it prints (numbers, paths masked): the summary says every step staged.
+  assert [_mask(line) for line in out.splitlines()] == \
+      [_mask(line) for line in documented_tunix_run()], out
+  assert re.search(r"^  tunix_job: OK: 3 steps x 4 micro-batches on tunix's TrainerWorker "
+                   r"tunix-mlperf-train at \S+, staging on: stage/staged per step \[[1-4], [1-4], "
+                   r"[1-4]\]", out, re.M), out
   orchestrator, trainer = ((logs / f"{name}.log").read_text() for name in ("orchestrator",
                                                                          "trainer"))
   for log in (orchestrator, trainer):  # activated by the environment, in each process
     assert log.count("tunix-stage: staging on for tunix") == 1, log[-3000:]
   # The per-step line, on both processes, for every step.
   for step in range(3):
-    assert f"tunix-stage: step {step}: 3 micro-batches, staged " in orchestrator
+    assert f"tunix-stage: step {step}: 4 micro-batches, staged " in orchestrator
     assert f"tunix-stage: trainer step {step}: " in trainer
   # The records: one per process, a record per step; the orchestrator staged micro-batches.
   by_role = {}
