@@ -147,10 +147,6 @@ source "${RECIPES_DIR}/mlperf_base.sh"
 
 # --- which host ---------------------------------------------------------------------------------
 
-python_imports() {
-  "${PYTHON}" -c "import $1" >/dev/null 2>&1
-}
-
 # Prints the first of the modules $@ that ${PYTHON} cannot find (nothing when it finds all).
 python_missing() {
   "${PYTHON}" -c 'import importlib.util, sys
@@ -164,42 +160,49 @@ for name in sys.argv[1:]:
     break' "$@" 2>/dev/null
 }
 
-# Checks that tunix's runtime can start a process here: its process executor imports the
-# discovery service's protobuf modules, which a tunix checkout does not carry until they are
-# generated (tunix/experimental/distributed/examples/README.md). Stops with one line otherwise.
-check_tunix_runtime() {
-  local out tree
-  out="$("${PYTHON}" -c 'import importlib, os, sys
+# What ${PYTHON}'s tunix runtime can do, in one interpreter (each import of tunix costs seconds):
+# sets TUNIX_RUNTIME to "absent" (its main does not import), "ok", or, when $1 is "executor" and
+# its process executor does not import, "protos" (the discovery service's protobuf modules are not
+# generated: a tunix checkout does not carry them, tunix/experimental/distributed/examples/
+# README.md) or "broken"; TUNIX_TREE to tunix's checkout, TUNIX_WHY to the import's error and
+# PROTOC to "yes" where grpc_tools.protoc is installed.
+probe_tunix_runtime() {
+  local out
+  out="$("${PYTHON}" -c 'import importlib, importlib.util, os, sys
 try:
-  importlib.import_module("tunix.experimental.distributed.runtime.executor")
+  importlib.import_module(sys.argv[1])
+except ImportError:
+  print("absent")
+  sys.exit()
+try:
+  if sys.argv[2] == "executor":
+    importlib.import_module("tunix.experimental.distributed.runtime.executor")
+  print("ok")
 except ImportError as e:
   import tunix
+  print("protos" if "_pb2" in str(e) else "broken")
   print(os.path.dirname(os.path.dirname(os.path.abspath(tunix.__file__))))
-  print("proto" if "_pb2" in str(e) else f"{type(e).__name__}: {e}")
-  sys.exit(1)' 2>/dev/null)" && return 0
-  tree="$(head -n 1 <<<"${out}")"
-  if [[ "$(sed -n 2p <<<"${out}")" == proto ]]; then
-    local tools=""
-    python_imports grpc_tools.protoc || tools="${PYTHON} -m pip install grpcio-tools, then "
-    die "tunix's runtime cannot start a process: its discovery service's protobuf modules are" \
-      "not generated in ${tree}; generate them as tunix documents" \
-      "(tunix/experimental/distributed/examples/README.md): ${tools}cd ${tree} &&" \
-      "${PYTHON} -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=." \
-      "${TUNIX_DISCOVERY_PROTO}"
-  fi
-  die "tunix's runtime cannot start a process: 'import" \
-    "tunix.experimental.distributed.runtime.executor' failed ($(tail -n 1 <<<"${out}"))"
+  print(f"{type(e).__name__}: {e}".replace("\n", " "))
+  print("yes" if importlib.util.find_spec("grpc_tools") else "no")' \
+    "${TUNIX_RUNTIME_MODULE}" "$1" 2>/dev/null || echo absent)"
+  mapfile -t out <<<"${out}"
+  TUNIX_RUNTIME="${out[0]:-absent}" TUNIX_TREE="${out[1]:-}" TUNIX_WHY="${out[2]:-}"
+  PROTOC="${out[3]:-no}"
 }
 
+tunix_check="none" # tunix's process executor is imported by tunix's runtime main only
+[[ "${RUNTIME_MAIN}" != "${TUNIX_RUNTIME_MODULE}" ]] || tunix_check="executor"
+TUNIX_RUNTIME="absent"
+[[ "${HOST}" == embedded ]] || probe_tunix_runtime "${tunix_check}"
 if [[ "${HOST}" == auto ]]; then
-  if python_imports "${TUNIX_RUNTIME_MODULE}"; then
+  if [[ "${TUNIX_RUNTIME}" != absent ]]; then
     HOST=tunix
   else
     HOST=embedded
   fi
 fi
 if [[ "${HOST}" == tunix ]]; then
-  if ! python_imports "${TUNIX_RUNTIME_MODULE}"; then
+  if [[ "${TUNIX_RUNTIME}" == absent ]]; then
     die "tunix's distributed runtime is not installed for ${PYTHON}" \
       "('import ${TUNIX_RUNTIME_MODULE}' failed); install tunix, or use --host embedded"
   fi
@@ -210,7 +213,18 @@ if [[ "${HOST}" == tunix ]]; then
     usage_error "--microbatches and --tiny are for the embedded host and tunix's small job, not" \
       "the mains ORCHESTRATOR_MAIN, TRAINER_MAIN and ROLLOUT_MAIN name"
   fi
-  [[ "${RUNTIME_MAIN}" != "${TUNIX_RUNTIME_MODULE}" ]] || check_tunix_runtime
+  if [[ "${TUNIX_RUNTIME}" == protos ]]; then
+    tools=""
+    [[ "${PROTOC}" == yes ]] || tools="${PYTHON} -m pip install grpcio-tools, then "
+    die "tunix's runtime cannot start a process: its discovery service's protobuf modules are" \
+      "not generated in ${TUNIX_TREE}; generate them as tunix documents" \
+      "(tunix/experimental/distributed/examples/README.md): ${tools}cd ${TUNIX_TREE} &&" \
+      "${PYTHON} -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=." \
+      "${TUNIX_DISCOVERY_PROTO}"
+  elif [[ "${TUNIX_RUNTIME}" == broken ]]; then
+    die "tunix's runtime cannot start a process: 'import" \
+      "tunix.experimental.distributed.runtime.executor' failed (${TUNIX_WHY})"
+  fi
   if ((CONTAINER_MAINS)); then
     for main in ORCHESTRATOR_MAIN TRAINER_MAIN ROLLOUT_MAIN; do
       module="${!main}"

@@ -9,6 +9,7 @@ wait for the launcher's exit, or read its output line by line.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 import re
@@ -31,6 +32,7 @@ MARKER_VAR = "TSP_RECIPE_TEST_MARKER"  # (a TUNIX_STAGE_* name would be warned a
 TUNIX_RUNTIME = "tunix.experimental.distributed.runtime.main"
 
 
+@functools.cache  # (the environment does not change during a session)
 def _importable(module: str) -> bool:
   proc = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
                         check=False)
@@ -483,6 +485,24 @@ def test_local_host_tunix_runs_tunix_s_small_job_staged_and_report_reads_it(
   assert report.stdout.count("(tunix, 3 steps)") == 2, report.stdout  # trainer, orchestrator
   assert re.search(rf"^  orchestrator: staged {staged} ", report.stdout, re.M), report.stdout
   assert_nothing_left(launch, out)
+
+
+@pytest.mark.tunix
+def test_local_host_tunix_small_job_with_staging_off_is_tunix_alone(launch, tmp_path: Path,
+                                                                    tunix_pythonpath: str):
+  """Staging off (the default): the same job through tunix's runtime, nothing of the plugin
+  said or written in either process, though TUNIX_STAGE_METRICS names a folder."""
+  logs, metrics = tmp_path / "logs", tmp_path / "metrics"
+  proc = launch("--host", "tunix", "--steps", "1", "--microbatches", "2", "--tiny", "--log_dir",
+                str(logs), "--timeout", "240", timeout=300, TUNIX_STAGE_METRICS=str(metrics),
+                PYTHONPATH=tunix_pythonpath)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  assert re.search(r"^  tunix_job: OK: 1 step x 2 micro-batches on tunix's TrainerWorker \S+ at "
+                   r"\S+, staging off \(tunix's own train loop\)$", proc.stdout, re.M), proc.stdout
+  for name in ("orchestrator", "trainer"):
+    assert "tunix-stage" not in (logs / f"{name}.log").read_text(), name
+  assert not metrics.exists()
+  assert_nothing_left(launch, proc.stdout)
 
 
 @pytest.mark.tunix

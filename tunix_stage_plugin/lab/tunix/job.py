@@ -289,6 +289,7 @@ def orchestrator_main(argv: list[str], context: Any) -> None:
     first = str(e).strip().split("\n", 1)[0] or type(e).__name__
     print(f"{PROG}: FAILED: {first}", file=sys.stderr, flush=True)
     raise SystemExit(1) from None
-  print(f"{PROG}: OK: {len(results)} steps x {microbatches} micro-batches on tunix's "
+  steps = f"{len(results)} step{'' if len(results) == 1 else 's'}"
+  print(f"{PROG}: OK: {steps} x {microbatches} micro-batches on tunix's "
         f"TrainerWorker {trainer['worker_id']} at {address}, {_staging_said(results)}",
         flush=True)
