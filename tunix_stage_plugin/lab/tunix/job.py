@@ -37,6 +37,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import json
 import signal
 import sys
@@ -65,7 +66,6 @@ from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.tunix import node as node_lib
 
 PROG = "tunix_job"
-SERVICE = "tunix-stage-job-trainer"  # what the trainer's discovery metadata says it is
 ACTOR = datatypes.Role.ACTOR
 _count = inputs.argparse_type(inputs.count)
 _seed = inputs.argparse_type(inputs.seed)
@@ -75,6 +75,44 @@ _seconds = inputs.argparse_type(inputs.positive)
 
 class Failed(Exception):
   """The job cannot go on: one line, exit 1."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Registration:
+  """What the trainer tells the orchestrator's discovery service: where it serves and the job's
+  shape (its model's micro-batch, how many per step). Built and read here only."""
+
+  SERVICE = "tunix-stage-job-trainer"
+
+  port: int
+  worker_id: str
+  sizes: data_lib.Sizes
+  microbatches: int
+
+  def encode(self) -> bytes:
+    return json.dumps({"service": self.SERVICE, "port": self.port, "worker_id": self.worker_id,
+                       "sizes": self.sizes.as_dict(), "microbatches": self.microbatches}).encode()
+
+  @classmethod
+  def decode(cls, metadata: bytes) -> "Registration | None":
+    """The registration of one of this job's trainers; None for anything else registering."""
+    try:
+      said = json.loads(metadata)
+      if said["service"] != cls.SERVICE:
+        return None
+      return cls(int(said["port"]), str(said["worker_id"]),
+                 data_lib.sizes_from_dict(said["sizes"]), int(said["microbatches"]))
+    except (ValueError, TypeError, KeyError):
+      return None
+
+
+def _check_context(context: Any, main: str) -> None:
+  """Both mains talk through the runtime's discovery service: refuse to run without it."""
+  if context is None:
+    print(f"{PROG}: error: {main} is a process main of tunix's runtime: run it with python -m "
+          f"tunix.experimental.distributed.runtime.main --process_main={__name__}.{main}",
+          file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 # ---------------------------------------------------------------- the trainer
@@ -135,13 +173,13 @@ def _trainer_parser() -> argparse.ArgumentParser:
 
 def trainer_main(argv: list[str], context: Any) -> None:
   """tunix runtime process main: serves the job's TrainerWorker until SIGTERM/SIGINT."""
+  _check_context(context, "trainer_main")
   args = _trainer_parser().parse_args(argv)
   sizes = data_lib.TINY_SIZES if args.tiny else data_lib.DEFAULT_SIZES
   worker = trainer_worker.TrainerWorker(
       lambda: _make_trainer(sizes, args.microbatches, args.seed), worker_id=args.worker_id)
   port = args.port or portpicker.pick_unused_port()
-  metadata = json.dumps({"service": SERVICE, "port": port, "worker_id": args.worker_id,
-                         "sizes": sizes.as_dict(), "microbatches": args.microbatches}).encode()
+  metadata = Registration(port, args.worker_id, sizes, args.microbatches).encode()
 
   async def serve() -> None:
     loop = asyncio.get_running_loop()
@@ -185,19 +223,16 @@ def _orchestrator_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def _wait_for_trainer(context: Any, timeout_s: float) -> tuple[str, dict[str, Any]]:
+def _wait_for_trainer(context: Any, timeout_s: float) -> tuple[str, Registration]:
   """The first trainer that registers with this process's discovery service: its address and
-  what it said of itself."""
+  its registration."""
   found: concurrent.futures.Future = concurrent.futures.Future()
 
   def on_register(hostname: str, port: int, metadata: bytes) -> None:
     del port  # the registering process's own discovery port (0: it serves none)
-    try:
-      said = json.loads(metadata)
-    except ValueError:
-      return  # not one of this job's trainers
-    if isinstance(said, dict) and said.get("service") == SERVICE and not found.done():
-      found.set_result((f"{hostname}:{said['port']}", said))
+    trainer = Registration.decode(metadata)
+    if trainer is not None and not found.done():
+      found.set_result((f"{hostname}:{trainer.port}", trainer))
 
   context.ipc.discovery.on_register(on_register)
   try:
@@ -267,17 +302,17 @@ def _staging_said(results: list[Any]) -> str:
 def orchestrator_main(argv: list[str], context: Any) -> None:
   """tunix runtime process main: the job, then its summary line; exit 1 with one line when it
   cannot run."""
+  _check_context(context, "orchestrator_main")
   args = _orchestrator_parser().parse_args(argv)
   try:
     address, trainer = _wait_for_trainer(context, args.connect_timeout_s)
-    sizes = data_lib.sizes_from_dict(trainer["sizes"])
-    microbatches = trainer["microbatches"]
-    print(f"{PROG}: trainer {trainer['worker_id']} registered at {address} ({microbatches} "
+    sizes, microbatches = trainer.sizes, trainer.microbatches
+    print(f"{PROG}: trainer {trainer.worker_id} registered at {address} ({microbatches} "
           f"micro-batches per step, {sizes.payload_bytes / (1 << 20):.2f} MiB each)", flush=True)
     handle = remote_execution.ActorHandle.from_address(f"grpc://{address}",
                                                        rpc_timeout_s=args.rpc_timeout_s)
     cluster = orchestrator.ClusterOrchestrator()
-    cluster.register_worker_handle(worker_id=trainer["worker_id"], roles=[ACTOR], handle=handle,
+    cluster.register_worker_handle(worker_id=trainer.worker_id, roles=[ACTOR], handle=handle,
                                    resources={"address": address})
     cluster.bring_up_workers()  # tunix's lifecycle: initialize, compile, start
     try:
@@ -291,5 +326,5 @@ def orchestrator_main(argv: list[str], context: Any) -> None:
     raise SystemExit(1) from None
   steps = f"{len(results)} step{'' if len(results) == 1 else 's'}"
   print(f"{PROG}: OK: {steps} x {microbatches} micro-batches on tunix's "
-        f"TrainerWorker {trainer['worker_id']} at {address}, {_staging_said(results)}",
+        f"TrainerWorker {trainer.worker_id} at {address}, {_staging_said(results)}",
         flush=True)
