@@ -37,30 +37,32 @@ usage: ${PROG} [--host auto|embedded|tunix] [--port PORT] [--steps N] [--microba
                        [--tiny] [--log_dir DIR] [--timeout SECS] [--startup_timeout SECS]
                        [-h|--help] [-- ORCHESTRATOR_ARGS...]
 
-Starts one job's processes on this machine (127.0.0.1 only), waits for the job, then stops
+Starts one job's processes on this machine (talking over 127.0.0.1), waits for the job, then stops
 every process it started. Exits with the job's status (2 for a usage or configuration error).
 
 options:
   --host HOST             embedded, tunix or auto (default: auto = tunix when
                           ${TUNIX_RUNTIME_MODULE} imports, else embedded)
-  --port PORT             the trainer's port (default: a free port, chosen by the trainer
-                          on the embedded host)
+  --port PORT             the trainer's port (default: a free port, chosen by the trainer)
   --steps N               training steps (the containers' mains: their --max_steps)
   --microbatches M        micro-batches per step (embedded host, tunix's small job)
   --tiny                  a tiny model (embedded host, tunix's small job)
   --log_dir DIR           where the per-process logs go (default: a new temporary directory)
   --timeout SECS          stop everything and fail when the job (start-up included) has not
                           finished after SECS (default: 0, no limit)
-  --startup_timeout SECS  how long the trainer may take to become ready (default: 120)
+  --startup_timeout SECS  how long the trainer may take to become ready (tunix's small job:
+                          to register with the orchestrator) (default: 120)
   -h, --help              show this help and exit
   -- ARGS...              more flags for the orchestrator (embedded host), e.g.
                           -- --payload_mib 4 --wire_mbps 200
 
---host tunix runs, with tunix's runtime, the plugin's small tunix job (${TUNIX_JOB}):
-an orchestrator and a trainer node (no rollout model). With ORCHESTRATOR_MAIN, TRAINER_MAIN or
-ROLLOUT_MAIN set it runs mlperf_base.sh's orchestrator, trainer and rollout mains instead, with
-the containers' arguments. tunix's runtime needs its discovery service's protobuf modules,
-generated in tunix's checkout as its README says (the launcher checks, and prints the command).
+--host tunix runs, with tunix's runtime, the plugin's small tunix job
+(${TUNIX_JOB}): an orchestrator running tunix's train loop and a trainer
+node serving tunix's TrainerWorker and PeftTrainer, on CPU (no rollout model). With
+ORCHESTRATOR_MAIN, TRAINER_MAIN or ROLLOUT_MAIN set it runs mlperf_base.sh's orchestrator,
+trainer and rollout mains instead, with the containers' arguments. tunix's runtime needs its
+discovery service's protobuf modules generated in tunix's checkout, as tunix documents (the
+launcher checks before starting anything, and prints the command).
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)            orchestrator, trainer
@@ -557,7 +559,7 @@ elif ((CONTAINER_MAINS == 0)); then
   # tunix's small job: the orchestrator's discovery service, which the trainer registers with.
   ORCHESTRATOR_PORT="$(free_port)"
   orch_args=("--discovery_id=${ORCHESTRATOR_ID}" "--discovery_port=${ORCHESTRATOR_PORT}"
-    "--process_main=${TUNIX_JOB}.orchestrator_main")
+    "--process_main=${TUNIX_JOB}.orchestrator_main" --connect_timeout_s "${STARTUP_TIMEOUT}")
   [[ -z "${STEPS}" ]] || orch_args+=(--steps "${STEPS}")
   trainer_args=("--discovery_addrs=${LOCALHOST}:${ORCHESTRATOR_PORT}"
     "--process_main=${TUNIX_JOB}.trainer_main" --worker_id "${TRAINER_ID}" --port "${PORT:-0}")

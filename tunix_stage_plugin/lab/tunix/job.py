@@ -238,8 +238,9 @@ def _wait_for_trainer(context: Any, timeout_s: float) -> tuple[str, Registration
   try:
     return found.result(timeout_s)
   except concurrent.futures.TimeoutError:
-    raise Failed(f"no trainer registered within {timeout_s:g}s (--connect_timeout_s); is the "
-                 "trainer_main process running with --discovery_addrs naming this one?") from None
+    raise Failed(f"no trainer registered within {timeout_s:g}s (--connect_timeout_s; "
+                 "local_launcher.sh's --startup_timeout); is the trainer_main process running "
+                 "with --discovery_addrs naming this one?") from None
 
 
 async def _train(engine: Any, steps: int, microbatches: int, make: data_lib.BatchMaker
