@@ -163,13 +163,13 @@ for name in sys.argv[1:]:
 }
 
 # What ${PYTHON}'s tunix runtime can do, in one interpreter (each import of tunix costs seconds):
-# sets TUNIX_RUNTIME to "absent" (its main does not import), "ok", or, when $1 is "executor" and
+# sets RUNTIME_STATE to "absent" (its main does not import), "ok", or, when $1 is "executor" and
 # its process executor does not import, "protos" (the discovery service's protobuf modules are not
 # generated: a tunix checkout does not carry them, tunix/experimental/distributed/examples/
-# README.md) or "broken"; TUNIX_TREE to tunix's checkout, TUNIX_WHY to the import's error and
-# PROTOC to "yes" where grpc_tools.protoc is installed.
+# README.md) or "broken"; RUNTIME_TREE to tunix's checkout, RUNTIME_WHY to the import's error and
+# HAS_PROTOC to "yes" where grpc_tools is installed.
 probe_tunix_runtime() {
-  local out
+  local out lines
   out="$("${PYTHON}" -c 'import importlib, importlib.util, os, sys
 try:
   importlib.import_module(sys.argv[1])
@@ -187,24 +187,24 @@ except ImportError as e:
   print(f"{type(e).__name__}: {e}".replace("\n", " "))
   print("yes" if importlib.util.find_spec("grpc_tools") else "no")' \
     "${TUNIX_RUNTIME_MODULE}" "$1" 2>/dev/null || echo absent)"
-  mapfile -t out <<<"${out}"
-  TUNIX_RUNTIME="${out[0]:-absent}" TUNIX_TREE="${out[1]:-}" TUNIX_WHY="${out[2]:-}"
-  PROTOC="${out[3]:-no}"
+  mapfile -t lines <<<"${out}"
+  RUNTIME_STATE="${lines[0]:-absent}" RUNTIME_TREE="${lines[1]:-}" RUNTIME_WHY="${lines[2]:-}"
+  HAS_PROTOC="${lines[3]:-no}"
 }
 
 tunix_check="none" # tunix's process executor is imported by tunix's runtime main only
 [[ "${RUNTIME_MAIN}" != "${TUNIX_RUNTIME_MODULE}" ]] || tunix_check="executor"
-TUNIX_RUNTIME="absent"
+RUNTIME_STATE="absent"
 [[ "${HOST}" == embedded ]] || probe_tunix_runtime "${tunix_check}"
 if [[ "${HOST}" == auto ]]; then
-  if [[ "${TUNIX_RUNTIME}" != absent ]]; then
+  if [[ "${RUNTIME_STATE}" != absent ]]; then
     HOST=tunix
   else
     HOST=embedded
   fi
 fi
 if [[ "${HOST}" == tunix ]]; then
-  if [[ "${TUNIX_RUNTIME}" == absent ]]; then
+  if [[ "${RUNTIME_STATE}" == absent ]]; then
     die "tunix's distributed runtime is not installed for ${PYTHON}" \
       "('import ${TUNIX_RUNTIME_MODULE}' failed); install tunix, or use --host embedded"
   fi
@@ -215,17 +215,17 @@ if [[ "${HOST}" == tunix ]]; then
     usage_error "--microbatches and --tiny are for the embedded host and tunix's small job, not" \
       "the mains ORCHESTRATOR_MAIN, TRAINER_MAIN and ROLLOUT_MAIN name"
   fi
-  if [[ "${TUNIX_RUNTIME}" == protos ]]; then
+  if [[ "${RUNTIME_STATE}" == protos ]]; then
     tools=""
-    [[ "${PROTOC}" == yes ]] || tools="${PYTHON} -m pip install grpcio-tools, then "
+    [[ "${HAS_PROTOC}" == yes ]] || tools="${PYTHON} -m pip install grpcio-tools, then "
     die "tunix's runtime cannot start a process: its discovery service's protobuf modules are" \
-      "not generated in ${TUNIX_TREE}; generate them as tunix documents" \
-      "(tunix/experimental/distributed/examples/README.md): ${tools}cd ${TUNIX_TREE} &&" \
+      "not generated in ${RUNTIME_TREE}; generate them as tunix documents" \
+      "(tunix/experimental/distributed/examples/README.md): ${tools}cd ${RUNTIME_TREE} &&" \
       "${PYTHON} -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=." \
       "${TUNIX_DISCOVERY_PROTO}"
-  elif [[ "${TUNIX_RUNTIME}" == broken ]]; then
+  elif [[ "${RUNTIME_STATE}" == broken ]]; then
     die "tunix's runtime cannot start a process: 'import" \
-      "tunix.experimental.distributed.runtime.executor' failed (${TUNIX_WHY})"
+      "tunix.experimental.distributed.runtime.executor' failed (${RUNTIME_WHY})"
   fi
   if ((CONTAINER_MAINS)); then
     for main in ORCHESTRATOR_MAIN TRAINER_MAIN ROLLOUT_MAIN; do
