@@ -12,6 +12,7 @@ import textwrap
 from typing import TYPE_CHECKING, Any
 
 from tunix_stage_plugin import lab
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import inputs as core_inputs
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab import inputs
@@ -141,7 +142,10 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
                    help="timeline picture of the last round (default DIR/timeline.png; '' skips)")
   out.add_argument("--trace", default=None, metavar="PATH",
                    help="Chrome/Perfetto trace of every run (default DIR/trace.json; '' skips)")
-  out.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+  out.add_argument("--quiet", action="store_true",
+                   help="no progress lines and no per-step lines on stderr (the per-step lines "
+                   "otherwise every TUNIX_STAGE_LOG_EVERY steps, default 1; TUNIX_STAGE_METRICS "
+                   "is refused: the trainer's own records are in the JSON)")
   out.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
                    help="run no benchmark: print two bench JSONs side by side per mode (step, "
                    "hidden, step/limit, fallbacks and the change from A to B)")
@@ -215,6 +219,7 @@ def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[
       "seed": p.take("--seed", args.seed, inputs.seed),
       "payload": p.take("--payload", args.payload, inputs.one_of(data_lib.PAYLOADS)),
       "codec": p.setting("codec", args.stage_codec),
+      "log_every": _log_every(p, args.quiet),
   }
   _check_codec_modes(p, args.modes, values["modes"] or (), values["codec"])
   files = {}
@@ -243,6 +248,29 @@ def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[
   if memory is not None:
     return None, {}, [core_inputs.refusal("--payload_mib", args.payload_mib, memory)]
   return options, files, []
+
+
+# The observability variables, as the bench takes them (docs/bench.md "Inputs").
+OBSERVABILITY = ("log_every", "metrics")
+NO_RECORD = ("the bench writes no metrics record (its mode runs would share one): its JSON "
+             "holds the trainer's own per-step records, run by run (runs[*].job_side_steps)")
+
+
+def _log_every(p: inputs.Problems, quiet: bool) -> int:
+  """The job's per-step lines: TUNIX_STAGE_LOG_EVERY as every staging process reads it (0 with
+  --quiet). TUNIX_STAGE_METRICS is refused: the bench's mode runs would share one record."""
+  env = {config_lib.SETTINGS_BY_FIELD[f].env: os.environ.get(config_lib.SETTINGS_BY_FIELD[f].env,
+                                                             "") for f in OBSERVABILITY}
+  try:
+    cfg = config_lib.resolve(env=env)
+  except config_lib.ConfigError as e:
+    for line in e.problems:
+      p.add(line)
+    return 0
+  if cfg.metrics:
+    metrics = config_lib.SETTINGS_BY_FIELD["metrics"].env
+    p.refuse(metrics, env[metrics], "unset, or off", NO_RECORD)
+  return 0 if quiet else cfg.log_every
 
 
 def _given(value: Any, default: Any) -> Any:
