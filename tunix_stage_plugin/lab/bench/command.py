@@ -259,18 +259,21 @@ NO_RECORD = ("the bench writes no metrics record (its mode runs would share one)
 def _log_every(p: inputs.Problems, quiet: bool) -> int:
   """The job's per-step lines: TUNIX_STAGE_LOG_EVERY as every staging process reads it (0 with
   --quiet). TUNIX_STAGE_METRICS is refused: the bench's mode runs would share one record."""
-  env = {config_lib.SETTINGS_BY_FIELD[f].env: os.environ.get(config_lib.SETTINGS_BY_FIELD[f].env,
-                                                             "") for f in OBSERVABILITY}
-  try:
-    cfg = config_lib.resolve(env=env)
-  except config_lib.ConfigError as e:
-    for line in e.problems:
-      p.add(line)
-    return 0
-  if cfg.metrics:
-    metrics = config_lib.SETTINGS_BY_FIELD["metrics"].env
-    p.refuse(metrics, env[metrics], "unset, or off", NO_RECORD)
-  return 0 if quiet else cfg.log_every
+  values = {}
+  for field in OBSERVABILITY:  # each checked as the settings table checks it, every one reported
+    setting = config_lib.SETTINGS_BY_FIELD[field]
+    text = os.environ.get(setting.env, "")
+    if not text.strip():
+      continue  # unset, as everywhere
+    try:
+      values[field] = config_lib.parse_value(setting, text, setting.env)
+    except config_lib.ConfigError as e:
+      for line in e.problems:
+        p.add(line)
+      continue
+    if field == "metrics" and values[field]:
+      p.refuse(setting.env, text, "unset, or off", NO_RECORD)
+  return 0 if quiet else values.get("log_every", config_lib.SETTINGS_BY_FIELD["log_every"].default)
 
 
 def _given(value: Any, default: Any) -> Any:
