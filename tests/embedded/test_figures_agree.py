@@ -63,6 +63,8 @@ def test_received_and_sent_totals_count_every_step_as_their_tables_do(tmp_path):
   assert trainer["records"][0]["receive"]["calls"] > 0  # step 0 received: it is counted
   assert sum(data["summary"]["trainer"]["bound_by"].values()) == len(trainer["records"])
   assert "totals are over every step" in text
+  (overall,) = [l for l in text.splitlines() if l.strip().startswith("trainer step: median")]
+  assert re.search(r" s = compute \d+\.\d\d( \([^()+]*\))? \+ input wait ", overall), overall
   assert f"received by side channel: {received['calls']} calls, " in text
   assert f"sent by side channel: {sent['calls']} calls, " in text
   # Every per-step line: the slowdown inside the compute, never a term of the sum.
