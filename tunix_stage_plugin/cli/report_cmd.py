@@ -99,8 +99,7 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
     bound = ", ".join(f"{b} in {n}" for b, n in t["bound_by"].items() if n)
     estimate = t["inline_wait_estimate_s"]
     share = f" ({t['hidden_s'] / estimate:.0%})" if estimate > 0 else ""
-    slowdown = "" if t["slowdown_s"] is None else (
-        f" ({_s(t['slowdown_s'])} of it slower beside transfers)")
+    slowdown = lines.slowdown(t["slowdown_s"], 0)  # the median's, where any step knew it
     out += [f"trainer step: median {_s(t['step_s'])} s = compute {_s(t['compute_s'])}{slowdown} "
             f"+ input wait {_s(t['input_wait_s'])} (mid-step {_s(t['mid_step_s'])}, boundary "
             f"{_s(t['boundary_s'])}) + other calls {_s(t['other_s'])}",

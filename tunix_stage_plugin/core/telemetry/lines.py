@@ -49,27 +49,27 @@ def _by_transport(by_transport: dict[str, dict[str, Any]], *, calls: bool = Fals
   return ", ".join(parts)
 
 
-def slowdown(compute: dict[str, Any]) -> str:
+def slowdown(seconds: float | None, beside_transfer: int) -> str:
   """The part of the compute that ran slower beside transfers, said inside the compute it is part
-  of (" (0.05 of it slower beside transfers)"), so the step's sum reads as a sum."""
-  if compute["slowdown_s"] is not None:
-    return f" ({_s(compute['slowdown_s'])} of it slower beside transfers)"
-  if compute["beside_transfer"]:  # no fwd_bwd ran alone yet: no baseline to compare with
-    return " (its slowdown beside transfers unknown)"
-  return ""
+  of (" (0.05 of it slower beside transfers)"), so a step's sum reads as a sum; unknown where
+  fwd_bwds ran beside transfers and none alone yet (no baseline to compare with)."""
+  if seconds is not None:
+    return f" ({_s(seconds)} of it slower beside transfers)"
+  return " (its slowdown beside transfers unknown)" if beside_transfer else ""
 
 
 def trainer_line(figures: dict[str, Any]) -> str:
   """The trainer's receives are those it times as they arrive (side channel, chunked stream); a
   micro-batch that came inside a gRPC call is not among them (the orchestrator's line counts it)."""
-  wait = figures["input_wait_s"]
+  wait, compute = figures["input_wait_s"], figures["compute"]
+  slower = slowdown(compute["slowdown_s"], compute["beside_transfer"])
   received = (_by_transport(figures["receive"]["by_transport"])
               or "nothing by side channel or stream")
   pool = figures["pool"]
   return (f"tunix-stage: trainer step {figures['step']}: {_s(figures['step_s'])} s = compute "
-          f"{_s(figures['compute_s'])}{slowdown(figures['compute'])} + input wait "
-          f"{_s(wait['mid_step'])} mid-step, {_s(wait['boundary'])} at the boundary + other "
-          f"calls {_s(figures['other_s'])}; received {received}; placed "
+          f"{_s(figures['compute_s'])}{slower} + input wait {_s(wait['mid_step'])} mid-step, "
+          f"{_s(wait['boundary'])} at the boundary + other calls {_s(figures['other_s'])}; "
+          f"received {received}; placed "
           f"{figures['place']['count']} in {_s(figures['place']['seconds'])} s; pool waits "
           f"{pool['waits']} ({_s(pool['wait_s'])} s); bound by {figures['bound_by']}")
 
@@ -81,8 +81,8 @@ def orchestrator_line(figures: dict[str, Any]) -> str:
   return (f"tunix-stage: step {figures['step']}: {figures['microbatches']} micro-batches, "
           f"staged {figures['staged']} ({figures['prestaged']} across the boundary), inline "
           f"{figures['inline']}, fallbacks {fallbacks['count']}{kinds}; sent "
-          f"{_by_transport(figures['sent'], calls=True) or 'nothing'}; stage calls {calls['count']}, median "
-          f"{_s(calls['median_s'])} s")
+          f"{_by_transport(figures['sent'], calls=True) or 'nothing'}; stage calls "
+          f"{calls['count']}, median {_s(calls['median_s'])} s")
 
 
 def say(step: int, every: int, line: str) -> None:
