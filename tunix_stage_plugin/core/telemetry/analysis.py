@@ -164,13 +164,14 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
                     for path, group in paths.items()},
     }
   if orchestrator:
+    timed = [f for f in orchestrator if f["step_s"] is not None] or orchestrator  # the medians'
     out["orchestrator"] = {
         "staged": sum(f["staged"] for f in orchestrator),
         "inline": sum(f["inline"] for f in orchestrator),
         "prestaged": sum(f["prestaged"] for f in orchestrator),
         "fallbacks": sum(f["fallbacks"]["count"] for f in orchestrator),
         "fallbacks_by_kind": _counts([f["fallbacks"]["by_kind"] for f in orchestrator]),
-        "stage_call_median_s": _median([f["stage_calls"]["median_s"] for f in orchestrator
+        "stage_call_median_s": _median([f["stage_calls"]["median_s"] for f in timed
                                         if f["stage_calls"]["median_s"] is not None]),
         "sent": _transports([f["sent"] for f in orchestrator]),
     }
