@@ -77,6 +77,30 @@ def test_a_staging_flag_shows_its_setting_s_metavar(name: str):
     assert "[--stage_codec CODEC]" in " ".join(parser.format_usage().split())
 
 
+@pytest.mark.parametrize("name", ["config", "doctor", "run"])
+def test_an_unset_default_shows_as_none_in_help(name: str):
+  """A setting whose default is unset (a folder, a fingerprint) shows `default none.`, never
+  `default .` (which reads as the current folder)."""
+  text = " ".join(cli_main.subcommands()[name].format_help().split())
+  assert "default ." not in text
+  for setting in config_lib.SETTINGS:
+    assert f"Overrides ${setting.env}; default {config_lib.shown(setting.default)}." in text
+  assert "Overrides $TUNIX_STAGE_METRICS; default none." in text
+
+
+def test_the_settings_table_shows_an_unset_value_as_none():
+  for name in ("config", "doctor"):
+    rows = [line.split() for line in tunix_stage(name).stdout.splitlines()]
+    assert ["TUNIX_STAGE_METRICS", "none", "(default)"] in [r[-3:] for r in rows if r], name
+
+
+def test_simulate_s_help_names_every_input_it_reads():
+  text = " ".join(cli_main.subcommands()["simulate"].format_help().split())
+  for kind in ("a trace JSON or CSV", "a bench JSON", "trace.json", "metrics record",
+               "TUNIX_STAGE_METRICS"):
+    assert kind in text, kind
+
+
 def test_the_issue_s_run_case():
   proc = tunix_stage("run", "--bogus", "--", "true")
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr

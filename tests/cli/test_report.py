@@ -74,8 +74,10 @@ def test_report_prints_each_step_and_what_held_staging_back(tmp_path):
   assert [s[0] for s in steps] == ["0", "1", "2", "3"]
   # Each step after the first: 2.7 s long, 2.2 s of compute, 0.5 s of boundary wait.
   assert steps[1][1:6] == ["2.70", "2.20", "0.00", "0.50", "0.00"]
-  assert "bound by: wire in 3 (steps)" in out
-  assert "received by side channel: 6 calls, 0.38 GiB at 0.16 GiB/s" in out
+  # Totals count every step of the table they sum (the header says so); medians leave step 0 out.
+  assert "totals are over every step" in out and "a first step out" in out
+  assert "bound by: compute in 1, wire in 3 (steps)" in out
+  assert "received by side channel: 8 calls, 512.0 MiB at 0.16 GiB/s" in out
   assert "TUNIX_STAGE_MAX_HOST_BATCHES=2" in out  # the pool waited: one more host batch
 
 
@@ -86,7 +88,10 @@ def test_report_json_carries_the_records_and_the_summary(tmp_path):
   assert proc["role"] == "trainer" and [r["step"] for r in proc["records"]] == [0, 1, 2, 3]
   summary = data["summary"]["trainer"]
   assert summary["step_s"] == pytest.approx(2.2) and summary["input_wait_s"] == pytest.approx(0)
-  assert summary["bound_by"] == {"compute": 3, "wire": 0, "shared cores": 0}
+  assert summary["bound_by"] == {"compute": 4, "wire": 0, "shared cores": 0}
+  # Totals over every step, as the table: 4 steps of 2 receives of 64 MiB.
+  assert summary["received"]["side"]["calls"] == sum(
+      r["receive"]["calls"] for r in proc["records"]) == 8
   # Inline, each step's 2 micro-batches would have received (0.4 s) and been placed (0.1 s).
   assert summary["inline_wait_estimate_s"] == pytest.approx(1.0)
   assert summary["hidden_s"] == pytest.approx(1.0)

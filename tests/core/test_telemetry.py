@@ -204,7 +204,8 @@ def test_a_slowdown_without_a_baseline_is_unknown_and_a_restart_keeps_the_baseli
   (first,) = tel.history["trainer"]
   assert first["compute"]["alone_s"] is None and first["compute"]["slowdown_s"] is None
   assert first["compute"]["beside_transfer"] == 2
-  assert "slowdown beside transfers unknown" in lines.trainer_line(first)
+  assert "compute 2.00 (its slowdown beside transfers unknown) + input wait" in \
+      lines.trainer_line(first)
   assert first["bound_by"] == analysis.COMPUTE  # no input wait; the slowdown not known
   for span in [compute("fwd_bwd", 2.0, 2.6), compute("update", 2.6, 2.8)]:  # one ran alone
     agg.record(span)
@@ -215,7 +216,9 @@ def test_a_slowdown_without_a_baseline_is_unknown_and_a_restart_keeps_the_baseli
   assert second["compute"]["alone_s"] == pytest.approx(0.6)  # from before the restart
   assert second["compute"]["slowdown_s"] == pytest.approx(2 * (0.9 - 0.6))
   assert second["bound_by"] == analysis.SHARED_CORES
-  assert "0.60 slower beside transfers" in lines.trainer_line(second)
+  # The slowdown is part of the compute: said inside it, so the step's sum reads as a sum.
+  assert "= compute 2.00 (0.60 of it slower beside transfers) + input wait 0.00 mid-step" in \
+      lines.trainer_line(second)
 
 
 def test_the_bound_follows_the_largest_loss():

@@ -3,8 +3,8 @@
 A `$ ...` line in a console block is run for real (PATH leads with this interpreter's bin
 directory, as after the README's set-up, cwd the repository root) and checked against what the
 page shows under it: its exit status (the `echo $?` the page shows; else 0, or
-not 0 where it shows an error), and every shown line
-(numbers, paths and hex masked; `...` elides a line or part of one). Every `tunix-stage ...` command elsewhere (inline
+not 0 where it shows an error), every shown line, and, where no `...` line elides some, every
+printed line shown (numbers, paths and hex masked; `...` elides a line or part of one). Every `tunix-stage ...` command elsewhere (inline
 code, bash blocks) must parse with the real command-line parser. The examples that need tunix's
 stack are skipped when it is not importable (one-line reason); the bench's full run is parsed
 only (the bench has its own tests). Every sample bench table the pages show has the columns the
@@ -96,13 +96,14 @@ def test_console_example_runs_as_shown(where: str, command: str, shown: list[str
     pytest.skip("tunix's experimental stack (google/tunix main) is not importable")
   env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
   env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-  proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=240)
+  env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr in the order a terminal shows them
+  proc = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, timeout=240)
   if status is None:  # not shown: an example that prints an error fails, any other succeeds
     failed = any(": error:" in line for line in shown)
     status = proc.returncode if failed and proc.returncode != 0 else int(failed)
-  assert proc.returncode == status, f"{where}: {command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-  printed = [_mask(l) for l in (proc.stdout + proc.stderr).splitlines()]
+  assert proc.returncode == status, f"{where}: {command}\n{proc.stdout[-3000:]}"
+  printed = [_mask(l) for l in proc.stdout.splitlines()]
 
   def printed_as_shown(line: str) -> bool:  # "..." inside a shown line elides part of it
     pattern = ".*".join(re.escape(part) for part in _mask(line).split("..."))
@@ -110,6 +111,25 @@ def test_console_example_runs_as_shown(where: str, command: str, shown: list[str
 
   missing = [l for l in shown if l.strip() and l.strip() != "..." and not printed_as_shown(l)]
   assert missing == [], f"{where}: {command} did not print these lines as shown"
+  order = _in_order([l for l in shown if l.strip()], [p for p in printed if p])
+  assert order is None, f"{where}: {command}: {order}"
+
+
+def _in_order(shown: list[str], printed: list[str]) -> str | None:
+  """Why the shown lines are not the printed ones, in order, a `...` line standing for any run of
+  printed lines (None: they are): a sample shows every line its command prints, or elides it."""
+  patterns = [None if l.strip() == "..." else
+              ".*".join(re.escape(part) for part in _mask(l).split("...")) for l in shown]
+  reach = {0}  # the printed lines matched so far, for each way through the patterns
+  for pattern in patterns:
+    if pattern is None:
+      reach = set(range(min(reach), len(printed) + 1)) if reach else reach
+    else:
+      reach = {j + 1 for j in reach if j < len(printed) and re.fullmatch(pattern, printed[j])}
+  if len(printed) in reach:
+    return None
+  return ("printed lines the page does not show, or not in its order (a `...` line elides "
+          "lines): printed " + repr(printed[:60]))
 
 
 def _tunix_stage_commands() -> list[tuple[str, str]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from tunix_stage_plugin.activation import drivers
 from tunix_stage_plugin.hosts.triggers import KNOWN_DRIVERS
@@ -127,6 +128,11 @@ def run(args: argparse.Namespace) -> int:
   if args.json:
     print(json.dumps({"enabled": cfg.enabled, "settings": cfg.as_dict()}, indent=2))
     return 0
-  for field, item in cfg.as_dict().items():
-    print(f"{item['env']:32s} {item['value']!s:8s} ({item['source']})")
+  for item in cfg.as_dict().values():
+    print(setting_row(item))
   return 0
+
+
+def setting_row(item: dict[str, Any]) -> str:
+  """One row of the settings table (`config`, and `doctor`'s): variable, value, its source."""
+  return f"{item['env']:32s} {config_lib.shown(item['value']):8s} ({item['source']})"

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
   print(f"tunix-stage-plugin {report['plugin']} (Python {report['python']})")
   print(f"staging: {'on' if enabled else 'off'}")
   for item in report["config"]["settings"].values():
-    print(f"  {item['env']:32s} {item['value']!s:8s} ({item['source']})")
+    print(f"  {config_cmd.setting_row(item)}")
   print(f"bootstrap .pth: {', '.join(report['bootstrap_pth']) or 'missing'}")
   print(f"host adapters (entry points): {', '.join(report['entry_points']) or 'none'}")
   print("codecs (TUNIX_STAGE_CODEC; a trainer decodes what its orchestrator compresses): "

@@ -75,7 +75,7 @@ def trainer_rows(records: list[dict[str, Any]]) -> list[str]:
     wait, received = r["input_wait_s"], r["receive"]
     rows.append([str(r["step"]), _s(r["step_s"]), _s(r["compute_s"]), _s(wait["mid_step"]),
                  _s(wait["boundary"]), _s(r["other_s"]), _s(r["compute"]["slowdown_s"]),
-                 f"{received['calls']} / {received['bytes'] / lines.MIB:.1f} MiB",
+                 f"{received['calls']} / {lines.size(received['bytes'])}",
                  f"{r['place']['count']} / {_s(r['place']['seconds'])} s",
                  f"{r['pool']['waits']} ({r['pool']['over_bound']} over)", r["bound_by"]])
   return _table(rows)
@@ -85,7 +85,7 @@ def orchestrator_rows(records: list[dict[str, Any]]) -> list[str]:
   rows = [["step", "micro-batches", "staged", "prestaged", "inline", "fallbacks", "sent",
            "stage call median"]]
   for r in records:
-    sent = ", ".join(f"{name} {t['bytes'] / lines.MIB:.1f} MiB" for name, t in r["sent"].items())
+    sent = ", ".join(f"{name} {lines.size(t['bytes'])}" for name, t in r["sent"].items())
     rows.append([str(r["step"]), str(r["microbatches"]), str(r["staged"]), str(r["prestaged"]),
                  str(r["inline"]), str(r["fallbacks"]["count"]), sent or "-",
                  _s(r["stage_calls"]["median_s"])])
@@ -99,10 +99,10 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
     bound = ", ".join(f"{b} in {n}" for b, n in t["bound_by"].items() if n)
     estimate = t["inline_wait_estimate_s"]
     share = f" ({t['hidden_s'] / estimate:.0%})" if estimate > 0 else ""
-    out += [f"trainer step: median {_s(t['step_s'])} s = compute {_s(t['compute_s'])} + input "
-            f"wait {_s(t['input_wait_s'])} (mid-step {_s(t['mid_step_s'])}, boundary "
-            f"{_s(t['boundary_s'])}) + other calls {_s(t['other_s'])}; the compute "
-            f"{_s(t['slowdown_s'])} s slower beside transfers",
+    slowdown = lines.slowdown(t["slowdown_s"], 0)  # the median's, where any step knew it
+    out += [f"trainer step: median {_s(t['step_s'])} s = compute {_s(t['compute_s'])}{slowdown} "
+            f"+ input wait {_s(t['input_wait_s'])} (mid-step {_s(t['mid_step_s'])}, boundary "
+            f"{_s(t['boundary_s'])}) + other calls {_s(t['other_s'])}",
             f"bound by: {bound} (steps)"]
     paths = t["by_path"]
     if paths["staged"]["steps"] and paths["inline"]["steps"]:
@@ -113,9 +113,9 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
                f"{_s(estimate)} s of input wait{share}"
                + (" (in the steps that staged)" if paths["inline"]["steps"] else ""))
     for name, tr in t["received"].items():
-      rate = "" if tr["gib_s"] is None else f" at {tr['gib_s']:.2f} GiB/s"
+      rate = "" if tr["gib_s"] is None else f" at {lines.speed(tr['gib_s'] * lines.GIB)}"
       out.append(f"received by {lines.TRANSPORT_NAMES.get(name, name)}: {tr['calls']} calls, "
-                 f"{tr['bytes'] / lines.GIB:.2f} GiB{rate}")
+                 f"{lines.size(tr['bytes'])}{rate}")
   o = summary.get("orchestrator")
   if o is not None:
     kinds = "".join(f", {n} {k}" for k, n in o["fallbacks_by_kind"].items())
@@ -124,7 +124,7 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
                f"{_s(o['stage_call_median_s'])} s")
     for name, tr in o["sent"].items():  # a call's time includes its wait on the trainer
       out.append(f"sent by {lines.TRANSPORT_NAMES.get(name, name)}: {tr['calls']} calls, "
-                 f"{tr['bytes'] / lines.GIB:.2f} GiB, {tr['seconds'] / tr['calls']:.3f} s a "
+                 f"{lines.size(tr['bytes'])}, {tr['seconds'] / tr['calls']:.3f} s a "
                  "call (its wait on the trainer included)")
   return out
 
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     rows = trainer_rows if p["role"] == record_lib.TRAINER else orchestrator_rows
     for line in rows(p["records"]):
       print(f"  {line}")
-  print("overall (medians per step, a first step left out where there are others):")
+  print(f"overall ({analysis.RULE}):")
   for line in overall_lines(summary):
     print(f"  {line}")
   recommendations = summary["recommendations"]

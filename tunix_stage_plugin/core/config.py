@@ -99,6 +99,14 @@ def _parse_fingerprint(text: str) -> str:
   return value
 
 
+UNSET = "none"  # how help and tables show a setting with no value (a folder or fingerprint unset)
+
+
+def shown(value: Any) -> str:
+  """A setting's value as help and `tunix-stage config` show it (never an empty column)."""
+  return UNSET if value == "" else str(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class Setting:
   """One knob: its field name, env variable, driver flag, default and parser."""

@@ -854,6 +854,40 @@ def test_the_seam_way_leaves_train_stage_tunix_s_and_stages_through_the_seam(sta
   assert len(ADAPTER.installation.staging_of(worker).store) == 0
 
 
+class NotCallingProgram(rl_program.StandardRLProgram):
+  """Trains its steps itself, never calling tunix's _train_microbatches (the seam)."""
+
+  async def _train_microbatches(self, engine, step, microbatches):
+    result = None
+    async for batch, apply_optimizer in microbatches.batches:
+      result = await engine.train_step(batch, role=ACTOR, accumulate_gradients=True,
+                                       apply_optimizer=apply_optimizer)
+    return result
+
+
+@pytest.mark.loop_way
+@pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
+def test_a_program_never_calling_the_seam_is_not_promised_staging_and_says_why_once(
+    staging, caplog):
+  """The activation line promises staging only where tunix's seam is called; a subclass whose
+  own `_train_microbatches` never calls it trains as it wrote it, nothing staged, and its first
+  step says so once, with why."""
+  line = manager.install(staging, quiet=True).line
+  assert "a subclass's own _train_microbatches stages only if it calls tunix's" in line, line
+  with caplog.at_level(logging.INFO, logger="tunix_stage_plugin"):
+    _, trainer, worker, reports = run_subclass(NotCallingProgram)
+  assert [c[:2] for c in trainer.calls] == expected_calls(3)
+  assert not any(c[2] for c in trainer.calls if c[0] == "fwd")  # none was placed ahead
+  assert all(type(r) is rl_program.RLStepResult for r in reports)  # no stage/* metrics
+  said = [r for r in caplog.records if "staged 0 of" in r.message]
+  assert [(r.levelno, r.message) for r in said] == [(
+      logging.WARNING, f"tunix-stage: step 0 staged 0 of {MB_PER_STEP} micro-batches: the seam "
+      "StandardRLProgram._train_microbatches was never called; "
+      "NotCallingProgram._train_microbatches overrides tunix's without calling it (call "
+      "super()._train_microbatches(engine, step, microbatches) in it to stage)")]
+  assert len(ADAPTER.installation.staging_of(worker).store) == 0
+
+
 @pytest.mark.loop_way
 @pytest.mark.skipif(WAY != probes.SEAM, reason="tunix with the train loop's seam only")
 def test_a_program_overriding_the_seam_is_staged_within_its_steps(staging, caplog):
@@ -865,5 +899,5 @@ def test_a_program_overriding_the_seam_is_staged_within_its_steps(staging, caplo
   assert [r.stage_metrics["stage/prestaged"] for r in reports] == [0, 0, 0]
   assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 3  # staged within the steps
   lines = [r.message for r in caplog.records if "overrides _train_microbatches" in r.message]
-  assert len(lines) == 1 and "not across the step boundary" in lines[0]
+  assert len(lines) == 1 and "never across the step boundary" in lines[0]
   assert len(ADAPTER.installation.staging_of(worker).store) == 0

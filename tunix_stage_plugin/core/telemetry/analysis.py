@@ -17,6 +17,8 @@ SHARE = 0.05
 FLOOR_S = 0.02
 COMPUTE, WIRE, SHARED_CORES = "compute", "wire", "shared cores"
 GIB = 1 << 30
+# How `summary` counts, said once where its figures are shown (the report's header).
+RULE = "medians per step leave a first step out where there are others; totals are over every step"
 
 
 def significant(seconds: float | None, step_s: float) -> bool:
@@ -128,9 +130,11 @@ def _median(values: list[float]) -> float | None:
 
 def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
             ) -> dict[str, Any]:
-  """A job's figures over its steps (medians per step; a first step, which compiles and has no
-  step before it, is left out where there are others), what staging hid, the transports'
-  speeds and what held staging back."""
+  """A job's figures over its steps, what staging hid, the transports' speeds and what held
+  staging back. One rule, said in the report's header (RULE): medians per step leave a first
+  step out where there are others (it compiles and has no step before it); totals and counts
+  (how many steps each part bounded, what was received and sent) are over every step, as the
+  tables they sum."""
   steps = [f for f in trainer if f["step_s"] is not None] or trainer
   out: dict[str, Any] = {"trainer_steps": len(trainer), "orchestrator_steps": len(orchestrator)}
   if steps:
@@ -148,11 +152,11 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
         "other_s": statistics.median(f["other_s"] for f in steps),
         "slowdown_s": _median([f["compute"]["slowdown_s"] for f in steps
                                if f["compute"]["slowdown_s"] is not None]),
-        "bound_by": {b: [f["bound_by"] for f in steps].count(b)
+        "bound_by": {b: [f["bound_by"] for f in trainer].count(b)
                      for b in (COMPUTE, WIRE, SHARED_CORES)},
         "inline_wait_estimate_s": statistics.median(estimate),
         "hidden_s": statistics.median(e - w for e, w in zip(estimate, wait)),
-        "received": _transports([f["receive"]["by_transport"] for f in steps]),
+        "received": _transports([f["receive"]["by_transport"] for f in trainer]),
         # A record holding both (a job run staged and inline, or stages that fell back): each
         # path's input wait apart, so staging's effect is read off the job itself.
         "by_path": {path: {"steps": len(group),
@@ -160,13 +164,14 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
                     for path, group in paths.items()},
     }
   if orchestrator:
+    timed = [f for f in orchestrator if f["step_s"] is not None] or orchestrator  # the medians'
     out["orchestrator"] = {
         "staged": sum(f["staged"] for f in orchestrator),
         "inline": sum(f["inline"] for f in orchestrator),
         "prestaged": sum(f["prestaged"] for f in orchestrator),
         "fallbacks": sum(f["fallbacks"]["count"] for f in orchestrator),
         "fallbacks_by_kind": _counts([f["fallbacks"]["by_kind"] for f in orchestrator]),
-        "stage_call_median_s": _median([f["stage_calls"]["median_s"] for f in orchestrator
+        "stage_call_median_s": _median([f["stage_calls"]["median_s"] for f in timed
                                         if f["stage_calls"]["median_s"] is not None]),
         "sent": _transports([f["sent"] for f in orchestrator]),
     }

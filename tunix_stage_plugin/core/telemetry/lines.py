@@ -8,13 +8,30 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-MIB = 1 << 20
-GIB = 1 << 30
-TRANSPORT_NAMES = {"side": "side channel", "stream": "chunked stream", "unary": "tunix's call"}
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+TRANSPORT_NAMES = {"side": "side channel", "stream": "chunked stream", "unary": "gRPC call"}
 
 
 def _s(seconds: float | None) -> str:
   return "-" if seconds is None else f"{seconds:.2f}"
+
+
+def size(nbytes: float) -> str:
+  """Bytes in the unit that shows them (never a micro-batch of 50 KiB as "0.0 MiB")."""
+  if nbytes >= GIB:
+    return f"{nbytes / GIB:.2f} GiB"
+  if nbytes >= MIB:
+    return f"{nbytes / MIB:.1f} MiB"
+  return f"{nbytes / KIB:.1f} KiB"
+
+
+def speed(bytes_per_s: float) -> str:
+  """A speed in GiB/s, or in MiB/s and KiB/s below a tenth of one (never "0.00 GiB/s")."""
+  if bytes_per_s >= GIB / 10:
+    return f"{bytes_per_s / GIB:.2f} GiB/s"
+  if bytes_per_s >= MIB:
+    return f"{bytes_per_s / MIB:.1f} MiB/s"
+  return f"{bytes_per_s / KIB:.1f} KiB/s"
 
 
 def _by_transport(by_transport: dict[str, dict[str, Any]], *, calls: bool = False) -> str:
@@ -26,25 +43,33 @@ def _by_transport(by_transport: dict[str, dict[str, Any]], *, calls: bool = Fals
     if calls:
       rate = f", {t['seconds'] / t['calls']:.3f} s a call"
     else:
-      rate = f" at {t['bytes'] / t['seconds'] / GIB:.2f} GiB/s" if t["seconds"] else ""
-    parts.append(f"{t['calls']} x {t['bytes'] / t['calls'] / MIB:.1f} MiB by "
+      rate = f" at {speed(t['bytes'] / t['seconds'])}" if t["seconds"] else ""
+    parts.append(f"{t['calls']} x {size(t['bytes'] / t['calls'])} by "
                  f"{TRANSPORT_NAMES.get(name, name)}{rate}")
-  return ", ".join(parts) or "nothing"
+  return ", ".join(parts)
+
+
+def slowdown(seconds: float | None, beside_transfer: int) -> str:
+  """The part of the compute that ran slower beside transfers, said inside the compute it is part
+  of (" (0.05 of it slower beside transfers)"), so a step's sum reads as a sum; unknown where
+  fwd_bwds ran beside transfers and none alone yet (no baseline to compare with)."""
+  if seconds is not None:
+    return f" ({_s(seconds)} of it slower beside transfers)"
+  return " (its slowdown beside transfers unknown)" if beside_transfer else ""
 
 
 def trainer_line(figures: dict[str, Any]) -> str:
+  """The trainer's receives are those it times as they arrive (side channel, chunked stream); a
+  micro-batch that came inside a gRPC call is not among them (the orchestrator's line counts it)."""
   wait, compute = figures["input_wait_s"], figures["compute"]
-  if compute["slowdown_s"] is not None:
-    slowdown = f", {_s(compute['slowdown_s'])} slower beside transfers"
-  elif compute["beside_transfer"]:  # no fwd_bwd ran alone yet: no baseline to compare with
-    slowdown = ", slowdown beside transfers unknown"
-  else:
-    slowdown = ""
+  slower = slowdown(compute["slowdown_s"], compute["beside_transfer"])
+  received = (_by_transport(figures["receive"]["by_transport"])
+              or "nothing by side channel or stream")
   pool = figures["pool"]
   return (f"tunix-stage: trainer step {figures['step']}: {_s(figures['step_s'])} s = compute "
-          f"{_s(figures['compute_s'])}{slowdown} + input wait {_s(wait['mid_step'])} mid-step, "
+          f"{_s(figures['compute_s'])}{slower} + input wait {_s(wait['mid_step'])} mid-step, "
           f"{_s(wait['boundary'])} at the boundary + other calls {_s(figures['other_s'])}; "
-          f"received {_by_transport(figures['receive']['by_transport'])}; placed "
+          f"received {received}; placed "
           f"{figures['place']['count']} in {_s(figures['place']['seconds'])} s; pool waits "
           f"{pool['waits']} ({_s(pool['wait_s'])} s); bound by {figures['bound_by']}")
 
@@ -56,8 +81,8 @@ def orchestrator_line(figures: dict[str, Any]) -> str:
   return (f"tunix-stage: step {figures['step']}: {figures['microbatches']} micro-batches, "
           f"staged {figures['staged']} ({figures['prestaged']} across the boundary), inline "
           f"{figures['inline']}, fallbacks {fallbacks['count']}{kinds}; sent "
-          f"{_by_transport(figures['sent'], calls=True)}; stage calls {calls['count']}, median "
-          f"{_s(calls['median_s'])} s")
+          f"{_by_transport(figures['sent'], calls=True) or 'nothing'}; stage calls "
+          f"{calls['count']}, median {_s(calls['median_s'])} s")
 
 
 def say(step: int, every: int, line: str) -> None:

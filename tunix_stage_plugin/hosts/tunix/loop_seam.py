@@ -2,8 +2,9 @@
 (patches/tunix-plugins-entry-point.patch): tunix's train_stage and the step's bookkeeping run as
 tunix wrote them; the hooks are the seam (`_train_microbatches`, `_step_microbatches`, a wrapped
 `train_stage`, and `last_step_result` as a property adding the step's `stage/*` metrics).
-What each hook does, and why a subclass overriding a seam method is not staged across the
-boundary: docs/tunix.md "The train loop, two ways".
+What each hook does, why a subclass overriding a seam method is not staged across the
+boundary, and why one whose `_train_microbatches` never calls tunix's is not staged at all (said
+at its first step that could have staged): docs/tunix.md "The train loop, two ways".
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       return await original_train_stage(self, engine, num_steps)
     own = [m for m in probes.SEAM_METHODS if getattr(type(self), m) is not hooks[m]]
     if own and inst.first_time(f"seam-overridden:{type(self).__qualname__}"):
-      log.info("tunix-stage: %s overrides %s: its steps are staged within themselves, not "
-               "across the step boundary (micro-batches made early could not reach its "
-               "override)", type(self).__qualname__, ", ".join(own))
+      log.info("tunix-stage: %s overrides %s: its steps are staged only where it calls tunix's "
+               "(super()), and never across the step boundary (micro-batches made early could "
+               "not reach its override)", type(self).__qualname__, ", ".join(own))
     run = _SeamRun(inst, self, engine, num_steps, original_step, early_ok=not own)
     token = current.set(run)
     try:
@@ -135,6 +136,21 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       return await original_train(self, engine, step, microbatches)
     return await run.train(step, microbatches)
 
+  def _say_unstaged(program: Any, result: Any) -> None:
+    """A step that trained micro-batches without the seam: staged none of them. Said once per
+    program class, with why."""
+    cls = type(program)
+    if not inst.first_time(f"seam-never-called:{cls.__qualname__}"):
+      return
+    hook = hooks["_train_microbatches"]
+    why = (f"{cls.__qualname__}._train_microbatches overrides tunix's without calling it (call "
+           "super()._train_microbatches(engine, step, microbatches) in it to stage)"
+           if cls._train_microbatches is not hook else
+           "tunix's train_stage trained this step without it")
+    log.warning("tunix-stage: step %d staged 0 of %d micro-batches: the seam "
+                "StandardRLProgram._train_microbatches was never called; %s", result.step,
+                result.num_microbatches, why)
+
   def get_last_step_result(self: Any) -> Any:
     try:
       return self.__dict__["last_step_result"]
@@ -144,8 +160,11 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
 
   def set_last_step_result(self: Any, value: Any) -> None:
     run = run_of(self)  # tunix records a step's result: add the step's staging metrics
-    if run is not None and type(value) is rl_program.RLStepResult and value.step in run.reports:
-      value = run.step_result(value, run.reports.pop(value.step))
+    if run is not None and type(value) is rl_program.RLStepResult:
+      if value.step in run.reports:
+        value = run.step_result(value, run.reports.pop(value.step))
+      elif value.num_microbatches:
+        _say_unstaged(self, value)
     self.__dict__["last_step_result"] = value
 
   hooks = {"_step_microbatches": _step_microbatches, "_train_microbatches": _train_microbatches}

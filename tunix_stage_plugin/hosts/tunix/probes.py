@@ -46,7 +46,8 @@ def describe_loop(way: str) -> str:
   """The train loop's way, as the activation line and doctor say it."""
   if way == SEAM:
     return ("tunix's train_stage, staged through its seam (_step_microbatches, "
-            "_train_microbatches)")
+            "_train_microbatches; a subclass's own _train_microbatches stages only if it calls "
+            "tunix's)")
   return f"the plugin's copy of tunix {TRAIN_STAGE_COMMIT}'s train_stage (fingerprint-pinned)"
 
 

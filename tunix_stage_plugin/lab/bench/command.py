@@ -12,6 +12,7 @@ import textwrap
 from typing import TYPE_CHECKING, Any
 
 from tunix_stage_plugin import lab
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import inputs as core_inputs
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab import inputs
@@ -104,10 +105,10 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
                      help="what a micro-batch carries: dense (tokens + float32 ballast, the "
                      "default) or rl (ids, masks, advantages, log-probs, routed_experts int16; "
                      "docs/bench.md \"The rl payload\")")
-  shape.add_argument("--stage_codec", default="off", metavar="CODEC",
+  shape.add_argument("--stage_codec", default=None, metavar="CODEC",
                      help="compress staged payloads on the wire (TUNIX_STAGE_CODEC's values: off, "
-                     "on, NAME[:LEVEL]; default off; needs the codec extra, docs/codec.md); "
-                     "inline calls are never compressed")
+                     "on, NAME[:LEVEL]; default $TUNIX_STAGE_CODEC, else off; needs the codec "
+                     "extra, docs/codec.md); inline calls are never compressed")
   shape.add_argument("--wire_ratio", default=None, metavar="X",
                      help="wire time of one micro-batch as a multiple of its compute (default 0.8)")
   shape.add_argument("--h2d", default=None, metavar="HOW",
@@ -118,12 +119,12 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
                      "--h2d emulated only)")
   shape.add_argument("--sync_ratio", default=None, metavar="X",
                      help="the step boundary's weight sync as a multiple of compute (default 0.5)")
-  shape.add_argument("--stage_max_device_batches", dest="max_device_batches", default="1", metavar="N",
-                     help="the trainer's device bound (TUNIX_STAGE_MAX_DEVICE_BATCHES) for every "
-                     "mode (default 1, production's)")
-  shape.add_argument("--stage_max_host_batches", dest="max_host_batches", default="1", metavar="N",
-                     help="the trainer's bound on received-but-unplaced micro-batches "
-                     "(TUNIX_STAGE_MAX_HOST_BATCHES; default 1)")
+  shape.add_argument("--stage_max_device_batches", dest="max_device_batches", default=None,
+                     metavar="N", help="the trainer's device bound for every mode (default "
+                     "$TUNIX_STAGE_MAX_DEVICE_BATCHES, else 1, production's)")
+  shape.add_argument("--stage_max_host_batches", dest="max_host_batches", default=None,
+                     metavar="N", help="the trainer's bound on received-but-unplaced "
+                     "micro-batches (default $TUNIX_STAGE_MAX_HOST_BATCHES, else 1)")
   shape.add_argument("--scenario", default=None, metavar="NAME",
                      help=f"how transfers behave: {' | '.join(modes_lib.SCENARIOS)} (default "
                      "steady; see below)")
@@ -141,7 +142,10 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
                    help="timeline picture of the last round (default DIR/timeline.png; '' skips)")
   out.add_argument("--trace", default=None, metavar="PATH",
                    help="Chrome/Perfetto trace of every run (default DIR/trace.json; '' skips)")
-  out.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+  out.add_argument("--quiet", action="store_true",
+                   help="no progress lines and no per-step lines on stderr (the job's per-step "
+                   "lines otherwise every $TUNIX_STAGE_LOG_EVERY steps, default 1; "
+                   "TUNIX_STAGE_METRICS is refused: the trainer's own records are in the JSON)")
   out.add_argument("--compare", nargs=2, default=None, metavar=("A.json", "B.json"),
                    help="run no benchmark: print two bench JSONs side by side per mode (step, "
                    "hidden, step/limit, fallbacks and the change from A to B)")
@@ -208,13 +212,11 @@ def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[
       "h2d_ratio": _given(p.take("--h2d_ratio", args.h2d_ratio, inputs.positive), defaults.h2d_ratio),
       "h2d": _given(p.take("--h2d", args.h2d, inputs.one_of(modes_lib.H2D)), defaults.h2d),
       "sync_ratio": _given(p.take("--sync_ratio", args.sync_ratio, inputs.nonnegative), defaults.sync_ratio),
-      "max_device_batches": p.setting("max_device_batches", args.max_device_batches),
-      "max_host_batches": p.setting("max_host_batches", args.max_host_batches),
+      **_settings(p, args),  # the bounds, the codec and the per-step lines
       "scenario": _given(p.take("--scenario", args.scenario, inputs.one_of(modes_lib.SCENARIOS)),
                          defaults.scenario),
       "seed": p.take("--seed", args.seed, inputs.seed),
       "payload": p.take("--payload", args.payload, inputs.one_of(data_lib.PAYLOADS)),
-      "codec": p.setting("codec", args.stage_codec),
   }
   _check_codec_modes(p, args.modes, values["modes"] or (), values["codec"])
   files = {}
@@ -243,6 +245,52 @@ def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[
   if memory is not None:
     return None, {}, [core_inputs.refusal("--payload_mib", args.payload_mib, memory)]
   return options, files, []
+
+
+# The staging settings the bench reads as everywhere (its flag beats the variable, which beats
+# the default), and those each mode sets itself, whose variables it does not read.
+READ = ("max_device_batches", "max_host_batches", "codec", "metrics", "log_every")
+SET_BY_MODE = ("mode", "max_staged_batches", "accept_train_stage")
+NO_RECORD = ("the bench writes no metrics record (its mode runs would share one): its JSON "
+             "holds the trainer's own per-step records, run by run (runs[*].job_side_steps)")
+
+
+def _settings(p: inputs.Problems, args: argparse.Namespace) -> dict[str, Any]:
+  """READ's values, each checked by the settings table, every bad one reported: the job's
+  per-step lines every TUNIX_STAGE_LOG_EVERY steps (0 with --quiet); TUNIX_STAGE_METRICS refused
+  (the bench's mode runs would share one record)."""
+  by_field = config_lib.SETTINGS_BY_FIELD
+  env = {by_field[f].env: os.environ.get(by_field[f].env, "") for f in READ}
+  metrics = by_field["metrics"]
+  try:
+    folder = config_lib.parse_value(metrics, env[metrics.env], metrics.env)
+  except config_lib.ConfigError:
+    folder = ""  # unset, or invalid: resolve says so below
+  if folder:
+    p.refuse(metrics.env, env[metrics.env], "unset, or off", NO_RECORD)
+  try:
+    cfg = config_lib.resolve(
+        {"max_device_batches": args.max_device_batches,
+         "max_host_batches": args.max_host_batches, "codec": args.stage_codec},
+        env=env, explicit_source="flag")
+  except config_lib.ConfigError as e:
+    for line in e.problems:
+      p.add(line)
+    return {f: None for f in READ if f != "metrics"}
+  return {"max_device_batches": cfg.max_device_batches,
+          "max_host_batches": cfg.max_host_batches, "codec": cfg.codec,
+          "log_every": 0 if args.quiet else cfg.log_every}
+
+
+def unread_note() -> str | None:
+  """One line naming the staging variables set here that the bench does not read (its modes set
+  staging, the depth and the loop), or None."""
+  unread = [f"{s.env}={os.environ[s.env]}" for s in config_lib.SETTINGS
+            if s.field in SET_BY_MODE and os.environ.get(s.env, "").strip()]
+  if not unread:
+    return None
+  return (f"tunix-stage bench: note: {', '.join(unread)} not read: each mode sets staging and its "
+          "depth (--modes)")
 
 
 def _given(value: Any, default: Any) -> Any:
@@ -330,6 +378,9 @@ def _run(args: argparse.Namespace, caught: _Interrupts) -> int:
     for line in problems:
       print(f"tunix-stage bench: error: {line}", file=sys.stderr)
     return 2
+  note = unread_note()
+  if note is not None:
+    print(note, file=sys.stderr)
   _say_overwrite(args, files)
   for path in files.values():
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -52,6 +52,7 @@ class BenchOptions:
   payload: str = "dense"  # data.PAYLOADS
   codec: str = "off"  # TUNIX_STAGE_CODEC's values: staged payloads compressed (core.codec)
   h2d: str = "auto"  # modes.H2D
+  log_every: int = 1  # the job's per-step lines (TUNIX_STAGE_LOG_EVERY; 0: none, as --quiet)
 
   def codec_for(self, mode: str) -> codec_lib.Codec | None:
     return mode_codec(self.codec, mode)

@@ -87,6 +87,7 @@ class BenchHost:
     self.trainer = process_lib.TrainerProcess(
         max_device_batches=self.options.max_device_batches,
         max_host_batches=self.options.max_host_batches,
+        extra_args=["--stage_log_every", str(self.options.log_every)],
         jax_platforms="cpu" if self.options.h2d == "emulated" else "")
 
   def stop(self) -> int | None:

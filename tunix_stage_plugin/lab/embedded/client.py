@@ -235,16 +235,21 @@ class WorkerClient:
     return expected
 
   async def call(self, method: str, *args: Any, _timeout_s: float | None = None,
-                 _pace: float = 1.0, **kwargs: Any) -> Any:
+                 _pace: float = 1.0, _carried: dict[str, Any] | None = None,
+                 **kwargs: Any) -> Any:
     """Runs `method(*args, **kwargs)` on the trainer; returns its result or raises its error.
 
     `_timeout_s` replaces the derived deadline (expected time + the liveness bound). `_pace`
     makes this call's payload cross the emulated link that many times slower (the benchmark's
-    bursty scenario). Raises TrainerUnresponsiveError when the trainer stops answering.
+    bursty scenario). `_carried["transport"]` is set to the transport that carries the call
+    (contract.SIDE_CHANNEL: the bulk channel; contract.UNARY: one gRPC message). Raises
+    TrainerUnresponsiveError when the trainer stops answering.
     """
     if not 1.0 <= _pace < float("inf"):
       raise ValueError(f"_pace must be a finite slowdown >= 1; got {_pace!r}")
     encoded = request_lib.encode(None, method, args, kwargs)
+    if _carried is not None:
+      _carried["transport"] = contract.SIDE_CHANNEL if _bulk(encoded) else contract.UNARY
     expected = self.expected_s(encoded, args) * _pace
     timeout = _timeout_s if _timeout_s is not None else expected + self.liveness_s
     after_dead_peer = self.unresponsive is not None

@@ -59,11 +59,12 @@ class EmbeddedEngine:
       return await self.client.call(method, *args, **kwargs)
 
   async def _send(self, method: str, nbytes: int, *args: Any, **kwargs: Any) -> Any:
-    """One call carrying a micro-batch (its bytes on the bulk channel), its send recorded."""
+    """One call carrying a micro-batch, its send recorded by the transport that carried it (the
+    bulk channel, or one gRPC message for a small one)."""
     call = recorder_lib.CALL.get()
-    with self.recorder.span(tracks.ORCHESTRATOR_SEND, method, transport="side", bytes=nbytes,
-                            step=None if call is None else call[0]):
-      return await self._call(method, *args, **kwargs)
+    with self.recorder.span(tracks.ORCHESTRATOR_SEND, method, transport=contract.UNARY,
+                            bytes=nbytes, step=None if call is None else call[0]) as sent:
+      return await self._call(method, *args, _carried=sent, **kwargs)
 
   def _pack(self, payload: data_lib.Batch) -> data_lib.PackedBatch:
     """Runs on a worker thread."""

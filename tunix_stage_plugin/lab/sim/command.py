@@ -37,12 +37,15 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
           "host bounds), fed by recorded per-micro-batch times, and print per mode the "
           "predicted step times, idle, hidden fraction and total saved. INPUT is a trace JSON "
           "or CSV, a tunix-stage bench JSON or its trace.json (examples/ holds one of each "
-          "JSON kind).", 78),
+          "JSON kind), or a job's metrics record (the folder TUNIX_STAGE_METRICS named, or one "
+          "of its .jsonl files).", 78),
       formatter_class=argparse.RawDescriptionHelpFormatter,
       epilog=textwrap.dedent("""\
           trace JSON: {"steps": [{"update_s": U, "boundary_s": B,
                                   "microbatches": [{"wire_s": W, "h2d_s": H, "compute_s": C}, ...]}]}
           trace CSV:  step,microbatch,wire_s,h2d_s,compute_s[,update_s,boundary_s]
+          a metrics record: each trainer step as the trainer measured it (per micro-batch its
+          median fwd_bwd, its receives' and placements' mean times; docs/observability.md).
           a bench JSON: its emulated wire and host-to-device times and one mode's recorded
           fwd_bwd and update times (resident's: the device's own speed); --check predicts each
           mode of that bench from that mode's own recorded times and compares.
@@ -53,7 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
               f"{trace_lib.MAX_INPUT_BYTES >> 20} MiB; a simulation takes time in proportion to its "
               "micro-batches and modes (docs/simulate.md).", 88),
   )
-  parser.add_argument("input", metavar="INPUT", help="a trace JSON or CSV, or a bench JSON")
+  parser.add_argument("input", metavar="INPUT",
+                      help="a trace JSON or CSV, a bench JSON or its trace.json, or a metrics "
+                      "record (a TUNIX_STAGE_METRICS folder or .jsonl file)")
   parser.add_argument("--modes", default=None, metavar="LIST",
                       help=f"comma-separated modes (default: {','.join(modes_lib.DEFAULT_MODES)}); "
                       "depthN and depthN_prestage for other depths")

@@ -303,7 +303,8 @@ class BenchHost:
                      rl_program.StandardRLProgram if plan.get("prestage") else _NoPrestage)
       manager.install(config_lib.resolve(
           {"mode": "stage", "max_staged_batches": plan.get("depth", 1),
-           "codec": str(o.codec_for(mode) or "off")}, env={}), quiet=True)
+           "codec": str(o.codec_for(mode) or "off"), "log_every": o.log_every}, env={}),
+          quiet=True)
       if recorder is not None:
         _record_calls(engine, recorder)
     reports: list[dict[str, int]] = []

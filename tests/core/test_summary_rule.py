@@ -1,0 +1,26 @@
+"""The summary's one rule (analysis.RULE, said in the report's header): medians per step leave a
+first step out where there are others; totals and counts are over every step, as the tables they
+sum."""
+
+from __future__ import annotations
+
+from tunix_stage_plugin.core.telemetry import analysis
+
+MIB = 1 << 20
+
+
+def orchestrator_step(step, stage_median_s):
+  return {"step": step, "step_s": None if step == 0 else 2.0, "microbatches": 4, "staged": 3,
+          "inline": 1, "prestaged": 0, "fallbacks": {"count": 1, "by_kind": {"refused": 1}},
+          "stage_calls": {"median_s": stage_median_s},
+          "sent": {"side": {"calls": 4, "bytes": 4 * MIB, "seconds": 0.4}}}
+
+
+def test_medians_leave_the_first_step_out_and_totals_count_every_step():
+  steps = [orchestrator_step(0, 5.0), orchestrator_step(1, 0.1), orchestrator_step(2, 0.3)]
+  o = analysis.summary([], steps)["orchestrator"]
+  assert o["stage_call_median_s"] == 0.2  # step 0's compiling 5 s left out
+  assert (o["staged"], o["inline"], o["fallbacks"]) == (9, 3, 3)
+  assert o["fallbacks_by_kind"] == {"refused": 3}
+  assert o["sent"]["side"]["calls"] == 12 and o["sent"]["side"]["bytes"] == 12 * MIB
+  assert "a first step out" in analysis.RULE and "totals are over every step" in analysis.RULE
