@@ -1,0 +1,236 @@
+"""What to change in a job: the one rule that reads a window of its step figures and names the
+setting that held staging back, to what, the figure that decided it and what it costs. `tunix-stage
+report` prints it (checked against the simulator where the lab is installed), and a pipeline that
+sizes itself asks the same rule. docs/observability.md "Reading the figures".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import Any
+
+from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import record
+
+# A cause counts once it held at least this share of the window's steps (and one step): a cause
+# in a minority of the steps still costs time, and the simulator judges whether a change helps.
+STEP_SHARE = 0.25
+MIB = 1 << 20
+
+# The advice's kinds: one per row of docs/observability.md "Reading the figures".
+HOST_BOUND, DEVICE_BOUND, DEPTH, PRESTAGE, WIRE, CORES = (
+    "host bound", "device bound", "depth", "prestage", "wire", "shared cores")
+# How each orchestrating host lets its loop stage the next step across the boundary (a trainer
+# behind tunix's worker, MaxText's, is driven by tunix's program).
+PRESTAGE_KNOBS = {
+    "tunix": "let the program prestage (max_staleness >= 1, and _prestage_across_boundary "
+             "answering True)",
+    "embedded": "TUNIX_MAX_STAGED_BATCHES={depth} (the embedded job prestages at a depth of 2 "
+                "or more)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """The settings a window ran with: what an advice changes (and the simulator replays)."""
+
+  host: str  # the orchestrating host, which names the prestage knob (PRESTAGE_KNOBS)
+  depth: int
+  prestage: bool | None  # None: not known (no orchestrator figures)
+  max_device_batches: int
+  max_host_batches: int
+
+  @property
+  def mode(self) -> str:
+    """The simulator's mode for these settings (lab/sim/run.plan_of)."""
+    return f"depth{self.depth}" + ("_prestage" if self.prestage else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+  """What an advice changes: the settings it sets, and a factor on the wire's time."""
+
+  depth: int | None = None
+  prestage: bool | None = None
+  max_device_batches: int | None = None
+  max_host_batches: int | None = None
+  wire: float = 1.0
+
+  def applied(self, settings: Settings) -> Settings:
+    return dataclasses.replace(settings, **{f.name: getattr(self, f.name) for f in
+                                            dataclasses.fields(self) if f.name != "wire"
+                                            and getattr(self, f.name) is not None})
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+  """The figure that decided an advice: its name, its mean over the window's steps (seconds, or
+  a count with `unit` ''), and in how many of them the cause held."""
+
+  name: str
+  value: float
+  steps: int
+  of: int
+  unit: str = "s a step"
+
+  def __str__(self) -> str:
+    value = f"{self.value:.2f} {self.unit}" if self.unit else f"{self.value:g}"
+    return f"{self.name} {value} (in {self.steps} of {self.of} steps)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+  kind: str  # one of the kinds above
+  setting: str  # what to change, to what: a variable's assignment or a knob in words
+  figure: Figure
+  cost: str  # in memory
+  why: str  # what the figures say, and what cannot help
+  change: Change | None  # None: nothing staging sets (the simulator cannot try it)
+
+  def line(self) -> str:
+    return f"{self.setting}: {self.why}; decided by {self.figure}; costs {self.cost}"
+
+  def as_dict(self) -> dict[str, Any]:
+    return {"kind": self.kind, "setting": self.setting, "why": self.why, "cost": self.cost,
+            "figure": dataclasses.asdict(self.figure),
+            "change": None if self.change is None else dataclasses.asdict(self.change)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """The step figures the rule reads, a value per step (the trainer's), and the job's."""
+
+  settings: Settings
+  step_s: tuple[float, ...]
+  mid_step_s: tuple[float, ...]
+  boundary_s: tuple[float, ...]  # 0 where not known (a first step)
+  pool_wait_s: tuple[float, ...]
+  over_bound: int  # transfers that ran out of their wait for a receive buffer
+  bound_by: tuple[str, ...]
+  refused: tuple[int, ...]  # stages refused by a full bound, per orchestrator step
+  depth_full: bool  # every step kept its depth's micro-batches staged ahead
+  transfer_s: float | None  # a micro-batch on the wire (its receive, else its stage call)
+  compute_s: float | None  # a micro-batch's fwd_bwd
+  microbatch_bytes: float | None
+
+  @classmethod
+  def of_records(cls, trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
+                 ) -> "Window | None":
+    """The window of a job's records: the trainer steps after the first (which compiles and
+    has no step before it) that staged, where there are any (an inline step's wait says nothing
+    of a staging setting); None with no trainer step."""
+    steps = [f for f in trainer if f["step_s"] is not None] or trainer
+    steps = analysis.staged(steps) or steps
+    if not steps:
+      return None
+    last = trainer[-1]
+    depth = orchestrator[-1]["depth"] if orchestrator else record.setting(
+        last, "max_staged_batches")
+    settings = Settings(
+        host=orchestrator[-1]["host"] if orchestrator else last["host"], depth=depth,
+        prestage=any(f["prestaged"] for f in orchestrator) if orchestrator else None,
+        max_device_batches=record.setting(last, "max_device_batches"),
+        max_host_batches=record.setting(last, "max_host_batches"))
+    receive = [f["receive"]["seconds"] / f["receive"]["calls"] for f in steps
+               if f["receive"]["calls"]]
+    calls = [f["stage_calls"]["median_s"] for f in orchestrator
+             if f["stage_calls"]["median_s"] is not None]
+    return cls(
+        settings=settings,
+        step_s=tuple(analysis.step_seconds(f) for f in steps),
+        mid_step_s=tuple(f["input_wait_s"]["mid_step"] for f in steps),
+        boundary_s=tuple(f["input_wait_s"]["boundary"] or 0.0 for f in steps),
+        pool_wait_s=tuple(f["pool"]["wait_s"] for f in steps),
+        over_bound=sum(f["pool"]["over_bound"] for f in steps),
+        bound_by=tuple(f["bound_by"] for f in steps),
+        refused=tuple(f["fallbacks"]["by_kind"].get(outcome.StageStatus.REFUSED.value, 0)
+                      for f in orchestrator),
+        depth_full=bool(orchestrator) and all(f["peak_staged"] >= f["depth"]
+                                              for f in orchestrator if f["depth"]),
+        transfer_s=_median(receive) if receive else _median(calls),
+        compute_s=_median([f["compute"]["fwd_bwd_median_s"] for f in steps
+                           if f["compute"]["fwd_bwd_median_s"] is not None]),
+        microbatch_bytes=_median([f["place"]["bytes"] / f["place"]["count"] for f in steps
+                                  if f["place"]["count"]]))
+
+  def figure(self, name: str, values: tuple[float, ...]) -> Figure:
+    """`values`' mean over the window, and the steps where it was a significant part."""
+    held = sum(analysis.significant(v, s) for v, s in zip(values, self.step_s))
+    return Figure(name, math.fsum(values) / len(values), held, len(values))
+
+  def counts(self, figure: Figure) -> bool:
+    return figure.steps >= max(1, STEP_SHARE * figure.of)
+
+  @property
+  def wire_is_the_bound(self) -> bool:
+    """A micro-batch takes as long on the wire as its computation: no depth keeps up."""
+    return (self.transfer_s is not None and self.compute_s is not None
+            and self.transfer_s >= self.compute_s)
+
+
+def advise(window: Window | None) -> list[Advice]:
+  """The rule (docs/observability.md "Reading the figures"): which setting held staging back in
+  `window`, to what, the figure that decided it and its cost; [] when nothing did."""
+  if window is None:
+    return []
+  out = []
+  s, size = window.settings, _size(window.microbatch_bytes)
+  pool = window.figure("receive-pool wait", window.pool_wait_s)
+  if window.counts(pool) or window.over_bound:
+    out.append(Advice(HOST_BOUND, f"TUNIX_STAGE_MAX_HOST_BATCHES={s.max_host_batches + 1}", pool,
+                      f"one more receive buffer on the trainer: {size} of host memory",
+                      f"the trainer's receive pool held transfers back ({window.over_bound} ran "
+                      "out of their wait)", Change(max_host_batches=s.max_host_batches + 1)))
+  if any(window.refused):
+    refused = Figure("stages refused", sum(window.refused), sum(map(bool, window.refused)),
+                     len(window.refused), unit="")
+    out.append(Advice(DEVICE_BOUND, f"TUNIX_STAGE_MAX_DEVICE_BATCHES={s.max_device_batches + 1}",
+                      refused, f"{size} of device memory",
+                      "a bound on the trainer was full",
+                      Change(max_device_batches=s.max_device_batches + 1)))
+  mid = window.figure("input wait mid-step", window.mid_step_s)
+  boundary = window.figure("input wait at the boundary", window.boundary_s)
+  wire_steps = window.bound_by.count(analysis.WIRE)
+  if window.counts(mid) and not window.wire_is_the_bound and window.depth_full:
+    depth = s.depth + 1
+    device = max(s.max_device_batches, depth)
+    out.append(Advice(DEPTH, f"TUNIX_MAX_STAGED_BATCHES={depth} with "
+                      f"TUNIX_STAGE_MAX_DEVICE_BATCHES={device}", mid,
+                      f"{size} of device memory per micro-batch more",
+                      f"the trainer waited mid-step with {s.depth} micro-batch(es) staged ahead",
+                      Change(depth=depth, max_device_batches=device)))
+  if window.counts(boundary) and s.prestage is False:
+    depth = max(2, s.depth)
+    knob = PRESTAGE_KNOBS.get(s.host, PRESTAGE_KNOBS["tunix"]).format(depth=depth)
+    cost = (f"{size} of device memory per micro-batch more" if depth > s.depth else
+            "no more memory (the next step's first micro-batches take the depth's slots)")
+    out.append(Advice(PRESTAGE, knob, boundary, cost, "nothing was staged across the step boundary",
+                      Change(prestage=True, depth=depth if s.host == "embedded" else None)))
+  if wire_steps >= max(1, STEP_SHARE * len(window.step_s)):
+    waits = mid if mid.value >= boundary.value else boundary
+    why = "the trainer waited for its input: a faster wire shortens the wait"
+    if window.wire_is_the_bound:
+      why = (f"the wire is the bound: a micro-batch takes {window.transfer_s:.2f} s to cross "
+             f"against {window.compute_s:.2f} s of compute, so no depth can hide it")
+    out.append(Advice(WIRE, "compress the payload (TUNIX_STAGE_CODEC=on, if its arrays "
+                      "compress) or give the link more bandwidth", waits,
+                      "no more memory (the codec's buffers aside)", why,
+                      Change(wire=0.5)))
+  cores = Figure("steps bound by shared cores", window.bound_by.count(analysis.SHARED_CORES),
+                 window.bound_by.count(analysis.SHARED_CORES), len(window.bound_by), unit="")
+  if cores.steps > cores.of // 2:
+    out.append(Advice(CORES, "give the trainer's host more cores for its receive", cores,
+                      "nothing in memory", "the compute runs slower while the receive runs "
+                      "beside it on the same cores (nothing staging can change)", None))
+  return out
+
+
+def _median(values: list[float]) -> float | None:
+  return statistics.median(values) if values else None
+
+
+def _size(nbytes: float | None) -> str:
+  return f"{nbytes / MIB:.0f} MiB" if nbytes else "one micro-batch"
