@@ -21,7 +21,7 @@ def window(steps=4, mid=0.0, boundary=0.0, pool=0.0, bound_by="compute", **kwarg
   fields = dict(settings=SETTINGS, step_s=(2.0,) * steps, mid_step_s=per_step(mid),
                 boundary_s=per_step(boundary), pool_wait_s=per_step(pool), over_bound=0,
                 bound_by=per_step(bound_by), refused=(0,) * steps, depth_full=True, transfer_s=0.5,
-                compute_s=0.5, microbatch_bytes=16 << 20)
+                stage_s=0.6, compute_s=0.5, microbatch_bytes=16 << 20)
   fields.update(kwargs)
   return advice.Window(**fields)
 
@@ -38,7 +38,7 @@ def test_a_wire_slower_than_the_compute_gets_the_codec_or_bandwidth_and_never_th
   (a,) = advice.advise(window(mid=0.5, bound_by="wire", transfer_s=0.9, compute_s=0.5))
   assert a.kind == advice.WIRE and a.change == advice.Change(wire=0.5)
   assert a.setting.startswith("compress the payload (TUNIX_STAGE_CODEC=on")
-  assert "no depth can hide it" in a.why and "0.90 s to cross against 0.50 s" in a.why
+  assert "no depth beyond 1 can hide it" in a.why and "0.90 s to cross against 0.50 s" in a.why
   assert a.figure == advice.Figure("input wait mid-step", 0.5, 4, 4)
   assert "decided by input wait mid-step 0.50 s a step (in 4 of 4 steps)" in a.line()
 
@@ -102,3 +102,31 @@ def test_a_change_applies_to_the_settings_it_names_only():
   assert changed == dataclasses.replace(SETTINGS, depth=3, max_device_batches=3)
   assert changed.mode == "depth3_prestage"
   assert advice.Change(wire=0.5).applied(SETTINGS) == SETTINGS
+
+
+def test_where_the_wire_is_the_bound_the_depth_that_overlaps_it_with_the_placement_still_helps():
+  """A crossing of 12 s and a placement of 3.9 s against 10.35 s of compute: at depth 1 they run
+  one after the other (15.9 s a micro-batch); depth 2 overlaps them, no deeper one helps."""
+  settings = dataclasses.replace(SETTINGS, depth=1)
+  w = window(mid=8.0, bound_by="wire", transfer_s=12.0, stage_s=15.9, compute_s=10.35,
+             settings=settings, step_s=(110.0,) * 4)
+  assert w.wire_depth == 2
+  assert kinds(w) == [advice.DEPTH, advice.WIRE]
+  assert "no depth beyond 2 can hide it" in advice.advise(w)[1].why
+  assert advice.choose_depth(w, 4)[0] == 2
+  at_two = dataclasses.replace(w, settings=dataclasses.replace(settings, depth=2))
+  assert kinds(at_two) == [advice.WIRE] and advice.choose_depth(at_two, 4)[0] == 2
+
+
+def test_the_depth_chosen_is_the_stages_a_compute_spans_with_a_cushion_for_spikes():
+  assert advice.choose_depth(None, 4) == (1, "no step measured yet", False)
+  fast = window(transfer_s=1.0, stage_s=1.5, compute_s=10.35)
+  assert advice.choose_depth(fast, 4)[0] == 1  # 2 x 1.5 s fits in one compute
+  near = window(transfer_s=5.5, stage_s=9.4, compute_s=10.35)
+  depth, why, needed = advice.choose_depth(near, 4)
+  assert (depth, needed) == (2, False) and why.startswith("a micro-batch's stage 9.40 s against "
+                                                          "10.35 s of compute, 2x spikes included")
+  assert advice.choose_depth(near, 1)[0] == 1  # the budget holds one
+  waited = window(mid=0.3, bound_by="wire", transfer_s=0.4, compute_s=0.5)
+  assert advice.choose_depth(waited, 4) == (3, "input wait mid-step 0.30 s a step (in 4 of 4 "
+                                            "steps)", True)

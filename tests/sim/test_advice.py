@@ -74,7 +74,7 @@ def test_a_job_bound_by_its_wire_is_told_the_codec_or_bandwidth_with_the_predict
   assert advice_lib.DEPTH not in advice
   assert not any("max_staleness" in line for line in summary["recommendations"])
   wire = advice[advice_lib.WIRE]
-  assert wire["recommended"] and "no depth can hide it" in wire["why"]
+  assert wire["recommended"] and "no depth beyond 1 can hide it" in wire["why"]
   assert wire["figure"]["name"] == "input wait mid-step" and wire["figure"]["steps"] == 5
   # The prediction beside it is the simulator's on the same record: the job's settings (depth 1,
   # nothing prestaged, the trainer's bounds), then the wire halved.

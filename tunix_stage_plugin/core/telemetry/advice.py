@@ -18,6 +18,10 @@ from tunix_stage_plugin.core.telemetry import record
 # A cause counts once it held at least this share of the window's steps (and one step): a cause
 # in a minority of the steps still costs time, and the simulator judges whether a change helps.
 STEP_SHARE = 0.25
+# The depth a self-sizing pipeline keeps is the stages a compute spans, with a cushion for a stage
+# this many times its recent length (the upstream change's production measurements: 2x transient
+# gRPC contention spikes).
+SPIKE = 2.0
 MIB = 1 << 20
 
 # The advice's kinds: one per row of docs/observability.md "Reading the figures".
@@ -113,6 +117,7 @@ class Window:
   refused: tuple[int, ...]  # stages refused by a full bound, per orchestrator step
   depth_full: bool  # every step kept its depth's micro-batches staged ahead
   transfer_s: float | None  # a micro-batch on the wire (its receive, else its stage call)
+  stage_s: float | None  # a micro-batch's receive and placement, the longest step's mean
   compute_s: float | None  # a micro-batch's fwd_bwd
   microbatch_bytes: float | None
 
@@ -151,6 +156,9 @@ class Window:
         depth_full=bool(orchestrator) and all(f["peak_staged"] >= f["depth"]
                                               for f in orchestrator if f["depth"]),
         transfer_s=_median(receive) if receive else _median(calls),
+        stage_s=max((_mean(f["receive"]) + _mean(f["place"]) for f in steps), default=None)
+        if receive else max((f["stage_calls"]["max_s"] for f in orchestrator
+                             if f["stage_calls"]["max_s"] is not None), default=None),
         compute_s=_median([f["compute"]["fwd_bwd_median_s"] for f in steps
                            if f["compute"]["fwd_bwd_median_s"] is not None]),
         microbatch_bytes=_median([f["place"]["bytes"] / f["place"]["count"] for f in steps
@@ -169,6 +177,14 @@ class Window:
     """A micro-batch takes as long on the wire as its computation: no depth keeps up."""
     return (self.transfer_s is not None and self.compute_s is not None
             and self.transfer_s >= self.compute_s)
+
+  @property
+  def wire_depth(self) -> int:
+    """Where the wire is the bound, the depth that keeps it busy: the stages (its crossing and
+    its placement) one crossing spans; no deeper depth can help."""
+    if not self.wire_is_the_bound or not self.transfer_s:
+      return 1
+    return _spans((self.stage_s or self.transfer_s) / self.transfer_s)
 
 
 def advise(window: Window | None) -> list[Advice]:
@@ -194,7 +210,8 @@ def advise(window: Window | None) -> list[Advice]:
   mid = window.figure("input wait mid-step", window.mid_step_s)
   boundary = window.figure("input wait at the boundary", window.boundary_s)
   wire_steps = window.bound_by.count(analysis.WIRE)
-  if window.counts(mid) and not window.wire_is_the_bound and window.depth_full:
+  deeper_helps = not window.wire_is_the_bound or s.depth < window.wire_depth
+  if window.counts(mid) and deeper_helps and window.depth_full:
     depth = s.depth + 1
     device = max(s.max_device_batches, depth)
     out.append(Advice(DEPTH, f"TUNIX_MAX_STAGED_BATCHES={depth} with "
@@ -214,7 +231,8 @@ def advise(window: Window | None) -> list[Advice]:
     why = "the trainer waited for its input: a faster wire shortens the wait"
     if window.wire_is_the_bound:
       why = (f"the wire is the bound: a micro-batch takes {window.transfer_s:.2f} s to cross "
-             f"against {window.compute_s:.2f} s of compute, so no depth can hide it")
+             f"against {window.compute_s:.2f} s of compute, so no depth beyond "
+             f"{window.wire_depth} can hide it")
     out.append(Advice(WIRE, "compress the payload (TUNIX_STAGE_CODEC=on, if its arrays "
                       "compress) or give the link more bandwidth", waits,
                       "no more memory (the codec's buffers aside)", why,
@@ -228,8 +246,44 @@ def advise(window: Window | None) -> list[Advice]:
   return out
 
 
+def choose_depth(window: Window | None, most: int) -> tuple[int, str, bool]:
+  """The depth the rule asks for the next step, at most `most` (a memory budget's), why, and
+  whether the trainer was seen to need it: one deeper than the window ran at where the trainer
+  still waited mid-step with that depth used up and the wire keeps up (`advise`'s DEPTH); else
+  the stages a compute spans, with a cushion for a stage SPIKE times the longest step's mean (so
+  a wire that keeps up only just gets a cushion, and one far faster than the compute holds one
+  micro-batch, never more staged unused); where the wire is the bound, the depth that keeps it
+  busy (`Window.wire_depth`: no deeper one can help)."""
+  if window is None or window.stage_s is None or not window.compute_s:
+    return 1, "no step measured yet", False
+  found = {a.kind: a for a in advise(window)}
+  if window.wire_is_the_bound:
+    return min(most, window.wire_depth), (
+        f"the wire is the bound: a micro-batch takes {window.transfer_s:.2f} s to cross against "
+        f"{window.compute_s:.2f} s of compute, so no depth beyond {window.wire_depth} can hide "
+        "it"), False
+  if DEPTH in found:
+    return min(most, window.settings.depth + 1), str(found[DEPTH].figure), True
+  want = _spans(SPIKE * window.stage_s / window.compute_s)
+  return min(most, want), (f"a micro-batch's stage {window.stage_s:.2f} s against "
+                           f"{window.compute_s:.2f} s of compute, {SPIKE:g}x spikes included, "
+                           f"over the last {len(window.step_s)} step(s)"), False
+
+
+def _spans(ratio: float) -> int:
+  """How many of one thing a time `ratio` of it spans, a part under analysis.SHARE of one not
+  counted (a placement of 2 % of a crossing does not ask for a second staged micro-batch)."""
+  return max(1, math.ceil(ratio - analysis.SHARE))
+
+
 def _median(values: list[float]) -> float | None:
   return statistics.median(values) if values else None
+
+
+def _mean(part: dict[str, Any]) -> float:
+  """A step's receives' or placements' mean time (0 where it had none)."""
+  count = part.get("calls", part.get("count"))
+  return part["seconds"] / count if count else 0.0
 
 
 def _size(nbytes: float | None) -> str:
