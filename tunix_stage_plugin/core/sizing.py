@@ -38,6 +38,7 @@ class Sizer:
     self._trainer: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
     self._orchestrator: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
     self._floor = 1  # the deepest depth the trainer was seen to need
+    self._floor_why = ""
     self.choices: list[Choice] = []
 
   def observe(self, trainer: dict[str, Any] | None, orchestrator: dict[str, Any] | None) -> None:
@@ -51,10 +52,10 @@ class Sizer:
     """The pipeline's seam: `step`'s depth (`depth`, the configured one, is not used)."""
     window = advice.Window.of_records(list(self._trainer), list(self._orchestrator))
     chosen, why, needed = advice.choose_depth(window, self.most)
-    if needed:
-      self._floor = max(self._floor, chosen)
-    if window is None or not window.wire_is_the_bound:
-      chosen = max(chosen, min(self._floor, self.most))
+    if needed and chosen > self._floor:
+      self._floor, self._floor_why = chosen, why
+    if chosen < self._floor and (window is None or not window.wire_is_the_bound):
+      chosen, why = self._floor, f"kept: the trainer waited with a depth less ({self._floor_why})"
     used = chosen * self.microbatch_bytes
     self.choices.append(Choice(step, chosen, f"depth {chosen}: {why}; budget "
                                f"{self._size(self.budget_bytes)}, {self._size(used)} used"))
