@@ -13,11 +13,15 @@ from typing import Any
 
 from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.core.telemetry import advice as advice_lib
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.lab.sim import run as run_lib
 from tunix_stage_plugin.lab.sim import trace as trace_lib
 
 # A change is recommended when the simulator predicts it shortens the mean step by this share.
 MIN_GAIN = 0.01
+# The check replays a record's last this many trainer steps (a simulation's time grows with its
+# micro-batches: a long record is judged on its recent steps, in about a second a change).
+CHECK_STEPS = 100
 # What the advice names that the simulator does not model: it cannot judge those changes.
 UNMODELLED = {advice_lib.HOST_BOUND: "the trainer's receive pool",
               advice_lib.CORES: "the cores a receive shares with the compute"}
@@ -49,10 +53,12 @@ def mean_step(trace: trace_lib.Trace, settings: advice_lib.Settings) -> float:
 
 def predict(records: list[dict[str, Any]], settings: advice_lib.Settings,
             advice: list[advice_lib.Advice]) -> list[Prediction | str]:
-  """Per advice, the simulator's prediction, or why there is none (one line: a change the
-  simulator cannot try, a record past its bounds)."""
+  """Per advice, the simulator's prediction on the record's last CHECK_STEPS trainer steps, or
+  why there is none (one line: a change the simulator cannot try, a record past its bounds)."""
+  trainer = sorted((r for r in records if r["role"] == record_lib.TRAINER),
+                   key=lambda r: (r["process"]["hostname"], r["process"]["pid"], r["step"]))
   try:
-    trace = trace_lib.of_records(records, "the record")
+    trace = trace_lib.of_records(trainer[-CHECK_STEPS:], "the record")
     before = mean_step(trace, settings)
   except (trace_lib.TraceError, inputs.Refused) as e:
     return [f"not checked ({e})"] * len(advice)
