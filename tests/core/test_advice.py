@@ -21,7 +21,7 @@ def window(steps=4, mid=0.0, boundary=0.0, pool=0.0, bound_by="compute", **kwarg
   fields = dict(settings=SETTINGS, step_s=(2.0,) * steps, mid_step_s=per_step(mid),
                 boundary_s=per_step(boundary), pool_wait_s=per_step(pool), over_bound=0,
                 bound_by=per_step(bound_by), refused=(0,) * steps, depth_full=True, transfer_s=0.5,
-                stage_s=0.6, compute_s=0.5, microbatch_bytes=16 << 20)
+                place_s=0.1, stage_s=0.6, compute_s=0.5, microbatch_bytes=16 << 20)
   fields.update(kwargs)
   return advice.Window(**fields)
 
@@ -35,7 +35,7 @@ def test_nothing_held_staging_back_gives_no_advice():
 
 
 def test_a_wire_slower_than_the_compute_gets_the_codec_or_bandwidth_and_never_the_depth():
-  (a,) = advice.advise(window(mid=0.5, bound_by="wire", transfer_s=0.9, compute_s=0.5))
+  (a,) = advice.advise(window(mid=0.5, bound_by="wire", transfer_s=0.9, place_s=0.0, compute_s=0.5))
   assert a.kind == advice.WIRE and a.change == advice.Change(wire=0.5)
   assert a.setting.startswith("compress the payload (TUNIX_STAGE_CODEC=on")
   assert "no depth beyond 1 can hide it" in a.why and "0.90 s to cross against 0.50 s" in a.why
@@ -108,7 +108,7 @@ def test_where_the_wire_is_the_bound_the_depth_that_overlaps_it_with_the_placeme
   """A crossing of 12 s and a placement of 3.9 s against 10.35 s of compute: at depth 1 they run
   one after the other (15.9 s a micro-batch); depth 2 overlaps them, no deeper one helps."""
   settings = dataclasses.replace(SETTINGS, depth=1)
-  w = window(mid=8.0, bound_by="wire", transfer_s=12.0, stage_s=15.9, compute_s=10.35,
+  w = window(mid=8.0, bound_by="wire", transfer_s=12.0, place_s=3.9, stage_s=15.9, compute_s=10.35,
              settings=settings, step_s=(110.0,) * 4)
   assert w.wire_depth == 2
   assert kinds(w) == [advice.DEPTH, advice.WIRE]

@@ -117,6 +117,7 @@ class Window:
   refused: tuple[int, ...]  # stages refused by a full bound, per orchestrator step
   depth_full: bool  # every step kept its depth's micro-batches staged ahead
   transfer_s: float | None  # a micro-batch on the wire (its receive, else its stage call)
+  place_s: float | None  # a micro-batch's placement
   stage_s: float | None  # a micro-batch's receive and placement, the longest step's mean
   compute_s: float | None  # a micro-batch's fwd_bwd
   microbatch_bytes: float | None
@@ -139,10 +140,19 @@ class Window:
         prestage=any(f["prestaged"] for f in orchestrator) if orchestrator else None,
         max_device_batches=record.setting(last, "max_device_batches"),
         max_host_batches=record.setting(last, "max_host_batches"))
-    receive = [f["receive"]["seconds"] / f["receive"]["calls"] for f in steps
+    # A micro-batch's crossing: its receive on the trainer; where the trainer timed none (tunix's
+    # own unary call is received before any hook sees it), the orchestrator's stage call.
+    receive = [_per(f["receive"]["seconds"], f["receive"]["calls"]) for f in steps
                if f["receive"]["calls"]]
-    calls = [f["stage_calls"]["median_s"] for f in orchestrator
-             if f["stage_calls"]["median_s"] is not None]
+    if receive:
+      transfer_s = _median(receive)
+      stage_s = max(_per(f["receive"]["seconds"], f["receive"]["calls"])
+                    + _per(f["place"]["seconds"], f["place"]["count"]) for f in steps)
+    else:
+      transfer_s = _median([f["stage_calls"]["median_s"] for f in orchestrator
+                            if f["stage_calls"]["median_s"] is not None])
+      stage_s = max((f["stage_calls"]["max_s"] for f in orchestrator
+                     if f["stage_calls"]["max_s"] is not None), default=None)
     return cls(
         settings=settings,
         step_s=tuple(analysis.step_seconds(f) for f in steps),
@@ -155,10 +165,10 @@ class Window:
                       for f in orchestrator),
         depth_full=bool(orchestrator) and all(f["peak_staged"] >= f["depth"]
                                               for f in orchestrator if f["depth"]),
-        transfer_s=_median(receive) if receive else _median(calls),
-        stage_s=max((_mean(f["receive"]) + _mean(f["place"]) for f in steps), default=None)
-        if receive else max((f["stage_calls"]["max_s"] for f in orchestrator
-                             if f["stage_calls"]["max_s"] is not None), default=None),
+        transfer_s=transfer_s,
+        place_s=_median([_per(f["place"]["seconds"], f["place"]["count"]) for f in steps
+                         if f["place"]["count"]]),
+        stage_s=stage_s,
         compute_s=_median([f["compute"]["fwd_bwd_median_s"] for f in steps
                            if f["compute"]["fwd_bwd_median_s"] is not None]),
         microbatch_bytes=_median([f["place"]["bytes"] / f["place"]["count"] for f in steps
@@ -174,17 +184,23 @@ class Window:
 
   @property
   def wire_is_the_bound(self) -> bool:
-    """A micro-batch takes as long on the wire as its computation: no depth keeps up."""
+    """A micro-batch takes as long to cross as to compute: staging cannot keep up."""
     return (self.transfer_s is not None and self.compute_s is not None
             and self.transfer_s >= self.compute_s)
 
+  def wire_why(self) -> str:
+    """What the figures say where the wire is the bound."""
+    return (f"the wire is the bound: a micro-batch takes {self.transfer_s:.2f} s to cross "
+            f"against {self.compute_s:.2f} s of compute, so no depth beyond {self.wire_depth} "
+            "can hide it")
+
   @property
   def wire_depth(self) -> int:
-    """Where the wire is the bound, the depth that keeps it busy: the stages (its crossing and
-    its placement) one crossing spans; no deeper depth can help."""
+    """Where the wire is the bound, the depth that keeps it busy: the stages (a crossing and its
+    placement, medians) one crossing spans; no deeper depth can help."""
     if not self.wire_is_the_bound or not self.transfer_s:
       return 1
-    return _spans((self.stage_s or self.transfer_s) / self.transfer_s)
+    return _spans((self.transfer_s + (self.place_s or 0.0)) / self.transfer_s)
 
 
 def advise(window: Window | None) -> list[Advice]:
@@ -230,9 +246,7 @@ def advise(window: Window | None) -> list[Advice]:
     waits = mid if mid.value >= boundary.value else boundary
     why = "the trainer waited for its input: a faster wire shortens the wait"
     if window.wire_is_the_bound:
-      why = (f"the wire is the bound: a micro-batch takes {window.transfer_s:.2f} s to cross "
-             f"against {window.compute_s:.2f} s of compute, so no depth beyond "
-             f"{window.wire_depth} can hide it")
+      why = window.wire_why()
     out.append(Advice(WIRE, "compress the payload (TUNIX_STAGE_CODEC=on, if its arrays "
                       "compress) or give the link more bandwidth", waits,
                       "no more memory (the codec's buffers aside)", why,
@@ -258,10 +272,7 @@ def choose_depth(window: Window | None, most: int) -> tuple[int, str, bool]:
     return 1, "no step measured yet", False
   found = {a.kind: a for a in advise(window)}
   if window.wire_is_the_bound:
-    return min(most, window.wire_depth), (
-        f"the wire is the bound: a micro-batch takes {window.transfer_s:.2f} s to cross against "
-        f"{window.compute_s:.2f} s of compute, so no depth beyond {window.wire_depth} can hide "
-        "it"), False
+    return min(most, window.wire_depth), window.wire_why(), False
   if DEPTH in found:
     return min(most, window.settings.depth + 1), str(found[DEPTH].figure), True
   want = _spans(SPIKE * window.stage_s / window.compute_s)
@@ -280,10 +291,9 @@ def _median(values: list[float]) -> float | None:
   return statistics.median(values) if values else None
 
 
-def _mean(part: dict[str, Any]) -> float:
+def _per(seconds: float, count: int) -> float:
   """A step's receives' or placements' mean time (0 where it had none)."""
-  count = part.get("calls", part.get("count"))
-  return part["seconds"] / count if count else 0.0
+  return seconds / count if count else 0.0
 
 
 def _size(nbytes: float | None) -> str:
