@@ -76,3 +76,15 @@ def test_a_smaller_budget_caps_the_depth_where_the_rule_asks_for_more():
   assert max(auto.depths) == 2 and auto.peak_staged <= 2
   assert all(c.endswith(("1 micro-batch used", "2 micro-batches used")) and
              "budget 2 micro-batches" in c for c in auto.choices)
+
+
+def test_auto_goes_shallower_once_staged_micro_batches_would_sit_unused():
+  """The wire near the compute for 5 steps (a cushion: depth 2), then far faster (depth 1 holds
+  no more staged micro-batches than it needs)."""
+  def step(wire):
+    return trace_lib.StepTimes((trace_lib.MicroBatchTimes(wire, 1.0, 10.0),) * 4, 1.0, 5.0)
+  trace = trace_lib.Trace(tuple(step(8.0) for _ in range(5)) + tuple(step(1.0)
+                                                                   for _ in range(7)), "shift")
+  auto = run_lib.simulate(trace, "auto")
+  assert auto.depths[2:6] == [2, 2, 2, 2] and auto.depths[-3:] == [1, 1, 1]
+  assert auto.choices[-1].startswith("depth 1: a micro-batch's stage ")
