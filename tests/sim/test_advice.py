@@ -89,6 +89,8 @@ def test_a_job_bound_by_its_wire_is_told_the_codec_or_bandwidth_with_the_predict
     assert advice[advice_lib.PRESTAGE]["setting"].startswith("TUNIX_MAX_STAGED_BATCHES=2 (the "
                                                              "embedded job prestages")
   text = report_text(wire_bound_job)
+  assert f"checked by simulate: its replay of the record takes {before:.2f} s a step with the " \
+      "job's settings (the job measured " in text
   line = next(l for l in text.splitlines() if l.startswith("recommendation: compress"))
   assert f"simulate predicts {before:.2f} s -> {after:.2f} s a step (the wire x0.5)" in line
   assert "decided by input wait mid-step" in line and "(in 5 of 5 steps)" in line

@@ -165,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
   print("overall (medians per step, a first step left out where there are others):")
   for line in overall_lines(summary):
     print(f"  {line}")
+  replay = next((a["prediction"]["before_s"] for a in summary["advice"] if a["prediction"]),
+                None)
+  if replay is not None:  # what the predictions start from, beside what the job measured
+    print(f"checked by simulate: its replay of the record takes {replay:.2f} s a step with the "
+          f"job's settings (the job measured {_s(summary['trainer']['step_s'])} s, median)")
   for line in advice_lines(summary["advice"]):
     print(line)
   return 0
