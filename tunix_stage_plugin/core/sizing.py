@@ -39,7 +39,8 @@ class Sizer:
     self._orchestrator: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
     self._floor = 1  # the deepest depth the trainer was seen to need
     self._floor_why = ""
-    self.choices: list[Choice] = []
+    # The last few steps' choices: a step's depth is chosen before the step before it ends.
+    self.choices: collections.deque[Choice] = collections.deque(maxlen=4)
 
   def observe(self, trainer: dict[str, Any] | None, orchestrator: dict[str, Any] | None) -> None:
     """One step's figures (either side may be missing in a step)."""
@@ -61,9 +62,9 @@ class Sizer:
                                f"{self._size(self.budget_bytes)}, {self._size(used)} used"))
     return chosen
 
-  def chosen(self, step: int) -> int:
-    """The depth chosen for `step` (asked already)."""
-    return next(c.depth for c in reversed(self.choices) if c.step == step)
+  def chosen(self, step: int) -> Choice:
+    """The choice made for `step`, one of the last few asked."""
+    return next(c for c in reversed(self.choices) if c.step == step)
 
   def _size(self, nbytes: int) -> str:
     if self.microbatch_bytes == 1:  # a budget counted in micro-batches (the simulator's)

@@ -121,13 +121,17 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
   if auto:
     trainer.timeline.add_sink(trainer_telemetry_sink)
     trainer.timeline.add_sink(orchestrator_steps)
-  fallbacks, peak, depths = 0, 0, []
+  fallbacks, peak, depths, choices = 0, 0, [], []
 
   async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
     nonlocal fallbacks, peak
     fallbacks += report.fallbacks
     peak = max(peak, report.peak_staged)
-    depth = sizer.chosen(step) if sizer is not None else plan.depth
+    depth = plan.depth
+    if sizer is not None:
+      choice = sizer.chosen(step)
+      depth = choice.depth
+      choices.append(choice.reason)
     depths.append(depth)
     if sizer is not None:  # as the records hold them (core.telemetry.record)
       shaping = {"max_staged_batches": depth, "max_device_batches": max_device_batches,
@@ -147,7 +151,7 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
   ends = [s.end for s in spans if s.track == model.COMPUTE]
   return ModeResult(mode, [t.seconds for t in timings], [t.mid_step_idle for t in timings],
                     [t.boundary_idle for t in timings], max(ends), fallbacks, spans, peak, depths,
-                    [c.reason for c in sizer.choices] if sizer is not None else [])
+                    choices)
 
 
 def simulate(trace: trace_lib.Trace, mode: str, *, max_device_batches: int = 1,
