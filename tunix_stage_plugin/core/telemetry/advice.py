@@ -98,9 +98,7 @@ class Advice:
     return f"{self.setting}: {self.why}; decided by {self.figure}; costs {self.cost}"
 
   def as_dict(self) -> dict[str, Any]:
-    return {"kind": self.kind, "setting": self.setting, "why": self.why, "cost": self.cost,
-            "figure": dataclasses.asdict(self.figure),
-            "change": None if self.change is None else dataclasses.asdict(self.change)}
+    return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)
