@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 from tests.core.test_telemetry import compute
 from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.core import install_hint
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
@@ -150,3 +152,34 @@ def test_report_is_a_subcommand_that_needs_a_path():
   with pytest.raises(SystemExit) as e:
     cli_main.main(["report"])
   assert e.value.code == 2
+
+
+def test_without_the_lab_the_advice_is_the_rule_s_marked_not_checked(tmp_path):
+  """The report is production: with the lab and its libraries blocked (as tests/test_layout.py
+  blocks them) it still prints the rule's advice, each marked not checked, and loads no lab
+  module."""
+  write_trainer_job(tmp_path, boundary_wait=0.5, pool_waits=1)
+  code = textwrap.dedent(f"""
+      import sys
+
+      class Block:
+        def find_spec(self, name, path=None, target=None):
+          if any(name == b or name.startswith(b + ".") for b in
+                 ("tunix_stage_plugin.lab", "optax", "looptime", "matplotlib")):
+            raise ImportError(f"blocked: {{name}}")
+          return None
+
+      sys.meta_path.insert(0, Block())
+      from tunix_stage_plugin.cli import main
+      code = main.main(["report", {str(tmp_path)!r}])
+      assert not [m for m in sys.modules if m.startswith("tunix_stage_plugin.lab")]
+      sys.exit(code)
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  advice = [line for line in proc.stdout.splitlines() if line.startswith("recommendation: ")]
+  assert advice and all(line.endswith("not checked (simulate needs the [bench] extra: "
+                                      f"{install_hint.install_command('bench')})")
+                        for line in advice), advice
+  assert any(line.startswith("recommendation: TUNIX_STAGE_MAX_HOST_BATCHES=2: ")
+             for line in advice), advice

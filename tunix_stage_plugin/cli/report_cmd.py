@@ -4,19 +4,29 @@ Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) and print
 and step, where the trainer's step went (compute, input wait mid-step and at the boundary, other
 calls, the compute's slowdown beside transfers) and what the orchestrator staged and sent; then
 the job's medians, what staging hid against an inline estimate, the transports' speeds, and which
-setting held staging back (core.telemetry.analysis). docs/observability.md "tunix-stage report".
+setting held staging back (core.telemetry.advice), checked against the simulator where the lab is
+installed. docs/observability.md "tunix-stage report".
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from typing import Any
 
+from tunix_stage_plugin.core import install_hint
+from tunix_stage_plugin.core.telemetry import advice as advice_lib
 from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import record as record_lib
+
+
+# The simulator's check of the advice, imported by name and only where the lab is installed (the
+# production path imports nothing from the lab: tests/test_layout.py).
+CHECKER = "tunix_stage_plugin.lab.sim.advice"
+NOTHING = "nothing to change: staging kept the trainer's input ready"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -140,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
   orchestrator = [r for p in procs if p["role"] == record_lib.ORCHESTRATOR
                   for r in p["records"]]
   summary = analysis.summary(trainer, orchestrator)
+  summary["advice"] = checked_advice(records, trainer, orchestrator)
+  summary["recommendations"] = [a["line"] for a in summary["advice"] if a["recommended"]]
   if args.json:
     print(json.dumps({"processes": procs, "summary": summary, "notes": notes}, indent=2))
     return 0
@@ -153,7 +165,57 @@ def run(args: argparse.Namespace) -> int:
   print(f"overall ({analysis.RULE}):")
   for line in overall_lines(summary):
     print(f"  {line}")
-  recommendations = summary["recommendations"]
-  print("recommendation: " + ("; ".join(recommendations) if recommendations else
-                              "nothing to change: staging kept the trainer's input ready"))
+  replay = next((a["prediction"]["before_s"] for a in summary["advice"] if a["prediction"]),
+                None)
+  if replay is not None:  # what the predictions start from, beside what the job measured
+    print(f"checked by simulate: its replay of the record takes {replay:.2f} s a step with the "
+          f"job's settings (the job measured {_s(summary['trainer']['step_s'])} s, median)")
+  for line in advice_lines(summary["advice"]):
+    print(line)
   return 0
+
+
+def checked_advice(records: list[dict[str, Any]], trainer: list[dict[str, Any]],
+                   orchestrator: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The rule's advice on the job (core.telemetry.advice), each with the simulator's prediction
+  on the same record where the lab is installed: recommended where it predicts a shorter step
+  (largest gain first), or where it cannot say (marked not checked, and why)."""
+  window = advice_lib.Window.of_records(trainer, orchestrator)
+  advice = advice_lib.advise(window)
+  if not advice:
+    return []
+  try:
+    checker = importlib.import_module(CHECKER)
+  except ImportError:  # the lab or its libraries are not installed
+    checker = None
+  if checker is None:
+    why = (f"not checked (simulate needs the [bench] extra: "
+           f"{install_hint.install_command('bench')})")
+    checks = [why] * len(advice)
+  else:
+    checks = checker.predict(records, window.settings, advice)
+  out = []
+  for a, check in zip(advice, checks):
+    entry = {**a.as_dict(), "line": a.line(), "prediction": None, "checked": None,
+             "recommended": True, "gain_s": 0.0}
+    if isinstance(check, str):
+      entry["checked"] = check
+      entry["line"] += f"; {check}"
+    else:
+      entry["prediction"] = {"before_s": check.before_s, "after_s": check.after_s}
+      entry["recommended"] = check.helps
+      entry["gain_s"] = check.before_s - check.after_s
+      entry["line"] = f"{a.line()}; {check}"
+    out.append(entry)
+  return sorted(out, key=lambda e: (e["recommended"], e["gain_s"]), reverse=True)
+
+
+def advice_lines(advice: list[dict[str, Any]]) -> list[str]:
+  """Each change the simulator predicts no gain from, then each recommendation (the last line:
+  a recommendation, or that there is nothing to change)."""
+  out = [f"not recommended: {a['line']} (no shorter)" for a in advice if not a["recommended"]]
+  out += [f"recommendation: {a['line']}" for a in advice if a["recommended"]]
+  if not any(a["recommended"] for a in advice):
+    out.append("recommendation: " + (NOTHING if not advice else "nothing to change: simulate "
+                                     "predicts none of the changes above shortens the step"))
+  return out

@@ -1,16 +1,12 @@
-"""What a step's figures say: which part bounds the step, what staging hid against an inline
-estimate, and which setting held staging back (with its memory cost). Read by the per-step line,
-the records and `tunix-stage report` alike, so they never disagree. docs/observability.md
-"Reading the figures".
+"""What a step's figures say: which part bounds the step and what staging hid against an inline
+estimate (which setting held staging back: advice.py). Read by the per-step line, the records and
+`tunix-stage report` alike, so they never disagree. docs/observability.md "Reading the figures".
 """
 
 from __future__ import annotations
 
 import statistics
 from typing import Any, Iterable
-
-from tunix_stage_plugin.core import outcome
-from tunix_stage_plugin.core.telemetry import record
 
 # A part of a step counts once it is at least this share of the step, and at least FLOOR_S.
 SHARE = 0.05
@@ -69,61 +65,6 @@ def staged(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return [f for f in steps if f["place"]["staged"]]
 
 
-def recommendations(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
-                    ) -> list[str]:
-  """Which setting held staging back, to what, and what it costs: one line each; the settings
-  and the micro-batch size come from the records. Judged on the steps that staged, where there
-  are any: an inline step's wait says nothing of a staging setting."""
-  out = []
-  steps = [f for f in trainer if f["step_s"] is not None] or trainer
-  steps = staged(steps) or steps
-  if not steps:
-    return out
-  step_s = statistics.median(step_seconds(f) for f in steps)
-  per_mb = _median([f["place"]["bytes"] / f["place"]["count"] for f in steps
-                    if f["place"]["count"]])
-  mib = f"{per_mb / (1 << 20):.0f} MiB" if per_mb else "one micro-batch"
-  over = sum(f["pool"]["over_bound"] for f in steps)
-  pool_wait = statistics.median(f["pool"]["wait_s"] for f in steps)
-  if over or significant(pool_wait, step_s):
-    host = record.setting(trainer[-1], "max_host_batches")
-    out.append(f"the trainer's receive pool held transfers back ({pool_wait:.2f} s a step, "
-               f"{over} ran out of their wait): TUNIX_STAGE_MAX_HOST_BATCHES={host + 1} (costs "
-               f"one more receive buffer on the trainer: {mib} of host memory)")
-  refused = sum(f["fallbacks"]["by_kind"].get(outcome.StageStatus.REFUSED.value, 0)
-                for f in orchestrator)
-  if refused:
-    device = record.setting(trainer[-1], "max_device_batches")
-    out.append(f"{refused} stage(s) were refused (a bound on the trainer was full): "
-               f"TUNIX_STAGE_MAX_DEVICE_BATCHES={device + 1} (costs {mib} of device memory)")
-  mid = statistics.median(f["input_wait_s"]["mid_step"] for f in steps)
-  at_depth = orchestrator and all(f["peak_staged"] >= f["depth"] for f in orchestrator if
-                                  f["depth"])
-  if significant(mid, step_s) and at_depth:
-    depth = orchestrator[-1]["settings"].get("max_staged_batches", orchestrator[-1]["depth"])
-    device = record.setting(trainer[-1], "max_device_batches")
-    out.append(f"the trainer waited {mid:.2f} s a step mid-step with {depth} micro-batch(es) "
-               f"staged ahead: TUNIX_MAX_STAGED_BATCHES={depth + 1} with "
-               f"TUNIX_STAGE_MAX_DEVICE_BATCHES={max(device, depth + 1)} (costs {mib} of device "
-               "memory per micro-batch more)")
-  boundary = _median([f["input_wait_s"]["boundary"] for f in steps
-                      if f["input_wait_s"]["boundary"] is not None])
-  if significant(boundary, step_s) and orchestrator and not any(
-      f["prestaged"] for f in orchestrator):
-    out.append(f"the trainer waited {boundary:.2f} s at each step boundary and nothing was "
-               "staged across it: let the program prestage (max_staleness >= 1, and "
-               "_prestage_across_boundary answering True)")
-  bounds = [f["bound_by"] for f in steps]
-  if bounds.count(WIRE) > len(bounds) // 2 and not out:
-    out.append("the transfers are slower than the compute they hide behind: compress the "
-               "payload (TUNIX_STAGE_CODEC=on, if its arrays compress) or give the link more "
-               "bandwidth")
-  if bounds.count(SHARED_CORES) > len(bounds) // 2:
-    out.append("the compute runs slower while the receive runs beside it on the same cores: give "
-               "the trainer's host more cores for its receive (nothing staging can change)")
-  return out
-
-
 def _median(values: list[float]) -> float | None:
   return statistics.median(values) if values else None
 
@@ -134,7 +75,7 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
   staging back. One rule, said in the report's header (RULE): medians per step leave a first
   step out where there are others (it compiles and has no step before it); totals and counts
   (how many steps each part bounded, what was received and sent) are over every step, as the
-  tables they sum."""
+  tables they sum. What held staging back: core.telemetry.advice."""
   steps = [f for f in trainer if f["step_s"] is not None] or trainer
   out: dict[str, Any] = {"trainer_steps": len(trainer), "orchestrator_steps": len(orchestrator)}
   if steps:
@@ -175,7 +116,6 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
                                         if f["stage_calls"]["median_s"] is not None]),
         "sent": _transports([f["sent"] for f in orchestrator]),
     }
-  out["recommendations"] = recommendations(trainer, orchestrator)
   return out
 
 

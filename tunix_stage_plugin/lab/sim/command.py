@@ -61,7 +61,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
                       "record (a TUNIX_STAGE_METRICS folder or .jsonl file)")
   parser.add_argument("--modes", default=None, metavar="LIST",
                       help=f"comma-separated modes (default: {','.join(modes_lib.DEFAULT_MODES)}); "
-                      "depthN and depthN_prestage for other depths")
+                      "depthN and depthN_prestage for other depths; auto (autoN) sizes the depth "
+                      "each step within 4 (N) micro-batches")
   for field, bound in (("max_device_batches", "device"), ("max_host_batches", "received-batch host")):
     setting = config_lib.SETTINGS_BY_FIELD[field]
     parser.add_argument(f"--{setting.flag}", dest=field, default=None, metavar="N",
@@ -223,11 +224,16 @@ def what_if_label(factors: dict[str, float]) -> str:
 
 
 def _figures(result: Any, hidden: float | None, inline_total: float | None) -> dict[str, Any]:
-  return {"predicted_median_step_s": result.median_step_s, "step_s": result.step_s,
-          "mid_step_idle_s": result.mid_step_idle_s, "boundary_idle_s": result.boundary_idle_s,
-          "hidden_fraction": hidden, "total_s": result.total_s,
-          "saved_s": None if inline_total is None else inline_total - result.total_s,
-          "fallbacks": result.fallbacks}
+  figures = {"predicted_median_step_s": result.median_step_s, "step_s": result.step_s,
+             "predicted_mean_step_s": result.mean_step_s,
+             "mid_step_idle_s": result.mid_step_idle_s, "boundary_idle_s": result.boundary_idle_s,
+             "hidden_fraction": hidden, "total_s": result.total_s,
+             "saved_s": None if inline_total is None else inline_total - result.total_s,
+             "fallbacks": result.fallbacks, "peak_staged": result.peak_staged,
+             "depths": result.depths}
+  if result.choices:  # auto: each step's depth and why
+    figures["choices"] = result.choices
+  return figures
 
 
 def _predict(trace: Any, modes: tuple[str, ...], device: int, host: int) -> dict[str, Any]:
@@ -323,8 +329,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def _table(report: dict[str, Any]) -> str:
   check = report.get("check", False)
   header = (("mode", "predicted step s", "measured step s", "error", "") if check else
-            ("mode", "step s", "mid-step idle s", "boundary idle s", "hidden", "total s",
-             "saved s"))
+            ("mode", "step s", "mean s", "mid-step idle s", "boundary idle s", "hidden",
+             "peak staged", "total s", "saved s"))
   rows = []
   for mode, r in report["modes"].items():
     if check:
@@ -334,9 +340,10 @@ def _table(report: dict[str, Any]) -> str:
     else:
       mid = sorted(r["mid_step_idle_s"])[len(r["mid_step_idle_s"]) // 2]
       boundary = sorted(r["boundary_idle_s"])[len(r["boundary_idle_s"]) // 2]
-      rows.append((mode, _fmt(r["predicted_median_step_s"], ".2f"), _fmt(mid, ".2f"),
+      rows.append((mode, _fmt(r["predicted_median_step_s"], ".2f"),
+                   _fmt(r["predicted_mean_step_s"], ".2f"), _fmt(mid, ".2f"),
                    _fmt(boundary, ".2f"), _fmt(r["hidden_fraction"], ".2f"),
-                   _fmt(r["total_s"], ".1f"), _fmt(r["saved_s"], ".1f")))
+                   str(r["peak_staged"]), _fmt(r["total_s"], ".1f"), _fmt(r["saved_s"], ".1f")))
   widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
   lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                      enumerate(zip(row, widths))).rstrip() for row in (header, *rows)]

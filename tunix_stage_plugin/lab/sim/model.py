@@ -76,11 +76,11 @@ class SimTrainer:
 
   async def _receive(self, mb: SimMicroBatch) -> None:
     start, end = await self._wire.use(mb.times.wire_s)
-    self.timeline.add(RECEIVE, mb.name, start, end, step=mb.step)
+    self.timeline.add(RECEIVE, mb.name, start, end, step=mb.step, transport="side", bytes=0)
 
   async def _copy(self, mb: SimMicroBatch, lane: str) -> None:
     start, end = await self._h2d.use(mb.times.h2d_s)
-    self.timeline.add(H2D, mb.name, start, end, step=mb.step, lane=lane)
+    self.timeline.add(H2D, mb.name, start, end, step=mb.step, lane=lane, bytes=0)
 
   async def stage(self, payload: SimMicroBatch, *, key: str) -> outcome_lib.StageOutcome:
     await self._receive(payload)

@@ -14,27 +14,37 @@ from typing import AsyncIterator
 import looptime
 
 from tunix_stage_plugin.core import inputs
+from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_telemetry
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
 from tunix_stage_plugin.lab.sim import model
 from tunix_stage_plugin.lab.sim import trace as trace_lib
 
 _DEPTH_MODE = re.compile(r"depth(?P<depth>[1-9][0-9]?)(?P<prestage>_prestage)?")
+_AUTO_MODE = re.compile(r"auto(?P<budget>[1-9][0-9]?)?")
+AUTO_BUDGET = 4  # `auto`'s memory budget, in micro-batches (autoN: N)
+HOST = "simulate"  # the host its step figures say they came from (for the sizer's records)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """How a mode runs: inline, staged at a depth (with or without prestage), or resident."""
+  """How a mode runs: inline, staged at a depth (with or without prestage), resident, or auto
+(staged and prestaged, the depth chosen each step by core.sizing within a budget of `depth`
+micro-batches)."""
 
-  kind: str  # inline | staged | resident
+  kind: str  # inline | staged | resident | auto
   depth: int = 1
   prestage: bool = False
 
 
-MODES_ACCEPTED = (f"{', '.join(modes_lib.DEFAULT_MODES)}, or depthN / depthN_prestage with N from "
-                  "1 to 99")
+MODES_ACCEPTED = (f"{', '.join(modes_lib.DEFAULT_MODES)}, depthN / depthN_prestage with N from "
+                  f"1 to 99, or auto / autoN (the depth sized each step within N micro-batches, "
+                  f"default {AUTO_BUDGET})")
 
 
 def plan_of(mode: str) -> Plan:
@@ -46,6 +56,9 @@ def plan_of(mode: str) -> Plan:
   table = {m.name: m.plan for m in modes_lib.MODE_TABLE}
   if mode in table:
     return Plan(**table[mode])
+  auto = _AUTO_MODE.fullmatch(mode)
+  if auto is not None:
+    return Plan("auto", int(auto["budget"] or AUTO_BUDGET), True)
   match = _DEPTH_MODE.fullmatch(mode)
   if match is None:
     raise inputs.Refused(MODES_ACCEPTED, f"unknown mode {inputs.echo(mode)}")
@@ -61,6 +74,13 @@ class ModeResult:
   total_s: float  # the whole trace, start to the last update's end
   fallbacks: int
   spans: list[recorder_lib.Span]
+  peak_staged: int = 0  # the most micro-batches staged or staging at once, over the steps
+  depths: list[int] = dataclasses.field(default_factory=list)  # each step's depth
+  choices: list[str] = dataclasses.field(default_factory=list)  # auto: each step's and why
+
+  @property
+  def mean_step_s(self) -> float | None:
+    return sum(self.step_s) / len(self.step_s) if self.step_s else None
 
   @property
   def median_step_s(self) -> float | None:
@@ -84,15 +104,44 @@ async def _source(trace: trace_lib.Trace, step: int
 async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
                max_host_batches: int) -> ModeResult:
   plan = plan_of(mode)
+  auto = plan.kind == "auto"
+  if auto:  # the budget's micro-batches may all sit on the device
+    max_device_batches = max(max_device_batches, plan.depth)
   trainer = model.SimTrainer(max_device_batches=max_device_batches,
                              max_host_batches=max_host_batches, resident=plan.kind == "resident")
-  pipeline = pipeline_lib.StagePipeline(trainer, plan.depth, recorder=trainer.timeline,
-                                        staging=plan.kind == "staged")
-  fallbacks = 0
+  sizer = sizing.Sizer(budget_bytes=plan.depth, microbatch_bytes=1) if auto else None
+  pipeline = pipeline_lib.StagePipeline(
+      trainer, 1 if auto else plan.depth, recorder=trainer.timeline,
+      staging=plan.kind in ("staged", "auto"),
+      depth_for=None if sizer is None else sizer.depth_for)
+  # Each step's figures as the processes' telemetry makes them, for the sizer (auto).
+  trainer_steps: list[dict] = []
+  trainer_telemetry_sink = trainer_telemetry.TrainerSteps(trainer_steps.append)
+  orchestrator_steps = orchestrator_telemetry.OrchestratorSteps()
+  if auto:
+    trainer.timeline.add_sink(trainer_telemetry_sink)
+    trainer.timeline.add_sink(orchestrator_steps)
+  fallbacks, peak, depths, choices = 0, 0, [], []
 
   async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
-    nonlocal fallbacks
+    nonlocal fallbacks, peak
     fallbacks += report.fallbacks
+    peak = max(peak, report.peak_staged)
+    depth = plan.depth
+    if sizer is not None:
+      choice = sizer.chosen(step)
+      depth = choice.depth
+      choices.append(choice.reason)
+    depths.append(depth)
+    if sizer is not None:  # as the records hold them (core.telemetry.record)
+      shaping = {"max_staged_batches": depth, "max_device_batches": max_device_batches,
+                 "max_host_batches": max_host_batches}
+      sizer.observe(
+          record_lib.make(record_lib.TRAINER, HOST, trainer_steps.pop(), shaping)
+          if trainer_steps else None,
+          record_lib.make(record_lib.ORCHESTRATOR, HOST, orchestrator_steps.step(report, depth),
+                          shaping))
+      trainer_steps.clear()
     await trainer.boundary(step, trace.steps[step].boundary_s)
 
   await pipeline.run_steps(lambda step: _source(trace, step), steps=len(trace.steps),
@@ -101,7 +150,8 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
   timings = metrics.step_timings(spans, range(1, len(trace.steps)))
   ends = [s.end for s in spans if s.track == model.COMPUTE]
   return ModeResult(mode, [t.seconds for t in timings], [t.mid_step_idle for t in timings],
-                    [t.boundary_idle for t in timings], max(ends), fallbacks, spans)
+                    [t.boundary_idle for t in timings], max(ends), fallbacks, spans, peak, depths,
+                    choices)
 
 
 def simulate(trace: trace_lib.Trace, mode: str, *, max_device_batches: int = 1,

@@ -393,6 +393,11 @@ def from_records(path: str) -> Trace:
     records = [r for f in record_lib.files([path]) for r in record_lib.read(f)[0]]
   except record_lib.RecordError as e:
     raise TraceError(str(e)) from None
+  return of_records(records, path)
+
+
+def of_records(records: list[dict[str, Any]], source: str) -> Trace:
+  """from_records over records already read (`tunix-stage report`'s check of its advice)."""
   trainer = sorted((r for r in records if r["role"] == record_lib.TRAINER),
                    key=lambda r: (r["process"]["hostname"], r["process"]["pid"], r["step"]))
   steps = []
@@ -407,8 +412,8 @@ def from_records(path: str) -> Trace:
                                  for _ in range(r["microbatches"])),
                            r["compute"]["update_s"], r["other_s"]))
   if not steps:
-    raise _refuse(path, ACCEPTED_INPUT, "no trainer record with a fwd_bwd in it")
-  return check_bounds(Trace(tuple(steps), path), path)
+    raise _refuse(source, ACCEPTED_INPUT, "no trainer record with a fwd_bwd in it")
+  return check_bounds(Trace(tuple(steps), source), source)
 
 
 def load(path: str, mode: str | None = None) -> Trace:
