@@ -25,6 +25,7 @@ from tunix_stage_plugin.core.telemetry import scalars
 MIN_STEPS = 5  # each run's steps the test needs; fewer: too few to tell
 ALPHA = 0.05
 BEYOND, WITHIN, TOO_FEW = "beyond the noise", "within the noise", "too few steps to tell"
+ONE_RUN = "in one run only"  # a figure the other run has no step of (e.g. no orchestrator record)
 TEST = (f"Mann-Whitney U, two-sided, at {ALPHA:.0%}, on each run's steps (a first step left out "
         f"where there are others; normal approximation with ties corrected); fewer than "
         f"{MIN_STEPS} steps in a run: {TOO_FEW}")
@@ -98,7 +99,7 @@ def compare(a: Run, b: Run) -> dict[str, Any]:
       continue  # neither run knows it (e.g. no orchestrator records)
     medians = [statistics.median(s) if s else None for s in samples]
     change = pct = p = None
-    verdict = TOO_FEW
+    verdict = ONE_RUN if None in medians else TOO_FEW
     if None not in medians:
       change = medians[1] - medians[0]
       pct = change / medians[0] if medians[0] else None

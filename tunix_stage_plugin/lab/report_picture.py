@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from tunix_stage_plugin.core.telemetry import analysis
+
 # (label, colour, hatch) of each part of a bar, bottom to top.
 PARTS = (
     ("compute", "#1f77b4", None),
@@ -65,7 +67,9 @@ def draw(path: str, runs: Sequence[Any]) -> None:
       for step, height, s in zip(x, bottom, run.trainer):
         ax.text(step, height + top * 0.01, f"{s['place']['staged']}s\n{s['place']['inline']}i",
                 ha="center", va="bottom", fontsize=6, linespacing=0.9)
-    ax.set_title(run.label or "the job", fontsize=9, loc="left")
+    summary = analysis.summary(run.trainer, [])["trainer"]
+    ax.set_title(f"{run.label or 'the job'}: median step {summary['step_s']:.2f} s, input wait "
+                 f"{summary['input_wait_s']:.2f} s", fontsize=9, loc="left")
     ax.set_xlabel("trainer step")
     ax.set_xticks(x if len(x) <= MAX_COUNTED else x[::max(1, len(x) // 20)])
     ax.tick_params(labelsize=7)
