@@ -3,7 +3,7 @@
 writer), as `train/stage/...` beside the loss, at the step MaxText logs that update's loss at;
 where the engine has no writer (`enable_tensorboard=False`, or not process 0), the process's
 jax.monitoring listeners get them under the same names. The names: core/telemetry/scalars.py.
-docs/maxtext.md "Telemetry".
+docs/observability.md "In your metrics logger".
 """
 
 from __future__ import annotations
