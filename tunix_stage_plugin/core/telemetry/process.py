@@ -1,8 +1,8 @@
 """One staging process's telemetry: its recorder, and for each side it plays (trainer,
 orchestrator) the step aggregator, the record file and the per-step line; each side's step
 figures also go to its step sinks (the trainer's own metrics logger, the orchestrator's
-jax.monitoring listeners). The host's installation
-owns it; with staging off none is made. docs/observability.md.
+jax.monitoring listeners). The host's installation owns it; with staging off none is made.
+docs/observability.md.
 """
 
 from __future__ import annotations

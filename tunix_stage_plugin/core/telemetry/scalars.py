@@ -72,4 +72,3 @@ def trainer(figures: dict[str, Any]) -> dict[str, float | int]:
 def orchestrator(figures: dict[str, Any]) -> dict[str, float | int]:
   """The orchestrator step's scalars that are known, by their full name (`stage/...`)."""
   return _named(ORCHESTRATOR, figures)
-
