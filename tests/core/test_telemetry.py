@@ -432,3 +432,39 @@ def test_a_step_sink_that_raises_is_said_once_and_dropped_and_the_record_goes_on
   tel.trainer().record(compute("update", 9.5, 9.6, host_step=4))
   assert told == [1, 2, 3]
   tel.close()
+
+
+def test_the_orchestrator_s_scalars_and_host_step_reach_its_own_sinks_and_record(tmp_path):
+  """An orchestrator step's figures carry the trainer's step its last update answered (where
+  the host's answer carries one), its record says it, and they go to the orchestrator's step
+  sinks as `stage/...` scalars from the one table (StepReport's own names among them); the
+  trainer's sinks are not told of them."""
+  tel = process.Telemetry(process.Settings(host="tunix", metrics_dir=str(tmp_path / "m"),
+                                           log_every=0))
+  told = {"trainer": [], "orchestrator": []}
+
+  class Sink:
+    def __init__(self, role):
+      self.role = role
+
+    def step(self, figures):
+      told[self.role].append(figures)
+
+  tel.add_step_sink(Sink("trainer"))
+  tel.add_step_sink(Sink("orchestrator"), record_lib.ORCHESTRATOR)
+  report = StepReport(0, trained=4, staged=3, inline=1, fallbacks=1, prestaged=1, peak_staged=2,
+                      fallback_reasons=[Fallback(StageStatus.REFUSED, "device bound reached")])
+  tel.orchestrator_step(report, 2, host_step=5)
+  tel.orchestrator_step(StepReport(1, trained=4, staged=4), 2)  # the answer carried no step
+  assert told["trainer"] == [] and [f["host_step"] for f in told["orchestrator"]] == [5, None]
+  named = scalars.orchestrator(told["orchestrator"][0])
+  assert set(report.metrics()) <= set(named)  # tunix's step result's names are the same
+  assert {k: named[k] for k in report.metrics()} == report.metrics()
+  assert named["stage/fallbacks_refused"] == 1 and named["stage/fallbacks_failed"] == 0
+  assert named["stage/depth"] == 2 and "stage/step_s" not in named  # the first: unknown
+  assert set(scalars.orchestrator(told["orchestrator"][1])) == {
+      scalars.PREFIX + name for name in scalars.ORCHESTRATOR} - {"stage/stage_call_median_s"}
+  (path,) = record_lib.files([str(tmp_path / "m")])
+  records, _ = record_lib.read(path)
+  assert [r["host_step"] for r in records] == [5, None]
+  tel.close()

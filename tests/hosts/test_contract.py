@@ -31,6 +31,11 @@ def test_an_answer_is_read_back_as_it_was_built():
   assert answer == {"fwd_bwd": trained, "updated": True, "train_step": 3, "accumulated": True}
   assert contract.fwd_bwd_response(answer, updated=True) is trained
   assert contract.fwd_bwd_response(trained, updated=False) is trained
+  # The trainer's step count an update answered (the orchestrator's scalars sit at it); a
+  # fwd_bwd's answer alone (no update) carries none.
+  assert contract.trained_step(answer) == 3
+  assert contract.trained_step(trained) is None and contract.trained_step(None) is None
+  assert contract.trained_step({**answer, "train_step": None}) is None
 
 
 def test_a_remote_error_keeps_tunixs_envelope_and_is_matched_by_its_type():

@@ -5,7 +5,9 @@ and step, where the trainer's step went (compute, input wait mid-step and at the
 calls, the compute's slowdown beside transfers) and what the orchestrator staged and sent; then
 the job's medians, what staging hid against an inline estimate, the transports' speeds, and which
 setting held staging back (core.telemetry.advice), checked against the simulator where the lab is
-installed. docs/observability.md "tunix-stage report".
+installed. Two runs are compared (report_compare.py); `--png` draws the job, in the lab
+(lab/report_picture.py, loaded only then: matplotlib is a lab library). docs/observability.md
+"tunix-stage report".
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from typing import Any
 
+from tunix_stage_plugin.cli import report_compare
+from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.core import install_hint
 from tunix_stage_plugin.core.telemetry import advice as advice_lib
 from tunix_stage_plugin.core.telemetry import analysis
@@ -38,10 +43,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
       "and print, per step, where each trainer step went and what the orchestrator staged, "
       "then the job's medians, what staging hid against an inline estimate, the transports' "
       "speeds and what to change.",
-      epilog="example: tunix-stage report /tmp/job-metrics   (docs/observability.md)")
+      epilog="Two PATHs, each one run of other processes (e.g. two folders): the runs "
+      "compared, each figure's median a step side by side with the change and whether it is "
+      f"beyond the step-to-step noise ({report_compare.TEST}). "
+      "example: tunix-stage report /tmp/job-metrics   (docs/observability.md)")
   parser.add_argument("paths", nargs="+", metavar="PATH",
                       help="the folder TUNIX_STAGE_METRICS named, or record files")
   parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+  parser.add_argument("--png", metavar="FILE",
+                      help="also draw the job to FILE: per trainer step, where the step went "
+                      "(compute, its slowdown beside transfers inside it, input wait mid-step "
+                      "and at the boundary, other calls), its staged and inline micro-batches "
+                      "counted above the bar; two runs side by side (needs matplotlib: the "
+                      "'bench' extra)")
   parser.set_defaults(run=run)
 
 
@@ -139,22 +153,93 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
   return out
 
 
+def _run_of(path: str) -> report_compare.Run:
+  """LEAD: the records helper's run grouping replaces this (one PATH -> one Run here)."""
+  procs = processes(load([path])[0])
+  return report_compare.Run(
+      label=path,
+      trainer=[r for p in procs if p["role"] == record_lib.TRAINER for r in p["records"]],
+      orchestrator=[r for p in procs if p["role"] == record_lib.ORCHESTRATOR
+                    for r in p["records"]])
+
+
+def _pair(paths: list[str]) -> tuple[report_compare.Run, report_compare.Run] | None:
+  """The two runs to compare: two PATHs, each holding a trainer's records, no trainer process
+  in both (a job's trainer record and its orchestrator's, named apart, are one job: None).
+  SEAM: the lead merges this with the records helper's run grouping."""
+  if len(paths) != 2:
+    return None
+  runs = [_run_of(path) for path in paths]
+
+  def trainers(run: report_compare.Run) -> set[tuple[str, int]]:
+    return {(r["process"]["hostname"], r["process"]["pid"]) for r in run.trainer}
+
+  if not all(run.trainer for run in runs) or trainers(runs[0]) & trainers(runs[1]):
+    return None
+  return runs[0], runs[1]
+
+
+def _picture_target(path: str) -> str | None:
+  """Why `path` cannot take the picture (one line), or None."""
+  folder = os.path.dirname(os.path.abspath(path))
+  why = ("a folder" if os.path.isdir(path) else
+         "its folder is not a folder that exists" if not os.path.isdir(folder) else
+         "not writable" if not os.access(path if os.path.exists(path) else folder, os.W_OK)
+         else None)
+  return None if why is None else inputs.invalid("--png", path, "a PNG file to write", why)
+
+
+def _draw(path: str, runs: list[report_compare.Run]) -> str | None:
+  """Draws `runs` to `path` (lab/report_picture.py, loaded only here); the one line of why not."""
+  picture = importlib.import_module("tunix_stage_plugin.lab.report_picture")
+  try:
+    picture.draw(path, runs)
+  except picture.PictureError as e:
+    return str(e)
+  except (OSError, ValueError) as e:
+    return inputs.invalid("--png", path, "a PNG file to write", f"{type(e).__name__}: {e}")
+  return None
+
+
 def run(args: argparse.Namespace) -> int:
+  def error(line: str) -> int:
+    print(f"tunix-stage report: error: {line}", file=sys.stderr)
+    return 2
+
+  if args.png is not None and (why := _picture_target(args.png)) is not None:
+    return error(why)
   try:
     records, notes = load(args.paths)
+    pair = _pair(args.paths)
   except record_lib.RecordError as e:
-    print(f"tunix-stage report: error: {e}", file=sys.stderr)
-    return 2
+    return error(str(e))
+  if pair is not None:
+    report_compare.run(*pair, as_json=args.json, notes=notes)
+    runs = list(pair)
+  else:
+    runs = [_report(records, notes, args.json, " ".join(args.paths))]
+  if args.png is not None:
+    why = _draw(args.png, runs)
+    if why is not None:
+      return error(why)
+    print(f"tunix-stage report: drew {args.png}", file=sys.stderr)
+  return 0
+
+
+def _report(records: list[dict[str, Any]], notes: list[str], as_json: bool, label: str
+            ) -> report_compare.Run:
+  """Prints the report of one job's records; answers them as one run (for the picture)."""
   procs = processes(records)
   trainer = [r for p in procs if p["role"] == record_lib.TRAINER for r in p["records"]]
   orchestrator = [r for p in procs if p["role"] == record_lib.ORCHESTRATOR
                   for r in p["records"]]
+  job = report_compare.Run(label=label, trainer=trainer, orchestrator=orchestrator)
   summary = analysis.summary(trainer, orchestrator)
   summary["advice"] = checked_advice(records, trainer, orchestrator)
   summary["recommendations"] = [a["line"] for a in summary["advice"] if a["recommended"]]
-  if args.json:
+  if as_json:
     print(json.dumps({"processes": procs, "summary": summary, "notes": notes}, indent=2))
-    return 0
+    return job
   for note in notes:
     print(f"note: {note}")
   for p in procs:
@@ -172,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
           f"job's settings (the job measured {_s(summary['trainer']['step_s'])} s, median)")
   for line in advice_lines(summary["advice"]):
     print(line)
-  return 0
+  return job
 
 
 def checked_advice(records: list[dict[str, Any]], trainer: list[dict[str, Any]],

@@ -45,7 +45,12 @@ class Placement(Protocol):
     """`target`'s tunix PerfTracer, where it has one (hosts/tunix/tracing.py); else None."""
 
   def metrics_logger(self, target: Any) -> Any:
-    """`target`'s tunix MetricsLogger, where it has one (hosts/tunix/metrics.py); else None."""
+    """What `target` logs its metrics with, where it has one (a tunix MetricsLogger:
+    hosts/tunix/metrics.py; MaxText's engine's: hosts/maxtext/metrics.py); else None."""
+
+  def step_sink(self, target: Any, logger: Any) -> Any:
+    """The step sink (core.telemetry.process.StepSink) that logs each trainer step's scalars
+    through `logger` (what metrics_logger answered) at the step `target` logs its loss at."""
 
 
 _lock = threading.Lock()

@@ -26,14 +26,14 @@ import numpy as np
 STEPS, MICRO = 3, 3
 
 
-def tiny_engine(me, pyconfig, maxtext):
+def tiny_engine(me, pyconfig, maxtext, enable_tensorboard=False):
   base_yml = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
   config = pyconfig.initialize(
       [None, base_yml], model_name="default", hardware="cpu", attention="dot_product",
       base_emb_dim=32, base_num_query_heads=2, base_num_kv_heads=2, head_dim=16, base_mlp_dim=64,
       base_num_decoder_layers=2, vocab_size=128, max_target_length=16, per_device_batch_size=1.0,
       dtype="float32", weight_dtype="float32", grad_dtype="float32", enable_checkpointing=False,
-      enable_tensorboard=False, enable_dropout=False, use_weight_converter=False,
+      enable_tensorboard=enable_tensorboard, enable_dropout=False, use_weight_converter=False,
       skip_jax_distributed_system=True, init_weights_seed=0, learning_rate=1e-3, steps=10,
       profiler="", profiler_steps=0, run_name="tiny",
       base_output_directory=tempfile.mkdtemp(prefix="tunix-stage-maxtext-"))
@@ -437,6 +437,29 @@ def test_end_to_end_staged_maxtext_trainer_matches_one_without_the_plugin():
   assert staged_params == plain_params  # byte for byte
 
 
+def test_the_stage_figures_sit_beside_the_loss_in_maxtext_s_tensorboard(staging):
+  """MaxText's engine writing TensorBoard files (enable_tensorboard): staged, its files hold
+  `train/stage/...` at the steps of its own `train/loss`, written by its own metrics logger."""
+  from tests.hosts.tunix.test_observability import tensorboard_scalars  # pylint: disable=import-outside-toplevel
+  payloads = [payload(datatypes, n, b=2) for n in range(STEPS * MICRO)]
+  engine = tiny_engine(me, pyconfig, maxtext, enable_tensorboard=True)
+  worker = trainer_worker.TrainerWorker(lambda: engine)
+  worker.initialize()
+  train(worker, engine, payloads, ahead=1)
+  assert ADAPTER.installation.drain(60)
+  engine.close()  # drains its queue: the last loss written, the writer flushed
+  engine._metrics_logger._tb_writer.flush()  # pylint: disable=protected-access
+  import pathlib  # pylint: disable=import-outside-toplevel
+  found = tensorboard_scalars(pathlib.Path(engine._config.tensorboard_dir))  # pylint: disable=protected-access
+  loss_steps = [step for step, _ in found["train/loss"]]
+  assert loss_steps == list(range(STEPS)), found["train/loss"]
+  stage = {tag: points for tag, points in found.items() if tag.startswith("train/stage/")}
+  print(f"\nMaxText TensorBoard tags: {sorted(found)}")
+  for name in ("compute_s", "input_wait_mid_step_s", "staged", "bound_by_compute"):
+    assert [step for step, _ in stage[f"train/stage/{name}"]] == loss_steps, (name, stage)
+  assert sum(v for _, v in stage["train/stage/staged"]) == STEPS * MICRO
+
+
 def test_the_trainer_records_each_step_of_a_maxtext_engine(staging, tmp_path):
   """The job's telemetry on MaxText's engine behind tunix's worker: each step's record names
   the maxtext host, its micro-batches and their staged placements, and is written to the
@@ -446,12 +469,24 @@ def test_the_trainer_records_each_step_of_a_maxtext_engine(staging, tmp_path):
     manager.install(config_lib.resolve({"mode": "stage", "max_device_batches": 2,
                                         "metrics": str(folder), "log_every": 0}, env={}),
                     host=host, quiet=True)
-  payloads, reference, engine, worker = _pair()  # the reference trains inline: STEPS records
-  snapshots, _ = train(worker, engine, payloads, ahead=1)
+  heard = []  # the engines have no TensorBoard writer: their figures go to jax.monitoring
+
+  def listen(event, value, **kwargs):
+    heard.append((event, kwargs.get("step")))
+
+  jax.monitoring.register_scalar_listener(listen)
+  try:
+    payloads, reference, engine, worker = _pair()  # the reference trains inline: STEPS records
+    snapshots, _ = train(worker, engine, payloads, ahead=1)
+    installation = ADAPTER.installation
+    assert installation.drain(60)
+  finally:
+    jax.monitoring.unregister_scalar_listener(listen)
   assert same_bits(snapshots, reference)
-  installation = ADAPTER.installation
-  assert installation.drain(60)
   records = list(installation.telemetry.history["trainer"])
+  # At the step MaxText buffers each update's loss under: the count before the update.
+  assert [step for event, step in heard if event == "train/stage/compute_s"] == \
+      [r["host_step"] - 1 for r in records] == [*range(STEPS)] * 2
   assert [r["step"] for r in records] == list(range(2 * STEPS))
   assert {r["host"] for r in records} == {"maxtext"}
   assert all(r["microbatches"] == MICRO and r["compute_s"] > 0 for r in records)

@@ -108,9 +108,10 @@ def serve(kind: str) -> None:
     assert tunix_stage_plugin.install(
         config_lib.resolve({"mode": "stage", "max_device_batches": depth}, env={})).installed
   elif kind == "observed":  # the plugin with a metrics record (test_observability.py)
+    host_bound = {k: v for k, v in os.environ.items() if k == "TUNIX_STAGE_MAX_HOST_BATCHES"}
     assert tunix_stage_plugin.install(config_lib.resolve(
         {"mode": "stage", "max_device_batches": 2, "metrics": os.environ[NODE_METRICS]},
-        env={})).installed
+        env=host_bound)).installed
   elif kind == "plain":
     remote_execution._MAX_MESSAGE_BYTES = TEST_CAP  # pylint: disable=protected-access
   # "bare": tunix alone, one worker, nothing of the plugin (test_observability.py).

@@ -1,5 +1,6 @@
 """Staging's step figures in tunix's own MetricsLogger (hosts/tunix/metrics.py), against the real
-class: what it logs, under which names, at which step, and what a logger that raises costs.
+class: what it logs, under which names, at which step, and what a logger that raises costs; the
+orchestrator's figures through jax.monitoring (MonitoringSink), to a real listener.
 The real two-process job writing TensorBoard files: test_observability.py.
 """
 
@@ -16,7 +17,9 @@ import jax  # pylint: disable=wrong-import-position
 from tunix.sft import metrics_logger as metrics_logger_lib  # pylint: disable=wrong-import-position
 
 from tests.core.test_telemetry import compute  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.core.pipeline import StepReport  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import process  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import scalars  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.hosts.tunix import metrics  # pylint: disable=wrong-import-position
 
@@ -109,4 +112,37 @@ def test_with_opentelemetry_on_the_same_scalars_arrive_as_tunix_s_gauges():
   assert {f"tunix.{scalars.PREFIX.replace('/', '.')}{name}" for name in (
       "compute_s", "input_wait_mid_step_s", "staged", "bound_by_compute")} <= set(points)
   assert points["tunix.training.step"] == [({"tunix.training.mode": "train"}, 2)]
+  tel.close()
+
+
+def test_the_orchestrator_s_scalars_reach_jax_monitoring_listeners_at_the_trainer_s_step(
+    logged, caplog):
+  """Each orchestrator step's `stage/...` scalars go to the process's jax.monitoring listeners
+  at the trainer's step its last update answered (the orchestrator's own step where the answer
+  carried none); a listener that raises is said once and no longer told, and the job goes on."""
+  tel = process.Telemetry(process.Settings(host="tunix", log_every=0))
+  tel.add_step_sink(metrics.MonitoringSink(), record_lib.ORCHESTRATOR)
+  tel.orchestrator_step(StepReport(0, trained=4, staged=3, inline=1), 2, host_step=11)
+  tel.orchestrator_step(StepReport(1, trained=4, staged=4), 2, host_step=12)
+  tel.orchestrator_step(StepReport(2, trained=4, staged=4), 2)  # no step answered: its own
+  mine = [e for e in logged if e[0].startswith(scalars.PREFIX)]
+  # Every name of the table but the stage calls' median (no stage call spans here: unknown).
+  assert {name for name, _, _ in mine} == {scalars.PREFIX + n for n in scalars.ORCHESTRATOR
+                                           if n != "stage_call_median_s"}
+  assert [(v, s) for name, v, s in mine if name == "stage/staged"] == [(3, 11), (4, 12), (4, 2)]
+
+  def broken(event, value, **kwargs):
+    raise RuntimeError("listener gone")
+
+  jax.monitoring.register_scalar_listener(broken)
+  try:
+    with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
+      for step in (3, 4):
+        tel.orchestrator_step(StepReport(step, trained=4, staged=4), 2, host_step=step)
+  finally:
+    jax.monitoring.unregister_scalar_listener(broken)
+  assert [r.message for r in caplog.records] == [
+      "tunix-stage: telemetry: MonitoringSink failed (RuntimeError: listener gone) and was "
+      "dropped; staging goes on"]
+  assert len(tel.history["orchestrator"]) == 5  # every step still made its figures
   tel.close()

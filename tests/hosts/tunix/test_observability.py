@@ -13,6 +13,7 @@ plugin's spans next to `peft_train`.
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import sys
@@ -24,6 +25,8 @@ import pytest
 
 pytest.importorskip("tunix.experimental.orchestrator.rl_program",
                     reason="tunix's experimental stack (google/tunix main) is not importable")
+
+import jax  # pylint: disable=wrong-import-position
 
 from tests.hosts.tunix import test_grpc  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import analysis  # pylint: disable=wrong-import-position
@@ -159,13 +162,21 @@ def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_
   nodes = [test_grpc._start_node("observed", **{test_grpc.NODE_METRICS: str(tmp_path / "m"),  # pylint: disable=protected-access
                                                 test_grpc.NODE_TENSORBOARD: str(on)}),
            test_grpc._start_node("bare", **{test_grpc.NODE_TENSORBOARD: str(off)})]  # pylint: disable=protected-access
+  heard = []  # what this process (the orchestrator) tells its jax.monitoring listeners
+
+  def listen(event, value, **kwargs):
+    heard.append((event, value, kwargs.get("step")))
+
+  jax.monitoring.register_scalar_listener(listen)
   try:
     (port_on,), (port_off,) = (ports.values() for _, ports in nodes)
     test_grpc.run_program(port_on, staged=True)
+    staged_heard = list(heard)
     test_grpc.run_program(port_off, staged=False)
     for port in (port_on, port_off):
       test_grpc.ask_node(port, "close_trainer")
   finally:
+    jax.monitoring.unregister_scalar_listener(listen)
     for proc, _ in nodes:
       test_grpc._stop_node(proc)  # pylint: disable=protected-access
   staged = tensorboard_scalars(on)
@@ -185,3 +196,85 @@ def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_
   plain = tensorboard_scalars(off)
   assert [step for step, _ in plain["train/loss"]] == loss_steps
   assert not [tag for tag in plain if "stage/" in tag], sorted(plain)
+  # The orchestrator's figures reached this process's jax.monitoring listeners at the steps of
+  # the trainer's loss (tunix's train_step, from each step's last update answer); with staging
+  # off in this process nothing was said.
+  mine = [(event, value, step) for event, value, step in staged_heard
+          if event.startswith(scalars.PREFIX)]
+  assert {event for event, _, _ in mine} <= {scalars.PREFIX + n for n in scalars.ORCHESTRATOR}
+  assert [step for event, _, step in mine if event == "stage/staged"] == loss_steps
+  assert [v for event, v, _ in mine if event == "stage/microbatches"] == \
+      [test_grpc.MICRO] * test_grpc.STEPS
+  assert sum(v for event, v, _ in mine if event == "stage/staged") >= test_grpc.MICRO
+  assert not [e for e in heard[len(staged_heard):] if e[0].startswith(scalars.PREFIX)]
+
+
+def run_pair(tmp_path, steps=6):
+  """Two runs of the real two-process job, each a trainer node of its own writing to its own
+  folder, with this process's orchestrator records beside: TUNIX_STAGE_MAX_HOST_BATCHES 1 and
+  2 on the trainer."""
+  folders = [tmp_path / "bound1", tmp_path / "bound2"]
+  nodes = [test_grpc._start_node("observed", **{test_grpc.NODE_METRICS: str(folder),  # pylint: disable=protected-access
+                                                "TUNIX_STAGE_MAX_HOST_BATCHES": str(bound)})
+           for bound, folder in zip((1, 2), folders)]
+  try:
+    for (_, ports), folder in zip(nodes, folders):
+      job = [test_grpc.batch(n) for n in range(steps * test_grpc.MICRO)]
+      test_grpc.run_program(ports["observed"], staged=True, payloads=job, steps=steps,
+                            settings={"metrics": str(folder)})
+  finally:
+    for proc, _ in nodes:
+      test_grpc._stop_node(proc)  # pylint: disable=protected-access
+  return [str(folder) for folder in folders]
+
+
+def test_report_compares_two_real_runs_and_draws_them(tmp_path):
+  """`report A B` on two runs of the real job (host bounds 1 and 2): each figure's median, the
+  change and a verdict from both runs' 5 judged steps; `--png` draws them side by side (the
+  picture read back); what `report` refuses it still refuses."""
+  from tunix_stage_plugin.cli import report_compare  # pylint: disable=import-outside-toplevel
+  a, b = run_pair(tmp_path)
+  for folder, bound in ((a, 1), (b, 2)):
+    (trainer,) = [p for p in record_lib.files([folder]) if "trainer-" in p]
+    records, _ = record_lib.read(trainer)
+    assert {r["settings"]["max_host_batches"] for r in records} == {bound}
+
+  def report(*argv, check=True):
+    return subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", *argv],
+                          capture_output=True, text=True, timeout=120, check=check)
+
+  data = json.loads(report(a, b, "--json").stdout)
+  assert [(r["label"], r["trainer_steps"], r["orchestrator_steps"]) for r in data["runs"]] == \
+      [(a, 6, 6), (b, 6, 6)]
+  figures = {f["name"]: f for f in data["figures"]}
+  assert {f["side"] for f in data["figures"]} == {"trainer", "orchestrator"}
+  for name in ("stage/step_s", "stage/compute_s", "stage/input_wait_s", "stage/staged"):
+    f = figures[name]
+    assert f["steps"] == [5, 5] and f["verdict"] in (report_compare.BEYOND,
+                                                      report_compare.WITHIN), f
+    assert f["change"] == pytest.approx(f["b"] - f["a"])
+  assert figures["stage/microbatches"]["a"] == figures["stage/microbatches"]["b"] == \
+      test_grpc.MICRO
+  out = report(a, b).stdout
+  print(out)  # with -s: what a user's `tunix-stage report A B` says of these two runs
+  assert f"A: {a} (6 trainer steps, 6 orchestrator steps)" in out
+  assert f"noise: {report_compare.TEST}" in out
+
+  two, one = tmp_path / "two.png", tmp_path / "one.png"
+  report(a, b, "--png", str(two))
+  report(a, "--png", str(one))
+  image = pytest.importorskip("matplotlib.image")
+  pictures = [image.imread(str(p)) for p in (one, two)]
+  assert pictures[0].shape[0] == pictures[1].shape[0] and \
+      pictures[1].shape[1] > pictures[0].shape[1]  # two panels side by side
+  for pic in pictures:
+    h, w = pic.shape[:2]
+    area = pic[h // 4:3 * h // 4, w // 10:w * 19 // 20, :3]
+    assert len({tuple(px) for px in (area.reshape(-1, 3) * 255).astype(int).tolist()}) > 1
+
+  bad = report(a, str(tmp_path / "missing.jsonl"), check=False)
+  assert bad.returncode == 2 and bad.stdout == "" and \
+      bad.stderr.startswith("tunix-stage report: error: ") and "no such file" in bad.stderr
+  bad = report(a, b, "--png", str(tmp_path), check=False)
+  assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and \
+      "--png=" in bad.stderr

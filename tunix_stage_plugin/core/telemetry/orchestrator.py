@@ -37,8 +37,9 @@ class OrchestratorSteps:
     with self._lock:
       self._spans[dict(span.args).get("step")].append(span)
 
-  def step(self, report: Any, depth: int) -> dict[str, Any]:
-    """The figures of the step `report` (a core.pipeline.StepReport) describes."""
+  def step(self, report: Any, depth: int, host_step: int | None = None) -> dict[str, Any]:
+    """The figures of the step `report` (a core.pipeline.StepReport) describes; `host_step`:
+    the trainer's step count after the step's update (None: the host's answer carried none)."""
     now = time.perf_counter()
     with self._lock:
       spans = self._spans.pop(report.step, []) + self._spans.pop(None, [])
@@ -48,6 +49,7 @@ class OrchestratorSteps:
     kinds = collections.Counter(f.status for f in report.fallback_reasons)
     return {
         "step": report.step,
+        "host_step": host_step,
         "step_s": step_s,
         "microbatches": report.trained,
         "depth": depth,

@@ -1,7 +1,8 @@
 """One staging process's telemetry: its recorder, and for each side it plays (trainer,
-orchestrator) the step aggregator, the record file and the per-step line; a trainer's step
-figures also go to its step sinks (the trainer's own metrics logger). The host's installation
-owns it; with staging off none is made. docs/observability.md.
+orchestrator) the step aggregator, the record file and the per-step line; each side's step
+figures also go to its step sinks (the trainer's own metrics logger, the orchestrator's
+jax.monitoring listeners). The host's installation owns it; with staging off none is made.
+docs/observability.md.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class Settings:
 
 
 class StepSink(Protocol):
-  """Told of each trainer step's figures (on the thread that closed the step; keep it short)."""
+  """Told of each step's figures of one side (on the thread that closed the step; keep it
+  short)."""
 
   def step(self, figures: dict[str, Any]) -> None:
     ...
@@ -56,7 +58,7 @@ class Telemetry:
     self._orchestrator: orchestrator_lib.OrchestratorSteps | None = None
     self._trainer_host = settings.host
     self._writers: dict[str, record_lib.Writer] = {}
-    self._step_sinks: tuple[StepSink, ...] = ()
+    self._step_sinks: dict[str, tuple[StepSink, ...]] = {role: () for role in record_lib.FIELDS}
     # Each side's recent records (the bench compares them with its own figures).
     self.history: dict[str, collections.deque[dict[str, Any]]] = {
         role: collections.deque(maxlen=HISTORY) for role in record_lib.FIELDS}
@@ -106,28 +108,23 @@ class Telemetry:
         self.recorder.add_sink(self._orchestrator)
       return self._orchestrator
 
-  def orchestrator_step(self, report: Any, depth: int, note: str = "") -> dict[str, Any]:
+  def orchestrator_step(self, report: Any, depth: int, note: str = "",
+                        host_step: int | None = None) -> dict[str, Any]:
     """A step's figures on the orchestrator (`report`: a core.pipeline.StepReport); written and
-    said like the trainer's. `note` ends the line (e.g. what a codec saved)."""
-    figures = self.orchestrator().step(report, depth)
+    said like the trainer's. `note` ends the line (e.g. what a codec saved); `host_step` is the
+    trainer's own step count its last update answered, where the host's answer carries one."""
+    figures = self.orchestrator().step(report, depth, host_step)
     self._emit(record_lib.ORCHESTRATOR, figures, lines.orchestrator_line(figures) + note)
     return figures
 
-  def add_step_sink(self, sink: StepSink) -> None:
-    """Tells `sink` each trainer step's figures from now on; one that raises is dropped, said
+  def add_step_sink(self, sink: StepSink, role: str = record_lib.TRAINER) -> None:
+    """Tells `sink` each step's figures of `role` from now on; one that raises is dropped, said
     once (telemetry never fails a job)."""
     with self._lock:
-      self._step_sinks = (*self._step_sinks, sink)
+      self._step_sinks[role] = (*self._step_sinks[role], sink)
 
   def _trainer_step(self, figures: dict[str, Any]) -> None:
     self._emit(record_lib.TRAINER, figures, lines.trainer_line(figures), self._trainer_host)
-    for sink in self._step_sinks:
-      try:
-        sink.step(figures)
-      except Exception as e:  # pylint: disable=broad-except  (telemetry never fails a job)
-        with self._lock:
-          self._step_sinks = tuple(s for s in self._step_sinks if s is not sink)
-        recorder_lib.say_dropped(sink, e)
 
   def _emit(self, role: str, figures: dict[str, Any], line: str, host: str | None = None
             ) -> None:
@@ -143,10 +140,17 @@ class Telemetry:
     if writer is not None:
       writer.write(rec)
     lines.say(figures["step"], settings.log_every, line)
+    for sink in self._step_sinks[role]:
+      try:
+        sink.step(figures)
+      except Exception as e:  # pylint: disable=broad-except  (telemetry never fails a job)
+        with self._lock:
+          self._step_sinks[role] = tuple(s for s in self._step_sinks[role] if s is not sink)
+        recorder_lib.say_dropped(sink, e)
 
   def close(self) -> None:
     with self._lock:
       writers, self._writers = list(self._writers.values()), {}
-      self._step_sinks = ()
+      self._step_sinks = {role: () for role in self._step_sinks}
     for writer in writers:
       writer.close()

@@ -59,8 +59,8 @@ SHAPES = {
         "pool": {"waits": COUNT, "wait_s": NUMBER, "over_bound": COUNT},
         "staged": {"peak_device": Maybe(COUNT), "peak_host": Maybe(COUNT)}, "bound_by": TEXT},
     ORCHESTRATOR: {
-        "step_s": Maybe(NUMBER), "microbatches": COUNT, "depth": COUNT, "staged": COUNT,
-        "inline": COUNT, "prestaged": COUNT, "peak_staged": COUNT,
+        "?host_step": Maybe(COUNT), "step_s": Maybe(NUMBER), "microbatches": COUNT,
+        "depth": COUNT, "staged": COUNT, "inline": COUNT, "prestaged": COUNT, "peak_staged": COUNT,
         "fallbacks": {"count": COUNT, "by_kind": {"*": COUNT}}, "sent": TRANSFERS,
         "stage_calls": {"count": COUNT, "seconds": NUMBER, "median_s": Maybe(NUMBER),
                         "max_s": Maybe(NUMBER)}},

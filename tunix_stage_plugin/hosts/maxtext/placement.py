@@ -4,7 +4,8 @@ traced half on exactly the engine's batch shardings, hand it back through that s
 The engine's fwd_bwd keeps everything after `_prepare_batch` (throttle, recompile, accumulate,
 metrics). A staged batch goes stale when the adapter is set again (`with_gen_model_input_fn`);
 it is then trained from its payload, as inline. `restore_checkpoint` and `close` drop every
-staged batch first. Never compiles at stage time. docs/maxtext.md.
+staged batch first. Never compiles at stage time. Each step's figures go to the engine's own
+metrics logger (metrics.py). docs/maxtext.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.hosts import placements
+from tunix_stage_plugin.hosts.maxtext import metrics
 from tunix_stage_plugin.hosts.tunix import contract
 
 SEAM = "_prepare_batch"
@@ -123,8 +125,12 @@ class MaxTextPlacement:
   def tracer(self, engine: Any) -> None:
     del engine  # MaxText's engine takes no tunix PerfTracer
 
-  def metrics_logger(self, engine: Any) -> None:
-    del engine  # MaxText's engine logs with its own writer, not a tunix MetricsLogger
+  def metrics_logger(self, engine: Any) -> Any:
+    return metrics.logger_of(self.module, engine)
+
+  def step_sink(self, engine: Any, logger: Any) -> metrics.EngineSink:
+    del engine
+    return metrics.EngineSink(self.module, logger)
 
   def apply(self, registry: patching.PatchRegistry) -> None:
     cls = self.engine_cls

@@ -90,6 +90,16 @@ def train_step_answer(fwd_bwd: Any, step: Any, *, accumulated: bool) -> dict[str
   return {"fwd_bwd": fwd_bwd, "updated": True, "train_step": step, "accumulated": accumulated}
 
 
+def trained_step(answer: Any) -> int | None:
+  """The trainer's step count in a train_step answer after an update (train_step_answer's, or
+  tunix's own: the `train_steps` the worker's update returned, the step its loss is logged at);
+  None for an answer without an update."""
+  if isinstance(answer, dict) and answer.get("updated"):
+    step = answer.get("train_step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+  return None
+
+
 def fwd_bwd_response(answer: Any, *, updated: bool) -> Any:
   """fwd_bwd's response in a train_step answer: the answer itself, or its part after an update."""
   return answer["fwd_bwd"] if updated else answer

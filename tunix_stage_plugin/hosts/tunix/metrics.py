@@ -1,7 +1,9 @@
-"""Staging's step figures in the trainer's own metrics logger: the `MetricsLogger` a tunix
-PeftTrainer creates or is given (`metrics_logger`), so its backends (TensorBoard through metrax,
-W&B, CLU) and, with `enable_opentelemetry`, its OpenTelemetry gauges show `stage/...` beside the
-loss, at the step the loss is logged at. The names: core/telemetry/scalars.py.
+"""Staging's step figures where tunix users already look: on the trainer, its own metrics logger
+(the `MetricsLogger` a tunix PeftTrainer creates or is given, `metrics_logger`), so its backends
+(TensorBoard through metrax, W&B, CLU) and, with `enable_opentelemetry`, its OpenTelemetry
+gauges show `stage/...` beside the loss, at the step the loss is logged at; on the orchestrator,
+which has no logger of tunix's, the process's jax.monitoring listeners (where every such logger's
+backends listen), at the same step. The names: core/telemetry/scalars.py.
 docs/observability.md "In your metrics logger".
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from tunix.sft import metrics_logger as metrics_logger_lib
 
 from tunix_stage_plugin.core.telemetry import scalars
@@ -36,3 +39,15 @@ class MetricsSink:
       return
     for name, value in scalars.trainer(figures).items():
       self.logger.log(self.prefix, name, value, metrics_logger_lib.Mode.TRAIN, step)
+
+
+class MonitoringSink:
+  """A step sink of the orchestrator's figures: each step's scalars through
+  `jax.monitoring.record_scalar` (names `stage/...`), at the trainer's step count the step's
+  last update answered (tunix's `train_step`, where the trainer logs that update's loss), or at
+  the orchestrator's own step where the answer carried none."""
+
+  def step(self, figures: dict[str, Any]) -> None:
+    step = figures["step"] if figures["host_step"] is None else figures["host_step"]
+    for name, value in scalars.orchestrator(figures).items():
+      jax.monitoring.record_scalar(name, value, step=step)

@@ -2,7 +2,8 @@
 it does or answers: its inline preparation timed through the placement's seam, its computation's
 output handed to the installation's watcher (which records the device time off the compute lane),
 and, where the trainer has a tunix PerfTracer, a `peft_train` span around it (tracing.py); where
-it has a metrics logger, each step's figures go there too (metrics.py).
+it has a metrics logger, each step's figures go there too (its placement's step sink:
+metrics.py, hosts/maxtext/metrics.py).
 docs/observability.md.
 """
 
@@ -19,7 +20,6 @@ import numpy as np
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
-from tunix_stage_plugin.hosts.tunix import metrics
 from tunix_stage_plugin.hosts.tunix import peft
 from tunix_stage_plugin.hosts.tunix import tracing
 
@@ -63,7 +63,7 @@ def observed(inst: installation_lib.Installation, state: installation_lib.Worker
     inst.trace_into(tracer, tracing.TracerSink)
   logger = _unless_broken(inst, target, lambda: placement.metrics_logger(target), LOGGER)
   if logger is not None:
-    inst.log_into(logger, lambda: metrics.MetricsSink(logger, target.metrics_prefix))
+    inst.log_into(logger, lambda: placement.step_sink(target, logger))
   started = time.perf_counter()
   inline = placements.Prepared()
   try:

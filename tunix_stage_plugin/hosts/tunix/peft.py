@@ -106,6 +106,9 @@ class PeftPlacement:
   def metrics_logger(self, target: Any) -> Any:
     return metrics.logger_of(target)
 
+  def step_sink(self, target: Any, logger: Any) -> metrics.MetricsSink:
+    return metrics.MetricsSink(logger, target.metrics_prefix)
+
   def apply(self) -> None:
     placements.set_seam(self._registry, self, self.peft_cls, SEAM, SEAM)
     self._registry.on_undo(placements.register(self))

@@ -1,7 +1,8 @@
 """One staged train_stage run, the same for both ways of the loop (program.py): the core step loop
 (core.pipeline.StagePipeline) over the program's engine, its calls (`StagingCalls`) made by
 engine.py's functions through the one router the run holds, its keys carrying this process's
-session (sessions.key_prefix), and each step's staging metrics on tunix's step result.
+session (sessions.key_prefix), and each step's staging metrics on tunix's step result and, as
+`stage/...` scalars, to the process's jax.monitoring listeners (metrics.py).
 The loop's invariants: docs/design.md "Core semantics".
 """
 
@@ -16,9 +17,12 @@ from tunix.experimental.orchestrator import rl_program
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import metrics
 from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import sessions
 from tunix_stage_plugin.transport import request as request_lib
@@ -79,6 +83,8 @@ class Run:
     self.router = route.router_of(inst, engine)
     self.calls = StagingCalls(engine, self.router, codec_lib.parse(config.codec))
     inst.telemetry.orchestrator()  # this process orchestrates: its step figures listen
+    if inst.first_time("orchestrator scalars"):  # and reach its jax.monitoring listeners
+      inst.telemetry.add_step_sink(metrics.MonitoringSink(), record_lib.ORCHESTRATOR)
     # The program's seams (its subclass's overrides included) decide depth and prestage.
     self.pipeline = pipeline_lib.StagePipeline(
         self.calls, config.max_staged_batches,
@@ -94,7 +100,8 @@ class Run:
   def step_result(self, result: Any, report: pipeline_lib.StepReport) -> StagedRLStepResult:
     """tunix's step result with the step's staging metrics; the step's figures recorded and
     said (the job's telemetry)."""
-    self.inst.telemetry.orchestrator_step(report, self.pipeline.depth, _codec_note(self.calls))
+    self.inst.telemetry.orchestrator_step(report, self.pipeline.depth, _codec_note(self.calls),
+                                          host_step=contract.trained_step(report.result))
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return StagedRLStepResult(**fields, stage_metrics=report.metrics())
 
