@@ -8,8 +8,10 @@ report prints are checked against what each step was built to hold.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -54,7 +56,7 @@ def write_trainer_job(folder, steps=4, boundary_wait=0.0, pool_waits=0, host_bat
     for span in spans:
       tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
   tel.close()
-  return record_lib.files([str(folder)])
+  return record_lib.files([str(folder)])[0]
 
 
 def report(*argv, check=True):
@@ -82,15 +84,16 @@ def test_report_prints_each_step_and_what_held_staging_back(tmp_path):
 def test_report_json_carries_the_records_and_the_summary(tmp_path):
   write_trainer_job(tmp_path)
   data = json.loads(report(str(tmp_path), "--json").stdout)
-  (proc,) = data["processes"]
+  (run,) = data["runs"]  # one run: one job's records
+  (proc,) = run["processes"]
   assert proc["role"] == "trainer" and [r["step"] for r in proc["records"]] == [0, 1, 2, 3]
-  summary = data["summary"]["trainer"]
+  summary = run["summary"]["trainer"]
   assert summary["step_s"] == pytest.approx(2.2) and summary["input_wait_s"] == pytest.approx(0)
   assert summary["bound_by"] == {"compute": 3, "wire": 0, "shared cores": 0}
   # Inline, each step's 2 micro-batches would have received (0.4 s) and been placed (0.1 s).
   assert summary["inline_wait_estimate_s"] == pytest.approx(1.0)
   assert summary["hidden_s"] == pytest.approx(1.0)
-  assert data["summary"]["recommendations"] == [] and data["notes"] == []
+  assert run["summary"]["recommendations"] == [] and data["notes"] == []
 
 
 def test_a_job_run_staged_then_inline_says_each_path_s_wait_and_judges_the_staged_steps(
@@ -98,7 +101,7 @@ def test_a_job_run_staged_then_inline_says_each_path_s_wait_and_judges_the_stage
   """Steps 0-2 staged, 3-5 inline (0.5 s of input wait before each fwd_bwd): the report says
   each path's wait apart, and recommends nothing for staging (its steps never waited)."""
   write_trainer_job(tmp_path, steps=6, inline_from=3)
-  data = json.loads(report(str(tmp_path), "--json").stdout)
+  data = json.loads(report(str(tmp_path), "--json").stdout)["runs"][0]
   paths = data["summary"]["trainer"]["by_path"]
   # Step 0 has no step before it and is left out: 2 staged steps, 3 inline ones.
   assert paths["staged"] == {"steps": 2, "input_wait_s": pytest.approx(0.0)}
@@ -120,14 +123,23 @@ def test_a_cut_last_line_is_a_note_and_the_rest_is_read(tmp_path):
   (path,) = write_trainer_job(tmp_path, steps=2)
   with open(path, "a", encoding="utf-8") as f:
     f.write('{"schema": "tunix-stage-metr')
+  # Just written: still being written (a job still running), not a killed one.
   out = report(path).stdout
-  assert out.startswith(f"note: {path}: its last line is cut short") and "2 steps" in out
+  assert out.startswith(f"note: {path}: its last line is still being written (the file changed "
+                        ) and "2 steps" in out
+  # Left so a minute: the process was killed while writing it.
+  old = time.time() - 60
+  os.utime(path, (old, old))
+  out = report(path).stdout
+  assert out.startswith(f"note: {path}: its last line is cut short (the process was killed "
+                        "while writing it); read the 2 whole record(s) before it") and \
+      "2 steps" in out
 
 
 @pytest.mark.parametrize("content, message", [
     (None, "no such file or folder"),
     ("", "holds no record"),
-    ('{"schema": "tunix-stage-metrics", "version": 2}\n', "schema version 2 is not one this"),
+    ('{"schema": "tunix-stage-metrics", "version": 3}\n', "schema version 3 is not one this"),
     ('{"a": 1}\n{"b": 2}\n', "not a tunix-stage-metrics record"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, content, message):

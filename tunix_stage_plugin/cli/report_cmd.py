@@ -1,10 +1,11 @@
 """`tunix-stage report PATH...`: what staging did in a job, from its processes' metrics records.
 
-Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) and prints, per process
-and step, where the trainer's step went (compute, input wait mid-step and at the boundary, other
-calls, the compute's slowdown beside transfers) and what the orchestrator staged and sent; then
-the job's medians, what staging hid against an inline estimate, the transports' speeds, and which
-setting held staging back (core.telemetry.analysis). docs/observability.md "tunix-stage report".
+Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) as a stream, tells the runs
+in them apart (core.telemetry.runs) and prints, run by run, per process and step, where the
+trainer's step went (compute, input wait mid-step and at the boundary, other calls, the compute's
+slowdown beside transfers) and what the orchestrator staged and sent; then the run's medians,
+what staging hid against an inline estimate, the transports' speeds, and which setting held
+staging back (core.telemetry.analysis). docs/observability.md "tunix-stage report".
 """
 
 from __future__ import annotations
@@ -14,9 +15,23 @@ import json
 import sys
 from typing import Any
 
+from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import runs as runs_lib
+
+# The steps each process's table shows unless --steps says: its last ones (a long record's table
+# would be its length in lines; the summary is over every step).
+DEFAULT_STEPS = 50
+MAX_STEPS = 10**9
+
+
+def _steps(text: str) -> int:
+  try:
+    return inputs.integer(text, minimum=0, maximum=MAX_STEPS)
+  except inputs.Refused as e:
+    raise argparse.ArgumentTypeError(inputs.refusal("", text, e)) from None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -24,39 +39,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
       "report",
       help="what staging did in a job, from its metrics records (TUNIX_STAGE_METRICS)",
       description="Read the metrics records a job's processes wrote (TUNIX_STAGE_METRICS=DIR "
-      "makes each staging process write DIR/<role>-<host>-<pid>.jsonl, one record per step) "
-      "and print, per step, where each trainer step went and what the orchestrator staged, "
-      "then the job's medians, what staging hid against an inline estimate, the transports' "
-      "speeds and what to change.",
+      "makes each staging process write DIR/<role>-<host>-<pid>-<run>.jsonl, one record per "
+      "step) and print, run by run (records of several jobs are told apart by their processes' "
+      "runs and time spans), per step where each trainer step went and what the orchestrator "
+      "staged, then the run's medians, what staging hid against an inline estimate, the "
+      "transports' speeds and what to change.",
       epilog="example: tunix-stage report /tmp/job-metrics   (docs/observability.md)")
   parser.add_argument("paths", nargs="+", metavar="PATH",
                       help="the folder TUNIX_STAGE_METRICS named, or record files")
-  parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+  parser.add_argument("--steps", type=_steps, default=None, metavar="N",
+                      help=f"each process's last N steps in its table (0: the summary only; "
+                      f"default: up to {DEFAULT_STEPS}, saying how many were left out); the "
+                      "summary is over every step")
+  parser.add_argument("--json", action="store_true", help="print one JSON object instead (each "
+                      "process's records within --steps)")
   parser.set_defaults(run=run)
 
 
-def load(paths: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
-  """Every record of `paths`, by process and step; and the notes on files cut short."""
-  records, notes = [], []
-  for path in record_lib.files(paths):
-    found, note = record_lib.read(path)
-    records += found
-    if note is not None:
-      notes.append(note)
-  return records, notes
-
-
-def processes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """One entry per process and role: who it was and its records in step order."""
-  out: dict[tuple[str, str, int], dict[str, Any]] = {}
-  for r in records:
-    key = (r["role"], r["process"]["hostname"], r["process"]["pid"])
-    entry = out.setdefault(key, {"role": r["role"], "host": r["host"],
-                                 "process": f"{key[1]}:{key[2]}", "records": []})
-    entry["records"].append(r)
-  for entry in out.values():
-    entry["records"].sort(key=lambda r: r["step"])
-  return sorted(out.values(), key=lambda e: (e["role"] != record_lib.TRAINER, e["process"]))
+def comparable(paths: list[str], found: list[runs_lib.Run]
+               ) -> tuple[runs_lib.Run, runs_lib.Run] | None:
+  """Two paths given, each holding one run of its own: the two runs, to compare."""
+  if len(paths) != 2 or len(found) != 2:
+    return None
+  if [r.sources for r in found] in ([(paths[0],), (paths[1],)], [(paths[1],), (paths[0],)]):
+    first, second = found if found[0].sources == (paths[0],) else found[::-1]
+    return first, second
+  return None
 
 
 def _s(seconds: float | None) -> str:
@@ -129,31 +137,60 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
   return out
 
 
+def shown(process: runs_lib.Process, steps: int | None) -> list[dict[str, Any]]:
+  """The records of `process` its table shows: its last `steps` (DEFAULT_STEPS unless given)."""
+  n = DEFAULT_STEPS if steps is None else steps
+  return process.records[len(process.records) - n:] if n else []
+
+
+def as_json(run_: runs_lib.Run, steps: int | None) -> dict[str, Any]:
+  return {"label": run_.label, "started": run_.started,
+          "processes": [{"role": p.role, "host": p.host, "process": p.name, "run": p.run,
+                         "started": p.started, "steps": len(p.records),
+                         "records": shown(p, steps)} for p in run_.processes],
+          "summary": analysis.summary(run_.trainer, run_.orchestrator)}
+
+
 def run(args: argparse.Namespace) -> int:
   try:
-    records, notes = load(args.paths)
+    found, notes = runs_lib.runs(args.paths)
   except record_lib.RecordError as e:
     print(f"tunix-stage report: error: {e}", file=sys.stderr)
     return 2
-  procs = processes(records)
-  trainer = [r for p in procs if p["role"] == record_lib.TRAINER for r in p["records"]]
-  orchestrator = [r for p in procs if p["role"] == record_lib.ORCHESTRATOR
-                  for r in p["records"]]
-  summary = analysis.summary(trainer, orchestrator)
+  pair = comparable(args.paths, found)
+  if pair is not None:
+    pass  # the seam for `report A B`: the lead wires `return report_compare.run(args, *pair)`
   if args.json:
-    print(json.dumps({"processes": procs, "summary": summary, "notes": notes}, indent=2))
+    print(json.dumps({"runs": [as_json(r, args.steps) for r in found], "notes": notes},
+                     indent=2))
     return 0
   for note in notes:
     print(f"note: {note}")
-  for p in procs:
-    print(f"{p['role']} {p['process']} ({p['host']}, {len(p['records'])} steps)")
-    rows = trainer_rows if p["role"] == record_lib.TRAINER else orchestrator_rows
-    for line in rows(p["records"]):
-      print(f"  {line}")
+  if len(found) > 1:
+    print(f"{len(found)} runs (jobs) in these records, each reported apart; give one run's "
+          "files to read it alone")
+  for n, run_ in enumerate(found, start=1):
+    print(f"run {n} of {len(found)}: {run_.label}" if len(found) > 1 else f"run: {run_.label}")
+    _print_run(run_, args.steps)
+  return 0
+
+
+def _print_run(run_: runs_lib.Run, steps: int | None) -> None:
+  for p in run_.processes:
+    print(f"{p.role} {p.name} ({p.host}, {len(p.records)} steps)")
+    records = shown(p, steps)
+    if records:
+      rows = trainer_rows if p.role == record_lib.TRAINER else orchestrator_rows
+      for line in rows(records):
+        print(f"  {line}")
+    left = len(p.records) - len(records)
+    if left and (steps is None or steps):
+      print(f"  (the first {left} of its {len(p.records)} steps left out: --steps N shows the "
+            "last N, --steps 0 the summary only)")
+  summary = analysis.summary(run_.trainer, run_.orchestrator)
   print("overall (medians per step, a first step left out where there are others):")
   for line in overall_lines(summary):
     print(f"  {line}")
   recommendations = summary["recommendations"]
   print("recommendation: " + ("; ".join(recommendations) if recommendations else
                               "nothing to change: staging kept the trainer's input ready"))
-  return 0
