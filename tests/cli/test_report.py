@@ -17,6 +17,7 @@ import pytest
 
 from tests.core.test_telemetry import compute
 from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.cli import report_cmd
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
@@ -157,3 +158,45 @@ def test_report_is_a_subcommand_that_needs_a_path():
   with pytest.raises(SystemExit) as e:
     cli_main.main(["report"])
   assert e.value.code == 2
+
+
+def _step_rows(out):
+  return [int(line.split()[0]) for line in out.splitlines()
+          if line.startswith("  ") and line.split()[0].isdigit()]
+
+
+def test_steps_shows_each_process_s_last_n_and_the_summary_is_over_every_step(tmp_path):
+  write_trainer_job(tmp_path, steps=6, boundary_wait=0.5)
+  every = report(str(tmp_path)).stdout  # 6 steps: fewer than the default, all shown
+  assert _step_rows(every) == [0, 1, 2, 3, 4, 5] and "steps left out" not in every
+  last = report(str(tmp_path), "--steps", "2").stdout
+  assert _step_rows(last) == [4, 5]
+  assert "  (the first 4 of its 6 steps left out: --steps N shows the last N, --steps 0 the " \
+      "summary only)" in last
+  summary_only = report(str(tmp_path), "--steps", "0").stdout
+  assert _step_rows(summary_only) == [] and "steps left out" not in summary_only
+  assert "trainer " in summary_only and "(tunix, 6 steps)" in summary_only
+  tail = lambda out: out[out.index("overall"):]  # pylint: disable=unnecessary-lambda-assignment
+  assert tail(every) == tail(last) == tail(summary_only)
+  (run,) = json.loads(report(str(tmp_path), "--json", "--steps", "1").stdout)["runs"]
+  (proc,) = run["processes"]
+  assert proc["steps"] == 6 and [r["step"] for r in proc["records"]] == [5]
+  (whole,) = json.loads(report(str(tmp_path), "--json").stdout)["runs"]
+  assert run["summary"] == whole["summary"]
+
+
+def test_a_long_record_s_table_shows_its_last_steps_by_default(tmp_path):
+  steps = report_cmd.DEFAULT_STEPS + 3
+  write_trainer_job(tmp_path, steps=steps)
+  out = report(str(tmp_path)).stdout
+  assert _step_rows(out) == list(range(3, steps))
+  assert f"  (the first 3 of its {steps} steps left out: --steps N" in out
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1e3", str(report_cmd.MAX_STEPS + 1)])
+def test_a_bad_steps_value_is_refused_saying_what_is_accepted(tmp_path, value):
+  write_trainer_job(tmp_path, steps=1)
+  proc = report(str(tmp_path), f"--steps={value}", check=False)
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.strip().splitlines()[-1].endswith(
+      f"accepted: an integer >= 0 and <= {report_cmd.MAX_STEPS}")

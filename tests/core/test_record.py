@@ -1,0 +1,145 @@
+"""The record reader at the edges: numbers a float cannot hold or a column cannot print, files
+that are not records (a named pipe, a line without end), a record still being written, the
+version before this one, and a long record read as a stream. Real records: the telemetry core's
+(tests/cli/test_report.py's job), edited as a hand would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.cli.test_report import write_trainer_job
+from tunix_stage_plugin.core.telemetry import record as record_lib
+
+
+def report(*argv):
+  return subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", *argv],
+                        capture_output=True, text=True, timeout=60)
+
+
+def refused_line(proc):
+  assert proc.returncode == 2 and proc.stdout == ""
+  (line,) = proc.stderr.strip().splitlines()
+  assert line.startswith("tunix-stage report: error: ") and "Traceback" not in proc.stderr
+  return line
+
+
+def edited(tmp_path, edit):
+  """A real trainer record of 2 steps whose second line `edit` changed (as text)."""
+  (path,) = write_trainer_job(tmp_path, steps=2)
+  with open(path, encoding="utf-8") as f:
+    first, second = f.read().splitlines()
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(first + "\n" + edit(second) + "\n")
+  return path
+
+
+@pytest.mark.parametrize("field, text, accepted", [
+    ("receive.bytes", "1" + "0" * 400, record_lib.COUNT),  # 10**400: no float holds it
+    ("place.count", str(2**53 + 1), record_lib.COUNT),
+    ("compute_s", "1e400", record_lib.NUMBER),  # read as infinity
+    ("other_s", "1e308", record_lib.NUMBER),  # a float, but a 309-digit column
+    ("input_wait_s.mid_step", "-0.5", record_lib.NUMBER),
+    ("step_s", "NaN", record_lib.NUMBER),
+])
+def test_a_number_out_of_range_is_one_line_naming_its_field(tmp_path, field, text, accepted):
+  *outer, key = field.split(".")
+
+  def edit(line):
+    rec = json.loads(line)
+    place = rec
+    for part in outer:
+      place = place[part]
+    place[key] = "@"
+    return json.dumps(rec).replace('"@"', text)
+
+  path = edited(tmp_path, edit)
+  line = refused_line(report(path))
+  assert f"{path}:2 {field}=" in line and line.endswith(f"accepted: {accepted}")
+
+
+def test_the_bounds_are_plausible_and_print_in_a_column():
+  assert record_lib.NUMBER == "a number >= 0 and <= 1e+12"
+  assert record_lib.COUNT == f"an integer >= 0 and <= {2**53}"
+  assert len(f"{record_lib.MAX_NUMBER:.2f}") == 16
+
+
+def test_a_named_pipe_in_a_folder_is_skipped_never_opened(tmp_path):
+  write_trainer_job(tmp_path, steps=2)
+  pipe = tmp_path / "p.jsonl"
+  os.mkfifo(pipe)  # nothing ever writes to it: an open for reading would wait for ever
+  proc = report(str(tmp_path))
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.splitlines()[0] == (f"note: {pipe}: skipped: a named pipe, not a record "
+                                        "file")
+  assert "(tunix, 2 steps)" in proc.stdout
+  # Given by name, it is refused (and not opened either).
+  line = refused_line(report(str(pipe)))
+  assert line.endswith(f"{pipe} is invalid: not a regular file (a named pipe); accepted: "
+                       f"{record_lib.PATHS_ACCEPTED}")
+
+
+def test_a_record_still_being_written_is_not_called_killed(tmp_path):
+  (path,) = write_trainer_job(tmp_path, steps=2)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write('{"schema": "tunix-stage-metrics", "ver')
+  records, note = record_lib.read(path)
+  assert len(records) == 2
+  assert note.startswith(f"{path}: its last line is still being written (the file changed ")
+  assert "killed" not in note
+  old = time.time() - 2 * record_lib.WRITING_S
+  os.utime(path, (old, old))
+  _, note = record_lib.read(path)
+  assert note == (f"{path}: its last line is cut short (the process was killed while writing "
+                  "it); read the 2 whole record(s) before it")
+
+
+def test_a_line_longer_than_a_record_s_is_refused_without_reading_it_whole(tmp_path):
+  (path,) = write_trainer_job(tmp_path, steps=1)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(" " * (record_lib.MAX_LINE + 10) + "\n")
+  line = refused_line(report(path))
+  assert f"{path}:2 is invalid: a line of more than {record_lib.MAX_LINE} bytes" in line
+
+
+def test_version_1_records_still_read_and_another_version_is_refused(tmp_path):
+  (path,) = write_trainer_job(tmp_path, steps=2)
+  records, _ = record_lib.read(path)
+  assert {r["version"] for r in records} == {record_lib.VERSION} == {2}
+  assert all(set(r["run"]) == {"id", "started"} for r in records)
+  old = tmp_path / "old" / "trainer-vm-1.jsonl"
+  old.parent.mkdir()
+  old.write_text("".join(json.dumps({**{k: v for k, v in r.items() if k != "run"},
+                                     "version": 1}) + "\n" for r in records))
+  read_old, note = record_lib.read(str(old))
+  assert note is None and [r["step"] for r in read_old] == [0, 1]
+  assert all("run" not in r for r in read_old)
+  # A version-2 record without its run is not one.
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps({k: v for k, v in records[0].items() if k != "run"}) + "\n")
+  with pytest.raises(record_lib.RecordError, match=r"a trainer record without \['run'\]"):
+    record_lib.read(str(bad))
+  for version in (3, 0, True, "2"):
+    bad.write_text(json.dumps({**records[0], "version": version}) + "\n")
+    with pytest.raises(record_lib.RecordError, match=f"schema version {version!r} is not one"):
+      record_lib.read(str(bad))
+
+
+def test_a_long_record_is_read_as_a_stream_and_its_repeats_shared(tmp_path):
+  """Each record is read as the reader reaches its line, and what repeats from the line before
+  (the process, the run, the settings, an unchanged pool) is that line's object."""
+  (path,) = write_trainer_job(tmp_path, steps=3)
+  reader = record_lib.Reader(path)
+  it = iter(reader)
+  first = next(it)
+  assert reader.count == 1  # the rest not read yet
+  second = next(it)
+  assert second["process"] is first["process"] and second["run"] is first["run"]
+  assert second["settings"] is first["settings"] and second["pool"] is first["pool"]
+  assert len(list(it)) == 1 and reader.note is None
