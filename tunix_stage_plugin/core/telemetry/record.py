@@ -82,6 +82,7 @@ SUFFIX = ".jsonl"
 PATHS_ACCEPTED = "the folder TUNIX_STAGE_METRICS named, or record files"
 LINES_ACCEPTED = f"one {SCHEMA} record per line, as TUNIX_STAGE_METRICS wrote it"
 MAX_LINE = 1 << 20  # bytes; a record's line is a few hundred
+CHUNK = 512  # lines decoded in one call
 # A last line without its newline in a file modified this recently is still being written.
 WRITING_S = 10.0
 
@@ -190,9 +191,9 @@ def _error(name: str, accepted: str, why: str) -> "RecordError":
 
 
 class Reader:
-  """One record file's records, read line by line as they are iterated (the file is never in
-  memory whole); `note`, once iterated, says when its last line was cut short: a process killed
-  while writing it, or one still writing it (the file modified within WRITING_S). Raises
+  """One record file's records, read as they are iterated, CHUNK lines at a time (the file is
+  never in memory whole); `note`, once iterated, says when its last line was cut short: a process
+  killed while writing it, or one still writing it (the file modified within WRITING_S). Raises
   RecordError for anything else. Records are read-only: parts equal to the line before's are
   that line's (a long record holds little more than its changing figures)."""
 
@@ -208,23 +209,34 @@ class Reader:
       raise _error(self.path, LINES_ACCEPTED, f"cannot be read ({e.strerror or e})") from None
     with f:
       before: dict[str, Any] | None = None
-      n = 0
-      while raw := f.readline(MAX_LINE + 1):
-        n += 1
+      lines: list[bytes] = []
+      n = 0  # the lines read
+      while True:
+        raw = f.readline(MAX_LINE + 1)
         if raw.endswith(b"\n"):
-          before = _parse(self.path, n, raw, before)
+          n += 1
+          lines.append(raw)
+          if len(lines) < CHUNK:
+            continue
         elif len(raw) > MAX_LINE:
-          raise _error(f"{self.path}:{n}", LINES_ACCEPTED, f"a line of more than {MAX_LINE} "
-                       "bytes")
-        else:  # the last line, its newline not (yet) written
-          try:
-            before = _parse(self.path, n, raw, before)
-          except RecordError:
-            if raw.strip():
-              self.note = self._cut(os.fstat(f.fileno()).st_mtime)
-            break
-        self.count += 1
-        yield before
+          raise _error(f"{self.path}:{n + 1}", LINES_ACCEPTED, f"a line of more than "
+                       f"{MAX_LINE} bytes")
+        for record in _decode(self.path, n - len(lines) + 1, lines):
+          before = _check(f"{self.path}:{self.count + 1}", record, before)
+          self.count += 1
+          yield before
+        lines = []
+        if not raw.endswith(b"\n"):  # the end: its last line, if any, without its newline
+          break
+      if raw.strip():
+        try:
+          (record,) = _decode(self.path, n + 1, [raw])
+          before = _check(f"{self.path}:{n + 1}", record, before)
+        except RecordError:
+          self.note = self._cut(os.fstat(f.fileno()).st_mtime)
+        else:
+          self.count += 1
+          yield before
     if not self.count and self.note is None:
       raise _error(self.path, LINES_ACCEPTED, "holds no record")
 
@@ -250,45 +262,44 @@ class _Bad(Exception):
     self.path: list[str] = []
 
 
-def _compile(shape: Any) -> Callable[[Any], Any]:
-  """A function that checks a value against `shape` (SHAPES) and answers it, every object in
-  it made anew with the table's own key strings (so a million records share their keys)."""
+def _compile(shape: Any) -> Callable[[Any], None]:
+  """A function that raises _Bad unless a value is what `shape` (SHAPES) says."""
   if isinstance(shape, Maybe):
     inner = _compile(shape.shape)
-    return lambda value: None if value is None else inner(value)
+
+    def maybe(value: Any) -> None:
+      if value is not None:
+        inner(value)
+    return maybe
   if isinstance(shape, dict) and "*" in shape:
     each = _compile(shape["*"])
 
-    def every(value: Any) -> dict[str, Any]:
+    def every(value: Any) -> None:
       if type(value) is not dict:  # pylint: disable=unidiomatic-typecheck
         raise _Bad(value, "a JSON object")
-      out = {}
       for key, item in value.items():
         try:
-          out[key] = each(item)
+          each(item)
         except _Bad as e:
           e.path.append(key)
           raise
-      return out
     return every
   if isinstance(shape, dict):
     fields = tuple((key.removeprefix("?"), key.startswith("?"), _compile(sub))
                    for key, sub in shape.items())
 
-    def fixed(value: Any) -> dict[str, Any]:
+    def fixed(value: Any) -> None:
       if type(value) is not dict:  # pylint: disable=unidiomatic-typecheck
         raise _Bad(value, "a JSON object")
-      out = {}
       for field, optional, check in fields:
         if field in value:
           try:
-            out[field] = check(value[field])
+            check(value[field])
           except _Bad as e:
             e.path.append(field)
             raise
         elif not optional:
           raise _missing(field)
-      return out
     return fixed
   return _LEAVES[shape]
 
@@ -299,22 +310,20 @@ def _missing(field: str) -> _Bad:
   return bad
 
 
-def _number(value: Any) -> Any:
-  if (type(value) is float or type(value) is int) and 0 <= value <= MAX_NUMBER:  # pylint: disable=unidiomatic-typecheck
-    return value  # NaN and the infinities fail the comparison; a bool is not an int here
-  raise _Bad(value, NUMBER)
+def _number(value: Any) -> None:
+  if not ((type(value) is float or type(value) is int)  # pylint: disable=unidiomatic-typecheck
+          and 0 <= value <= MAX_NUMBER):  # NaN and the infinities fail; a bool is not an int
+    raise _Bad(value, NUMBER)
 
 
-def _count(value: Any) -> Any:
-  if type(value) is int and 0 <= value <= MAX_COUNT:  # pylint: disable=unidiomatic-typecheck
-    return value
-  raise _Bad(value, COUNT)
+def _count(value: Any) -> None:
+  if not (type(value) is int and 0 <= value <= MAX_COUNT):  # pylint: disable=unidiomatic-typecheck
+    raise _Bad(value, COUNT)
 
 
-def _text(value: Any) -> Any:
-  if type(value) is str:  # pylint: disable=unidiomatic-typecheck
-    return value
-  raise _Bad(value, TEXT)
+def _text(value: Any) -> None:
+  if type(value) is not str:  # pylint: disable=unidiomatic-typecheck
+    raise _Bad(value, TEXT)
 
 
 _LEAVES = {NUMBER: _number, COUNT: _count, TEXT: _text}
@@ -326,16 +335,32 @@ _CHECKS = {(role, version): _compile({(f"?{k}" if k in lacks else k): shape for 
            for role in FIELDS for version, lacks in _OPTIONAL.items()}
 
 
-def _parse(path: str, n: int, raw: bytes, before: dict[str, Any] | None) -> dict[str, Any]:
-  where = f"{path}:{n}"
+def _decode(path: str, first: int, lines: list[bytes]) -> list[Any]:
+  """The JSON values of `lines` (line `first` on): in one call, so that their field names are
+  shared; line by line where that fails, to name the line that is not a JSON record."""
   try:
-    record = json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise _error(where, LINES_ACCEPTED, f"not a JSON record ({e.msg})") from None
-  except UnicodeDecodeError:
-    raise _error(where, LINES_ACCEPTED, "not UTF-8 text") from None
-  except (ValueError, RecursionError) as e:  # a number of more than 4300 digits; deep nesting
-    raise _error(where, LINES_ACCEPTED, f"not a JSON record ({type(e).__name__})") from None
+    values = json.loads(b"[" + b",".join(lines) + b"]")
+    if len(values) == len(lines):
+      return values
+  except (ValueError, RecursionError):
+    pass
+  values = []
+  for n, raw in enumerate(lines, start=first):
+    where = f"{path}:{n}"
+    try:
+      values.append(json.loads(raw))
+    except json.JSONDecodeError as e:
+      raise _error(where, LINES_ACCEPTED, f"not a JSON record ({e.msg})") from None
+    except UnicodeDecodeError:
+      raise _error(where, LINES_ACCEPTED, "not UTF-8 text") from None
+    except (ValueError, RecursionError) as e:  # a number of more than 4300 digits; deep nesting
+      raise _error(where, LINES_ACCEPTED, f"not a JSON record ({type(e).__name__})") from None
+  return values
+
+
+def _check(where: str, record: Any, before: dict[str, Any] | None) -> dict[str, Any]:
+  """`record` (line `where`), checked against SHAPES; its parts equal to `before`'s are
+  `before`'s."""
   if not isinstance(record, dict) or record.get("schema") != SCHEMA:
     raise _error(where, "the files TUNIX_STAGE_METRICS wrote", f"not a {SCHEMA} record (its "
                  f"schema field is {record.get('schema') if isinstance(record, dict) else None!r})")
@@ -351,19 +376,18 @@ def _parse(path: str, n: int, raw: bytes, before: dict[str, Any] | None) -> dict
   if missing:
     raise _error(where, LINES_ACCEPTED, f"a {role} record without {missing}")
   try:
-    checked = _CHECKS[role, version](record)
+    _CHECKS[role, version](record)
   except _Bad as e:
     name = f"{where} {'.'.join(reversed(e.path))}"
     if e.why is not None:
       raise _error(name, e.accepted, e.why) from None
     raise RecordError(inputs.invalid(name, json.dumps(e.value)[:64], e.accepted)) from None
-  place = checked.get("place")
-  if place is not None and place["staged"] + place["inline"] > place["count"]:
+  place = record.get("place")
+  if role == TRAINER and place["staged"] + place["inline"] > place["count"]:
     raise _error(f"{where} place", LINES_ACCEPTED, "more staged and inline placements than "
                  "its count")
-  out = {"schema": SCHEMA, "version": version, "role": role, **checked}
   if before is not None:  # what repeats is the line before's (settings, process, bounds...)
-    for key, value in out.items():
+    for key, value in record.items():
       if type(value) is dict and before.get(key) == value:  # pylint: disable=unidiomatic-typecheck
-        out[key] = before[key]
-  return out
+        record[key] = before[key]
+  return record
