@@ -222,7 +222,7 @@ class Reader:
           raise _error(f"{self.path}:{n + 1}", LINES_ACCEPTED, f"a line of more than "
                        f"{MAX_LINE} bytes")
         for record in _decode(self.path, n - len(lines) + 1, lines):
-          before = _check(f"{self.path}:{self.count + 1}", record, before)
+          before = _check(self.path, self.count + 1, record, before)
           self.count += 1
           yield before
         lines = []
@@ -231,7 +231,7 @@ class Reader:
       if raw.strip():
         try:
           (record,) = _decode(self.path, n + 1, [raw])
-          before = _check(f"{self.path}:{n + 1}", record, before)
+          before = _check(self.path, n + 1, record, before)
         except RecordError:
           self.note = self._cut(os.fstat(f.fileno()).st_mtime)
         else:
@@ -304,8 +304,11 @@ def _compile(shape: Any) -> Callable[[Any], None]:
   return _LEAVES[shape]
 
 
+MISSING = "missing"
+
+
 def _missing(field: str) -> _Bad:
-  bad = _Bad(None, LINES_ACCEPTED, "missing")
+  bad = _Bad(None, LINES_ACCEPTED, MISSING)
   bad.path.append(field)
   return bad
 
@@ -358,34 +361,36 @@ def _decode(path: str, first: int, lines: list[bytes]) -> list[Any]:
   return values
 
 
-def _check(where: str, record: Any, before: dict[str, Any] | None) -> dict[str, Any]:
-  """`record` (line `where`), checked against SHAPES; its parts equal to `before`'s are
+def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dict[str, Any]:
+  """`record` (line `n` of `path`), checked against SHAPES; its parts equal to `before`'s are
   `before`'s."""
   if not isinstance(record, dict) or record.get("schema") != SCHEMA:
-    raise _error(where, "the files TUNIX_STAGE_METRICS wrote", f"not a {SCHEMA} record (its "
-                 f"schema field is {record.get('schema') if isinstance(record, dict) else None!r})")
+    raise _error(f"{path}:{n}", "the files TUNIX_STAGE_METRICS wrote", f"not a {SCHEMA} record "
+                 f"(its schema field is "
+                 f"{record.get('schema') if isinstance(record, dict) else None!r})")
   version = record.get("version")
   if version not in _OPTIONAL or isinstance(version, bool):
-    raise _error(where, f"versions 1 to {VERSION}: read it with the version that wrote it",
-                 f"schema version {version!r} is not one this tunix-stage-plugin reads")
+    raise _error(f"{path}:{n}", f"versions 1 to {VERSION}: read it with the version that wrote "
+                 "it", f"schema version {version!r} is not one this tunix-stage-plugin reads")
   role = record.get("role")
   if not isinstance(role, str) or role not in FIELDS:
-    raise _error(where, " | ".join(FIELDS), f"role {role!r}")
-  missing = [k for k in (*COMMON, *SHAPES[role]) if k not in record and not k.startswith("?")
-             and k not in _OPTIONAL[version]]
-  if missing:
-    raise _error(where, LINES_ACCEPTED, f"a {role} record without {missing}")
+    raise _error(f"{path}:{n}", " | ".join(FIELDS), f"role {role!r}")
   try:
     _CHECKS[role, version](record)
   except _Bad as e:
-    name = f"{where} {'.'.join(reversed(e.path))}"
+    if len(e.path) == 1 and e.why == MISSING:  # a field of the record itself: name them all
+      missing = [k for k in (*COMMON, *SHAPES[role]) if k not in record
+                 and not k.startswith("?") and k not in _OPTIONAL[version]]
+      raise _error(f"{path}:{n}", LINES_ACCEPTED, f"a {role} record without {missing}") from None
+    name = f"{path}:{n} {'.'.join(reversed(e.path))}"
     if e.why is not None:
       raise _error(name, e.accepted, e.why) from None
     raise RecordError(inputs.invalid(name, json.dumps(e.value)[:64], e.accepted)) from None
-  place = record.get("place")
-  if role == TRAINER and place["staged"] + place["inline"] > place["count"]:
-    raise _error(f"{where} place", LINES_ACCEPTED, "more staged and inline placements than "
-                 "its count")
+  if role == TRAINER:
+    place = record["place"]
+    if place["staged"] + place["inline"] > place["count"]:
+      raise _error(f"{path}:{n} place", LINES_ACCEPTED, "more staged and inline placements than "
+                   "its count")
   if before is not None:  # what repeats is the line before's (settings, process, bounds...)
     for key, value in record.items():
       if type(value) is dict and before.get(key) == value:  # pylint: disable=unidiomatic-typecheck
