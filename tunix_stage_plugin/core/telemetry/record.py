@@ -331,11 +331,11 @@ def _text(value: Any) -> None:
 
 _LEAVES = {NUMBER: _number, COUNT: _count, TEXT: _text}
 # Per version, the fields its records lack; per role and version, the check of its records.
-_OPTIONAL = {version: tuple(field for field, added in ADDED.items() if added > version)
-             for version in range(1, VERSION + 1)}
+_LACKS = {version: tuple(field for field, added in ADDED.items() if added > version)
+          for version in range(1, VERSION + 1)}
 _CHECKS = {(role, version): _compile({(f"?{k}" if k in lacks else k): shape for k, shape in
                                       {**SHAPES["common"], **SHAPES[role]}.items()})
-           for role in FIELDS for version, lacks in _OPTIONAL.items()}
+           for role in FIELDS for version, lacks in _LACKS.items()}
 
 
 def _decode(path: str, first: int, lines: list[bytes]) -> list[Any]:
@@ -369,7 +369,7 @@ def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dic
                  f"(its schema field is "
                  f"{record.get('schema') if isinstance(record, dict) else None!r})")
   version = record.get("version")
-  if version not in _OPTIONAL or isinstance(version, bool):
+  if version not in _LACKS or isinstance(version, bool):
     raise _error(f"{path}:{n}", f"versions 1 to {VERSION}: read it with the version that wrote "
                  "it", f"schema version {version!r} is not one this tunix-stage-plugin reads")
   role = record.get("role")
@@ -380,7 +380,7 @@ def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dic
   except _Bad as e:
     if len(e.path) == 1 and e.why == MISSING:  # a field of the record itself: name them all
       missing = [k for k in (*COMMON, *SHAPES[role]) if k not in record
-                 and not k.startswith("?") and k not in _OPTIONAL[version]]
+                 and not k.startswith("?") and k not in _LACKS[version]]
       raise _error(f"{path}:{n}", LINES_ACCEPTED, f"a {role} record without {missing}") from None
     name = f"{path}:{n} {'.'.join(reversed(e.path))}"
     if e.why is not None:

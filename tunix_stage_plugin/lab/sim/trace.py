@@ -386,11 +386,8 @@ def read_json(path: str) -> Any:
 
 def from_records(path: str) -> Trace:
   """A job's metrics record (core.telemetry: a .jsonl file, or the folder TUNIX_STAGE_METRICS
-  named) holding one run: each trainer step as the trainer measured it. Per micro-batch: the
-  step's median fwd_bwd as compute, its receives' mean time as wire (0 where none was timed:
-  tunix's own unary call is received before any hook sees it), its placements' mean time as h2d;
-  the step's update; its compute lane's own calls (a weight sync) as the boundary. Records of
-  several runs are refused, naming each run's files: a trace is one job's."""
+  named) holding one run, as from_run reads it. Records of several runs are refused, naming each
+  run's files: a trace is one job's."""
   try:
     found, _ = runs_lib.runs([path])
   except record_lib.RecordError as e:
@@ -400,8 +397,17 @@ def from_records(path: str) -> Trace:
                       for n, r in enumerate(found, start=1))
     raise _refuse(path, "one run's records: give one run's files (its trainer's .jsonl)",
                   f"it holds {len(found)} runs ({named})")
+  return from_run(found[0], path)
+
+
+def from_run(run: runs_lib.Run, source: str) -> Trace:
+  """One run's trainer steps as the trainer measured them (core.telemetry.runs). Per
+  micro-batch: the step's median fwd_bwd as compute, its receives' mean time as wire (0 where
+  none was timed: tunix's own unary call is received before any hook sees it), its placements'
+  mean time as h2d; the step's update; its compute lane's own calls (a weight sync) as the
+  boundary."""
   steps = []
-  for r in found[0].trainer:
+  for r in run.trainer:
     received, placed = r["receive"], r["place"]
     wire = received["seconds"] / received["calls"] if received["calls"] else 0.0
     h2d = placed["seconds"] / placed["count"] if placed["count"] else 0.0
@@ -412,8 +418,8 @@ def from_records(path: str) -> Trace:
                                  for _ in range(r["microbatches"])),
                            r["compute"]["update_s"], r["other_s"]))
   if not steps:
-    raise _refuse(path, ACCEPTED_INPUT, "no trainer record with a fwd_bwd in it")
-  return check_bounds(Trace(tuple(steps), path), path)
+    raise _refuse(source, ACCEPTED_INPUT, "no trainer record with a fwd_bwd in it")
+  return check_bounds(Trace(tuple(steps), source), source)
 
 
 def load(path: str, mode: str | None = None) -> Trace:
