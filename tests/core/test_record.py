@@ -15,6 +15,8 @@ import time
 import pytest
 
 from tests.cli.test_report import write_trainer_job
+from tests.core.test_telemetry import compute
+from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
 
 
@@ -143,3 +145,24 @@ def test_a_long_record_is_read_as_a_stream_and_its_repeats_shared(tmp_path):
   assert second["process"] is first["process"] and second["run"] is first["run"]
   assert second["settings"] is first["settings"] and second["pool"] is first["pool"]
   assert len(list(it)) == 1 and reader.note is None
+
+
+def test_each_run_of_a_process_has_its_id_its_start_and_its_own_file(tmp_path):
+  """A process's telemetry names its run in every record; a new run in it (the bench's modes, an
+  embedded trainer's next orchestrator) gets a new id and start, and a file of its own."""
+  tel = process.Telemetry(process.Settings(host="test", metrics_dir=str(tmp_path), log_every=0))
+  tel.trainer()
+  first = dict(tel.run)
+  for span in (compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.1)):
+    tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
+  tel.restart()
+  assert tel.run["id"] != first["id"] and tel.run["started"] >= first["started"]
+  for span in (compute("fwd_bwd", 2.0, 3.0), compute("update", 3.0, 3.1)):
+    tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
+  tel.close()
+  paths, notes = record_lib.files([str(tmp_path)])
+  assert notes == [] and sorted(os.path.basename(p) for p in paths) == sorted(
+      record_lib.file_name("trainer", run["id"]) for run in (first, tel.run))
+  runs = [record_lib.read(p)[0] for p in paths]
+  assert sorted(r[0]["run"]["id"] for r in runs) == sorted([first["id"], tel.run["id"]])
+  assert all([rec["step"] for rec in r] == [0] for r in runs)  # each run from step 0
