@@ -275,7 +275,7 @@ def _records() -> tuple[dict[str, Any], ...]:
                                                 peak_staged=1, fallback_reasons=[pipeline.Fallback(
                                                     outcome.StageStatus.REFUSED, "x")]), 2)
     tel.close()
-    return tuple(json.loads(line) for path in record_lib.files([folder])[0]
+    return tuple(json.loads(line) for path in record_lib.files([folder])
                  for line in pathlib.Path(path).read_text().splitlines())
 
 

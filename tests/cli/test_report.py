@@ -57,7 +57,7 @@ def write_trainer_job(folder, steps=4, boundary_wait=0.0, pool_waits=0, host_bat
     for span in spans:
       tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
   tel.close()
-  return record_lib.files([str(folder)])[0]
+  return record_lib.files([str(folder)])
 
 
 def report(*argv, check=True):

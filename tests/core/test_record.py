@@ -81,6 +81,9 @@ def test_a_named_pipe_in_a_folder_is_skipped_never_opened(tmp_path):
   assert proc.stdout.splitlines()[0] == (f"note: {pipe}: skipped: a named pipe, not a record "
                                         "file")
   assert "(tunix, 2 steps)" in proc.stdout
+  notes = []
+  assert str(pipe) not in record_lib.files([str(tmp_path)], notes)
+  assert notes == [f"{pipe}: skipped: a named pipe, not a record file"]
   # Given by name, it is refused (and not opened either).
   line = refused_line(report(str(pipe)))
   assert line.endswith(f"{pipe} is invalid: not a regular file (a named pipe); accepted: "
@@ -160,7 +163,8 @@ def test_each_run_of_a_process_has_its_id_its_start_and_its_own_file(tmp_path):
   for span in (compute("fwd_bwd", 2.0, 3.0), compute("update", 3.0, 3.1)):
     tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
   tel.close()
-  paths, notes = record_lib.files([str(tmp_path)])
+  notes = []
+  paths = record_lib.files([str(tmp_path)], notes)
   assert notes == [] and sorted(os.path.basename(p) for p in paths) == sorted(
       record_lib.file_name("trainer", run["id"]) for run in (first, tel.run))
   runs = [record_lib.read(p)[0] for p in paths]

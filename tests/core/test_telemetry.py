@@ -314,7 +314,7 @@ def test_records_are_written_one_line_per_step_and_read_back(tmp_path):
   for span in (compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.1),
                compute("fwd_bwd", 1.2, 2.0), compute("update", 2.0, 2.1)):
     tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
-  (path,), _ = record_lib.files([str(tmp_path / "m")])
+  (path,) = record_lib.files([str(tmp_path / "m")])
   assert os.path.basename(path) == record_lib.file_name("trainer", tel.run["id"])
   records, note = record_lib.read(path)
   assert note is None and [r["step"] for r in records] == [0, 1]
@@ -422,7 +422,7 @@ def test_a_step_sink_that_raises_is_said_once_and_dropped_and_the_record_goes_on
   assert told == [1, 2, 3]
   assert [r.message for r in caplog.records] == [
       "tunix-stage: telemetry: Broken failed (OSError: disk full) and was dropped; staging goes on"]
-  (path,), _ = record_lib.files([str(tmp_path / "m")])
+  (path,) = record_lib.files([str(tmp_path / "m")])
   records, _ = record_lib.read(path)
   assert [r["host_step"] for r in records] == [1, 2, 3]  # the record carries the host's step
   tel.close()

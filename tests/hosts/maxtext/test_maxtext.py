@@ -458,7 +458,7 @@ def test_the_trainer_records_each_step_of_a_maxtext_engine(staging, tmp_path):
   inline, staged = records[:STEPS], records[STEPS:]
   assert [r["place"]["inline"] for r in inline] == [MICRO] * STEPS
   assert sum(r["place"]["staged"] for r in staged) == STEPS * MICRO
-  (path,), _ = record_lib.files([str(folder)])
+  (path,) = record_lib.files([str(folder)])
   written, note = record_lib.read(path)
   assert note is None and [r["step"] for r in written] == [r["step"] for r in records]
   # What a user runs on the job's records: the per-step table of the maxtext host's steps,

@@ -53,7 +53,7 @@ def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
     span_names, files = test_grpc.ask_node(port, "perf_spans")
   finally:
     test_grpc._stop_node(proc)  # pylint: disable=protected-access
-  paths, _ = record_lib.files([str(folder)])
+  paths = record_lib.files([str(folder)])
   by_role = {}
   for path in paths:
     records, note = record_lib.read(path)

@@ -153,11 +153,13 @@ def _kind(mode: int) -> str:
   return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
-def files(paths: Iterable[str]) -> tuple[list[str], list[str]]:
-  """The record files `paths` name (a file as given, a folder's *.jsonl files), and a note for
-  each entry of a folder that is not a regular file (skipped, never opened: a named pipe's open
-  would wait for a writer). A path given that is not a regular file is refused."""
-  out, notes = [], []
+def files(paths: Iterable[str], notes: list[str] | None = None) -> list[str]:
+  """The record files `paths` name (a file as given, a folder's *.jsonl files). An entry of a
+  folder that is not a regular file is skipped, never opened (a named pipe's open would wait for
+  a writer), and said in `notes` where given; a path given that is not a regular file is
+  refused."""
+  out: list[str] = []
+  notes = [] if notes is None else notes
   for path in paths:
     try:
       mode = os.stat(path).st_mode
@@ -183,7 +185,7 @@ def files(paths: Iterable[str]) -> tuple[list[str], list[str]]:
       out.append(path)
     else:
       raise _error(path, PATHS_ACCEPTED, f"not a regular file ({_kind(mode)})")
-  return out, notes
+  return out
 
 
 def _error(name: str, accepted: str, why: str) -> "RecordError":

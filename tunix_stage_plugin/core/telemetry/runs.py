@@ -67,9 +67,7 @@ def runs(paths: Iterable[str]) -> tuple[list[Run], list[str]]:
   sessions: dict[tuple[Any, ...], dict[str, Any]] = {}
   notes: list[str] = []
   for source in paths:
-    found, skipped = record_lib.files([source])
-    notes += skipped
-    for path in found:
+    for path in record_lib.files([source], notes):
       reader = record_lib.Reader(path)
       for rec in reader:
         _add(sessions, rec, path, source)

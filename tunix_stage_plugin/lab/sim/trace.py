@@ -397,17 +397,19 @@ def from_records(path: str) -> Trace:
                       for n, r in enumerate(found, start=1))
     raise _refuse(path, "one run's records: give one run's files (its trainer's .jsonl)",
                   f"it holds {len(found)} runs ({named})")
-  return from_run(found[0], path)
+  return of_records(found[0].trainer, path)
 
 
-def from_run(run: runs_lib.Run, source: str) -> Trace:
-  """One run's trainer steps as the trainer measured them (core.telemetry.runs). Per
-  micro-batch: the step's median fwd_bwd as compute, its receives' mean time as wire (0 where
-  none was timed: tunix's own unary call is received before any hook sees it), its placements'
-  mean time as h2d; the step's update; its compute lane's own calls (a weight sync) as the
-  boundary."""
+def of_records(records: list[dict[str, Any]], source: str) -> Trace:
+  """One run's records already read (core.telemetry.runs: a Run's, in its order): each trainer
+  step as the trainer measured it. Per micro-batch: the step's median fwd_bwd as compute, its
+  receives' mean time as wire (0 where none was timed: tunix's own unary call is received before
+  any hook sees it), its placements' mean time as h2d; the step's update; its compute lane's own
+  calls (a weight sync) as the boundary."""
   steps = []
-  for r in run.trainer:
+  for r in records:
+    if r["role"] != record_lib.TRAINER:
+      continue
     received, placed = r["receive"], r["place"]
     wire = received["seconds"] / received["calls"] if received["calls"] else 0.0
     h2d = placed["seconds"] / placed["count"] if placed["count"] else 0.0
