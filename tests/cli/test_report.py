@@ -200,3 +200,9 @@ def test_a_bad_steps_value_is_refused_saying_what_is_accepted(tmp_path, value):
   assert proc.returncode == 2 and proc.stdout == ""
   assert proc.stderr.strip().splitlines()[-1].endswith(
       f"accepted: an integer >= 0 and <= {report_cmd.MAX_STEPS}")
+
+
+def test_a_file_given_twice_is_read_once(tmp_path):
+  (path,) = write_trainer_job(tmp_path, steps=2)
+  out = report(str(tmp_path), path, str(tmp_path)).stdout
+  assert "(tunix, 2 steps)" in out and out.count("run: ") == 1

@@ -58,12 +58,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def comparable(paths: list[str], found: list[runs_lib.Run]
                ) -> tuple[runs_lib.Run, runs_lib.Run] | None:
-  """Two paths given, each holding one run of its own: the two runs, to compare."""
-  if len(paths) != 2 or len(found) != 2:
-    return None
-  if [r.sources for r in found] in ([(paths[0],), (paths[1],)], [(paths[1],), (paths[0],)]):
-    first, second = found if found[0].sources == (paths[0],) else found[::-1]
-    return first, second
+  """Two paths given, each holding one run of its own: the two runs (in the paths' order), to
+  compare."""
+  by_source = {r.sources: r for r in found}
+  if len(paths) == len(found) == 2 and set(by_source) == {(paths[0],), (paths[1],)}:
+    return by_source[(paths[0],)], by_source[(paths[1],)]
   return None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 from typing import Any, Iterable
 
 from tunix_stage_plugin.core.telemetry import record as record_lib
@@ -66,8 +67,12 @@ def runs(paths: Iterable[str]) -> tuple[list[Run], list[str]]:
   for a path or a record that cannot be read."""
   sessions: dict[tuple[Any, ...], dict[str, Any]] = {}
   notes: list[str] = []
+  seen: set[str] = set()
   for source in paths:
     for path in record_lib.files([source], notes):
+      if os.path.realpath(path) in seen:
+        continue  # a file given twice (by name and in its folder) is read once
+      seen.add(os.path.realpath(path))
       reader = record_lib.Reader(path)
       for rec in reader:
         _add(sessions, rec, path, source)
