@@ -2,8 +2,9 @@
 
 Writes a synthetic job's metrics records (a trainer's and an orchestrator's, STEPS steps each)
 through the plugin's own record.make and record.Writer, then times `tunix-stage report` on them in
-a subprocess: its wall time and its peak resident memory (resource.getrusage(RUSAGE_CHILDREN)).
-One report is timed per invocation, so the peak is that report's.
+a subprocess: its wall time, its CPU time (what a machine shared with other work changes least)
+and its peak resident memory (resource.getrusage(RUSAGE_CHILDREN)). One report is timed per
+invocation, so the figures are that report's.
 
   python tools/measure_report_size.py --steps 200000 -- --steps 0
   python tools/measure_report_size.py --steps 200000 --keep /tmp/r -- --json --steps 0
@@ -108,12 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           check=False)
     wall = time.perf_counter() - start
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
   out = proc.stdout.decode(errors="replace")
   print(json.dumps({"command": " ".join(["tunix-stage report DIR", *args.report_args]),
                     "tree": args.tree or "this checkout", "record_mib": round(size / MIB, 1),
                     "exit": proc.returncode, "wall_s": round(wall, 2),
-                    "peak_rss_mib": round(peak_kib / 1024, 1),
+                    "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+                    "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+                    "load_1min": round(os.getloadavg()[0], 2),
                     "stdout_lines": out.count("\n"), "stdout_mib": round(len(out) / MIB, 2),
                     "stderr_tail": proc.stderr.decode(errors="replace")[-300:]}))
   return proc.returncode
