@@ -102,12 +102,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{time.perf_counter() - start:.1f} s: {folder}", flush=True)
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     env = dict(os.environ)
-    if args.tree:
+    if args.tree:  # its package first (`-m` puts the working folder first: run it there)
       env["PYTHONPATH"] = args.tree
-    cmd = [sys.executable, "-m", "tunix_stage_plugin", "report", folder, *args.report_args]
+    cmd = [sys.executable, "-m", "tunix_stage_plugin", "report", os.path.abspath(folder),
+           *args.report_args]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          check=False)
+    proc = subprocess.run(cmd, env=env, cwd=args.tree, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, check=False)
     wall = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
   out = proc.stdout.decode(errors="replace")

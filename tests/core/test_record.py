@@ -170,3 +170,19 @@ def test_each_run_of_a_process_has_its_id_its_start_and_its_own_file(tmp_path):
   runs = [record_lib.read(p)[0] for p in paths]
   assert sorted(r[0]["run"]["id"] for r in runs) == sorted([first["id"], tel.run["id"]])
   assert all([rec["step"] for rec in r] == [0] for r in runs)  # each run from step 0
+
+
+def test_a_part_shared_with_the_line_before_is_checked_for_its_own_role(tmp_path):
+  """What repeats from the line before is checked once, for that line's role: an orchestrator
+  line after a trainer's, with the trainer's `staged` object where a count belongs, is refused."""
+  (path,) = write_trainer_job(tmp_path, steps=1)
+  trainer = json.loads(open(path, encoding="utf-8").read())
+  orchestrator = {**trainer, "role": "orchestrator", "step_s": None, "microbatches": 1,
+                  "depth": 1, "inline": 0, "prestaged": 0, "peak_staged": 1,
+                  "fallbacks": {"count": 0, "by_kind": {}}, "sent": {},
+                  "stage_calls": {"count": 0, "seconds": 0, "median_s": None, "max_s": None}}
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps(orchestrator) + "\n")
+  with pytest.raises(record_lib.RecordError, match=r":2 staged=.* is invalid; accepted: an "
+                     "integer >= 0"):
+    record_lib.read(path)

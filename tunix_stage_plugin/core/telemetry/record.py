@@ -264,7 +264,7 @@ class _Bad(Exception):
     self.path: list[str] = []
 
 
-def _compile(shape: Any) -> Callable[[Any], None]:
+def _compile(shape: Any) -> Callable[..., None]:
   """A function that raises _Bad unless a value is what `shape` (SHAPES) says."""
   if isinstance(shape, Maybe):
     inner = _compile(shape.shape)
@@ -290,13 +290,19 @@ def _compile(shape: Any) -> Callable[[Any], None]:
     fields = tuple((key.removeprefix("?"), key.startswith("?"), _compile(sub))
                    for key, sub in shape.items())
 
-    def fixed(value: Any) -> None:
+    def fixed(value: Any, before: dict[str, Any] | None = None) -> None:
+      """`before`: a value of this shape checked already: a part of `value` equal to its is
+      its (checked, and held once)."""
       if type(value) is not dict:  # pylint: disable=unidiomatic-typecheck
         raise _Bad(value, "a JSON object")
       for field, optional, check in fields:
         if field in value:
+          item = value[field]
+          if before is not None and type(item) is dict and before.get(field) == item:  # pylint: disable=unidiomatic-typecheck
+            value[field] = before[field]
+            continue
           try:
-            check(value[field])
+            check(item)
           except _Bad as e:
             e.path.append(field)
             raise
@@ -364,8 +370,9 @@ def _decode(path: str, first: int, lines: list[bytes]) -> list[Any]:
 
 
 def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dict[str, Any]:
-  """`record` (line `n` of `path`), checked against SHAPES; its parts equal to `before`'s are
-  `before`'s."""
+  """`record` (line `n` of `path`), checked against SHAPES; its parts equal to those of `before`
+  (the line before's, of the same role) are `before`'s: what repeats (the process, the run, the
+  settings, an unchanged pool) is checked and held once."""
   if not isinstance(record, dict) or record.get("schema") != SCHEMA:
     raise _error(f"{path}:{n}", "the files TUNIX_STAGE_METRICS wrote", f"not a {SCHEMA} record "
                  f"(its schema field is "
@@ -378,7 +385,8 @@ def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dic
   if not isinstance(role, str) or role not in FIELDS:
     raise _error(f"{path}:{n}", " | ".join(FIELDS), f"role {role!r}")
   try:
-    _CHECKS[role, version](record)
+    same = before is not None and before["role"] == role and before["version"] == version
+    _CHECKS[role, version](record, before if same else None)
   except _Bad as e:
     if len(e.path) == 1 and e.why == MISSING:  # a field of the record itself: name them all
       missing = [k for k in (*COMMON, *SHAPES[role]) if k not in record
@@ -393,8 +401,4 @@ def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dic
     if place["staged"] + place["inline"] > place["count"]:
       raise _error(f"{path}:{n} place", LINES_ACCEPTED, "more staged and inline placements than "
                    "its count")
-  if before is not None:  # what repeats is the line before's (settings, process, bounds...)
-    for key, value in record.items():
-      if type(value) is dict and before.get(key) == value:  # pylint: disable=unidiomatic-typecheck
-        record[key] = before[key]
   return record
