@@ -127,10 +127,11 @@ def test_version_1_records_are_runs_by_process_and_time(two_jobs, tmp_path):
   assert [len(r.trainer) for r in old] == [3, 3]
 
 
-def _write(folder, role, host, times, pid, run=True):
-  """A process's records at `times` (Unix seconds), through the record's own Writer."""
+def _write(folder, role, host, times, pid, run=True, started=None):
+  """A process's records at `times` (Unix seconds), through the record's own Writer; its run
+  started at `started` (a second before its first record unless given)."""
   figures = {"trainer": json.loads(json.dumps(TRAINER)), "orchestrator": ORCHESTRATOR}[role]
-  ident = {"id": f"{role[0]}{pid}", "started": times[0] - 1.0}
+  ident = {"id": f"{role[0]}{pid}", "started": times[0] - 1.0 if started is None else started}
   writer = record_lib.Writer(str(folder), role, ident["id"])
   for step, t in enumerate(times):
     rec = record_lib.make(role, host, {**figures, "step": step}, {}, ident)
@@ -166,8 +167,13 @@ def test_runs_pair_by_overlapping_time_on_hosts_that_meet(tmp_path):
   # The next tunix job, started after the first ended: another run.
   _write(tmp_path, "trainer", "tunix", [200.0, 201.0], pid=4)
   _write(tmp_path, "orchestrator", "tunix", [200.2, 201.2], pid=5)
+  # A trainer started while the first job ran, its steps (with its orchestrator's) long after:
+  # its steps, not its start, pair it.
+  _write(tmp_path, "trainer", "tunix", [300.0, 301.0], pid=7, started=90.0)
+  _write(tmp_path, "orchestrator", "tunix", [300.5, 301.5], pid=8)
   found, _ = runs_lib.runs([str(tmp_path)])
-  assert sorted([p.pid for p in r.processes] for r in found) == [[1, 2], [3], [4, 5]]
+  assert sorted([p.pid for p in r.processes] for r in found) == [[1, 2], [3], [4, 5], [7, 8]]
+  assert found[-1].started == 90.0 and runs_lib.when(90.0) in found[-1].label
   # A job's trainer restarted (a new run of its process) while the orchestrator ran: one job.
   again = tmp_path / "again"
   _write(again, "trainer", "tunix", [100.0, 101.0], pid=1)

@@ -1,8 +1,8 @@
 """A job's runs, told apart in its metrics records, so that a report never takes one median over
 two jobs. A process's records of one run carry its run's id and start (record version 2; a
 version-1 record's run is its process); a trainer's and an orchestrator's runs are one job's
-when their time spans overlap (each from its start to its last record) on hosts that meet
-(tunix's orchestrator and the trainers behind tunix's worker; the embedded host's two).
+when the times of their steps overlap (each from its first step to its last record) on hosts
+that meet (tunix's orchestrator and the trainers behind tunix's worker; the embedded host's two).
 docs/observability.md "tunix-stage report".
 """
 
@@ -19,8 +19,9 @@ from tunix_stage_plugin.core.telemetry import record as record_lib
 # The hosts a trainer's record may name behind the orchestrator's: MaxText's engine runs behind
 # tunix's worker, driven by tunix's orchestrator.
 SAME_JOB_AS = {"maxtext": "tunix"}
-# A version-1 record has no start: its first record's time, less its longest step and this.
-V1_SLACK_S = 2.0
+# When a process's steps began: its first record's time less its longest step and this (a run
+# may start long before its first step: a trainer waits for its orchestrator).
+SLACK_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,8 @@ class Process:
   hostname: str
   pid: int
   run: str | None  # the run's id; None for version-1 records
-  started: float  # Unix seconds (a version-1 record's: estimated from its first)
+  started: float  # Unix seconds (a version-1 record's: its first step's)
+  stepping: float  # when its steps began (SLACK_S)
   ended: float  # its last record's time
   records: list[dict[str, Any]]
   files: tuple[str, ...]
@@ -63,8 +65,8 @@ class Run:
 
 
 def runs(paths: Iterable[str]) -> tuple[list[Run], list[str]]:
-  """The runs the records `paths` name hold (a folder, or record files), in the order they
-  started; and the notes on what was skipped or cut short. Raises record.RecordError (one line)
+  """The runs the records `paths` name hold (a folder, or record files), in the order their steps
+  began; and the notes on what was skipped or cut short. Raises record.RecordError (one line)
   for a path or a record that cannot be read."""
   sessions: dict[tuple[Any, ...], dict[str, Any]] = {}
   notes: list[str] = []
@@ -89,15 +91,16 @@ def runs(paths: Iterable[str]) -> tuple[list[Run], list[str]]:
   groups: list[list[Process]] = []
   for family in dict.fromkeys(_family(p.host) for p in processes):
     members = sorted((p for p in processes if _family(p.host) == family),
-                     key=lambda p: (p.started, p.ended))
+                     key=lambda p: (p.stepping, p.ended))
     end = None
-    for p in members:  # overlapping spans are one job's
-      if end is None or p.started > end:
+    for p in members:  # overlapping steps are one job's
+      if end is None or p.stepping > end:
         groups.append([])
         end = p.ended
       groups[-1].append(p)
       end = max(end, p.ended)
-  return sorted((_run(g) for g in groups), key=lambda r: r.started), notes
+  groups.sort(key=lambda g: g[0].stepping)  # the runs in the order their steps began
+  return [_run(g) for g in groups], notes
 
 
 def _family(host: str) -> str:
@@ -122,13 +125,12 @@ def _add(sessions: dict[tuple[Any, ...], dict[str, Any]], rec: dict[str, Any], p
 
 def _process(s: dict[str, Any]) -> Process:
   role, hostname, pid, run = s["key"]
-  started = s["started"]
-  if started is None:
-    started = s["first"] - s["longest"] - V1_SLACK_S
+  stepping = s["first"] - s["longest"] - SLACK_S
+  started = stepping if s["started"] is None else min(s["started"], s["first"])
   records = sorted(s["records"], key=lambda r: r["step"])
   return Process(role=role, host=s["host"], hostname=hostname, pid=pid, run=run,
-                 started=min(started, s["first"]), ended=s["last"], records=records,
-                 files=tuple(s["files"]), sources=tuple(s["sources"]))
+                 started=started, stepping=max(stepping, started), ended=s["last"],
+                 records=records, files=tuple(s["files"]), sources=tuple(s["sources"]))
 
 
 def _run(group: list[Process]) -> Run:
