@@ -18,6 +18,7 @@ from tests.cli.test_report import write_trainer_job
 from tests.core.test_telemetry import compute
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import runs as runs_lib
 
 
 def report(*argv):
@@ -186,3 +187,20 @@ def test_a_part_shared_with_the_line_before_is_checked_for_its_own_role(tmp_path
   with pytest.raises(record_lib.RecordError, match=r":2 staged=.* is invalid; accepted: an "
                      "integer >= 0"):
     record_lib.read(path)
+
+
+@pytest.mark.parametrize("at", [1e12, 0.5])
+def test_a_time_at_the_edge_of_its_range_is_reported(tmp_path, at):
+  def edit(line):
+    rec = json.loads(line)
+    rec["time"] = rec["run"]["started"] = at
+    return json.dumps(rec)
+
+  (path,) = write_trainer_job(tmp_path, steps=2)
+  with open(path, encoding="utf-8") as f:
+    lines = [edit(line) for line in f.read().splitlines()]
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(lines) + "\n")
+  proc = report(path)
+  assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+  assert proc.stdout.startswith("run: started " + runs_lib.when(at))

@@ -143,8 +143,12 @@ def _run(group: list[Process]) -> Run:
 
 
 def when(seconds: float) -> str:
-  return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime(
-      "%Y-%m-%d %H:%M:%S UTC")
+  """A Unix time as a date in UTC (one past the calendar's years as its seconds)."""
+  try:
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).strftime(
+        "%Y-%m-%d %H:%M:%S UTC")
+  except (ValueError, OverflowError, OSError):
+    return f"{seconds:.0f} s after 1970 (UTC)"
 
 
 def label(processes: list[Process]) -> str:
