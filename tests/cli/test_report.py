@@ -8,14 +8,17 @@ report prints are checked against what each step was built to hold.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from tests.core.test_telemetry import compute
 from tunix_stage_plugin.cli import main as cli_main
+from tunix_stage_plugin.cli import report_cmd
 from tunix_stage_plugin.core import install_hint
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process
@@ -86,9 +89,10 @@ def test_report_prints_each_step_and_what_held_staging_back(tmp_path):
 def test_report_json_carries_the_records_and_the_summary(tmp_path):
   write_trainer_job(tmp_path)
   data = json.loads(report(str(tmp_path), "--json").stdout)
-  (proc,) = data["processes"]
+  (run,) = data["runs"]  # one run: one job's records
+  (proc,) = run["processes"]
   assert proc["role"] == "trainer" and [r["step"] for r in proc["records"]] == [0, 1, 2, 3]
-  summary = data["summary"]["trainer"]
+  summary = run["summary"]["trainer"]
   assert summary["step_s"] == pytest.approx(2.2) and summary["input_wait_s"] == pytest.approx(0)
   assert summary["bound_by"] == {"compute": 4, "wire": 0, "shared cores": 0}
   # Totals over every step, as the table: 4 steps of 2 receives of 64 MiB.
@@ -97,7 +101,7 @@ def test_report_json_carries_the_records_and_the_summary(tmp_path):
   # Inline, each step's 2 micro-batches would have received (0.4 s) and been placed (0.1 s).
   assert summary["inline_wait_estimate_s"] == pytest.approx(1.0)
   assert summary["hidden_s"] == pytest.approx(1.0)
-  assert data["summary"]["recommendations"] == [] and data["notes"] == []
+  assert run["summary"]["recommendations"] == [] and data["notes"] == []
 
 
 def test_a_job_run_staged_then_inline_says_each_path_s_wait_and_judges_the_staged_steps(
@@ -105,7 +109,7 @@ def test_a_job_run_staged_then_inline_says_each_path_s_wait_and_judges_the_stage
   """Steps 0-2 staged, 3-5 inline (0.5 s of input wait before each fwd_bwd): the report says
   each path's wait apart, and recommends nothing for staging (its steps never waited)."""
   write_trainer_job(tmp_path, steps=6, inline_from=3)
-  data = json.loads(report(str(tmp_path), "--json").stdout)
+  data = json.loads(report(str(tmp_path), "--json").stdout)["runs"][0]
   paths = data["summary"]["trainer"]["by_path"]
   # Step 0 has no step before it and is left out: 2 staged steps, 3 inline ones.
   assert paths["staged"] == {"steps": 2, "input_wait_s": pytest.approx(0.0)}
@@ -127,14 +131,23 @@ def test_a_cut_last_line_is_a_note_and_the_rest_is_read(tmp_path):
   (path,) = write_trainer_job(tmp_path, steps=2)
   with open(path, "a", encoding="utf-8") as f:
     f.write('{"schema": "tunix-stage-metr')
+  # Just written: still being written (a job still running), not a killed one.
   out = report(path).stdout
-  assert out.startswith(f"note: {path}: its last line is cut short") and "2 steps" in out
+  assert out.startswith(f"note: {path}: its last line is still being written (the file changed "
+                        ) and "2 steps" in out
+  # Left so a minute: the process was killed while writing it.
+  old = time.time() - 60
+  os.utime(path, (old, old))
+  out = report(path).stdout
+  assert out.startswith(f"note: {path}: its last line is cut short (the process was killed "
+                        "while writing it); read the 2 whole record(s) before it") and \
+      "2 steps" in out
 
 
 @pytest.mark.parametrize("content, message", [
     (None, "no such file or folder"),
     ("", "holds no record"),
-    ('{"schema": "tunix-stage-metrics", "version": 2}\n', "schema version 2 is not one this"),
+    ('{"schema": "tunix-stage-metrics", "version": 3}\n', "schema version 3 is not one this"),
     ('{"a": 1}\n{"b": 2}\n', "not a tunix-stage-metrics record"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, content, message):
@@ -183,3 +196,51 @@ def test_without_the_lab_the_advice_is_the_rule_s_marked_not_checked(tmp_path):
                         for line in advice), advice
   assert any(line.startswith("recommendation: TUNIX_STAGE_MAX_HOST_BATCHES=2: ")
              for line in advice), advice
+
+
+def _step_rows(out):
+  return [int(line.split()[0]) for line in out.splitlines()
+          if line.startswith("  ") and line.split()[0].isdigit()]
+
+
+def test_steps_shows_each_process_s_last_n_and_the_summary_is_over_every_step(tmp_path):
+  write_trainer_job(tmp_path, steps=6, boundary_wait=0.5)
+  every = report(str(tmp_path)).stdout  # 6 steps: fewer than the default, all shown
+  assert _step_rows(every) == [0, 1, 2, 3, 4, 5] and "steps left out" not in every
+  last = report(str(tmp_path), "--steps", "2").stdout
+  assert _step_rows(last) == [4, 5]
+  assert "  (the first 4 of its 6 steps left out: --steps N shows the last N, --steps 0 the " \
+      "summary only)" in last
+  summary_only = report(str(tmp_path), "--steps", "0").stdout
+  assert _step_rows(summary_only) == [] and "steps left out" not in summary_only
+  assert "trainer " in summary_only and "(tunix, 6 steps)" in summary_only
+  tail = lambda out: out[out.index("overall"):]  # pylint: disable=unnecessary-lambda-assignment
+  assert tail(every) == tail(last) == tail(summary_only)
+  (run,) = json.loads(report(str(tmp_path), "--json", "--steps", "1").stdout)["runs"]
+  (proc,) = run["processes"]
+  assert proc["steps"] == 6 and [r["step"] for r in proc["records"]] == [5]
+  (whole,) = json.loads(report(str(tmp_path), "--json").stdout)["runs"]
+  assert run["summary"] == whole["summary"]
+
+
+def test_a_long_record_s_table_shows_its_last_steps_by_default(tmp_path):
+  steps = report_cmd.DEFAULT_STEPS + 3
+  write_trainer_job(tmp_path, steps=steps)
+  out = report(str(tmp_path)).stdout
+  assert _step_rows(out) == list(range(3, steps))
+  assert f"  (the first 3 of its {steps} steps left out: --steps N" in out
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "1e3", str(report_cmd.MAX_STEPS + 1)])
+def test_a_bad_steps_value_is_refused_saying_what_is_accepted(tmp_path, value):
+  write_trainer_job(tmp_path, steps=1)
+  proc = report(str(tmp_path), f"--steps={value}", check=False)
+  assert proc.returncode == 2 and proc.stdout == ""
+  assert proc.stderr.strip().splitlines()[-1].endswith(
+      f"accepted: an integer >= 0 and <= {report_cmd.MAX_STEPS}")
+
+
+def test_a_file_given_twice_is_read_once(tmp_path):
+  (path,) = write_trainer_job(tmp_path, steps=2)
+  out = report(str(tmp_path), path, str(tmp_path)).stdout
+  assert "(tunix, 2 steps)" in out and out.count("run: ") == 1

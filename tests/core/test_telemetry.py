@@ -318,16 +318,17 @@ def test_records_are_written_one_line_per_step_and_read_back(tmp_path):
                compute("fwd_bwd", 1.2, 2.0), compute("update", 2.0, 2.1)):
     tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
   (path,) = record_lib.files([str(tmp_path / "m")])
-  assert os.path.basename(path) == record_lib.file_name("trainer")
+  assert os.path.basename(path) == record_lib.file_name("trainer", tel.run["id"])
   records, note = record_lib.read(path)
   assert note is None and [r["step"] for r in records] == [0, 1]
   assert records[1]["input_wait_s"]["boundary"] == pytest.approx(0.1)
   assert records[1]["settings"] == {"max_host_batches": 1} and records[1]["host"] == "test"
-  # A killed process's last line is cut short: the whole records before it are read.
+  # A last line cut short (a process killed while writing it, or still writing it, as here):
+  # the whole records before it are read.
   with open(path, "a", encoding="utf-8") as f:
     f.write(json.dumps(records[0])[:40])
   again, note = record_lib.read(path)
-  assert len(again) == 2 and "its last line is cut short" in note
+  assert len(again) == 2 and "its last line is still being written" in note
   # A record written before the metrics logger has no host_step: still read, as it was.
   old = tmp_path / "old.jsonl"
   old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "host_step"}) + "\n"
@@ -357,7 +358,7 @@ def test_a_record_file_that_is_not_this_schema_is_refused_in_one_line(tmp_path, 
 def test_an_unwritable_record_is_said_once_and_the_job_goes_on(tmp_path, capsys):
   blocker = tmp_path / "file"
   blocker.write_text("")
-  writer = record_lib.Writer(str(blocker / "metrics"), "trainer")  # a folder under a file
+  writer = record_lib.Writer(str(blocker / "metrics"), "trainer", "r1")  # a folder under a file
   for step in range(3):
     writer.write({"step": step})
   (line,) = capsys.readouterr().err.strip().splitlines()

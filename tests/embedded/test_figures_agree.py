@@ -41,7 +41,8 @@ def report(folder) -> tuple[str, dict]:
   text = subprocess.run(run, capture_output=True, text=True, timeout=60, check=True).stdout
   data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60,
                                    check=True).stdout)
-  return text, data
+  (one,) = data["runs"]  # one job's records: one run
+  return text, one
 
 
 def step_lines(stderr: str, who: str) -> list[str]:

@@ -30,7 +30,8 @@ def report_json(folder):
   proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder),
                          "--json"], capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
-  return json.loads(proc.stdout)["summary"]
+  (run,) = json.loads(proc.stdout)["runs"]  # one job's records: one run
+  return run["summary"]
 
 
 def report_text(folder):

@@ -1,11 +1,12 @@
 """`tunix-stage report PATH...`: what staging did in a job, from its processes' metrics records.
 
-Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) and prints, per process
-and step, where the trainer's step went (compute, input wait mid-step and at the boundary, other
-calls, the compute's slowdown beside transfers) and what the orchestrator staged and sent; then
-the job's medians, what staging hid against an inline estimate, the transports' speeds, and which
-setting held staging back (core.telemetry.advice), checked against the simulator where the lab is
-installed. Two runs are compared (report_compare.py); `--png` draws the job, in the lab
+Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) as a stream, tells the runs
+in them apart (core.telemetry.runs) and prints, run by run, per process and step, where the
+trainer's step went (compute, input wait mid-step and at the boundary, other calls, the compute's
+slowdown beside transfers) and what the orchestrator staged and sent; then the run's medians,
+what staging hid against an inline estimate, the transports' speeds, and which setting held
+staging back (core.telemetry.advice), checked against the simulator where the lab is installed.
+Two runs named apart are compared (report_compare.py); `--png` draws the job, in the lab
 (lab/report_picture.py, loaded only then: matplotlib is a lab library). docs/observability.md
 "tunix-stage report".
 """
@@ -26,6 +27,19 @@ from tunix_stage_plugin.core.telemetry import advice as advice_lib
 from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import runs as runs_lib
+
+# The steps each process's table shows unless --steps says: its last ones (a long record's table
+# would be its length in lines; the summary is over every step).
+DEFAULT_STEPS = 50
+MAX_STEPS = 10**9
+
+
+def _steps(text: str) -> int:
+  try:
+    return inputs.integer(text, minimum=0, maximum=MAX_STEPS)
+  except inputs.Refused as e:
+    raise argparse.ArgumentTypeError(inputs.refusal("", text, e)) from None
 
 
 # The simulator's check of the advice, imported by name and only where the lab is installed (the
@@ -39,17 +53,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
       "report",
       help="what staging did in a job, from its metrics records (TUNIX_STAGE_METRICS)",
       description="Read the metrics records a job's processes wrote (TUNIX_STAGE_METRICS=DIR "
-      "makes each staging process write DIR/<role>-<host>-<pid>.jsonl, one record per step) "
-      "and print, per step, where each trainer step went and what the orchestrator staged, "
-      "then the job's medians, what staging hid against an inline estimate, the transports' "
-      "speeds and what to change.",
+      "makes each staging process write DIR/<role>-<host>-<pid>-<run>.jsonl, one record per "
+      "step) and print, run by run (records of several jobs are told apart by their processes' "
+      "runs and time spans), per step where each trainer step went and what the orchestrator "
+      "staged, then the run's medians, what staging hid against an inline estimate, the "
+      "transports' speeds and what to change.",
       epilog="Two PATHs, each one run of other processes (e.g. two folders): the runs "
       "compared, each figure's median a step side by side with the change and whether it is "
       f"beyond the step-to-step noise ({report_compare.TEST}). "
       "example: tunix-stage report /tmp/job-metrics   (docs/observability.md)")
   parser.add_argument("paths", nargs="+", metavar="PATH",
                       help="the folder TUNIX_STAGE_METRICS named, or record files")
-  parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+  parser.add_argument("--steps", type=_steps, default=None, metavar="N",
+                      help=f"each process's last N steps in its table (0: the summary only; "
+                      f"default: up to {DEFAULT_STEPS}, saying how many were left out); the "
+                      "summary is over every step")
+  parser.add_argument("--json", action="store_true", help="print one JSON object instead (each "
+                      "process's records within --steps)")
   parser.add_argument("--png", metavar="FILE",
                       help="also draw the job to FILE: per trainer step, where the step went "
                       "(compute, its slowdown beside transfers inside it, input wait mid-step "
@@ -59,28 +79,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser.set_defaults(run=run)
 
 
-def load(paths: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
-  """Every record of `paths`, by process and step; and the notes on files cut short."""
-  records, notes = [], []
-  for path in record_lib.files(paths):
-    found, note = record_lib.read(path)
-    records += found
-    if note is not None:
-      notes.append(note)
-  return records, notes
-
-
-def processes(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """One entry per process and role: who it was and its records in step order."""
-  out: dict[tuple[str, str, int], dict[str, Any]] = {}
-  for r in records:
-    key = (r["role"], r["process"]["hostname"], r["process"]["pid"])
-    entry = out.setdefault(key, {"role": r["role"], "host": r["host"],
-                                 "process": f"{key[1]}:{key[2]}", "records": []})
-    entry["records"].append(r)
-  for entry in out.values():
-    entry["records"].sort(key=lambda r: r["step"])
-  return sorted(out.values(), key=lambda e: (e["role"] != record_lib.TRAINER, e["process"]))
+def comparable(paths: list[str], found: list[runs_lib.Run]
+               ) -> tuple[runs_lib.Run, runs_lib.Run] | None:
+  """Two paths given, each holding one run of its own: the two runs (in the paths' order), to
+  compare."""
+  by_source = {r.sources: r for r in found}
+  if len(paths) == len(found) == 2 and set(by_source) == {(paths[0],), (paths[1],)}:
+    return by_source[(paths[0],)], by_source[(paths[1],)]
+  return None
 
 
 def _s(seconds: float | None) -> str:
@@ -153,30 +159,18 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
   return out
 
 
-def _run_of(path: str) -> report_compare.Run:
-  """LEAD: the records helper's run grouping replaces this (one PATH -> one Run here)."""
-  procs = processes(load([path])[0])
-  return report_compare.Run(
-      label=path,
-      trainer=[r for p in procs if p["role"] == record_lib.TRAINER for r in p["records"]],
-      orchestrator=[r for p in procs if p["role"] == record_lib.ORCHESTRATOR
-                    for r in p["records"]])
+def shown(process: runs_lib.Process, steps: int | None) -> list[dict[str, Any]]:
+  """The records of `process` its table shows: its last `steps` (DEFAULT_STEPS unless given)."""
+  n = DEFAULT_STEPS if steps is None else steps
+  return process.records[len(process.records) - n:] if n else []
 
 
-def _pair(paths: list[str]) -> tuple[report_compare.Run, report_compare.Run] | None:
-  """The two runs to compare: two PATHs, each holding a trainer's records, no trainer process
-  in both (a job's trainer record and its orchestrator's, named apart, are one job: None).
-  SEAM: the lead merges this with the records helper's run grouping."""
-  if len(paths) != 2:
-    return None
-  runs = [_run_of(path) for path in paths]
-
-  def trainers(run: report_compare.Run) -> set[tuple[str, int]]:
-    return {(r["process"]["hostname"], r["process"]["pid"]) for r in run.trainer}
-
-  if not all(run.trainer for run in runs) or trainers(runs[0]) & trainers(runs[1]):
-    return None
-  return runs[0], runs[1]
+def as_json(run_: runs_lib.Run, steps: int | None) -> dict[str, Any]:
+  return {"label": run_.label, "started": run_.started,
+          "processes": [{"role": p.role, "host": p.host, "process": p.name, "run": p.run,
+                         "started": p.started, "steps": len(p.records),
+                         "records": shown(p, steps)} for p in run_.processes],
+          "summary": summarize(run_)}
 
 
 def _picture_target(path: str) -> str | None:
@@ -189,7 +183,7 @@ def _picture_target(path: str) -> str | None:
   return None if why is None else inputs.invalid("--png", path, "a PNG file to write", why)
 
 
-def _draw(path: str, runs: list[report_compare.Run]) -> str | None:
+def _draw(path: str, runs: list[runs_lib.Run]) -> str | None:
   """Draws `runs` to `path` (lab/report_picture.py, loaded only here); the one line of why not."""
   picture = importlib.import_module("tunix_stage_plugin.lab.report_picture")
   try:
@@ -209,44 +203,54 @@ def run(args: argparse.Namespace) -> int:
   if args.png is not None and (why := _picture_target(args.png)) is not None:
     return error(why)
   try:
-    records, notes = load(args.paths)
-    pair = _pair(args.paths)
+    found, notes = runs_lib.runs(args.paths)
   except record_lib.RecordError as e:
     return error(str(e))
+  pair = comparable(args.paths, found)
   if pair is not None:
-    report_compare.run(*pair, as_json=args.json, notes=notes)
-    runs = list(pair)
+    report_compare.run(*pair, summaries=tuple(map(summarize, pair)), as_json=args.json,
+                       notes=notes)
+  elif args.json:
+    print(json.dumps({"runs": [as_json(r, args.steps) for r in found], "notes": notes},
+                     indent=2))
   else:
-    runs = [_report(records, notes, args.json, " ".join(args.paths))]
+    for note in notes:
+      print(f"note: {note}")
+    if len(found) > 1:
+      print(f"{len(found)} runs (jobs) in these records, each reported apart; give one run's "
+            "files to read it alone")
+    for n, run_ in enumerate(found, start=1):
+      print(f"run {n} of {len(found)}: {run_.label}" if len(found) > 1 else f"run: {run_.label}")
+      _print_run(run_, args.steps)
   if args.png is not None:
-    why = _draw(args.png, runs)
+    why = _draw(args.png, list(pair) if pair is not None else found)
     if why is not None:
       return error(why)
     print(f"tunix-stage report: drew {args.png}", file=sys.stderr)
   return 0
 
 
-def _report(records: list[dict[str, Any]], notes: list[str], as_json: bool, label: str
-            ) -> report_compare.Run:
-  """Prints the report of one job's records; answers them as one run (for the picture)."""
-  procs = processes(records)
-  trainer = [r for p in procs if p["role"] == record_lib.TRAINER for r in p["records"]]
-  orchestrator = [r for p in procs if p["role"] == record_lib.ORCHESTRATOR
-                  for r in p["records"]]
-  job = report_compare.Run(label=label, trainer=trainer, orchestrator=orchestrator)
-  summary = analysis.summary(trainer, orchestrator)
-  summary["advice"] = checked_advice(records, trainer, orchestrator)
+def summarize(run_: runs_lib.Run) -> dict[str, Any]:
+  """A run's figures (core.telemetry.analysis) and the rule's advice on it, checked."""
+  summary = analysis.summary(run_.trainer, run_.orchestrator)
+  summary["advice"] = checked_advice(run_)
   summary["recommendations"] = [a["line"] for a in summary["advice"] if a["recommended"]]
-  if as_json:
-    print(json.dumps({"processes": procs, "summary": summary, "notes": notes}, indent=2))
-    return job
-  for note in notes:
-    print(f"note: {note}")
-  for p in procs:
-    print(f"{p['role']} {p['process']} ({p['host']}, {len(p['records'])} steps)")
-    rows = trainer_rows if p["role"] == record_lib.TRAINER else orchestrator_rows
-    for line in rows(p["records"]):
-      print(f"  {line}")
+  return summary
+
+
+def _print_run(run_: runs_lib.Run, steps: int | None) -> None:
+  for p in run_.processes:
+    print(f"{p.role} {p.name} ({p.host}, {len(p.records)} steps)")
+    records = shown(p, steps)
+    if records:
+      rows = trainer_rows if p.role == record_lib.TRAINER else orchestrator_rows
+      for line in rows(records):
+        print(f"  {line}")
+    left = len(p.records) - len(records)
+    if left and (steps is None or steps):
+      print(f"  (the first {left} of its {len(p.records)} steps left out: --steps N shows the "
+            "last N, --steps 0 the summary only)")
+  summary = summarize(run_)
   print(f"overall ({analysis.RULE}):")
   for line in overall_lines(summary):
     print(f"  {line}")
@@ -257,15 +261,13 @@ def _report(records: list[dict[str, Any]], notes: list[str], as_json: bool, labe
           f"job's settings (the job measured {_s(summary['trainer']['step_s'])} s, median)")
   for line in advice_lines(summary["advice"]):
     print(line)
-  return job
 
 
-def checked_advice(records: list[dict[str, Any]], trainer: list[dict[str, Any]],
-                   orchestrator: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def checked_advice(run_: runs_lib.Run) -> list[dict[str, Any]]:
   """The rule's advice on the job (core.telemetry.advice), each with the simulator's prediction
   on the same record where the lab is installed: recommended where it predicts a shorter step
   (largest gain first), or where it cannot say (marked not checked, and why)."""
-  window = advice_lib.Window.of_records(trainer, orchestrator)
+  window = advice_lib.Window.of_records(run_.trainer, run_.orchestrator)
   advice = advice_lib.advise(window)
   if not advice:
     return []
@@ -278,7 +280,7 @@ def checked_advice(records: list[dict[str, Any]], trainer: list[dict[str, Any]],
            f"{install_hint.install_command('bench')})")
     checks = [why] * len(advice)
   else:
-    checks = checker.predict(records, window.settings, advice)
+    checks = checker.predict(run_.trainer, window.settings, advice)
   out = []
   for a, check in zip(advice, checks):
     entry = {**a.as_dict(), "line": a.line(), "prediction": None, "checked": None,

@@ -6,13 +6,12 @@ of the names), plus the step's whole input wait; its median per run, the change,
 a two-sided Mann-Whitney U test at 5 % on the two runs' steps when both have at least
 MIN_STEPS (the steps `analysis.summary` judges: a first step, which compiles, left out where
 there are others), else "too few steps to tell". Each run's summary (what bounded its steps,
-what staging hid, what to change) is analysis.summary's. docs/observability.md "Comparing two
+what staging hid, what to change) is `report`'s. docs/observability.md "Comparing two
 runs".
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import statistics
@@ -20,6 +19,7 @@ from typing import Any, Callable
 
 from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import runs as runs_lib
 from tunix_stage_plugin.core.telemetry import scalars
 
 MIN_STEPS = 5  # each run's steps the test needs; fewer: too few to tell
@@ -29,17 +29,6 @@ ONE_RUN = "in one run only"  # a figure the other run has no step of (e.g. no or
 TEST = (f"Mann-Whitney U, two-sided, at {ALPHA:.0%}, on each run's steps (a first step left out "
         f"where there are others; normal approximation with ties corrected); fewer than "
         f"{MIN_STEPS} steps in a run: {TOO_FEW}")
-
-
-# LEAD: the records helper's Run (record grouping) replaces this one at the merge; the shape is
-# the same.
-@dataclasses.dataclass(frozen=True)
-class Run:
-  """One run of a job: its label (what the user named) and its records, each in step order."""
-
-  label: str
-  trainer: list[dict[str, Any]]
-  orchestrator: list[dict[str, Any]]
 
 
 Reader = Callable[[dict[str, Any]], float | int | None]
@@ -87,8 +76,10 @@ def mann_whitney_p(a: list[float], b: list[float]) -> float:
   return math.erfc(z / math.sqrt(2))
 
 
-def compare(a: Run, b: Run) -> dict[str, Any]:
-  """The two runs' figures side by side, each change and its verdict, and each run's summary."""
+def compare(a: runs_lib.Run, b: runs_lib.Run, summaries: tuple[dict[str, Any], dict[str, Any]]
+            ) -> dict[str, Any]:
+  """The two runs' figures side by side, each change and its verdict, and each run's summary
+  (`report`'s: cli/report_cmd.summarize)."""
   figures = []
   for side, name, read in FIGURES:
     samples = []
@@ -112,8 +103,8 @@ def compare(a: Run, b: Run) -> dict[str, Any]:
   return {"test": TEST,
           "runs": [{"label": run.label, "trainer_steps": len(run.trainer),
                     "orchestrator_steps": len(run.orchestrator),
-                    "summary": analysis.summary(run.trainer, run.orchestrator)}
-                   for run in (a, b)],
+                    "summary": summary}
+                   for run, summary in zip((a, b), summaries)],
           "figures": figures}
 
 
@@ -161,9 +152,10 @@ def text(result: dict[str, Any]) -> list[str]:
   return out
 
 
-def run(a: Run, b: Run, *, as_json: bool, notes: list[str]) -> int:
+def run(a: runs_lib.Run, b: runs_lib.Run, *, summaries: tuple[dict[str, Any], dict[str, Any]],
+        as_json: bool, notes: list[str]) -> int:
   """Prints the comparison of `a` and `b` (text, or one JSON object)."""
-  result = compare(a, b)
+  result = compare(a, b, summaries)
   if as_json:
     print(json.dumps({**result, "notes": notes}, indent=2))
     return 0

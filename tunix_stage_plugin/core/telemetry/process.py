@@ -58,6 +58,7 @@ class Telemetry:
     self._orchestrator: orchestrator_lib.OrchestratorSteps | None = None
     self._trainer_host = settings.host
     self._writers: dict[str, record_lib.Writer] = {}
+    self.run = record_lib.new_run()  # what tells this run's records apart from another's
     self._step_sinks: dict[str, tuple[StepSink, ...]] = {role: () for role in record_lib.FIELDS}
     # Each side's recent records (the bench compares them with its own figures).
     self.history: dict[str, collections.deque[dict[str, Any]]] = {
@@ -86,8 +87,9 @@ class Telemetry:
 
   def restart(self) -> None:
     """A new run in the same process (the bench's modes): each side listening starts again from
-    step 0, its history empty. The trainer keeps its computations' baseline alone (the same
-    process's model), so a run whose every fwd_bwd has a transfer beside it still has one."""
+    step 0, its history empty, its records a new run's (in a file of their own). The trainer
+    keeps its computations' baseline alone (the same process's model), so a run whose every
+    fwd_bwd has a transfer beside it still has one."""
     with self._lock:
       if self._trainer is not None:
         old, self._trainer = self._trainer, trainer_lib.TrainerSteps(
@@ -100,6 +102,10 @@ class Telemetry:
         self.recorder.add_sink(self._orchestrator)
       for history in self.history.values():
         history.clear()
+      self.run = record_lib.new_run()
+      writers, self._writers = list(self._writers.values()), {}
+    for writer in writers:
+      writer.close()
 
   def orchestrator(self) -> orchestrator_lib.OrchestratorSteps:
     with self._lock:
@@ -129,14 +135,16 @@ class Telemetry:
   def _emit(self, role: str, figures: dict[str, Any], line: str, host: str | None = None
             ) -> None:
     settings = self.settings
-    rec = record_lib.make(role, host or settings.host, figures, dict(settings.shaping))
     with self._lock:
+      rec = record_lib.make(role, host or settings.host, figures, dict(settings.shaping),
+                            self.run)
       self.history[role].append(rec)
       writer = None
       if settings.metrics_dir is not None:
         writer = self._writers.get(role)
         if writer is None:
-          writer = self._writers[role] = record_lib.Writer(settings.metrics_dir, role)
+          writer = self._writers[role] = record_lib.Writer(settings.metrics_dir, role,
+                                                           self.run["id"])
     if writer is not None:
       writer.write(rec)
     lines.say(figures["step"], settings.log_every, line)

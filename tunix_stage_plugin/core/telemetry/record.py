@@ -1,33 +1,42 @@
 """The metrics record (TUNIX_STAGE_METRICS): one JSON object per line and per step, one file per
-process, each line flushed as its step ends; a record that cannot be written is said once and
-dropped. The schema is versioned (`SCHEMA`, `VERSION`); `read` takes this version only, each field
-checked against SHAPES, so a record edited by hand is one line naming the field.
-The fields: docs/observability.md "The record".
+process and run, each line flushed as its step ends; a record that cannot be written is said once
+and dropped. The schema is versioned (`SCHEMA`, `VERSION`); `Reader` reads this version and the
+one before it as a stream, each field checked against SHAPES, so a record edited by hand is one
+line naming the field, and a record of any length is read in memory that its steps' figures
+bound, never its bytes. The fields: docs/observability.md "The record".
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
+import secrets
 import socket
+import stat
 import sys
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import inputs
 
 SCHEMA = "tunix-stage-metrics"
-VERSION = 1
+VERSION = 2
+# The version that added each field a record of an older version lacks (version 1 had no run).
+ADDED = {"run": 2}
 TRAINER, ORCHESTRATOR = "trainer", "orchestrator"
 
-# What each field holds, so that `read` refuses a record edited by hand in one line naming the
+# What each field holds, so that a reader refuses a record edited by hand in one line naming the
 # field, never a traceback in the report: a kind (NUMBER, COUNT, TEXT), Maybe(kind) (or null), an
 # object of exactly these fields ("?name": a field it may lack), or {"*": shape} (an object whose
 # every field is `shape`). The writers: make() and telemetry.trainer / telemetry.orchestrator.
-NUMBER, COUNT, TEXT = "a number >= 0", "an integer >= 0", "text"
+# The bounds keep every figure a float holds exactly enough to print in a column: a count up to
+# 2**53 (bytes: 8 PiB), a number up to 1e12 (seconds: 31,000 years; a Unix time).
+MAX_COUNT, MAX_NUMBER = 2**53, 1e12
+NUMBER = f"a number >= 0 and <= {MAX_NUMBER:.0e}"
+COUNT = inputs.integer_range(0, MAX_COUNT)
+TEXT = "text"
 
 
 class Maybe:  # pylint: disable=too-few-public-methods
@@ -43,7 +52,8 @@ CARRIED = tuple(config_lib.SETTINGS_BY_FIELD[field] for field in (
     "max_staged_batches", "max_device_batches", "max_host_batches", "codec"))
 TRANSFERS = {"*": {"calls": COUNT, "bytes": COUNT, "seconds": NUMBER, "?gib_s": Maybe(NUMBER)}}
 SHAPES = {
-    "common": {"host": TEXT, "process": {"pid": COUNT, "hostname": TEXT}, "time": NUMBER,
+    "common": {"host": TEXT, "process": {"pid": COUNT, "hostname": TEXT},
+               "run": {"id": TEXT, "started": NUMBER}, "time": NUMBER,
                "step": COUNT, "settings": {f"?{s.field}": COUNT if isinstance(s.default, int)
                                            else TEXT for s in CARRIED}},
     TRAINER: {
@@ -71,16 +81,26 @@ COMMON = ("schema", "version", "role", *SHAPES["common"])
 SUFFIX = ".jsonl"
 PATHS_ACCEPTED = "the folder TUNIX_STAGE_METRICS named, or record files"
 LINES_ACCEPTED = f"one {SCHEMA} record per line, as TUNIX_STAGE_METRICS wrote it"
+MAX_LINE = 1 << 20  # bytes; a record's line is a few hundred
+CHUNK = 512  # lines decoded in one call
+# A last line without its newline in a file modified this recently is still being written.
+WRITING_S = 10.0
 
 
 class RecordError(ValueError):
   """A record file that cannot be read as this schema; one line naming the file and line."""
 
 
-def make(role: str, host: str, figures: dict[str, Any], settings: dict[str, Any]
-         ) -> dict[str, Any]:
+def new_run() -> dict[str, Any]:
+  """A run's identity (a process's telemetry makes one, and a new one for each run it starts):
+  an id no other run shares, and when it started (Unix seconds)."""
+  return {"id": secrets.token_hex(4), "started": time.time()}
+
+
+def make(role: str, host: str, figures: dict[str, Any], settings: dict[str, Any],
+         run: dict[str, Any]) -> dict[str, Any]:
   return {"schema": SCHEMA, "version": VERSION, "role": role, "host": host,
-          "process": {"pid": os.getpid(), "hostname": socket.gethostname()},
+          "process": {"pid": os.getpid(), "hostname": socket.gethostname()}, "run": run,
           "time": time.time(), "settings": settings, **figures}
 
 
@@ -89,15 +109,16 @@ def setting(rec: dict[str, Any], field: str) -> Any:
   return rec["settings"].get(field, config_lib.SETTINGS_BY_FIELD[field].default)
 
 
-def file_name(role: str) -> str:
-  return f"{role}-{socket.gethostname()}-{os.getpid()}{SUFFIX}"
+def file_name(role: str, run: str) -> str:
+  return f"{role}-{socket.gethostname()}-{os.getpid()}-{run}{SUFFIX}"
 
 
 class Writer:
-  """Appends one process's records to its file in `directory` (made on the first record)."""
+  """Appends one process's records of one run to its file in `directory` (made on the first
+  record)."""
 
-  def __init__(self, directory: str, role: str) -> None:
-    self.path = os.path.join(directory, file_name(role))
+  def __init__(self, directory: str, role: str, run: str) -> None:
+    self.path = os.path.join(directory, file_name(role, run))
     self._lock = threading.Lock()
     self._file: Any = None
     self._failed = False
@@ -124,20 +145,46 @@ class Writer:
         self._file = None
 
 
-def files(paths: Iterable[str]) -> list[str]:
-  """The record files `paths` name: a file as given, a directory's *.jsonl files."""
-  out = []
+_KINDS = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISDIR, "a folder"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+
+
+def _kind(mode: int) -> str:
+  return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
+def files(paths: Iterable[str], notes: list[str] | None = None) -> list[str]:
+  """The record files `paths` name (a file as given, a folder's *.jsonl files). An entry of a
+  folder that is not a regular file is skipped, never opened (a named pipe's open would wait for
+  a writer), and said in `notes` where given; a path given that is not a regular file is
+  refused."""
+  out: list[str] = []
+  notes = [] if notes is None else notes
   for path in paths:
-    if os.path.isdir(path):
-      found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(SUFFIX))
+    try:
+      mode = os.stat(path).st_mode
+    except OSError:
+      raise _error(path, PATHS_ACCEPTED, "no such file or folder") from None
+    if stat.S_ISDIR(mode):
+      found = 0
+      for name in sorted(n for n in os.listdir(path) if n.endswith(SUFFIX)):
+        entry = os.path.join(path, name)
+        try:
+          kind = os.stat(entry).st_mode
+        except OSError as e:
+          notes.append(f"{entry}: skipped: cannot be read ({e.strerror or e})")
+          continue
+        if stat.S_ISREG(kind):
+          out.append(entry)
+          found += 1
+        else:
+          notes.append(f"{entry}: skipped: {_kind(kind)}, not a record file")
       if not found:
         raise _error(path, PATHS_ACCEPTED, f"a folder with no metrics record in it (*{SUFFIX})")
-      out += found
-    elif os.path.isfile(path):
+    elif stat.S_ISREG(mode):
       out.append(path)
     else:
-      raise _error(path, PATHS_ACCEPTED, "not a regular file" if os.path.exists(path)
-                   else "no such file or folder")
+      raise _error(path, PATHS_ACCEPTED, f"not a regular file ({_kind(mode)})")
   return out
 
 
@@ -145,91 +192,213 @@ def _error(name: str, accepted: str, why: str) -> "RecordError":
   return RecordError(inputs.invalid(name, None, accepted, why))
 
 
-def read(path: str) -> tuple[list[dict[str, Any]], str | None]:
-  """The records of one file, and a note when its last line was cut short (a process killed
-  while writing it: the records before it are whole). Raises RecordError for anything else."""
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError as e:
-    raise _error(path, LINES_ACCEPTED, f"cannot be read ({e.strerror or e})") from None
-  lines = data.split(b"\n")
-  cut = lines.pop() if lines else b""  # what follows the last newline: empty when whole
-  records, note = [], None
-  for n, raw in enumerate(lines, start=1):
-    records.append(_parse(path, n, raw))
-  if cut.strip():
+class Reader:
+  """One record file's records, read as they are iterated, CHUNK lines at a time (the file is
+  never in memory whole); `note`, once iterated, says when its last line was cut short: a process
+  killed while writing it, or one still writing it (the file modified within WRITING_S). Raises
+  RecordError for anything else. Records are read-only: parts equal to the line before's are
+  that line's (a long record holds little more than its changing figures)."""
+
+  def __init__(self, path: str) -> None:
+    self.path = path
+    self.note: str | None = None
+    self.count = 0
+
+  def __iter__(self) -> Iterator[dict[str, Any]]:
     try:
-      records.append(_parse(path, len(lines) + 1, cut))
-    except RecordError:
-      note = (f"{path}: its last line is cut short (the process was killed while writing it); "
-              f"read the {len(records)} whole record(s) before it")
-  if not records and note is None:
-    raise _error(path, LINES_ACCEPTED, "holds no record")
-  return records, note
+      f = open(self.path, "rb")  # pylint: disable=consider-using-with
+    except OSError as e:
+      raise _error(self.path, LINES_ACCEPTED, f"cannot be read ({e.strerror or e})") from None
+    with f:
+      before: dict[str, Any] | None = None
+      lines: list[bytes] = []
+      n = 0  # the lines read
+      while True:
+        raw = f.readline(MAX_LINE + 1)
+        if raw.endswith(b"\n"):
+          n += 1
+          lines.append(raw)
+          if len(lines) < CHUNK:
+            continue
+        elif len(raw) > MAX_LINE:
+          raise _error(f"{self.path}:{n + 1}", LINES_ACCEPTED, f"a line of more than "
+                       f"{MAX_LINE} bytes")
+        for record in _decode(self.path, n - len(lines) + 1, lines):
+          before = _check(self.path, self.count + 1, record, before)
+          self.count += 1
+          yield before
+        lines = []
+        if not raw.endswith(b"\n"):  # the end: its last line, if any, without its newline
+          break
+      if raw.strip():
+        try:
+          (record,) = _decode(self.path, n + 1, [raw])
+          before = _check(self.path, n + 1, record, before)
+        except RecordError:
+          self.note = self._cut(os.fstat(f.fileno()).st_mtime)
+        else:
+          self.count += 1
+          yield before
+    if not self.count and self.note is None:
+      raise _error(self.path, LINES_ACCEPTED, "holds no record")
+
+  def _cut(self, modified: float) -> str:
+    ago = time.time() - modified
+    why = (f"is still being written (the file changed {max(ago, 0):.0f} s ago)"
+           if ago < WRITING_S else "is cut short (the process was killed while writing it)")
+    return f"{self.path}: its last line {why}; read the {self.count} whole record(s) before it"
 
 
-def _parse(path: str, n: int, raw: bytes) -> dict[str, Any]:
-  where = f"{path}:{n}"
+def read(path: str) -> tuple[list[dict[str, Any]], str | None]:
+  """The records of one file, and Reader's note on its last line."""
+  reader = Reader(path)
+  return list(reader), reader.note
+
+
+class _Bad(Exception):
+  """A field that is not what SHAPES says; `path` filled in on the way out."""
+
+  def __init__(self, value: Any, accepted: str, why: str | None = None) -> None:
+    super().__init__(accepted)
+    self.value, self.accepted, self.why = value, accepted, why
+    self.path: list[str] = []
+
+
+def _compile(shape: Any) -> Callable[..., None]:
+  """A function that raises _Bad unless a value is what `shape` (SHAPES) says."""
+  if isinstance(shape, Maybe):
+    inner = _compile(shape.shape)
+
+    def maybe(value: Any) -> None:
+      if value is not None:
+        inner(value)
+    return maybe
+  if isinstance(shape, dict) and "*" in shape:
+    each = _compile(shape["*"])
+
+    def every(value: Any) -> None:
+      if type(value) is not dict:  # pylint: disable=unidiomatic-typecheck
+        raise _Bad(value, "a JSON object")
+      for key, item in value.items():
+        try:
+          each(item)
+        except _Bad as e:
+          e.path.append(key)
+          raise
+    return every
+  if isinstance(shape, dict):
+    fields = tuple((key.removeprefix("?"), key.startswith("?"), _compile(sub))
+                   for key, sub in shape.items())
+
+    def fixed(value: Any, before: dict[str, Any] | None = None) -> None:
+      """`before`: a value of this shape checked already: a part of `value` equal to its is
+      its (checked, and held once)."""
+      if type(value) is not dict:  # pylint: disable=unidiomatic-typecheck
+        raise _Bad(value, "a JSON object")
+      for field, optional, check in fields:
+        if field in value:
+          item = value[field]
+          if before is not None and type(item) is dict and before.get(field) == item:  # pylint: disable=unidiomatic-typecheck
+            value[field] = before[field]
+            continue
+          try:
+            check(item)
+          except _Bad as e:
+            e.path.append(field)
+            raise
+        elif not optional:
+          raise _missing(field)
+    return fixed
+  return _LEAVES[shape]
+
+
+MISSING = "missing"
+
+
+def _missing(field: str) -> _Bad:
+  bad = _Bad(None, LINES_ACCEPTED, MISSING)
+  bad.path.append(field)
+  return bad
+
+
+def _number(value: Any) -> None:
+  if not ((type(value) is float or type(value) is int)  # pylint: disable=unidiomatic-typecheck
+          and 0 <= value <= MAX_NUMBER):  # NaN and the infinities fail; a bool is not an int
+    raise _Bad(value, NUMBER)
+
+
+def _count(value: Any) -> None:
+  if not (type(value) is int and 0 <= value <= MAX_COUNT):  # pylint: disable=unidiomatic-typecheck
+    raise _Bad(value, COUNT)
+
+
+def _text(value: Any) -> None:
+  if type(value) is not str:  # pylint: disable=unidiomatic-typecheck
+    raise _Bad(value, TEXT)
+
+
+_LEAVES = {NUMBER: _number, COUNT: _count, TEXT: _text}
+# Per version, the fields its records lack; per role and version, the check of its records.
+_LACKS = {version: tuple(field for field, added in ADDED.items() if added > version)
+          for version in range(1, VERSION + 1)}
+_CHECKS = {(role, version): _compile({(f"?{k}" if k in lacks else k): shape for k, shape in
+                                      {**SHAPES["common"], **SHAPES[role]}.items()})
+           for role in FIELDS for version, lacks in _LACKS.items()}
+
+
+def _decode(path: str, first: int, lines: list[bytes]) -> list[Any]:
+  """The JSON values of `lines` (line `first` on): in one call, so that their field names are
+  shared; line by line where that fails, to name the line that is not a JSON record."""
   try:
-    record = json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise _error(where, LINES_ACCEPTED, f"not a JSON record ({e.msg})") from None
-  except UnicodeDecodeError:
-    raise _error(where, LINES_ACCEPTED, "not UTF-8 text") from None
-  except (ValueError, RecursionError) as e:  # a number of more than 4300 digits; deep nesting
-    raise _error(where, LINES_ACCEPTED, f"not a JSON record ({type(e).__name__})") from None
+    values = json.loads(b"[" + b",".join(lines) + b"]")
+    if len(values) == len(lines):
+      return values
+  except (ValueError, RecursionError):
+    pass
+  values = []
+  for n, raw in enumerate(lines, start=first):
+    where = f"{path}:{n}"
+    try:
+      values.append(json.loads(raw))
+    except json.JSONDecodeError as e:
+      raise _error(where, LINES_ACCEPTED, f"not a JSON record ({e.msg})") from None
+    except UnicodeDecodeError:
+      raise _error(where, LINES_ACCEPTED, "not UTF-8 text") from None
+    except (ValueError, RecursionError) as e:  # a number of more than 4300 digits; deep nesting
+      raise _error(where, LINES_ACCEPTED, f"not a JSON record ({type(e).__name__})") from None
+  return values
+
+
+def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dict[str, Any]:
+  """`record` (line `n` of `path`), checked against SHAPES; its parts equal to those of `before`
+  (the line before's, of the same role) are `before`'s: what repeats (the process, the run, the
+  settings, an unchanged pool) is checked and held once."""
   if not isinstance(record, dict) or record.get("schema") != SCHEMA:
-    raise _error(where, "the files TUNIX_STAGE_METRICS wrote", f"not a {SCHEMA} record (its "
-                 f"schema field is {record.get('schema') if isinstance(record, dict) else None!r})")
-  if record.get("version") != VERSION:
-    raise _error(where, f"version {VERSION}: read it with the version that wrote it",
-                 f"schema version {record.get('version')!r} is not one this tunix-stage-plugin "
-                 "reads")
+    raise _error(f"{path}:{n}", "the files TUNIX_STAGE_METRICS wrote", f"not a {SCHEMA} record "
+                 f"(its schema field is "
+                 f"{record.get('schema') if isinstance(record, dict) else None!r})")
+  version = record.get("version")
+  if version not in _LACKS or isinstance(version, bool):
+    raise _error(f"{path}:{n}", f"versions 1 to {VERSION}: read it with the version that wrote "
+                 "it", f"schema version {version!r} is not one this tunix-stage-plugin reads")
   role = record.get("role")
   if not isinstance(role, str) or role not in FIELDS:
-    raise _error(where, " | ".join(FIELDS), f"role {role!r}")
-  missing = [k for k in (*COMMON, *SHAPES[role]) if k not in record and not k.startswith("?")]
-  if missing:
-    raise _error(where, LINES_ACCEPTED, f"a {role} record without {missing}")
-  for shapes in (SHAPES["common"], SHAPES[role]):
-    for key, shape in shapes.items():
-      field = key.removeprefix("?")  # a field a record may lack
-      if field in record:
-        _check(record[field], shape, f"{where} {field}")
-  if role == TRAINER and record["place"]["staged"] + record["place"]["inline"] > \
-      record["place"]["count"]:
-    raise _error(f"{where} place", LINES_ACCEPTED, "more staged and inline placements than "
-                 "its count")
+    raise _error(f"{path}:{n}", " | ".join(FIELDS), f"role {role!r}")
+  try:
+    same = before is not None and before["role"] == role and before["version"] == version
+    _CHECKS[role, version](record, before if same else None)
+  except _Bad as e:
+    if len(e.path) == 1 and e.why == MISSING:  # a field of the record itself: name them all
+      missing = [k for k in (*COMMON, *SHAPES[role]) if k not in record
+                 and not k.startswith("?") and k not in _LACKS[version]]
+      raise _error(f"{path}:{n}", LINES_ACCEPTED, f"a {role} record without {missing}") from None
+    name = f"{path}:{n} {'.'.join(reversed(e.path))}"
+    if e.why is not None:
+      raise _error(name, e.accepted, e.why) from None
+    raise RecordError(inputs.invalid(name, json.dumps(e.value)[:64], e.accepted)) from None
+  if role == TRAINER:
+    place = record["place"]
+    if place["staged"] + place["inline"] > place["count"]:
+      raise _error(f"{path}:{n} place", LINES_ACCEPTED, "more staged and inline placements than "
+                   "its count")
   return record
-
-
-def _check(value: Any, shape: Any, name: str) -> None:
-  """Raises RecordError unless `value` is what `shape` (SHAPES) says."""
-  if isinstance(shape, Maybe):
-    if value is not None:
-      _check(value, shape.shape, name)
-    return
-  if isinstance(shape, dict):
-    if not isinstance(value, dict):
-      raise _wrong(value, "a JSON object", name)
-    if "*" in shape:
-      for key, item in value.items():
-        _check(item, shape["*"], f"{name}.{key}")
-      return
-    for key, sub in shape.items():
-      field = key.removeprefix("?")
-      if field in value:
-        _check(value[field], sub, f"{name}.{field}")
-      elif not key.startswith("?"):
-        raise _error(f"{name}.{field}", LINES_ACCEPTED, "missing")
-    return
-  number = isinstance(value, (int, float)) and not isinstance(value, bool)
-  if (shape == TEXT and not isinstance(value, str)
-      or shape == COUNT and not (number and isinstance(value, int) and value >= 0)
-      or shape == NUMBER and not (number and math.isfinite(value) and value >= 0)):
-    raise _wrong(value, shape, name)
-
-
-def _wrong(value: Any, accepted: str, name: str) -> "RecordError":
-  return RecordError(inputs.invalid(name, json.dumps(value)[:64], accepted))

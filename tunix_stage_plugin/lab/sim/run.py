@@ -122,6 +122,7 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
     trainer.timeline.add_sink(trainer_telemetry_sink)
     trainer.timeline.add_sink(orchestrator_steps)
   fallbacks, peak, depths, choices = 0, 0, [], []
+  run = record_lib.new_run()  # the records the sizer is fed are one run's
 
   async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
     nonlocal fallbacks, peak
@@ -137,10 +138,11 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
       shaping = {"max_staged_batches": depth, "max_device_batches": max_device_batches,
                  "max_host_batches": max_host_batches}
       sizer.observe(
-          record_lib.make(record_lib.TRAINER, HOST, trainer_steps.pop(), shaping)
+          record_lib.make(record_lib.TRAINER, HOST, trainer_steps.pop(), shaping,
+                          run)
           if trainer_steps else None,
           record_lib.make(record_lib.ORCHESTRATOR, HOST, orchestrator_steps.step(report, depth),
-                          shaping))
+                          shaping, run))
       trainer_steps.clear()
     await trainer.boundary(step, trace.steps[step].boundary_s)
 

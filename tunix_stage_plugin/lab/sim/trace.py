@@ -21,6 +21,7 @@ from typing import Any
 from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import runs as runs_lib
 from tunix_stage_plugin.lab import inputs as lab_inputs
 
 RESOURCES = ("wire", "h2d", "compute")
@@ -385,23 +386,30 @@ def read_json(path: str) -> Any:
 
 def from_records(path: str) -> Trace:
   """A job's metrics record (core.telemetry: a .jsonl file, or the folder TUNIX_STAGE_METRICS
-  named): each trainer step as the trainer measured it. Per micro-batch: the step's median
-  fwd_bwd as compute, its receives' mean time as wire (0 where none was timed: tunix's own
-  unary call is received before any hook sees it), its placements' mean time as h2d; the
-  step's update; its compute lane's own calls (a weight sync) as the boundary."""
+  named) holding one run, as from_run reads it. Records of several runs are refused, naming each
+  run's files: a trace is one job's."""
   try:
-    records = [r for f in record_lib.files([path]) for r in record_lib.read(f)[0]]
+    found, _ = runs_lib.runs([path])
   except record_lib.RecordError as e:
     raise TraceError(str(e)) from None
-  return of_records(records, path)
+  if len(found) > 1:
+    named = "; ".join(f"run {n} started {runs_lib.when(r.started)}: {', '.join(r.files)}"
+                      for n, r in enumerate(found, start=1))
+    raise _refuse(path, "one run's records: give one run's files (its trainer's .jsonl)",
+                  f"it holds {len(found)} runs ({named})")
+  return of_records(found[0].trainer, path)
 
 
 def of_records(records: list[dict[str, Any]], source: str) -> Trace:
-  """from_records over records already read (`tunix-stage report`'s check of its advice)."""
-  trainer = sorted((r for r in records if r["role"] == record_lib.TRAINER),
-                   key=lambda r: (r["process"]["hostname"], r["process"]["pid"], r["step"]))
+  """One run's records already read (core.telemetry.runs: a Run's, in its order): each trainer
+  step as the trainer measured it. Per micro-batch: the step's median fwd_bwd as compute, its
+  receives' mean time as wire (0 where none was timed: tunix's own unary call is received before
+  any hook sees it), its placements' mean time as h2d; the step's update; its compute lane's own
+  calls (a weight sync) as the boundary."""
   steps = []
-  for r in trainer:
+  for r in records:
+    if r["role"] != record_lib.TRAINER:
+      continue
     received, placed = r["receive"], r["place"]
     wire = received["seconds"] / received["calls"] if received["calls"] else 0.0
     h2d = placed["seconds"] / placed["count"] if placed["count"] else 0.0
