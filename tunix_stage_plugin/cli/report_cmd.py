@@ -14,6 +14,7 @@ Two runs named apart are compared (report_compare.py); `--png` draws the job, in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -82,10 +83,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def comparable(paths: list[str], found: list[runs_lib.Run]
                ) -> tuple[runs_lib.Run, runs_lib.Run] | None:
   """Two paths given, each holding one run of its own: the two runs (in the paths' order), to
-  compare."""
+  compare, each labelled by its path."""
   by_source = {r.sources: r for r in found}
   if len(paths) == len(found) == 2 and set(by_source) == {(paths[0],), (paths[1],)}:
-    return by_source[(paths[0],)], by_source[(paths[1],)]
+    # Each named by the path the user gave it (A and B in the comparison and the picture).
+    return (dataclasses.replace(by_source[(paths[0],)], label=paths[0]),
+            dataclasses.replace(by_source[(paths[1],)], label=paths[1]))
   return None
 
 
@@ -206,6 +209,9 @@ def run(args: argparse.Namespace) -> int:
     found, notes = runs_lib.runs(args.paths)
   except record_lib.RecordError as e:
     return error(str(e))
+  if args.png is not None and not any(r.trainer for r in found):
+    return error(inputs.invalid("--png", args.png, "records holding a trainer's steps (the "
+                                "picture draws them)", "these records hold no trainer step"))
   pair = comparable(args.paths, found)
   if pair is not None:
     report_compare.run(*pair, summaries=tuple(map(summarize, pair)), as_json=args.json,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.core.telemetry import analysis
 
 # (label, colour, hatch) of each part of a bar, bottom to top.
@@ -48,8 +49,8 @@ def draw(path: str, runs: Sequence[Any]) -> None:
     raise PictureError(f"--png needs matplotlib ({e}); install the 'bench' extra: "
                        f"{install_hint.install_command('bench')}") from None
   if not any(run.trainer for run in runs):
-    raise PictureError("the records hold no trainer step to draw (--png draws the trainer's "
-                       "steps)")
+    raise PictureError(inputs.invalid("--png", path, "records holding a trainer's steps (the "
+                                      "picture draws them)", "these records hold no trainer step"))
   steps = max(len(run.trainer) for run in runs)
   width = min(8.0, max(4.0, 1.5 + 0.35 * steps))
   fig, axes = plt.subplots(1, len(runs), figsize=(width * len(runs), 4.6), sharey=True,
