@@ -127,10 +127,11 @@ def test_version_1_records_are_runs_by_process_and_time(two_jobs, tmp_path):
   assert [len(r.trainer) for r in old] == [3, 3]
 
 
-def _write(folder, role, host, times, pid, run=True, started=None):
-  """A process's records at `times` (Unix seconds), through the record's own Writer; its run
-  started at `started` (a second before its first record unless given)."""
+def _write(folder, role, host, times, pid, run=True, started=None, step_s=1.0):
+  """A process's records at `times` (Unix seconds), each step `step_s` long, through the record's
+  own Writer; its run started at `started` (a second before its first record unless given)."""
   figures = {"trainer": json.loads(json.dumps(TRAINER)), "orchestrator": ORCHESTRATOR}[role]
+  figures = {**figures, "step_s": step_s}
   ident = {"id": f"{role[0]}{pid}", "started": times[0] - 1.0 if started is None else started}
   writer = record_lib.Writer(str(folder), role, ident["id"])
   for step, t in enumerate(times):
@@ -181,3 +182,40 @@ def test_runs_pair_by_overlapping_time_on_hosts_that_meet(tmp_path):
   _write(again, "orchestrator", "tunix", [100.5, 104.5], pid=2)
   (run,), _ = runs_lib.runs([str(again)])
   assert [p.pid for p in run.processes] == [1, 6, 2] and len(run.trainer) == 4
+
+
+def test_two_jobs_one_after_the_other_are_two_however_close(tmp_path):
+  """Steps of 25 ms, the second job 1.4 s after the first (two bench runs back to back, as the
+  tunix-marked report A B test makes them): each trainer step joins the orchestrator whose steps
+  it falls among, never one run of four processes."""
+  first = [100.0 + 0.025 * k for k in range(6)]
+  second = [t + 1.4 for t in first]
+  _write(tmp_path, "trainer", "tunix", [t - 0.004 for t in first], pid=1, step_s=0.025)
+  _write(tmp_path, "orchestrator", "tunix", first, pid=9, step_s=0.025)
+  _write(tmp_path, "trainer", "tunix", [t + 0.002 for t in second], pid=2, step_s=0.025)
+  ident = {"id": "o9b", "started": second[0] - 0.1}  # the same orchestrator process, a new run
+  writer = record_lib.Writer(str(tmp_path), "orchestrator", ident["id"])
+  for step, t in enumerate(second):
+    rec = record_lib.make("orchestrator", "tunix", {**ORCHESTRATOR, "step_s": 0.025,
+                                                    "step": step}, {}, ident)
+    rec["time"], rec["process"]["pid"] = t, 9
+    writer.write(rec)
+  writer.close()
+  found, _ = runs_lib.runs([str(tmp_path)])
+  assert [[p.pid for p in r.processes] for r in found] == [[1, 9], [2, 9]]
+  assert [(len(r.trainer), len(r.orchestrator)) for r in found] == [(6, 6), (6, 6)]
+
+
+def test_a_trainer_that_served_one_orchestrator_after_another_is_split_between_the_jobs(
+    tmp_path):
+  _write(tmp_path, "trainer", "tunix", [100.0, 101.0, 102.0, 110.0, 111.0], pid=1)
+  _write(tmp_path, "orchestrator", "tunix", [100.1, 101.1, 102.1], pid=2)
+  _write(tmp_path, "orchestrator", "tunix", [110.1, 111.1], pid=3)
+  found, _ = runs_lib.runs([str(tmp_path)])
+  assert [[p.pid for p in r.processes] for r in found] == [[1, 2], [1, 3]]
+  assert [[r["step"] for r in run.trainer] for run in found] == [[0, 1, 2], [3, 4]]
+  # A trainer step near no orchestrator's steps is a run of the trainer alone.
+  _write(tmp_path / "late", "trainer", "tunix", [100.0, 200.0], pid=4)
+  _write(tmp_path / "late", "orchestrator", "tunix", [100.1], pid=5)
+  found, _ = runs_lib.runs([str(tmp_path / "late")])
+  assert [[p.pid for p in r.processes] for r in found] == [[4, 5], [4]]

@@ -1,9 +1,11 @@
 """A job's runs, told apart in its metrics records, so that a report never takes one median over
 two jobs. A process's records of one run carry its run's id and start (record version 2; a
-version-1 record's run is its process); a trainer's and an orchestrator's runs are one job's
-when the times of their steps overlap (each from its first step to its last record) on hosts
-that meet (tunix's orchestrator and the trainers behind tunix's worker; the embedded host's two).
-docs/observability.md "tunix-stage report".
+version-1 record's run is its process). An orchestrator's run is one job (the orchestrator
+drives it); each trainer step's record joins the job whose orchestrator's steps it falls among
+(by its time, on hosts that meet: tunix's orchestrator and the trainers behind tunix's worker;
+the embedded host's two), so two jobs one after the other are two, however close. A trainer
+step near no orchestrator's steps is a run of its trainer alone. docs/observability.md
+"tunix-stage report".
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from tunix_stage_plugin.core.telemetry import record as record_lib
 # The hosts a trainer's record may name behind the orchestrator's: MaxText's engine runs behind
 # tunix's worker, driven by tunix's orchestrator.
 SAME_JOB_AS = {"maxtext": "tunix"}
-# When a process's steps began: its first record's time less its longest step and this (a run
-# may start long before its first step: a trainer waits for its orchestrator).
+# How far from an orchestrator's steps (its first record's time less its longest step, to its
+# last record's) a trainer step's record may fall and still be that job's: a trainer closes its
+# step on the same update its orchestrator's step ends with, a few milliseconds apart.
 SLACK_S = 2.0
 
 
@@ -34,7 +37,7 @@ class Process:
   pid: int
   run: str | None  # the run's id; None for version-1 records
   started: float  # Unix seconds (a version-1 record's: its first step's)
-  stepping: float  # when its steps began (SLACK_S)
+  stepping: float  # when its steps began: its first record's time less its longest step
   ended: float  # its last record's time
   records: list[dict[str, Any]]
   files: tuple[str, ...]
@@ -90,21 +93,45 @@ def runs(paths: Iterable[str]) -> tuple[list[Run], list[str]]:
   processes = [_process(s) for s in sessions.values()]
   groups: list[list[Process]] = []
   for family in dict.fromkeys(_family(p.host) for p in processes):
-    members = sorted((p for p in processes if _family(p.host) == family),
-                     key=lambda p: (p.stepping, p.ended))
-    end = None
-    for p in members:  # overlapping steps are one job's
-      if end is None or p.stepping > end:
-        groups.append([])
-        end = p.ended
-      groups[-1].append(p)
-      end = max(end, p.ended)
+    groups += _jobs([p for p in processes if _family(p.host) == family])
   groups.sort(key=lambda g: g[0].stepping)  # the runs in the order their steps began
   return [_run(g) for g in groups], notes
 
 
 def _family(host: str) -> str:
   return SAME_JOB_AS.get(host, host)
+
+
+def _jobs(members: list[Process]) -> list[list[Process]]:
+  """One host family's processes as jobs: one per orchestrator run, each with the trainer steps
+  that fall among its steps (a trainer that served one orchestrator after another is split
+  between them); a trainer's steps near no orchestrator's are a run of their own."""
+  orchestrators = sorted((p for p in members if p.role == record_lib.ORCHESTRATOR),
+                         key=lambda p: (p.stepping, p.ended))
+  jobs: list[list[Process]] = [[o] for o in orchestrators]
+  alone: list[list[Process]] = []
+  for p in members:
+    if p.role == record_lib.ORCHESTRATOR:
+      continue
+    parts: dict[int | None, list[dict[str, Any]]] = {}
+    for rec in p.records:
+      parts.setdefault(_job_of(rec["time"], orchestrators), []).append(rec)
+    for index, records in parts.items():
+      part = p if len(parts) == 1 else dataclasses.replace(
+          p, records=records, stepping=records[0]["time"], ended=records[-1]["time"])
+      (alone.append([part]) if index is None else jobs[index].append(part))
+  return jobs + alone
+
+
+def _job_of(time: float, orchestrators: list[Process]) -> int | None:
+  """The orchestrator run whose steps `time` falls among (the nearest, within SLACK_S; of two
+  at once, the one begun last), or None."""
+  best, nearest = None, SLACK_S
+  for index, o in enumerate(orchestrators):
+    distance = max(o.stepping - time, time - o.ended, 0.0)
+    if distance <= nearest:
+      best, nearest = index, distance
+  return best
 
 
 def _add(sessions: dict[tuple[Any, ...], dict[str, Any]], rec: dict[str, Any], path: str,
@@ -125,7 +152,7 @@ def _add(sessions: dict[tuple[Any, ...], dict[str, Any]], rec: dict[str, Any], p
 
 def _process(s: dict[str, Any]) -> Process:
   role, hostname, pid, run = s["key"]
-  stepping = s["first"] - s["longest"] - SLACK_S
+  stepping = s["first"] - s["longest"]
   started = stepping if s["started"] is None else min(s["started"], s["first"])
   records = sorted(s["records"], key=lambda r: r["step"])
   return Process(role=role, host=s["host"], hostname=hostname, pid=pid, run=run,
