@@ -219,3 +219,26 @@ def test_a_trainer_that_served_one_orchestrator_after_another_is_split_between_t
   _write(tmp_path / "late", "orchestrator", "tunix", [100.1], pid=5)
   found, _ = runs_lib.runs([str(tmp_path / "late")])
   assert [[p.pid for p in r.processes] for r in found] == [[4, 5], [4]]
+
+
+def test_tunix_s_train_step_pairs_a_trainer_step_with_the_orchestrator_that_ran_it(tmp_path):
+  """A staged job, then at once an inline one whose orchestrator ran without the plugin (as the
+  tunix-marked observability test runs them): the trainer's steps 2 and 3 fall within a second
+  of the first orchestrator's, but tunix's train step (`host_step`, on both sides) says the
+  first orchestrator ran steps 1 and 2 only."""
+  def write(role, pid, times, host_steps):
+    figures = {"trainer": TRAINER, "orchestrator": ORCHESTRATOR}[role]
+    ident = {"id": f"{role[0]}{pid}", "started": times[0] - 1.0}
+    writer = record_lib.Writer(str(tmp_path), role, ident["id"])
+    for step, (t, host_step) in enumerate(zip(times, host_steps)):
+      rec = record_lib.make(role, "tunix", {**figures, "step_s": 0.25, "step": step,
+                                            "host_step": host_step}, {}, ident)
+      rec["time"], rec["process"]["pid"] = t, pid
+      writer.write(rec)
+    writer.close()
+
+  write("trainer", 1, [100.0, 100.25, 101.3, 102.5], [1, 2, 3, 4])
+  write("orchestrator", 2, [100.01, 100.26], [1, 2])
+  found, _ = runs_lib.runs([str(tmp_path)])
+  assert [[p.pid for p in r.processes] for r in found] == [[1, 2], [1]]
+  assert [[r["host_step"] for r in run.trainer] for run in found] == [[1, 2], [3, 4]]

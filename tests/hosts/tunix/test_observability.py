@@ -88,9 +88,14 @@ def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
   out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
                        capture_output=True, text=True, timeout=60, check=True).stdout
   print(out)  # with -s: what a user's `tunix-stage report` says of this job
-  assert "trainer " in out and "orchestrator " in out and "(tunix, 4 steps)" in out
+  # Two jobs: the staged one (its trainer steps beside its orchestrator's) and the inline one,
+  # whose orchestrator ran without the plugin (the trainer's steps alone): never one median.
+  assert out.startswith("2 runs (jobs) in these records, each reported apart"), out
+  first, second = out.split("\nrun 2 of 2: ")
+  assert "trainer " in first and "orchestrator " in first and first.count("(tunix, 2 steps)") == 2
+  assert "trainer " in second and "orchestrator " not in second and "(tunix, 2 steps)" in second
   assert "wait boundary" in out and "staging hid" in out
-  assert out.splitlines()[-1].startswith("recommendation: ")
+  assert all(part.splitlines()[-1].startswith("recommendation: ") for part in (first, second))
 
 
 def test_the_peft_train_device_span_ends_on_the_watcher_s_one_wait():

@@ -1,10 +1,11 @@
 """A job's runs, told apart in its metrics records, so that a report never takes one median over
 two jobs. A process's records of one run carry its run's id and start (record version 2; a
 version-1 record's run is its process). An orchestrator's run is one job (the orchestrator
-drives it); each trainer step's record joins the job whose orchestrator's steps it falls among
-(by its time, on hosts that meet: tunix's orchestrator and the trainers behind tunix's worker;
-the embedded host's two), so two jobs one after the other are two, however close. A trainer
-step near no orchestrator's steps is a run of its trainer alone. docs/observability.md
+drives it); each trainer step's record joins the job whose orchestrator ran that step (tunix's
+train step, on both sides) and whose steps it falls among in time, on hosts that meet (tunix's
+orchestrator and the trainers behind tunix's worker; the embedded host's two): two jobs one
+after the other are two, however close. A trainer step of no orchestrator's is a run of its
+trainer alone. docs/observability.md
 "tunix-stage report".
 """
 
@@ -109,13 +110,15 @@ def _jobs(members: list[Process]) -> list[list[Process]]:
   orchestrators = sorted((p for p in members if p.role == record_lib.ORCHESTRATOR),
                          key=lambda p: (p.stepping, p.ended))
   jobs: list[list[Process]] = [[o] for o in orchestrators]
+  host_steps = [{r["host_step"] for r in o.records if r.get("host_step") is not None}
+                for o in orchestrators]
   alone: list[list[Process]] = []
   for p in members:
     if p.role == record_lib.ORCHESTRATOR:
       continue
     parts: dict[int | None, list[dict[str, Any]]] = {}
     for rec in p.records:
-      parts.setdefault(_job_of(rec["time"], orchestrators), []).append(rec)
+      parts.setdefault(_job_of(rec, orchestrators, host_steps), []).append(rec)
     for index, records in parts.items():
       part = p if len(parts) == 1 else dataclasses.replace(
           p, records=records, stepping=records[0]["time"], ended=records[-1]["time"])
@@ -123,12 +126,19 @@ def _jobs(members: list[Process]) -> list[list[Process]]:
   return jobs + alone
 
 
-def _job_of(time: float, orchestrators: list[Process]) -> int | None:
-  """The orchestrator run whose steps `time` falls among (the nearest, within SLACK_S; of two
-  at once, the one begun last), or None."""
+def _job_of(rec: dict[str, Any], orchestrators: list[Process], host_steps: list[set[int]]
+            ) -> int | None:
+  """The orchestrator run a trainer step's record is of, or None. Where the host numbers its
+  steps on both sides (tunix's train step, `host_step`), among the orchestrators that ran that
+  step only; then the one whose steps its time falls among (the nearest, within SLACK_S; of two
+  at once, the one begun last)."""
+  candidates = range(len(orchestrators))
+  if rec.get("host_step") is not None and any(host_steps):
+    candidates = [i for i in candidates if rec["host_step"] in host_steps[i]]
   best, nearest = None, SLACK_S
-  for index, o in enumerate(orchestrators):
-    distance = max(o.stepping - time, time - o.ended, 0.0)
+  for index in candidates:
+    o = orchestrators[index]
+    distance = max(o.stepping - rec["time"], rec["time"] - o.ended, 0.0)
     if distance <= nearest:
       best, nearest = index, distance
   return best
