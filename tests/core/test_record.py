@@ -204,3 +204,52 @@ def test_a_time_at_the_edge_of_its_range_is_reported(tmp_path, at):
   proc = report(path)
   assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
   assert proc.stdout.startswith("run: started " + runs_lib.when(at))
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("step_s", NAN),  # in a column of numbers, where min and max may pass it by
+    ("compute.slowdown_s", NAN),
+    ("place.count", True),  # a bool is not a count
+    ("place.count", 1.0),
+    ("input_wait_s.mid_step", -0.5),
+    ("other_s", float("inf")),
+    ("receive.bytes", 2**53 + 1),
+    ("bound_by", 3),
+    ("compute", [1]),
+    ("receive.by_transport", []),
+    ("receive.by_transport.side.calls", -1),
+    ("receive.by_transport.side.gib_s", "fast"),
+    ("settings.max_device_batches", None),
+    ("process.pid", NAN),
+    ("place.staged", 5),  # more staged than placed
+    ("pool", None),
+])
+def test_a_chunk_checked_at_once_refuses_what_a_line_checked_alone_does(tmp_path, field, value):
+  """The records of a chunk are checked at once, a column per field; a bad value in any record
+  of it (here the fourth of six) makes the chunk's lines checked one by one, naming the line."""
+  (path,) = write_trainer_job(tmp_path, steps=6)
+  records, _ = record_lib.read(path)
+  lines = [json.loads(json.dumps(r)) for r in records]
+  assert record_lib._checked(json.loads(json.dumps(lines)), None)  # pylint: disable=protected-access
+  *outer, key = field.split(".")
+  place = lines[3]
+  for part in outer:
+    place = place[part]
+  place[key] = value
+  assert not record_lib._checked(json.loads(json.dumps(lines)), None)  # pylint: disable=protected-access
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in lines))
+  with pytest.raises(record_lib.RecordError, match=f"{path}:4 "):
+    record_lib.read(path)
+
+
+def test_a_chunk_of_mixed_roles_or_extra_fields_is_read_line_by_line_as_before(tmp_path):
+  (path,) = write_trainer_job(tmp_path, steps=3)
+  records, _ = record_lib.read(path)
+  extra = [{**r, "mine": {"x": [1]}} for r in records]  # a field no reader reads: kept, unchecked
+  assert record_lib._checked(extra, None)  # pylint: disable=protected-access
+  assert not record_lib._checked([*records, {**records[0], "role": "orchestrator"}], None)  # pylint: disable=protected-access
+  assert not record_lib._checked([*records, {**records[0], "version": True}], None)  # pylint: disable=protected-access
