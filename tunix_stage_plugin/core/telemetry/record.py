@@ -16,8 +16,6 @@ import stat
 import sys
 import threading
 import time
-from itertools import compress
-from operator import eq
 from typing import Any, Callable, Iterable, Iterator
 
 from tunix_stage_plugin.core import config as config_lib
@@ -225,14 +223,8 @@ class Reader:
         elif len(raw) > MAX_LINE:
           raise _error(f"{self.path}:{n + 1}", LINES_ACCEPTED, f"a line of more than "
                        f"{MAX_LINE} bytes")
-        records = _decode(self.path, n - len(lines) + 1, lines)
-        if not _checked(records, before):  # line by line, to name the line that is not
-          for record in records:
-            before = _check(self.path, self.count + 1, record, before)
-            self.count += 1
-            yield before
-          records = []
-        for before in records:
+        for record in _decode(self.path, n - len(lines) + 1, lines):
+          before = _check(self.path, self.count + 1, record, before)
           self.count += 1
           yield before
         lines = []
@@ -410,128 +402,3 @@ def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dic
       raise _error(f"{path}:{n} place", LINES_ACCEPTED, "more staged and inline placements than "
                    "its count")
   return record
-
-
-# Every record of a chunk checked at once (_checked), per role and version: each leaf of SHAPES
-# as a column of the chunk's values (_flat); `_check` names the line where a chunk is not fine.
-_TYPES = {NUMBER: {float, int}, COUNT: {int}, TEXT: {str}}
-_MOST = {NUMBER: MAX_NUMBER, COUNT: MAX_COUNT}
-_ABSENT = object()
-Flat = tuple[list[Any], list[Any]]
-
-
-def _flat(shape: dict[str, Any], path: tuple[str, ...] = ()) -> Flat:
-  """A fixed `shape`'s leaves ((path, kind, optional, nullable) each) and its other parts
-  ((path, optional, a test of their values): an object of any fields, one a record may lack)."""
-  leaves: list[Any] = []
-  parts: list[Any] = []
-  for key, sub in shape.items():
-    field, optional, nullable = key.removeprefix("?"), key.startswith("?"), isinstance(sub, Maybe)
-    inner = sub.shape if nullable else sub
-    if isinstance(inner, dict) and "*" not in inner and not optional and not nullable:
-      more = _flat(inner, (*path, field))
-      leaves += more[0]
-      parts += more[1]
-    elif isinstance(inner, dict):
-      parts.append(((*path, field), optional, _part(sub)))
-    else:
-      leaves.append(((*path, field), inner, optional, nullable))
-  return leaves, parts
-
-
-def _part(shape: Any) -> Callable[[list[Any]], bool]:
-  """Whether values (none null) are what `shape` says: an object of any fields or a fixed one."""
-  if isinstance(shape, dict) and "*" in shape and not isinstance(shape["*"], (dict, Maybe)):
-    return lambda values: (_objects(values) and _fine([v for o in values for v in o.values()],
-                                                      shape["*"]))
-  if isinstance(shape, dict) and "*" in shape and isinstance(shape["*"], dict):
-    each = _flat(shape["*"])
-    return lambda values: (_objects(values) and
-                           _all_fine([v for o in values for v in o.values()], each))
-  if isinstance(shape, dict):
-    fixed = _flat(shape)
-    return lambda values: _objects(values) and _all_fine(values, fixed)
-  check = _compile(shape)
-  return lambda values: all(check(v) is None for v in values)
-
-
-def _objects(values: list[Any]) -> bool:
-  return set(map(type, values)) <= {dict}
-
-
-_FLAT = {(role, version): _flat({(f"?{k}" if k in lacks else k): shape for k, shape in
-                                 {**SHAPES["common"], **SHAPES[role]}.items()})
-         for role in FIELDS for version, lacks in _LACKS.items()}
-# The fields of a role's records that hold an object (those `_check` shares with the line before).
-_OBJECTS = {role: tuple(k.removeprefix("?") for k, shape in
-                        {**SHAPES["common"], **SHAPES[role]}.items()
-                        if isinstance(shape.shape if isinstance(shape, Maybe) else shape, dict))
-            for role in FIELDS}
-
-
-def _checked(records: list[Any], before: dict[str, Any] | None) -> bool:
-  """Whether `records` (of one role and version) are all what SHAPES says, checked at once, and
-  their parts equal to the record before's made that record's, as `_check` does; False where any
-  is not, or where they mix roles or versions: `_check` then names the line."""
-  try:
-    (kind,) = {(r["schema"], type(r["version"]), r["version"], r["role"]) for r in records}
-  except (TypeError, KeyError, ValueError):  # not all objects with these fields; several kinds
-    return False
-  schema, version_type, version, role = kind
-  if schema != SCHEMA or version_type is not int or (role, version) not in _FLAT:
-    return False
-  if before is not None and (before["role"], before["version"]) != (role, version):
-    before = None
-  try:
-    for field in _OBJECTS[role]:  # what repeats is held once
-      if type(records[0].get(field)) is dict:  # pylint: disable=unidiomatic-typecheck
-        items = [r.get(field) for r in records]
-        for i in compress(range(len(items)), map(eq, items, [
-            None if before is None else before.get(field), *items[:-1]])):
-          if type(items[i]) is dict:  # pylint: disable=unidiomatic-typecheck
-            items[i] = records[i][field] = items[i - 1] if i else before[field]
-    return _all_fine(records, _FLAT[role, version]) and (role != TRAINER or all(
-        r["place"]["staged"] + r["place"]["inline"] <= r["place"]["count"] for r in records))
-  except (_Bad, TypeError, KeyError, AttributeError):
-    return False
-
-
-def _all_fine(values: list[Any], flat: Flat) -> bool:
-  """Whether the objects `values` are what `flat` (_flat) says; a path through a value that is
-  not an object raises TypeError or KeyError."""
-  objects: dict[tuple[str, ...], list[Any]] = {(): values}
-  for path, kind, optional, nullable in flat[0]:
-    column = _column(objects, path, optional)
-    if optional:
-      column = [v for v in column if v is not _ABSENT]
-    if nullable:
-      column = [v for v in column if v is not None]
-    if not _fine(column, kind):
-      return False
-  for path, optional, test in flat[1]:
-    column = [v for v in _column(objects, path, optional) if v is not _ABSENT]
-    if column and not test(column):
-      return False
-  return True
-
-
-def _column(objects: dict[tuple[str, ...], list[Any]], path: tuple[str, ...], optional: bool
-            ) -> list[Any]:
-  """The values at `path` in the objects `objects[()]` (one where they all share one object);
-  `objects` keeps those on the way."""
-  outer = path[:-1]
-  if outer not in objects:
-    inner = _column(objects, outer, False)
-    objects[outer] = inner[:1] if len(set(map(id, inner))) == 1 else inner
-  if optional:
-    return [o.get(path[-1], _ABSENT) for o in objects[outer]]
-  return [o[path[-1]] for o in objects[outer]]
-
-
-def _fine(values: list[Any], kind: str) -> bool:
-  if not set(map(type, values)) <= _TYPES[kind]:
-    return False
-  if kind == TEXT or not values:
-    return True
-  total = sum(values)  # NaN, which min and max may pass by
-  return 0 <= min(values) and max(values) <= _MOST[kind] and total == total
