@@ -82,7 +82,7 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
     paths = {"staged": staged(steps), "inline": [f for f in steps if not f["place"]["staged"]]}
     waits = {path: [input_wait(f) for f in group] for path, group in paths.items()}
     judged = paths["staged"] or steps  # what staging hid: in the steps that staged
-    wait = waits["staged"] or waits["inline"]
+    wait = waits["staged"] or waits["inline"]  # judged's
     estimate = [inline_estimate(f) for f in judged]
     out["trainer"] = {
         "step_s": statistics.median(step_seconds(f) for f in steps),

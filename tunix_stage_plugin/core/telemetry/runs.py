@@ -80,9 +80,9 @@ def runs(paths: Iterable[str]) -> tuple[list[Run], list[str]]:
           continue  # a file given twice (by name and in its folder) is read once
         seen.add(os.path.realpath(path))
         reader = record_lib.Reader(path)
-        held: tuple[Any, ...] = ()  # the process and run of the record before, and its session
-        for rec in reader:
-          if held[:3] != (rec["role"], rec["process"], rec.get("run")):  # by identity, mostly
+        held: tuple[Any, ...] = ()  # the role, process and run of the record before; its session
+        for rec in reader:  # (the reader shares a process and run with the line before: `is`)
+          if held[:3] != (rec["role"], rec["process"], rec.get("run")):
             held = (rec["role"], rec["process"], rec.get("run"), _session(sessions, rec))
             held[3]["files"][path] = held[3]["sources"][source] = None
           held[3]["records"].append(rec)
