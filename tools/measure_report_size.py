@@ -3,16 +3,19 @@
 Writes a synthetic job's metrics records (a trainer's and an orchestrator's, STEPS steps each)
 through the plugin's own record.make and record.Writer, then times `tunix-stage report` on them in
 a subprocess: its wall time, its CPU time (what a machine shared with other work changes least)
-and its peak resident memory (resource.getrusage(RUSAGE_CHILDREN)). One report is timed per
-invocation, so the figures are that report's.
+and its peak resident memory (os.wait4: each report's own figures).
 
   python tools/measure_report_size.py --steps 200000 -- --steps 0
   python tools/measure_report_size.py --steps 200000 --keep /tmp/r -- --json --steps 0
   python tools/measure_report_size.py --record /tmp/r --tree /other/checkout --version 1 --
+  python tools/measure_report_size.py --record /tmp/r --tree /old --tree . --runs 3 -- --steps 0
+  python tools/measure_report_size.py --record /tmp/r --phases
 
 --version 1 writes the records as version 1 did (no run), so an older checkout's report
-(--tree: the checkout whose package is timed) reads the same records. docs/observability.md
-"tunix-stage report".
+(--tree: the checkout whose package is timed; several: each in turn, back to back) reads the
+same records; --runs N times each tree N times and ends with each tree's medians. --phases times
+the parts of a report alone, in this process, with this checkout (where the time goes).
+docs/observability.md "tunix-stage report".
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ import argparse
 import json
 import os
 import random
-import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
+from tunix_stage_plugin.cli import report_cmd
+from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import runs as runs_lib
 
 MIB = 1 << 20
 
@@ -90,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                       "before) instead of writing new ones")
   parser.add_argument("--keep", help="write the records into this folder and keep them")
   parser.add_argument("--version", type=int, default=record_lib.VERSION, choices=(1, 2))
-  parser.add_argument("--tree", help="the checkout whose report is timed (its PYTHONPATH)")
+  parser.add_argument("--tree", action="append", help="a checkout whose report is timed (its "
+                      "PYTHONPATH); again for another, timed in turn")
+  parser.add_argument("--runs", type=int, default=1, help="times each tree's report is timed")
+  parser.add_argument("--phases", action="store_true", help="time the report's parts instead")
   parser.add_argument("report_args", nargs="*", help="after --: the report's own flags")
   args = parser.parse_args(argv)
   with tempfile.TemporaryDirectory() as scratch:
@@ -100,27 +109,74 @@ def main(argv: list[str] | None = None) -> int:
       write(folder, args.steps, args.version)
       print(f"wrote {args.steps} steps x 2 processes (version {args.version}) in "
             f"{time.perf_counter() - start:.1f} s: {folder}", flush=True)
-    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
-    env = dict(os.environ)
-    if args.tree:  # its package first (`-m` puts the working folder first: run it there)
-      env["PYTHONPATH"] = args.tree
-    cmd = [sys.executable, "-m", "tunix_stage_plugin", "report", os.path.abspath(folder),
-           *args.report_args]
+    if args.phases:
+      print(json.dumps(phases(folder)))
+      return 0
+    timed = [time_report(folder, tree, args.report_args)
+             for _ in range(args.runs) for tree in args.tree or [None]]
+  for row in timed:
+    print(json.dumps(row))
+  if args.runs > 1:
+    for tree in dict.fromkeys(row["tree"] for row in timed):
+      rows = [row for row in timed if row["tree"] == tree]
+      print(json.dumps({"tree": tree, "runs": len(rows), "median": {
+          key: statistics.median(row[key] for row in rows)
+          for key in ("wall_s", "cpu_s", "peak_rss_mib", "load_1min")}}))
+  return max(row["exit"] for row in timed)
+
+
+def time_report(folder: str, tree: str | None, report_args: list[str]) -> dict:
+  """One `tunix-stage report` on `folder` in a subprocess (with `tree`'s package): its figures."""
+  size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
+  env = dict(os.environ)
+  if tree:  # its package first (`-m` puts the working folder first: run it there)
+    env["PYTHONPATH"] = tree
+  cmd = [sys.executable, "-m", "tunix_stage_plugin", "report", os.path.abspath(folder),
+         *report_args]
+  with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=args.tree, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, check=False)
+    proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=stdout, stderr=stderr)  # pylint: disable=consider-using-with
+    _, status, usage = os.wait4(proc.pid, 0)  # this report's own figures
     wall = time.perf_counter() - start
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-  out = proc.stdout.decode(errors="replace")
-  print(json.dumps({"command": " ".join(["tunix-stage report DIR", *args.report_args]),
-                    "tree": args.tree or "this checkout", "record_mib": round(size / MIB, 1),
-                    "exit": proc.returncode, "wall_s": round(wall, 2),
-                    "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-                    "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
-                    "load_1min": round(os.getloadavg()[0], 2),
-                    "stdout_lines": out.count("\n"), "stdout_mib": round(len(out) / MIB, 2),
-                    "stderr_tail": proc.stderr.decode(errors="replace")[-300:]}))
-  return proc.returncode
+    stdout.seek(0)
+    stderr.seek(0)
+    out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+  return {"command": " ".join(["tunix-stage report DIR", *report_args]),
+          "tree": tree or "this checkout", "record_mib": round(size / MIB, 1),
+          "exit": os.waitstatus_to_exitcode(status), "wall_s": round(wall, 2),
+          "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+          "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+          "load_1min": round(os.getloadavg()[0], 2),
+          "stdout_lines": out.count("\n"), "stdout_mib": round(len(out) / MIB, 2),
+          "stderr_tail": err[-300:]}
+
+
+def phases(folder: str) -> dict:
+  """The CPU seconds of a report's parts on `folder`, each timed alone: decoding the JSON, reading
+  it (decoding and checking), telling the runs apart (reading included), the summary and the
+  advice (of the first run)."""
+  paths = record_lib.files([folder])
+  out = {}
+
+  def timed(name, fn):
+    start = time.process_time()
+    result = fn()
+    out[name + "_s"] = round(time.process_time() - start, 2)
+    return result
+
+  def decode():
+    for path in paths:
+      with open(path, "rb") as f:
+        while chunk := f.readlines(record_lib.CHUNK * 1024):
+          json.loads(b"[" + b",".join(chunk) + b"]")
+
+  timed("decode", decode)
+  timed("read", lambda: [sum(1 for _ in record_lib.Reader(p)) for p in paths])
+  found, _ = timed("runs", lambda: runs_lib.runs([folder]))
+  run = found[0]
+  timed("summary", lambda: analysis.summary(run.trainer, run.orchestrator))
+  timed("advice", lambda: report_cmd.checked_advice(run))
+  return out
 
 
 if __name__ == "__main__":

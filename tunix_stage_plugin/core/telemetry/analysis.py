@@ -80,13 +80,14 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
   out: dict[str, Any] = {"trainer_steps": len(trainer), "orchestrator_steps": len(orchestrator)}
   if steps:
     paths = {"staged": staged(steps), "inline": [f for f in steps if not f["place"]["staged"]]}
+    waits = {path: [input_wait(f) for f in group] for path, group in paths.items()}
     judged = paths["staged"] or steps  # what staging hid: in the steps that staged
-    wait = [input_wait(f) for f in judged]
+    wait = waits["staged"] or waits["inline"]  # judged's
     estimate = [inline_estimate(f) for f in judged]
     out["trainer"] = {
         "step_s": statistics.median(step_seconds(f) for f in steps),
         "compute_s": statistics.median(f["compute_s"] for f in steps),
-        "input_wait_s": statistics.median(input_wait(f) for f in steps),
+        "input_wait_s": statistics.median(waits["staged"] + waits["inline"]),
         "mid_step_s": statistics.median(f["input_wait_s"]["mid_step"] for f in steps),
         "boundary_s": _median([f["input_wait_s"]["boundary"] for f in steps
                                if f["input_wait_s"]["boundary"] is not None]),
@@ -100,8 +101,7 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
         "received": _transports([f["receive"]["by_transport"] for f in trainer]),
         # A record holding both (a job run staged and inline, or stages that fell back): each
         # path's input wait apart, so staging's effect is read off the job itself.
-        "by_path": {path: {"steps": len(group),
-                           "input_wait_s": _median([input_wait(f) for f in group])}
+        "by_path": {path: {"steps": len(group), "input_wait_s": _median(waits[path])}
                     for path, group in paths.items()},
     }
   if orchestrator:
@@ -136,8 +136,11 @@ def transports(parts: Iterable[tuple[str, int, int, float]], *, rate: bool = Tru
 
 
 def _transports(per_step: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-  return transports((name, t["calls"], t["bytes"], t["seconds"])
-                    for step in per_step for name, t in step.items())
+  """Per transport, the steps' figures summed (a figure at a time: a job's steps are many)."""
+  per_name = {name: [step[name] for step in per_step if name in step]
+              for name in dict.fromkeys(name for step in per_step for name in step)}
+  return transports((name, sum(t["calls"] for t in ts), sum(t["bytes"] for t in ts),
+                     sum(t["seconds"] for t in ts)) for name, ts in per_name.items())
 
 
 def _counts(per_step: list[dict[str, int]]) -> dict[str, int]:

@@ -84,8 +84,12 @@ def runs(paths: Iterable[str]) -> tuple[list[Run], list[str]]:
           continue  # a file given twice (by name and in its folder) is read once
         seen.add(os.path.realpath(path))
         reader = record_lib.Reader(path)
-        for rec in reader:
-          _add(sessions, rec, path, source)
+        held: tuple[Any, ...] = ()  # the role, process and run of the record before; its session
+        for rec in reader:  # (the reader shares a process and run with the line before: `is`)
+          if held[:3] != (rec["role"], rec["process"], rec.get("run")):
+            held = (rec["role"], rec["process"], rec.get("run"), _session(sessions, rec))
+            held[3]["files"][path] = held[3]["sources"][source] = None
+          held[3]["records"].append(rec)
         if reader.note is not None:
           notes.append(reader.note)
   finally:
@@ -144,29 +148,27 @@ def _job_of(rec: dict[str, Any], orchestrators: list[Process], host_steps: list[
   return best
 
 
-def _add(sessions: dict[tuple[Any, ...], dict[str, Any]], rec: dict[str, Any], path: str,
-         source: str) -> None:
+def _session(sessions: dict[tuple[Any, ...], dict[str, Any]], rec: dict[str, Any]
+             ) -> dict[str, Any]:
+  """The session (a process's records of one run) `rec` belongs to."""
   run = rec.get("run")
   key = (rec["role"], rec["process"]["hostname"], rec["process"]["pid"],
          None if run is None else run["id"])
-  s = sessions.get(key)
-  if s is None:
-    s = sessions[key] = {"key": key, "host": rec["host"], "records": [], "files": {},
-                         "sources": {}, "started": None if run is None else run["started"],
-                         "first": rec["time"], "last": rec["time"], "longest": 0.0}
-  s["records"].append(rec)
-  s["files"][path] = s["sources"][source] = None
-  s["first"], s["last"] = min(s["first"], rec["time"]), max(s["last"], rec["time"])
-  s["longest"] = max(s["longest"], rec["step_s"] or 0.0)
+  if key not in sessions:
+    sessions[key] = {"key": key, "host": rec["host"], "records": [], "files": {},
+                     "sources": {}, "started": None if run is None else run["started"]}
+  return sessions[key]
 
 
 def _process(s: dict[str, Any]) -> Process:
   role, hostname, pid, run = s["key"]
-  stepping = s["first"] - s["longest"]
-  started = stepping if s["started"] is None else min(s["started"], s["first"])
+  times = [r["time"] for r in s["records"]]
+  first = min(times)
+  stepping = first - max(r["step_s"] or 0.0 for r in s["records"])
+  started = stepping if s["started"] is None else min(s["started"], first)
   records = sorted(s["records"], key=lambda r: r["step"])
   return Process(role=role, host=s["host"], hostname=hostname, pid=pid, run=run,
-                 started=started, stepping=max(stepping, started), ended=s["last"],
+                 started=started, stepping=max(stepping, started), ended=max(times),
                  records=records, files=tuple(s["files"]), sources=tuple(s["sources"]))
 
 
