@@ -153,6 +153,14 @@ class Installation:
     self._bound_pool()  # one more worker: room for its staged batches too
     return state
 
+  def drop_staged(self, worker: Any) -> None:
+    """Drops `worker`'s staged batches (its server stopped), waking any placement waiting for a
+    slot they held."""
+    with self._lock:
+      state = self._workers.get(worker)
+    if state is not None:
+      state.store.reset()
+
   def router_of(self, engine: Any, make: Callable[[], Any]) -> Any:
     """`engine`'s router, made by `make` on first use."""
     with self._lock:

@@ -5,8 +5,8 @@ server (docs/tunix.md "What it hooks").
 Traps specific to this code: grpc takes handlers only before start, so the stream's method is added
 when tunix assigns `_server` inside the wrapped `start_serving_async` (a property for that one
 moment; the value stays in the instance's `__dict__`). `stop_serving` stops the side channel first
-(no new bytes), then tunix's stop, then joins the server's lanes; an in-process server's lanes go
-when the server is collected.
+(no new bytes), then tunix's stop, then drops the worker's staged batches (nothing can train them)
+and joins the server's lanes; an in-process server's lanes go when the server is collected.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     result = await original_stop(self, *args, **kwargs)
     executor = inst.lanes.pop(self)
     if executor is not None:
+      # No call comes any more: its staged batches can never be trained. Dropping them frees their
+      # device slots, so a placement waiting for one returns now (not after its slot wait).
+      inst.drop_staged(self.bound_instance)
       # Joins the lanes (a running fwd_bwd finishes first) without holding the loop.
       await asyncio.to_thread(executor.close)
     return result
