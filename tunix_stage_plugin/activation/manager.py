@@ -107,6 +107,12 @@ def install(config: config_lib.StageConfig | None = None, *, host: str = DEFAULT
       return _refuse(host, f"{host} is not importable ({type(e).__name__}: {e})", quiet)
     except LookupError as e:
       return _refuse(host, str(e), quiet)
+    current = _active.get(host)
+    if current is not None:
+      # Loading the host imported what the .pth bootstrap waits for, and its install (nested,
+      # on this thread) installed the host: this call's work is done, not a host to refuse.
+      current.live.update(config)
+      return Activation(host, True, current.line, current.registry.names(), config)
     failed = [p for p in adapter.probe(config) if not p.ok]
     if failed:
       reasons = "; ".join(f"{p.name}: {p.detail}" for p in failed)

@@ -122,3 +122,19 @@ def test_launched_by_tunix_s_runtime_with_minus_S_the_plugin_stages_through_the_
   assert plain["inputs"] == ["host"] * (test_grpc.STEPS * test_grpc.MICRO)
   assert plain["metrics"] == [None] * test_grpc.STEPS  # tunix's own RLStepResult
   assert staged["params"] == plain["params"]  # bitwise equal parameters
+
+
+def test_the_bootstrap_and_tunix_s_plugin_loader_in_one_process_say_one_line():
+  """Without `-S` both activations run in one process: the `.pth` bootstrap waits for tunix's
+  modules, and tunix's runtime calls the `tunix.plugins` entry point, whose install imports those
+  modules, so the bootstrap's install runs nested inside it. One installation and one line; no
+  refusal of hooks the nested install just applied."""
+  env = {k: v for k, v in _env(staging=True).items() if k != "PYTHONPATH"}
+  env["PYTHONPATH"] = os.pathsep.join([CHECKOUT, TREE])  # the venv's site: its .pth runs
+  code = ("from tunix.experimental import plugins; import tunix_stage_plugin.activation.bootstrap "
+          "as b; assert b._started, 'no .pth bootstrap ran'; plugins.load_plugins()")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                        cwd=CHECKOUT, timeout=STEPS_TIMEOUT_S)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  said = [line for line in proc.stderr.splitlines() if line.startswith("tunix-stage:")]
+  assert len(said) == 1 and said[0].startswith("tunix-stage: staging on for tunix"), said
