@@ -285,3 +285,16 @@ def test_the_host_path_leaves_out_what_the_trainers_receive_pool_held_back():
   path = tunix_bench.host_path(node, calls, waits, since=0.0, offset=100.0)
   assert path["staged"]["receive_s"] == pytest.approx(0.2)
   assert path["inline"]["receive_s"] == pytest.approx(0.3)
+
+
+def test_a_node_s_stderr_is_read_as_it_comes_so_a_chatty_node_never_blocks():
+  """A process writing 1 MiB to stderr (16 times a pipe's buffer: a long bench's per-step lines
+  and tunix's log) exits on its own while its stderr is drained; the last line is kept."""
+  proc = subprocess.Popen(
+      [sys.executable, "-c", "import sys\nfor i in range(16384): print('x' * 63, file=sys.stderr)\n"
+       "print('the last line', file=sys.stderr)"],
+      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  drain = tunix_bench._Drain(proc.stderr)  # pylint: disable=protected-access
+  assert proc.wait(60) == 0
+  assert drain.last(10) == "the last line"
+  proc.stderr.close()

@@ -17,6 +17,7 @@ model). docs/bench.md "Hosts".
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -26,6 +27,7 @@ import os
 import selectors
 import subprocess
 import sys
+import threading
 import time
 import types
 from typing import Any, Callable, Iterator
@@ -85,10 +87,35 @@ class _Unstaged(_NoPrestage):
     return 0
 
 
+class _Drain:
+  """A node's stderr read as it comes, its last lines kept: a pipe nobody reads fills (its
+  per-step lines, tunix's log) and then blocks the node's next write."""
+
+  LINES = 20
+
+  def __init__(self, pipe: Any) -> None:
+    self.lines: collections.deque[str] = collections.deque(maxlen=self.LINES)
+    self._thread = threading.Thread(target=self._read, args=(pipe,), daemon=True,
+                                    name="tunix-node-stderr")
+    self._thread.start()
+
+  def _read(self, pipe: Any) -> None:
+    with contextlib.suppress(OSError, ValueError):  # the pipe closed under it: nothing to keep
+      for line in pipe:
+        if line.strip():
+          self.lines.append(line.rstrip("\n"))
+
+  def last(self, timeout_s: float) -> str | None:
+    """The last line, once the node's stderr has ended (or `timeout_s` passed)."""
+    self._thread.join(timeout_s)
+    return self.lines[-1] if self.lines else None
+
+
 @dataclasses.dataclass
 class _Node:
   proc: subprocess.Popen
   port: int
+  stderr: _Drain
   handle: Any = None
   offset: float = 0.0  # node perf_counter + offset = this process's perf_counter
   uncertainty: float = 0.0
@@ -130,12 +157,12 @@ class BenchHost:
           [sys.executable, "-m", "tunix_stage_plugin.lab.tunix.node", "--spec", json.dumps(spec)],
           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
           env=env)
-      self.nodes[kind] = _Node(procs[kind], 0)
+      self.nodes[kind] = _Node(procs[kind], 0, _Drain(procs[kind].stderr))
     for kind, proc in procs.items():
       line = _first_line(proc, START_TIMEOUT_S)
       if line is None:
         raise host_lib.HostError(
-            f"the tunix trainer node ({kind}) did not start: {_stderr_tail(proc)}")
+            f"the tunix trainer node ({kind}) did not start: {_stderr_tail(self.nodes[kind])}")
       self.nodes[kind].port = json.loads(line)["port"]
 
   def stop(self) -> int | None:
@@ -152,6 +179,7 @@ class BenchHost:
         except subprocess.TimeoutExpired:
           proc.kill()
           proc.wait()
+      node.stderr.last(EXIT_WAIT_S)  # its reader has seen the end before the pipe closes
       for pipe in (proc.stdin, proc.stdout, proc.stderr):
         if pipe is not None:
           pipe.close()
@@ -184,7 +212,7 @@ class BenchHost:
     except (RuntimeError, grpc.aio.AioRpcError) as e:
       # A node killed mid-call closes its socket a moment before its exit can be reaped.
       deadline = time.monotonic() + EXIT_WAIT_S
-      gone = [f"the {kind} node exited with code {n.proc.returncode}: {_stderr_tail(n.proc)}"
+      gone = [f"the {kind} node exited with code {n.proc.returncode}: {_stderr_tail(n)}"
               for kind, n in self.nodes.items() if _exited(n.proc, deadline)]
       remote = contract.RemoteError.of(e)  # tunix's envelope of a node's exception
       if isinstance(e, grpc.aio.AioRpcError):
@@ -413,9 +441,9 @@ def _first_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
   return line or None
 
 
-def _stderr_tail(proc: subprocess.Popen) -> str:
+def _stderr_tail(node: _Node) -> str:
+  proc = node.proc
   if proc.poll() is None:
     proc.kill()
   proc.wait()
-  lines = [line for line in proc.stderr.read().splitlines() if line.strip()]
-  return lines[-1] if lines else f"exit code {proc.returncode}, nothing on stderr"
+  return node.stderr.last(EXIT_WAIT_S) or f"exit code {proc.returncode}, nothing on stderr"
