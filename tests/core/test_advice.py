@@ -86,9 +86,12 @@ def test_a_cause_in_a_minority_of_the_steps_still_counts():
 
 
 def test_pool_waits_refusals_and_shared_cores():
-  a, = advice.advise(window(pool=0.3))
+  # Transfers that waited for a receive buffer while the trainer never waited cost nothing.
+  assert advice.advise(window(pool=0.3)) == []
+  a, = advice.advise(window(pool=0.3, boundary=0.3))
   assert (a.kind, a.setting, a.change) == (
       advice.HOST_BOUND, "TUNIX_STAGE_MAX_HOST_BATCHES=2", advice.Change(max_host_batches=2))
+  assert [b.kind for b in advice.advise(window(over_bound=1))] == [advice.HOST_BOUND]
   assert a.cost == "one more receive buffer on the trainer: 16 MiB of host memory"
   a, = advice.advise(window(refused=(0, 3, 0, 0)))
   assert (a.kind, a.setting, str(a.figure)) == (

@@ -209,7 +209,11 @@ def advise(window: Window | None) -> list[Advice]:
   out = []
   s, size = window.settings, _size(window.microbatch_bytes)
   pool = window.figure("receive-pool wait", window.pool_wait_s)
-  if window.counts(pool) or window.over_bound:
+  mid = window.figure("input wait mid-step", window.mid_step_s)
+  boundary = window.figure("input wait at the boundary", window.boundary_s)
+  # A transfer waiting for a receive buffer costs the step only where the trainer then waited
+  # for its input (or the transfer ran out of its wait and fell back inline).
+  if window.counts(pool) and (window.counts(mid) or window.counts(boundary)) or window.over_bound:
     out.append(Advice(HOST_BOUND, f"TUNIX_STAGE_MAX_HOST_BATCHES={s.max_host_batches + 1}", pool,
                       f"one more receive buffer on the trainer: {size} of host memory",
                       f"the trainer's receive pool held transfers back ({window.over_bound} ran "
@@ -221,8 +225,6 @@ def advise(window: Window | None) -> list[Advice]:
                       refused, f"{size} of device memory",
                       "a bound on the trainer was full",
                       Change(max_device_batches=s.max_device_batches + 1)))
-  mid = window.figure("input wait mid-step", window.mid_step_s)
-  boundary = window.figure("input wait at the boundary", window.boundary_s)
   wire_steps = window.bound_by.count(analysis.WIRE)
   deeper_helps = not window.wire_is_the_bound or s.depth < window.wire_depth
   if window.counts(mid) and deeper_helps and window.depth_full:
