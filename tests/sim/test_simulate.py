@@ -398,3 +398,26 @@ def test_a_job_s_metrics_record_is_an_input(tmp_path):
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
   assert "depth2_prestage" in proc.stdout
+
+
+def test_the_trainer_bounds_come_from_their_variables_as_a_job_reads_them(tmp_path, capsys,
+                                                                          monkeypatch):
+  """TUNIX_STAGE_MAX_DEVICE_BATCHES / _HOST_BATCHES in the environment are the bounds a job runs
+  with: simulate reads them (its flags win), refuses a bad one in the settings' one line, and with
+  --check (the bench's own bounds) says it does not read them."""
+  out = tmp_path / "sim.json"
+  monkeypatch.setenv("TUNIX_STAGE_MAX_DEVICE_BATCHES", "3")
+  assert cli_main.main(["simulate", str(EXAMPLE), "--json", str(out)]) == 0
+  assert json.loads(out.read_text())["max_device_batches"] == 3
+  assert cli_main.main(["simulate", str(EXAMPLE), "--json", str(out),
+                        "--stage_max_device_batches", "2"]) == 0
+  assert json.loads(out.read_text())["max_device_batches"] == 2
+  monkeypatch.setenv("TUNIX_STAGE_MAX_HOST_BATCHES", "abc")
+  capsys.readouterr()
+  assert cli_main.main(["simulate", str(EXAMPLE)]) == 2
+  err = capsys.readouterr().err
+  assert "TUNIX_STAGE_MAX_HOST_BATCHES='abc' is invalid" in err, err
+  monkeypatch.delenv("TUNIX_STAGE_MAX_HOST_BATCHES")
+  assert cli_main.main(["simulate", "--check", str(TINY_BENCH)]) == 0
+  assert ("note: TUNIX_STAGE_MAX_DEVICE_BATCHES=3 is not read with --check"
+          in capsys.readouterr().err)

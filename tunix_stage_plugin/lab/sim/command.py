@@ -67,7 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
     setting = config_lib.SETTINGS_BY_FIELD[field]
     parser.add_argument(f"--{setting.flag}", dest=field, default=None, metavar="N",
                         help=f"the trainer's {bound} bound ({setting.env}'s {setting.accepted}; "
-                        f"default {setting.default}; with --check, the bench's own)")
+                        f"default: {setting.env} where set, else {setting.default}; with "
+                        "--check, the bench's own)")
   parser.add_argument("--what_if", action="append", default=[], metavar="RESOURCE=Fx",
                       help="scale one resource's times, e.g. wire=0.5x (compression halving the "
                       f"wire), h2d=2x, compute=0.8x (F > 0 and <= {MAX_FACTOR:g}); once per "
@@ -108,13 +109,34 @@ def _modes(text: str) -> tuple[str, ...]:
   return modes
 
 
+def _bound(p: inputs.Problems, field: str, flag: str | None, check: bool) -> int | None:
+  """A trainer bound: its flag, else its variable (as a job reads it), else None (the default).
+  With --check the bench's own bounds rule: a variable set then is said, not read."""
+  if flag is not None:
+    return p.setting(field, flag)
+  setting = config_lib.SETTINGS_BY_FIELD[field]
+  text = os.environ.get(setting.env, "").strip()
+  if not text:
+    return None
+  if check:
+    print(f"tunix-stage simulate: note: {setting.env}={text} is not read with --check (each "
+          "mode runs with the bounds the bench ran with)", file=sys.stderr)
+    return None
+  try:
+    return config_lib.parse_value(setting, text, setting.env)
+  except config_lib.ConfigError as e:
+    for line in e.problems:
+      p.add(line)
+    return None
+
+
 def _check_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   """Every flag at once, before the input is read: (values, []) or ({}, one line per problem)."""
   p = inputs.Problems()
   values: dict[str, Any] = {
       "modes": p.take("--modes", args.modes, _modes) or modes_lib.DEFAULT_MODES,
-      "device": p.setting("max_device_batches", args.max_device_batches),
-      "host": p.setting("max_host_batches", args.max_host_batches),
+      "device": _bound(p, "max_device_batches", args.max_device_batches, args.check),
+      "host": _bound(p, "max_host_batches", args.max_host_batches, args.check),
       "step": 1,
       "factors": {},
   }

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import statistics
+import sys
 from typing import Any
 
 from tunix_stage_plugin.core import inputs
@@ -389,9 +390,11 @@ def from_records(path: str) -> Trace:
   named) holding one run, as from_run reads it. Records of several runs are refused, naming each
   run's files: a trace is one job's."""
   try:
-    found, _ = runs_lib.runs([path])
+    found, notes = runs_lib.runs([path])
   except record_lib.RecordError as e:
     raise TraceError(str(e)) from None
+  for note in notes:  # a file skipped or cut short: said, as report says it
+    print(f"tunix-stage simulate: note: {note}", file=sys.stderr)
   if len(found) > 1:
     named = "; ".join(f"run {n} started {runs_lib.when(r.started)}: {', '.join(r.files)}"
                       for n, r in enumerate(found, start=1))
