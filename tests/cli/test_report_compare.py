@@ -150,7 +150,7 @@ def test_png_draws_one_panel_for_a_job_and_two_side_by_side_for_two_runs(runs, t
   json.loads(proc.stdout)  # --json stays one JSON object on stdout
   (h1, w1), c1 = picture(one)
   (h2, w2), c2 = picture(two)
-  assert h1 == h2 == 460 and w2 > w1 >= 400
+  assert h1 == h2 == 520 and w2 > w1 >= 700  # 5.2 in high, at least 7 in a panel, at 100 dpi
   # Not blank: the bars' colours in the plot area (compute blue, boundary wait orange).
   assert len(c1) > 1 and len(c2) > 1
   assert (31, 119, 180) in c1 and (255, 127, 14) in c1  # PARTS' #1f77b4 and #ff7f0e

@@ -8,6 +8,7 @@ report_cmd loads this module only for --png. docs/observability.md "The picture"
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any, Sequence
 
 from tunix_stage_plugin.core import inputs
@@ -52,8 +53,10 @@ def draw(path: str, runs: Sequence[Any]) -> None:
     raise PictureError(inputs.invalid("--png", path, "records holding a trainer's steps (the "
                                       "picture draws them)", "these records hold no trainer step"))
   steps = max(len(run.trainer) for run in runs)
-  width = min(8.0, max(4.0, 1.5 + 0.35 * steps))
-  fig, axes = plt.subplots(1, len(runs), figsize=(width * len(runs), 4.6), sharey=True,
+  # Wide enough for the legend and the titles (a run's label says its start, processes and
+  # settings: wrapped to its panel), wider with more steps.
+  width = min(10.0, max(7.0, 1.5 + 0.35 * steps))
+  fig, axes = plt.subplots(1, len(runs), figsize=(width * len(runs), 5.2), sharey=True,
                            squeeze=False)
   top = max((sum(parts(s)) for run in runs for s in run.trainer), default=1.0) or 1.0
   for ax, run in zip(axes[0], runs):
@@ -69,8 +72,9 @@ def draw(path: str, runs: Sequence[Any]) -> None:
         ax.text(step, height + top * 0.01, f"{s['place']['staged']}s\n{s['place']['inline']}i",
                 ha="center", va="bottom", fontsize=6, linespacing=0.9)
     summary = analysis.summary(run.trainer, [])["trainer"]
-    ax.set_title(f"{run.label or 'the job'}: median step {summary['step_s']:.2f} s, input wait "
-                 f"{summary['input_wait_s']:.2f} s", fontsize=9, loc="left")
+    ax.set_title(textwrap.fill(f"{run.label or 'the job'}: median step {summary['step_s']:.2f} "
+                               f"s, input wait {summary['input_wait_s']:.2f} s",
+                               width=int(width * 11)), fontsize=8, loc="left")
     ax.set_xlabel("trainer step")
     ax.set_xticks(x if len(x) <= MAX_COUNTED else x[::max(1, len(x) // 20)])
     ax.tick_params(labelsize=7)
