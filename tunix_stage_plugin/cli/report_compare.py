@@ -43,12 +43,6 @@ FIGURES: tuple[tuple[str, str, Reader], ...] = (
 )
 
 
-def judged(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """The steps a figure's median is taken over: analysis.summary's (a first step, which has no
-  step before it, left out where there are others)."""
-  return [f for f in steps if f["step_s"] is not None] or steps
-
-
 def mann_whitney_p(a: list[float], b: list[float]) -> float:
   """The two-sided p-value of a Mann-Whitney U test of `a` against `b` (mid-ranks for ties, the
   normal approximation with the tie correction and a continuity correction); 1.0 where every
@@ -84,7 +78,7 @@ def compare(a: runs_lib.Run, b: runs_lib.Run, summaries: tuple[dict[str, Any], d
   for side, name, read in FIGURES:
     samples = []
     for run in (a, b):
-      steps = judged(run.trainer if side == record_lib.TRAINER else run.orchestrator)
+      steps = analysis.judged(run.trainer if side == record_lib.TRAINER else run.orchestrator)
       samples.append([v for v in map(read, steps) if v is not None])
     if not samples[0] and not samples[1]:
       continue  # neither run knows it (e.g. no orchestrator records)

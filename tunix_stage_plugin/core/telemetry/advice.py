@@ -126,7 +126,7 @@ class Window:
     """The window of a job's records: the trainer steps after the first (which compiles and
     has no step before it) that staged, where there are any (an inline step's wait says nothing
     of a staging setting); None with no trainer step."""
-    steps = [f for f in trainer if f["step_s"] is not None] or trainer
+    steps = analysis.judged(trainer)
     steps = analysis.staged(steps) or steps
     if not steps:
       return None

@@ -17,6 +17,12 @@ GIB = 1 << 30
 RULE = "medians per step leave a first step out where there are others; totals are over every step"
 
 
+def judged(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The steps a median is taken over (RULE): a first step, which has no step before it and
+  compiles, left out where there are others."""
+  return [f for f in steps if f["step_s"] is not None] or steps
+
+
 def significant(seconds: float | None, step_s: float) -> bool:
   return seconds is not None and seconds >= max(SHARE * step_s, FLOOR_S)
 
@@ -76,14 +82,14 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
   step out where there are others (it compiles and has no step before it); totals and counts
   (how many steps each part bounded, what was received and sent) are over every step, as the
   tables they sum. What held staging back: core.telemetry.advice."""
-  steps = [f for f in trainer if f["step_s"] is not None] or trainer
+  steps = judged(trainer)
   out: dict[str, Any] = {"trainer_steps": len(trainer), "orchestrator_steps": len(orchestrator)}
   if steps:
     paths = {"staged": staged(steps), "inline": [f for f in steps if not f["place"]["staged"]]}
     waits = {path: [input_wait(f) for f in group] for path, group in paths.items()}
-    judged = paths["staged"] or steps  # what staging hid: in the steps that staged
-    wait = waits["staged"] or waits["inline"]  # judged's
-    estimate = [inline_estimate(f) for f in judged]
+    hid_in = paths["staged"] or steps  # what staging hid: in the steps that staged
+    wait = waits["staged"] or waits["inline"]  # hid_in's
+    estimate = [inline_estimate(f) for f in hid_in]
     out["trainer"] = {
         "step_s": statistics.median(step_seconds(f) for f in steps),
         "compute_s": statistics.median(f["compute_s"] for f in steps),
@@ -105,7 +111,7 @@ def summary(trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
                     for path, group in paths.items()},
     }
   if orchestrator:
-    timed = [f for f in orchestrator if f["step_s"] is not None] or orchestrator  # the medians'
+    timed = judged(orchestrator)  # the medians'
     out["orchestrator"] = {
         "staged": sum(f["staged"] for f in orchestrator),
         "inline": sum(f["inline"] for f in orchestrator),
