@@ -28,7 +28,8 @@ def test_env_beats_default_and_explicit_beats_env():
   env = {"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "3",
          "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2", "TUNIX_STAGE_MAX_HOST_BATCHES": "4",
          "TUNIX_STAGE_CODEC": "off", "TUNIX_STAGE_ACCEPT_TRAIN_STAGE": "0123456789abcdef",
-         "TUNIX_STAGE_METRICS": "/tmp/job-metrics", "TUNIX_STAGE_LOG_EVERY": "10"}
+         "TUNIX_STAGE_METRICS": "/tmp/job-metrics", "TUNIX_STAGE_LOG_EVERY": "10",
+         "TUNIX_STAGE_MEMORY_BUDGET": "6GiB"}
   cfg = config_lib.resolve(env=env)
   assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches, cfg.max_host_batches,
           cfg.metrics, cfg.log_every) == ("stage", 3, 2, 4, "/tmp/job-metrics", 10)
@@ -71,7 +72,8 @@ def test_a_huge_value_is_refused_with_a_short_echo(name):
   value = "9" * 4300  # past Python's own int-digit limit: its message must not leak
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.resolve(env={name: value})
-  accepted = "off | stage" if name == "TUNIX_STAGE_BATCH" else "an integer >= 1 and <= 1024"
+  accepted = ("off | stage" if name == "TUNIX_STAGE_BATCH"
+              else "auto, or an integer >= 1 and <= 1024")
   assert str(e.value) == (f"{name}='{'9' * 32}'... (4300 characters) is invalid: longer than 64 "
                           f"characters; accepted: {accepted}")
 
@@ -83,8 +85,8 @@ def test_every_bad_setting_is_reported_at_once():
         "TUNIX_STAGE_MAX_DEVICE_BATCHES": "2"})
   assert e.value.problems == [
       "TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage",
-      f"TUNIX_MAX_STAGED_BATCHES='{'x' * 32}'... (40 characters) is invalid; accepted: an "
-      "integer >= 1 and <= 1024",
+      f"TUNIX_MAX_STAGED_BATCHES='{'x' * 32}'... (40 characters) is invalid; accepted: auto, "
+      "or an integer >= 1 and <= 1024",
       "--stage_max_device_batches='0' is invalid; accepted: an integer >= 1 and <= 1024"]
   assert str(e.value) == "; ".join(e.value.problems)
 
@@ -120,9 +122,11 @@ def test_argparse_flags_beat_env(monkeypatch):
 
 def test_roles_name_the_settings_each_process_reads():
   assert config_lib.fields_for("orchestrator") == ("mode", "max_staged_batches", "codec",
-                                                   "accept_train_stage", "metrics", "log_every")
+                                                   "accept_train_stage", "metrics", "log_every",
+                                                   "memory_budget")
   assert config_lib.fields_for("trainer") == ("mode", "max_device_batches", "max_host_batches",
-                                              "accept_train_stage", "metrics", "log_every")
+                                              "accept_train_stage", "metrics", "log_every",
+                                              "memory_budget")
   assert flags_lib.TRAINER_FIELDS == config_lib.fields_for("trainer")
   with pytest.raises(ValueError, match="unknown role 'rollout'; accepted: orchestrator | trainer"):
     config_lib.fields_for("rollout")
@@ -137,7 +141,8 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_cli_config_exits_2_naming_the_variable():
   out = _cli("config", env={"TUNIX_MAX_STAGED_BATCHES": "0"})
   assert out.returncode == 2
-  assert "TUNIX_MAX_STAGED_BATCHES='0' is invalid; accepted: an integer >= 1" in out.stderr
+  assert ("TUNIX_MAX_STAGED_BATCHES='0' is invalid; accepted: auto, or an integer >= 1"
+          in out.stderr)
   assert out.stdout == ""
 
 
@@ -260,3 +265,56 @@ def test_a_long_metrics_path_is_taken_and_a_bad_log_interval_is_refused():
   with pytest.raises(config_lib.ConfigError, match="TUNIX_STAGE_LOG_EVERY='-1' is invalid; "
                      "accepted: an integer >= 0 and <= 1000000"):
     config_lib.resolve(env={"TUNIX_STAGE_LOG_EVERY": "-1"})
+
+
+@pytest.mark.parametrize("name", ["TUNIX_MAX_STAGED_BATCHES", "TUNIX_STAGE_MAX_HOST_BATCHES"])
+def test_a_depth_or_host_bound_may_be_auto(name):
+  cfg = config_lib.resolve(env={name: "auto"})
+  field = config_lib.SETTINGS_BY_FIELD
+  value = {s.env: getattr(cfg, f) for f, s in field.items()}[name]
+  assert value == config_lib.AUTO and config_lib.is_auto(value)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.resolve(env={name: "Auto"})
+  assert str(e.value) == f"{name}='Auto' is invalid; accepted: auto, or an integer >= 1 and <= 1024"
+
+
+def test_the_device_bound_is_never_auto():
+  with pytest.raises(config_lib.ConfigError, match="accepted: an integer >= 1 and <= 1024"):
+    config_lib.resolve(env={"TUNIX_STAGE_MAX_DEVICE_BATCHES": "auto"})
+
+
+@pytest.mark.parametrize("text,value", [("6GiB", 6 << 30), ("512MiB", 512 << 20),
+                                        ("1073741824", 1 << 30), (" 2 TiB ", 2 << 40)])
+def test_the_memory_budget_takes_a_size_with_a_unit(text, value):
+  cfg = config_lib.resolve(env={"TUNIX_STAGE_MEMORY_BUDGET": text})
+  assert cfg.memory_budget == value and cfg.sources["memory_budget"] == "env"
+  assert str(cfg.memory_budget) == {6 << 30: "6GiB", 512 << 20: "512MiB", 1 << 30: "1GiB",
+                                    2 << 40: "2TiB"}[value]
+
+
+@pytest.mark.parametrize("text", ["6GB", "6 gib", "0", "1KiB", "-1GiB", "1.5GiB", "2048TiB"])
+def test_a_bad_memory_budget_is_one_line_naming_what_is_accepted(text):
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.resolve({"memory_budget": text}, env={})
+  assert e.value.problems == [config_lib.inputs.invalid(
+      "--stage_memory_budget", text, config_lib.BUDGET_ACCEPTED)]
+  assert "MiB" in config_lib.BUDGET_ACCEPTED and "e.g. 6GiB" in config_lib.BUDGET_ACCEPTED
+
+
+def test_the_memory_budget_defaults_to_a_quarter_of_the_machine():
+  total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  cfg = config_lib.resolve(env={})
+  assert total // 4 - (1 << 20) < cfg.memory_budget <= total // 4
+  assert cfg.as_dict()["memory_budget"]["source"] == "default: a quarter of this machine's memory"
+
+
+def test_cli_config_and_env_for_show_the_budget_and_auto():
+  out = _cli("config", env={"TUNIX_MAX_STAGED_BATCHES": "auto"})
+  rows = {line.split()[0]: line for line in out.stdout.splitlines()}
+  assert rows["TUNIX_MAX_STAGED_BATCHES"].split()[1:] == ["auto", "(env)"]
+  assert "(default: a quarter of this machine's memory)" in rows["TUNIX_STAGE_MEMORY_BUDGET"]
+  # A machine's own default is not passed on to another machine's process; a set one is.
+  out = _cli("config", "--env_for", "trainer", env={})
+  assert "TUNIX_STAGE_MEMORY_BUDGET" not in out.stdout
+  out = _cli("config", "--env_for", "trainer", env={"TUNIX_STAGE_MEMORY_BUDGET": "512MiB"})
+  assert "TUNIX_STAGE_MEMORY_BUDGET=512MiB" in out.stdout.splitlines()

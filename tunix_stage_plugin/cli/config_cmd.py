@@ -121,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     for field in config_lib.fields_for(role):
       setting, value = config_lib.SETTINGS_BY_FIELD[field], getattr(cfg, field)
       if args.env_for:
-        print(f"{setting.env}={value}")
+        if not (setting.default_note and cfg.sources[field] == config_lib.SOURCE_DEFAULT):
+          print(f"{setting.env}={value}")  # (a machine's own default: that machine derives it)
       elif cfg.enabled and (setting.flag_at_default or value != setting.default):
         print(f"--{setting.flag}={value}")
     return 0

@@ -71,6 +71,58 @@ def _parse_count(text: str) -> int:
 
 COUNT_ACCEPTED = inputs.integer_range(1, MAX_DEPTH)
 
+# A depth or bound that sizes itself each step from the job's own measured waits, within the
+# memory budget (core.sizing; docs/configuration.md "Staging that sizes itself").
+AUTO = "auto"
+SIZED_ACCEPTED = f"{AUTO}, or {COUNT_ACCEPTED}"
+
+
+def _parse_sized(text: str) -> int | str:
+  return AUTO if text.strip() == AUTO else _parse_count(text)
+
+
+def is_auto(value: Any) -> bool:
+  """Whether a depth or bound's value is `auto` (sized each step)."""
+  return value == AUTO
+
+
+class Bytes(int):
+  """A size in bytes, shown with its unit (8GiB, 512MiB, or bytes where no unit divides it)."""
+
+  def __str__(self) -> str:
+    for unit, scale in reversed(UNITS):
+      if scale > 1 and self and self % scale == 0:
+        return f"{int(self) // scale}{unit}"
+    return str(int(self))
+
+  __repr__ = __str__
+
+
+UNITS = (("", 1), ("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40))
+BUDGET_ACCEPTED = "a size in bytes >= 1MiB and <= 1024TiB: a whole number with an optional unit " \
+                  "(KiB, MiB, GiB, TiB), e.g. 6GiB, 512MiB, 1073741824"
+MIN_BUDGET, MAX_BUDGET = 1 << 20, 1 << 50
+
+
+def _parse_budget(text: str) -> Bytes:
+  match = re.fullmatch(r"([0-9]{1,20})\s*([KMGT]iB)?", text.strip())
+  if match is None:
+    raise ValueError(text)
+  value = int(match[1]) * dict(UNITS)[match[2] or ""]
+  if not MIN_BUDGET <= value <= MAX_BUDGET:
+    raise ValueError(text)
+  return Bytes(value)
+
+
+def machine_budget() -> Bytes:
+  """The memory budget's default: a quarter of this machine's physical memory (1 GiB where the
+  machine does not say)."""
+  try:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    total = 4 << 30
+  return Bytes(max(MIN_BUDGET, total // 4 // (1 << 20) * (1 << 20)))
+
 
 def _parse_codec(text: str) -> str:
   # pylint: disable-next=import-outside-toplevel
@@ -123,6 +175,9 @@ class Setting:
   # Launch lines carry its flag even at the default (False: only when set, so a driver that
   # predates the setting keeps its command line).
   flag_at_default: bool = True
+  # Its default is this machine's own (derived from it): never passed on to another process's
+  # environment at the default (that machine derives its own); said beside the source.
+  default_note: str = ""
   max_chars: int = MAX_VALUE_CHARS  # longer raw values are refused before parsing
 
 
@@ -144,10 +199,12 @@ SETTINGS: tuple[Setting, ...] = (
         env="TUNIX_MAX_STAGED_BATCHES",
         flag="max_staged_batches",
         default=2,
-        parse=_parse_count,
-        accepted=COUNT_ACCEPTED,
+        parse=_parse_sized,
+        accepted=SIZED_ACCEPTED,
         roles=(ORCHESTRATOR,),
-        help="orchestrator: how many micro-batches to keep staged ahead of the pending train call.",
+        help="orchestrator: how many micro-batches to keep staged ahead of the pending train call; "
+        "auto: chosen each step from the job's measured waits, within "
+        "TUNIX_STAGE_MEMORY_BUDGET.",
     ),
     Setting(
         field="max_device_batches",
@@ -165,12 +222,14 @@ SETTINGS: tuple[Setting, ...] = (
         env="TUNIX_STAGE_MAX_HOST_BATCHES",
         flag="stage_max_host_batches",
         default=1,
-        parse=_parse_count,
-        accepted=COUNT_ACCEPTED,
+        parse=_parse_sized,
+        accepted=SIZED_ACCEPTED,
         roles=(TRAINER,),
         help="trainer: how many received micro-batches may wait in host memory for a device slot "
         "(a stage is answered once received; its placement follows on the staging lane); a "
-        "stage over the bound is refused and that micro-batch trains inline.",
+        "stage over the bound is refused and that micro-batch trains inline; auto: one more "
+        "where transfers waited for a buffer, one fewer after quiet steps, within "
+        "TUNIX_STAGE_MEMORY_BUDGET.",
     ),
     Setting(
         field="codec",
@@ -231,6 +290,20 @@ SETTINGS: tuple[Setting, ...] = (
         "every N steps on stderr; 0: never.",
         flag_at_default=False,
     ),
+    Setting(
+        field="memory_budget",
+        env="TUNIX_STAGE_MEMORY_BUDGET",
+        flag="stage_memory_budget",
+        default=machine_budget(),
+        parse=_parse_budget,
+        accepted=BUDGET_ACCEPTED,
+        roles=ROLES,
+        metavar="SIZE",
+        help="the bytes each process's staged micro-batches may hold where a depth or bound is "
+        "auto (never exceeded); default: a quarter of this machine's physical memory.",
+        flag_at_default=False,
+        default_note="a quarter of this machine's memory",
+    ),
 )
 SETTINGS_BY_FIELD = {s.field: s for s in SETTINGS}
 
@@ -247,13 +320,14 @@ class StageConfig:
   """The effective configuration and, per field, where its value came from."""
 
   mode: str = MODE_OFF
-  max_staged_batches: int = 2
+  max_staged_batches: int | str = 2  # or AUTO
   max_device_batches: int = 1
-  max_host_batches: int = 1
+  max_host_batches: int | str = 1  # or AUTO
   codec: str = "off"
   accept_train_stage: str = ""
   metrics: str = ""  # "": no record
   log_every: int = 1
+  memory_budget: int = SETTINGS_BY_FIELD["memory_budget"].default
   sources: Mapping[str, str] = dataclasses.field(
       default_factory=lambda: {s.field: SOURCE_DEFAULT for s in SETTINGS}, compare=False
   )
@@ -264,9 +338,15 @@ class StageConfig:
 
   def as_dict(self) -> dict[str, dict[str, Any]]:
     return {
-        s.field: {"value": getattr(self, s.field), "source": self.sources[s.field], "env": s.env}
+        s.field: {"value": getattr(self, s.field), "source": self._source(s), "env": s.env}
         for s in SETTINGS
     }
+
+  def _source(self, setting: Setting) -> str:
+    source = self.sources[setting.field]
+    if source == SOURCE_DEFAULT and setting.default_note:
+      return f"{source}: {setting.default_note}"
+    return source
 
 
 def parse_value(setting: Setting, raw: Any, origin: str) -> Any:

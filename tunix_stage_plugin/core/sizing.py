@@ -1,18 +1,23 @@
-"""Staging that sizes itself (TUNIX_MAX_STAGED_BATCHES=auto): each step's stage-ahead depth chosen
-by the one rule of what to change (core.telemetry.advice.choose_depth) from the figures the last
-steps measured, within a memory budget in bytes that the staged micro-batches never exceed. It
-answers the pipeline's `depth_for(step, depth)` seam. docs/simulate.md "auto".
+"""Staging that sizes itself (TUNIX_MAX_STAGED_BATCHES=auto, TUNIX_STAGE_MAX_HOST_BATCHES=auto):
+each step's stage-ahead depth (`Sizer`, the orchestrator's) and the trainer's host bound
+(`HostBound`, a step sink of the trainer's) chosen by the one rule of what to change
+(core.telemetry.advice) from the figures the last steps measured, within a memory budget in bytes
+that the staged micro-batches never exceed. docs/configuration.md "Staging that sizes itself",
+docs/simulate.md "auto".
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from tunix_stage_plugin.core.telemetry import advice
+from tunix_stage_plugin.core.telemetry import record as record_lib
 
 GIB = 1 << 30
+WINDOW = 3  # the last steps a choice reads
+QUIET_STEPS = 3  # steps without a transfer waiting for a buffer before the host bound shrinks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,20 +32,45 @@ class Sizer:
   hold them); the pipeline asks it each step's depth (`depth_for`). It starts at depth 1 (the
   least memory), goes deeper when the rule asks and the budget holds it (depth x micro-batch
   bytes <= budget), and never shallower than a depth the trainer was seen to need (waits with
-  the depth used up) unless the wire becomes the bound."""
+  the depth used up) unless the wire becomes the bound. A micro-batch's bytes are given (the
+  simulator's) or learned from the trainer's figures (a job's: depth 1 until they are); the
+  depth is also at most what the trainer can hold (its device and host bounds, as its newest
+  record's settings say; one more where it sizes its host bound itself)."""
 
-  def __init__(self, *, budget_bytes: int, microbatch_bytes: int, window: int = 3) -> None:
-    if budget_bytes < microbatch_bytes or microbatch_bytes < 1:
+  def __init__(self, *, budget_bytes: int, microbatch_bytes: int | None = None,
+               window: int = WINDOW) -> None:
+    if microbatch_bytes is not None and (budget_bytes < microbatch_bytes or microbatch_bytes < 1):
       raise ValueError(f"a budget of {budget_bytes} bytes holds no micro-batch of "
                        f"{microbatch_bytes} bytes")
     self.budget_bytes, self.microbatch_bytes = budget_bytes, microbatch_bytes
-    self.most = budget_bytes // microbatch_bytes
     self._trainer: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
     self._orchestrator: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
     self._floor = 1  # the deepest depth the trainer was seen to need
     self._floor_why = ""
     # The last few steps' choices: a step's depth is chosen before the step before it ends.
     self.choices: collections.deque[Choice] = collections.deque(maxlen=4)
+
+  @property
+  def most(self) -> int:
+    """The deepest depth the budget holds (1 while a micro-batch's bytes are not known)."""
+    nbytes = self._microbatch_bytes()
+    return 1 if nbytes is None else max(1, self.budget_bytes // nbytes)
+
+  def _microbatch_bytes(self) -> int | None:
+    if self.microbatch_bytes is not None:
+      return self.microbatch_bytes
+    sizes = [f["place"]["bytes"] / f["place"]["count"] for f in self._trainer
+             if f["place"]["count"]]
+    return max(1, int(max(sizes))) if sizes else None
+
+  def _trainer_holds(self) -> int | None:
+    """What the trainer can hold staged (its newest record's bounds); None before any."""
+    if not self._trainer:
+      return None
+    last = self._trainer[-1]
+    held = (record_lib.setting(last, "max_device_batches")
+            + record_lib.setting(last, "max_host_batches"))
+    return held + 1 if last.get("sizing") else held  # its host bound may grow by one
 
   def observe(self, trainer: dict[str, Any] | None, orchestrator: dict[str, Any] | None) -> None:
     """One step's figures (either side may be missing in a step)."""
@@ -52,14 +82,20 @@ class Sizer:
   def depth_for(self, step: int, depth: int) -> int:  # pylint: disable=unused-argument
     """The pipeline's seam: `step`'s depth (`depth`, the configured one, is not used)."""
     window = advice.Window.of_records(list(self._trainer), list(self._orchestrator))
-    chosen, why, needed = advice.choose_depth(window, self.most)
+    most, holds = self.most, self._trainer_holds()
+    if holds is not None:
+      most = min(most, holds)
+    chosen, why, needed = advice.choose_depth(window, most)
     if needed and chosen > self._floor:
       self._floor, self._floor_why = chosen, why
     if chosen < self._floor and (window is None or not window.wire_is_the_bound):
-      chosen, why = self._floor, f"kept: the trainer waited with a depth less ({self._floor_why})"
-    used = chosen * self.microbatch_bytes
+      chosen, why = min(self._floor, most), (f"kept: the trainer waited with a depth less "
+                                             f"({self._floor_why})")
+    nbytes = self._microbatch_bytes()
+    used = "a micro-batch's size not known yet" if nbytes is None else (
+        f"{self._size(chosen * nbytes)} used")
     self.choices.append(Choice(step, chosen, f"depth {chosen}: {why}; budget "
-                               f"{self._size(self.budget_bytes)}, {self._size(used)} used"))
+                               f"{self._size(self.budget_bytes)}, {used}"))
     return chosen
 
   def chosen(self, step: int) -> Choice:
@@ -70,3 +106,61 @@ class Sizer:
     if self.microbatch_bytes == 1:  # a budget counted in micro-batches (the simulator's)
       return f"{nbytes} micro-batch{'' if nbytes == 1 else 'es'}"
     return f"{nbytes / GIB:.1f} GiB"
+
+
+class HostBound:
+  """The trainer's host bound, sized each step (a telemetry step sink of the trainer's: told each
+  closed step's figures). One more receive buffer where the rule's HOST_BOUND holds over the last
+  steps (transfers waited for one and the trainer then waited for its input, or ran out of their
+  wait), while (device + host + 1) micro-batches fit the budget; one fewer after QUIET_STEPS steps
+  in which no transfer waited for one, never below 1. `apply(bound, reason)` sets it (the stores'
+  set_bounds and the receive pool's bound: a shrink only lowers it for later arrivals)."""
+
+  def __init__(self, *, budget_bytes: int, device_bound: int, host: str,
+               apply: Callable[[int, str], None], bound: int = 1) -> None:
+    self.budget_bytes, self.device_bound, self.host = budget_bytes, device_bound, host
+    self.bound = bound
+    self._apply = apply
+    self._steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=WINDOW)
+    self._quiet = 0
+    self.reason = f"host bound {bound}: no step measured yet; budget {_gib(budget_bytes)}"
+
+  def step(self, figures: dict[str, Any]) -> None:
+    settings = {"max_device_batches": self.device_bound, "max_host_batches": self.bound}
+    self._steps.append(record_lib.make(record_lib.TRAINER, self.host, figures, settings,
+                                       {"id": "sizing", "started": 0.0}))
+    self._quiet = 0 if figures["pool"]["waits"] else self._quiet + 1
+    window = advice.Window.of_records(list(self._steps), [])
+    found = {a.kind: a for a in advice.advise(window)}
+    nbytes = _received_bytes(self._steps)
+    fits = nbytes is not None and (self.device_bound + self.bound + 1) * nbytes <= self.budget_bytes
+    if advice.HOST_BOUND in found and fits:
+      self._set(self.bound + 1, f"{found[advice.HOST_BOUND].figure}", nbytes)
+    elif advice.HOST_BOUND in found:
+      self.reason = (f"host bound {self.bound}: kept, one more receive buffer would exceed the "
+                     f"budget ({found[advice.HOST_BOUND].figure}); " + self._budget(nbytes))
+    elif self._quiet >= QUIET_STEPS and self.bound > 1:
+      self._set(self.bound - 1, f"no transfer waited for a buffer in {self._quiet} steps", nbytes)
+
+  def _set(self, bound: int, why: str, nbytes: int | None) -> None:
+    self.bound = bound
+    self.reason = f"host bound {bound}: {why}; {self._budget(nbytes)}"
+    self._steps.clear()  # the next choice reads the steps at the new bound only
+    self._quiet = 0
+    self._apply(bound, self.reason)
+
+  def _budget(self, nbytes: int | None) -> str:
+    held = "" if nbytes is None else (
+        f", {_gib((self.device_bound + self.bound) * nbytes)} used")
+    return f"budget {_gib(self.budget_bytes)}{held}"
+
+
+def _received_bytes(steps: Any) -> int | None:
+  """A micro-batch's bytes as the trainer received or placed them (the largest seen)."""
+  sizes = [f["receive"]["bytes"] / f["receive"]["calls"] for f in steps if f["receive"]["calls"]]
+  sizes += [f["place"]["bytes"] / f["place"]["count"] for f in steps if f["place"]["count"]]
+  return max(1, int(max(sizes))) if sizes else None
+
+
+def _gib(nbytes: int) -> str:
+  return f"{nbytes / GIB:.1f} GiB"
