@@ -125,6 +125,11 @@ def orchestrator_rows(records: list[dict[str, Any]]) -> list[str]:
   return _table(rows)
 
 
+def sizing_lines(records: list[dict[str, Any]]) -> list[str]:
+  """Each step's choice of a depth or bound sized by itself (auto), and why; [] for none."""
+  return [f"step {r['step']}: {r['sizing']}" for r in records if r.get("sizing")]
+
+
 def overall_lines(summary: dict[str, Any]) -> list[str]:
   out = []
   t = summary.get("trainer")
@@ -250,7 +255,7 @@ def _print_run(run_: runs_lib.Run, steps: int | None) -> None:
     records = shown(p, steps)
     if records:
       rows = trainer_rows if p.role == record_lib.TRAINER else orchestrator_rows
-      for line in rows(records):
+      for line in rows(records) + sizing_lines(records):
         print(f"  {line}")
     left = len(p.records) - len(records)
     if left and (steps is None or steps):

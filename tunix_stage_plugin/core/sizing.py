@@ -8,13 +8,17 @@ docs/simulate.md "auto".
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
-from typing import Any, Callable
+import logging
+from typing import Any, Awaitable, Callable
 
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.telemetry import advice
 from tunix_stage_plugin.core.telemetry import record as record_lib
 
+log = logging.getLogger("tunix_stage_plugin")
 GIB = 1 << 30
 WINDOW = 3  # the last steps a choice reads
 QUIET_STEPS = 3  # steps without a transfer waiting for a buffer before the host bound shrinks
@@ -105,7 +109,73 @@ class Sizer:
   def _size(self, nbytes: int) -> str:
     if self.microbatch_bytes == 1:  # a budget counted in micro-batches (the simulator's)
       return f"{nbytes} micro-batch{'' if nbytes == 1 else 'es'}"
-    return f"{nbytes / GIB:.1f} GiB"
+    return _gib(nbytes)
+
+
+class NoFigures(RuntimeError):
+  """The trainer can never send its figures (a trainer without stage_figures)."""
+
+
+class AutoDepth:
+  """A job's depth at auto (the orchestrator's): a Sizer fed each step with the orchestrator's own
+  record and the trainer's newest, asked by `fetch` (the trainer's stage_figures call) once per
+  step after it, off the critical path (a task of its own; one at a time). A trainer that can
+  never send them (`fetch` raises NoFigures): the fixed default depth from then on, said once."""
+
+  def __init__(self, budget_bytes: int, fetch: Callable[[], Awaitable[dict[str, Any] | None]],
+               telemetry: Any) -> None:
+    self.sizer = Sizer(budget_bytes=budget_bytes)
+    self._fetch, self._telemetry = fetch, telemetry
+    self._task: asyncio.Task | None = None
+    self._seen: tuple[str, int] | None = None  # the trainer record last observed (run, step)
+    self.without: str | None = None  # why the trainer sends no figures: the default depth
+
+  def depth_for(self, step: int, depth: int) -> int:
+    """The pipeline's seam (under the host's own, where it has one)."""
+    if self.without is None:
+      return self.sizer.depth_for(step, depth)
+    default = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default
+    self.sizer.choices.append(Choice(step, default, f"depth {default}: the default, the trainer "
+                                     f"sends no figures ({self.without})"))
+    return default
+
+  def before_record(self, step: int) -> int:
+    """`step` ended: its depth and why go in its record and line; returns the depth."""
+    choice = next((c for c in reversed(self.sizer.choices) if c.step == step), None)
+    if choice is None:  # a step the pipeline asked no depth for (it staged nothing)
+      return 0
+    self._telemetry.sized(record_lib.ORCHESTRATOR, "max_staged_batches", choice.depth,
+                          choice.reason)
+    return choice.depth
+
+  def after_record(self) -> None:
+    """The step's record is made: the sizer reads it, and asks the trainer for its figures."""
+    self.sizer.observe(None, self._telemetry.newest(record_lib.ORCHESTRATOR))
+    if self.without is None and (self._task is None or self._task.done()):
+      self._task = asyncio.ensure_future(self._ask())
+
+  async def _ask(self) -> None:
+    try:
+      newest = await self._fetch()
+    except NoFigures as e:
+      self.without = str(e)
+      log.warning("tunix-stage: TUNIX_MAX_STAGED_BATCHES=auto: the trainer sends no step "
+                  "figures (%s); staging at the default depth %d from now on", e,
+                  config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default)
+      return
+    except Exception as e:  # pylint: disable=broad-except  (asked again after the next step)
+      log.debug("tunix-stage: the trainer's figures were not read this step (%s: %s)",
+                type(e).__name__, e)
+      return
+    if newest is not None and (newest["run"]["id"], newest["step"]) != self._seen:
+      self._seen = (newest["run"]["id"], newest["step"])
+      self.sizer.observe(newest, None)
+
+  async def close(self) -> None:
+    task, self._task = self._task, None
+    if task is not None:
+      task.cancel()
+      await asyncio.gather(task, return_exceptions=True)
 
 
 class HostBound:
@@ -126,6 +196,8 @@ class HostBound:
     self.reason = f"host bound {bound}: no step measured yet; budget {_gib(budget_bytes)}"
 
   def step(self, figures: dict[str, Any]) -> None:
+    if figures["step_s"] is None:  # a first step (it compiles; no step before it): not judged
+      return
     settings = {"max_device_batches": self.device_bound, "max_host_batches": self.bound}
     self._steps.append(record_lib.make(record_lib.TRAINER, self.host, figures, settings,
                                        {"id": "sizing", "started": 0.0}))
@@ -137,16 +209,22 @@ class HostBound:
     if advice.HOST_BOUND in found and fits:
       self._set(self.bound + 1, f"{found[advice.HOST_BOUND].figure}", nbytes)
     elif advice.HOST_BOUND in found:
-      self.reason = (f"host bound {self.bound}: kept, one more receive buffer would exceed the "
-                     f"budget ({found[advice.HOST_BOUND].figure}); " + self._budget(nbytes))
+      self._set(self.bound, f"kept, one more receive buffer would exceed the budget "
+                f"({found[advice.HOST_BOUND].figure})", nbytes)
     elif self._quiet >= QUIET_STEPS and self.bound > 1:
       self._set(self.bound - 1, f"no transfer waited for a buffer in {self._quiet} steps", nbytes)
+    elif self._quiet:
+      self._set(self.bound, f"no transfer waited for a buffer in {self._quiet} step(s)", nbytes)
+    else:
+      self._set(self.bound, "kept: transfers waited for a buffer, the trainer not for its input",
+                nbytes)
 
   def _set(self, bound: int, why: str, nbytes: int | None) -> None:
+    if bound != self.bound:
+      self._steps.clear()  # the next choice reads the steps at the new bound only
+      self._quiet = 0
     self.bound = bound
     self.reason = f"host bound {bound}: {why}; {self._budget(nbytes)}"
-    self._steps.clear()  # the next choice reads the steps at the new bound only
-    self._quiet = 0
     self._apply(bound, self.reason)
 
   def _budget(self, nbytes: int | None) -> str:
@@ -162,5 +240,9 @@ def _received_bytes(steps: Any) -> int | None:
   return max(1, int(max(sizes))) if sizes else None
 
 
-def _gib(nbytes: int) -> str:
-  return f"{nbytes / GIB:.1f} GiB"
+def _gib(nbytes: float) -> str:
+  """Bytes in GiB, or in MiB or KiB below a tenth of one (never "0.0 GiB")."""
+  for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
+    if nbytes >= scale / 10:
+      return f"{nbytes / scale:.1f} {unit}"
+  return f"{nbytes / 1024:.1f} KiB"

@@ -71,7 +71,8 @@ def trainer_line(figures: dict[str, Any]) -> str:
           f"{_s(wait['boundary'])} at the boundary + other calls {_s(figures['other_s'])}; "
           f"received {received}; placed "
           f"{figures['place']['count']} in {_s(figures['place']['seconds'])} s; pool waits "
-          f"{pool['waits']} ({_s(pool['wait_s'])} s); bound by {figures['bound_by']}")
+          f"{pool['waits']} ({_s(pool['wait_s'])} s); bound by {figures['bound_by']}"
+          f"{_sizing(figures)}")
 
 
 def orchestrator_line(figures: dict[str, Any]) -> str:
@@ -82,7 +83,12 @@ def orchestrator_line(figures: dict[str, Any]) -> str:
           f"staged {figures['staged']} ({figures['prestaged']} across the boundary), inline "
           f"{figures['inline']}, fallbacks {fallbacks['count']}{kinds}; sent "
           f"{_by_transport(figures['sent'], calls=True) or 'nothing'}; stage calls "
-          f"{calls['count']}, median {_s(calls['median_s'])} s")
+          f"{calls['count']}, median {_s(calls['median_s'])} s{_sizing(figures)}")
+
+
+def _sizing(figures: dict[str, Any]) -> str:
+  """A sized depth or bound's choice and why (TUNIX_MAX_STAGED_BATCHES / _HOST_BATCHES=auto)."""
+  return f"; {figures['sizing']}" if figures.get("sizing") else ""
 
 
 def say(step: int, every: int, line: str) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import threading
 from typing import Any, Protocol
 
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
@@ -63,6 +64,22 @@ class Telemetry:
     # Each side's recent records (the bench compares them with its own figures).
     self.history: dict[str, collections.deque[dict[str, Any]]] = {
         role: collections.deque(maxlen=HISTORY) for role in record_lib.FIELDS}
+    # A depth or bound sized each step (auto): its value in force and each role's last choice.
+    self._in_force: dict[str, int] = {}
+    self._sizing: dict[str, str] = {}
+
+  def sized(self, role: str, field: str, value: int, reason: str) -> None:
+    """`field` (a setting at auto) is `value` from now on, for `reason`: the records of `role`
+    carry the value in force and the reason (`sizing`), its per-step line says it."""
+    with self._lock:
+      self._in_force[field] = value
+      self._sizing[role] = reason
+
+  def newest(self, role: str) -> dict[str, Any] | None:
+    """`role`'s newest record in this process (None before its first step)."""
+    with self._lock:
+      history = self.history[role]
+      return history[-1] if history else None
 
   def configure(self, settings: Settings) -> None:
     """New settings (a re-install): the next records follow them."""
@@ -119,7 +136,8 @@ class Telemetry:
     """A step's figures on the orchestrator (`report`: a core.pipeline.StepReport); written and
     said like the trainer's. `note` ends the line (e.g. what a codec saved); `host_step` is the
     trainer's own step count its last update answered, where the host's answer carries one."""
-    figures = self.orchestrator().step(report, depth, host_step)
+    figures = self._with_sizing(record_lib.ORCHESTRATOR,
+                                self.orchestrator().step(report, depth, host_step))
     self._emit(record_lib.ORCHESTRATOR, figures, lines.orchestrator_line(figures) + note)
     return figures
 
@@ -129,15 +147,22 @@ class Telemetry:
     with self._lock:
       self._step_sinks[role] = (*self._step_sinks[role], sink)
 
+  def _with_sizing(self, role: str, figures: dict[str, Any]) -> dict[str, Any]:
+    with self._lock:
+      reason = self._sizing.get(role)
+    return figures if reason is None else {**figures, "sizing": reason}
+
   def _trainer_step(self, figures: dict[str, Any]) -> None:
+    figures = self._with_sizing(record_lib.TRAINER, figures)
     self._emit(record_lib.TRAINER, figures, lines.trainer_line(figures), self._trainer_host)
 
   def _emit(self, role: str, figures: dict[str, Any], line: str, host: str | None = None
             ) -> None:
     settings = self.settings
     with self._lock:
-      rec = record_lib.make(role, host or settings.host, figures, dict(settings.shaping),
-                            self.run)
+      shaping = {field: self._in_force.get(field, value) if config_lib.is_auto(value) else value
+                 for field, value in settings.shaping}
+      rec = record_lib.make(role, host or settings.host, figures, shaping, self.run)
       self.history[role].append(rec)
       writer = None
       if settings.metrics_dir is not None:

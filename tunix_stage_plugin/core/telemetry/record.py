@@ -47,7 +47,8 @@ class Maybe:  # pylint: disable=too-few-public-methods
 
 
 # The staging settings a record carries (those that shape its figures: depths, bounds, codec),
-# from the settings table; a reader takes a missing one at the table's default.
+# from the settings table; a reader takes a missing one at the table's default. A depth or bound
+# set to auto is carried as the value in force at the step, its choice in the role's `sizing`.
 CARRIED = tuple(config_lib.SETTINGS_BY_FIELD[field] for field in (
     "max_staged_batches", "max_device_batches", "max_host_batches", "codec"))
 TRANSFERS = {"*": {"calls": COUNT, "bytes": COUNT, "seconds": NUMBER, "?gib_s": Maybe(NUMBER)}}
@@ -67,13 +68,15 @@ SHAPES = {
         "place": {"count": COUNT, "seconds": NUMBER, "bytes": COUNT, "staged": COUNT,
                   "inline": COUNT},
         "pool": {"waits": COUNT, "wait_s": NUMBER, "over_bound": COUNT},
-        "staged": {"peak_device": Maybe(COUNT), "peak_host": Maybe(COUNT)}, "bound_by": TEXT},
+        "staged": {"peak_device": Maybe(COUNT), "peak_host": Maybe(COUNT)}, "bound_by": TEXT,
+        "?sizing": Maybe(TEXT)},
     ORCHESTRATOR: {
         "?host_step": Maybe(COUNT), "step_s": Maybe(NUMBER), "microbatches": COUNT,
         "depth": COUNT, "staged": COUNT, "inline": COUNT, "prestaged": COUNT, "peak_staged": COUNT,
         "fallbacks": {"count": COUNT, "by_kind": {"*": COUNT}}, "sent": TRANSFERS,
         "stage_calls": {"count": COUNT, "seconds": NUMBER, "median_s": Maybe(NUMBER),
-                        "max_s": Maybe(NUMBER)}},
+                        "max_s": Maybe(NUMBER)},
+        "?sizing": Maybe(TEXT)},
 }
 # The fields each role's record carries beside the common ones (from the one table above).
 FIELDS = {role: tuple(k.removeprefix("?") for k in SHAPES[role]) for role in (TRAINER, ORCHESTRATOR)}

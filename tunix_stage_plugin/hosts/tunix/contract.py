@@ -21,6 +21,9 @@ from tunix_stage_plugin.core import outcome as outcome_lib
 
 STAGE_BATCH = "stage_batch"  # (payload, key) -> a StageOutcome (stage_answer)
 RESET_STAGED = "reset_staged"  # (keys=None) -> the dropped keys (reset_answer)
+# () -> the trainer's newest closed step's figures as its record holds them, or None
+# (figures_answer); asked once per step where the depth is auto (core.sizing), on the light lane.
+STAGE_FIGURES = "stage_figures"
 FWD_BWD = "fwd_bwd"  # tunix's; the plugin adds the keyword STAGE_KEY
 UPDATE = "update"  # tunix's
 PER_TOKEN_LOGPS = "per_token_logps"  # tunix's (the reference worker's)
@@ -51,7 +54,7 @@ STREAM = "stream"  # the chunked stream, for calls over tunix's message cap
 
 # ---------------------------------------------------------------- what the answers carry
 
-_OUTCOME, _STAGED, _DROPPED = "outcome", "staged", "dropped"
+_OUTCOME, _STAGED, _DROPPED, _FIGURES = "outcome", "staged", "dropped", "figures"
 # In a staged fwd_bwd's answer: why the staged batch was trained from its payload (None: from its
 # placement).
 _PLACEMENT_FALLBACK = "placement_fallback"
@@ -72,6 +75,15 @@ def reset_answer(dropped: list[str]) -> dict[str, Any]:
 
 def dropped_keys(response: Any) -> list[str]:
   return response.metadata[_DROPPED]
+
+
+def figures_answer(record: dict[str, Any] | None) -> dict[str, Any]:
+  """stage_figures' answer: the trainer's newest record (core.telemetry.record), or None."""
+  return {_FIGURES: record}
+
+
+def trainer_figures(response: Any) -> dict[str, Any] | None:
+  return response.metadata[_FIGURES]
 
 
 def mark_placement_fallback(response: Any, reason: str | None) -> Any:
@@ -113,7 +125,7 @@ _MISSING_MODULE = re.compile(r"No module named '(?P<module>[^']+)'")
 PACKAGE = __name__.split(".", 1)[0]  # what a trainer without the plugin cannot import
 # The methods the plugin adds to the trainer: a trainer without them answers AttributeError
 # (tunix's "Method '...' not found").
-_ADDED = frozenset({STAGE_BATCH, RESET_STAGED, SIDE_PORT})
+_ADDED = frozenset({STAGE_BATCH, RESET_STAGED, STAGE_FIGURES, SIDE_PORT})
 # The plugin's errors a trainer raises by their name, as the orchestrator raises them.
 _BY_NAME = {t.__name__: t for t in (keys_lib.StageKeyError, outcome_lib.StagedPayloadUnreadable)}
 

@@ -96,6 +96,20 @@ async def reset(engine: Any, keys: list[str] | None = None, *, role: datatypes.R
   return contract.dropped_keys(response)
 
 
+async def figures(engine: Any, *, role: datatypes.Role = ACTOR,
+                  timeout_s: float = RESET_TIMEOUT_S) -> dict[str, Any] | None:
+  """The trainer's newest closed step's figures as its record holds them (None before its first
+  step); contract.Unsupported from a trainer without stage_figures; TimeoutError after
+  `timeout_s`."""
+  call = engine._invoke_worker(_trainer(engine, role), contract.STAGE_FIGURES)  # pylint: disable=protected-access
+  with contract.typed_errors(contract.STAGE_FIGURES):
+    try:
+      response = await asyncio.wait_for(call, timeout_s)
+    except asyncio.TimeoutError:
+      raise TimeoutError(f"stage_figures got no answer within {timeout_s:g} s") from None
+  return contract.trainer_figures(response)
+
+
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
           engine_cls: type) -> None:
   original_logps = engine_cls.__dict__["per_token_logps"]

@@ -15,8 +15,10 @@ from typing import Any, Callable
 
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
@@ -36,9 +38,9 @@ HOST = "tunix"  # the host the records name (a trainer's own kind, e.g. maxtext,
 class WorkerStaging:
   """One TrainerWorker's staging state."""
 
-  def __init__(self, config: config_lib.StageConfig) -> None:
+  def __init__(self, config: config_lib.StageConfig, host_bound: int) -> None:
     self.store = store_lib.StagedBatchStore(config.max_device_batches,
-                                            max_host_batches=config.max_host_batches)
+                                            max_host_batches=host_bound)
     self.placement: Any = None  # how this worker's trainer stages (hosts.placements.Placement)
     self.target: Any = None  # the object whose preparation seam stages
     self.unsupported: str | None = None  # why this worker's trainer can never stage
@@ -89,6 +91,9 @@ class Installation:
     self._watcher: trainer_telemetry.ComputeWatcher | None = None
     self._tracers: list[Any] = []
     self._logger: Any = None  # the metrics logger told of each trainer step (the first met)
+    # The host bound in force: the setting's, or at auto the trainer's own choice each step.
+    self.host_bound: sizing.HostBound | None = None
+    self._host = self._host_bound_of(live.config)
     self._bound_pool()
     live.on_update(self._reconfigure)
 
@@ -149,7 +154,7 @@ class Installation:
       state = self._workers.get(worker)
       if state is not None:
         return state
-      state = self._workers[worker] = WorkerStaging(self.live.config)
+      state = self._workers[worker] = WorkerStaging(self.live.config, self._host)
     self._bound_pool()  # one more worker: room for its staged batches too
     return state
 
@@ -175,15 +180,43 @@ class Installation:
     config = self.live.config
     with self._lock:
       workers = max(1, len(self._workers))
-    self.pool.set_bound(workers * (config.max_device_batches + config.max_host_batches))
+    self.pool.set_bound(workers * (config.max_device_batches + self._host))
+
+  def _host_bound_of(self, config: config_lib.StageConfig) -> int:
+    """The host bound `config` puts in force; at auto, a sizer of it (a trainer step sink, made
+    once) and the bound it holds (1 to start with)."""
+    if not config_lib.is_auto(config.max_host_batches):
+      return config.max_host_batches
+    if self.host_bound is None:
+      self.host_bound = sizing.HostBound(budget_bytes=config.memory_budget,
+                                         device_bound=config.max_device_batches, host=HOST,
+                                         apply=self._apply_host_bound)
+      self.telemetry.add_step_sink(self.host_bound, record_lib.TRAINER)
+    self.host_bound.budget_bytes = config.memory_budget
+    self.host_bound.device_bound = config.max_device_batches
+    self.telemetry.sized(record_lib.TRAINER, "max_host_batches",
+                         self.host_bound.bound, self.host_bound.reason)
+    return self.host_bound.bound
+
+  def _apply_host_bound(self, bound: int, reason: str) -> None:
+    """The host bound sized at auto: for later arrivals (what is held stays held)."""
+    config = self.live.config
+    if not config_lib.is_auto(config.max_host_batches):
+      return  # a re-install fixed it since
+    self.telemetry.sized(record_lib.TRAINER, "max_host_batches", bound, reason)
+    self._set_bounds(config, bound)
+
+  def _set_bounds(self, config: config_lib.StageConfig, host: int) -> None:
+    with self._lock:
+      self._host = host
+      states = list(self._workers.values())
+    for state in states:
+      state.store.set_bounds(config.max_device_batches, host)
+    self._bound_pool()
 
   def _reconfigure(self, config: config_lib.StageConfig) -> None:
     self.telemetry.configure(telemetry_lib.Settings.of(HOST, config))
-    with self._lock:
-      states = list(self._workers.values())
-    for state in states:
-      state.store.set_bounds(config.max_device_batches, config.max_host_batches)
-    self._bound_pool()
+    self._set_bounds(config, self._host_bound_of(config))
 
   def close(self) -> None:
     """Drops every staged batch, closes every lane (bounded), listener and side channel and gives

@@ -15,8 +15,10 @@ from typing import Any
 from tunix.experimental.orchestrator import rl_program
 
 from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import contract
@@ -85,13 +87,21 @@ class Run:
     inst.telemetry.orchestrator()  # this process orchestrates: its step figures listen
     if inst.first_time("orchestrator scalars"):  # and reach its jax.monitoring listeners
       inst.telemetry.add_step_sink(metrics.MonitoringSink(), record_lib.ORCHESTRATOR)
-    # The program's seams (its subclass's overrides included) decide depth and prestage.
+    # The program's seams (its subclass's overrides included) decide depth and prestage; at
+    # auto the program's seam is asked with the sizer's choice and has the last word.
+    seam, depth = program._stage_ahead_while_pending, config.max_staged_batches  # pylint: disable=protected-access
+    self.auto: sizing.AutoDepth | None = None
+    if config_lib.is_auto(depth):
+      auto = self.auto = sizing.AutoDepth(config.memory_budget, self._trainer_figures,
+                                          inst.telemetry)
+      depth = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default
+      depth_for = lambda step, asked: seam(step, auto.depth_for(step, asked))
+    else:
+      depth_for = seam
     self.pipeline = pipeline_lib.StagePipeline(
-        self.calls, config.max_staged_batches,
+        self.calls, depth,
         key_prefix=sessions.key_prefix(),  # this process's session
-        recorder=inst.recorder,
-        depth_for=program._stage_ahead_while_pending,  # pylint: disable=protected-access
-        open_ended=open_ended)
+        recorder=inst.recorder, depth_for=depth_for, open_ended=open_ended)
 
   def may_prestage(self, next_step: int) -> bool:
     return self.pipeline.may_prestage(next_step, self.num_steps,
@@ -100,12 +110,23 @@ class Run:
   def step_result(self, result: Any, report: pipeline_lib.StepReport) -> StagedRLStepResult:
     """tunix's step result with the step's staging metrics; the step's figures recorded and
     said (the job's telemetry)."""
-    self.inst.telemetry.orchestrator_step(report, self.pipeline.depth, _codec_note(self.calls),
+    depth = self.pipeline.depth if self.auto is None else self.auto.before_record(report.step)
+    self.inst.telemetry.orchestrator_step(report, depth, _codec_note(self.calls),
                                           host_step=contract.trained_step(report.result))
+    if self.auto is not None:  # the trainer's figures asked for, off the critical path
+      self.auto.after_record()
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return StagedRLStepResult(**fields, stage_metrics=report.metrics())
 
+  async def _trainer_figures(self) -> dict[str, Any] | None:
+    try:
+      return await engine_lib.figures(self.engine)
+    except contract.Unsupported as e:
+      raise sizing.NoFigures(str(e)) from None
+
   async def close(self) -> None:
+    if self.auto is not None:
+      await self.auto.close()
     await self.router.close()  # the stream channels belong to this loop
 
 

@@ -1,4 +1,4 @@
-"""TrainerWorker: stage_batch / reset_staged, and fwd_bwd consuming a staged key exactly once.
+"""TrainerWorker: stage_batch / reset_staged / stage_figures, and fwd_bwd consuming a staged key exactly once.
 
 A staged batch is prepared once, on the staging thread, through the hosted trainer's own
 preparation step (hosts/placements.py; PeftTrainer's in peft.py), after a compressed payload is
@@ -20,6 +20,7 @@ from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import contract
@@ -90,6 +91,12 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     dropped = inst.staging_of(self).store.reset(keys)
     return self._response(**contract.reset_answer(dropped))  # pylint: disable=protected-access
 
+  def stage_figures(self: Any) -> datatypes.Response:
+    """The trainer's newest closed step's figures, as its record holds them (None before its
+    first step): what an orchestrator sizing its depth (auto) reads after each step."""
+    newest = inst.telemetry.newest(record_lib.TRAINER)
+    return self._response(**contract.figures_answer(newest))  # pylint: disable=protected-access
+
   @functools.wraps(original_fwd_bwd)
   def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
     if kwargs.get(contract.STAGE_KEY) is None:  # the host's call, observed only
@@ -123,6 +130,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
   peft.PeftPlacement(peft_cls, registry).apply()
   registry.set(worker_cls, contract.STAGE_BATCH, stage_batch)
   registry.set(worker_cls, contract.RESET_STAGED, reset_staged)
+  registry.set(worker_cls, contract.STAGE_FIGURES, stage_figures)
   registry.set(worker_cls, contract.FWD_BWD, fwd_bwd)
 
   @functools.wraps(original_update)

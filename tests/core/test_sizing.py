@@ -1,0 +1,125 @@
+"""Staging that sizes itself, its two parts on real objects (docs/configuration.md "Staging that
+sizes itself"): the trainer's host bound (core.sizing.HostBound, a trainer step sink) applied to
+a real store and receive pool from figures a real trainer aggregator makes of its spans, and a
+depth that changes each step (as the Sizer's does) through the real step loop and store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.core.engines import ThreadedEngine, source_of
+from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.core import keys as keys_lib
+from tunix_stage_plugin.core import sizing
+from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.pipeline import StagePipeline
+from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
+from tunix_stage_plugin.core.telemetry.recorder import Span
+
+MIB = 1 << 20
+DEVICE = 1
+
+
+def compute(kind, start, end):
+  return Span(tracks.DEVICE_COMPUTE, kind, start, end, (("kind", kind),))
+
+
+def step_spans(t, *, waited):
+  """One trainer step from `t` (2 s): two fwd_bwd and an update, a 16 MiB micro-batch received
+  between them; `waited`: the receive waited 0.3 s for a buffer and the compute 0.4 s for it."""
+  gap = 0.4 if waited else 0.0
+  spans = [compute("fwd_bwd", t, t + 0.5),
+           Span(tracks.TRAINER_RECEIVE, "stage_batch", t + 0.1, t + 0.5 + gap,
+                (("bytes", 16 * MIB), ("transport", "side"))),
+           Span(tracks.TRAINER_H2D, "m", t + 0.5 + gap, t + 0.55 + gap,
+                (("bytes", 16 * MIB), ("lane", "staging"))),
+           compute("fwd_bwd", t + 0.55 + gap, t + 1.5),
+           compute("update", t + 1.5, t + 2.0)]
+  if waited:
+    spans.append(Span(tracks.TRAINER_POOL_WAIT, "pool wait", t + 0.1, t + 0.4,
+                      (("bytes", 16 * MIB), ("over", False))))
+  return spans
+
+
+class Trainer:
+  """A real store and receive pool, and the host-bound sink on a real trainer aggregator."""
+
+  def __init__(self, budget_bytes):
+    self.store = store_lib.StagedBatchStore(DEVICE, max_host_batches=1)
+    self.pool = buffers_lib.HostBufferPool()
+    self.pool.set_bound(DEVICE + 1)
+    self.reasons = []
+    self.sink = sizing.HostBound(budget_bytes=budget_bytes, device_bound=DEVICE, host="tunix",
+                                 apply=self.apply)
+    self.steps = trainer_lib.TrainerSteps(self.sink.step)
+    self.t = 0.0
+
+  def apply(self, bound, reason):
+    self.store.set_bounds(DEVICE, bound)
+    self.pool.set_bound(DEVICE + bound)
+    self.reasons.append(reason)
+
+  def run(self, *waited):
+    for w in waited:
+      for span in sorted(step_spans(self.t, waited=w), key=lambda s: s.end):
+        self.steps.record(span)
+      self.t += 2.0
+    return self.store.max_host_batches
+
+
+def test_the_host_bound_grows_on_waits_within_the_budget_and_shrinks_after_quiet_steps():
+  trainer = Trainer(budget_bytes=1 << 30)
+  # The first step is not judged (it compiles); two steps in which transfers waited for a buffer
+  # and the trainer then waited for its input: one more receive buffer.
+  assert trainer.run(True, True) == 2 and trainer.pool.bound == DEVICE + 2
+  assert trainer.reasons[-1].startswith("host bound 2: receive-pool wait ")
+  assert trainer.reasons[-1].endswith("; budget 1.0 GiB, 48.0 MiB used")
+  assert trainer.run(True) == 3  # the steps at the new bound only decide the next
+  assert trainer.run(False, False) == 3 and "in 2 step(s)" in trainer.reasons[-1]
+  assert trainer.run(False) == 2  # 3 steps in which no transfer waited for a buffer
+  assert trainer.reasons[-1].startswith("host bound 2: no transfer waited for a buffer in 3 steps")
+  assert trainer.run(False, False, False) == 1
+  assert trainer.run(False, False, False, False) == 1  # never below 1
+
+
+def test_the_host_bound_never_exceeds_the_budget():
+  # (device 1 + host 1 + 1) x 16 MiB = 48 MiB > 40 MiB: kept at 1, said why.
+  trainer = Trainer(budget_bytes=40 * MIB)
+  assert trainer.run(True, True, True) == 1 and trainer.pool.bound == DEVICE + 1
+  assert trainer.reasons[-1].startswith("host bound 1: kept, one more receive buffer would "
+                                        "exceed the budget (receive-pool wait ")
+
+
+def test_a_shrink_drops_no_received_batch():
+  trainer = Trainer(budget_bytes=1 << 30)
+  trainer.run(True, True)
+  deferred = []
+  keys = [f"{keys_lib.run_prefix()}-k{i}" for i in range(3)]
+  for key in keys[:2]:  # two received, their placements not yet run
+    assert trainer.store.stage(key, key, lambda p: p, defer=deferred.append).staged
+  trainer.run(False, False, False, False)
+  assert trainer.store.max_host_batches == 1
+  assert trainer.store.keys() == keys[:2]  # still held, to be trained
+  trainer.store.slot_wait_s = 0.0
+  assert not trainer.store.stage(keys[2], keys[2], lambda p: p, defer=deferred.append).staged
+  assert trainer.store.stats.refused == 1
+
+
+def test_a_depth_that_changes_every_step_drops_and_resends_nothing():
+  """Deeper, shallower, none, deeper again (each step's staging starting at the boundary before
+  it), through the real step loop and a two-phase store: each micro-batch staged at most once
+  and trained once, in order; nothing left staged."""
+  engine = ThreadedEngine(3, split=True, max_host_batches=2)
+  depths = {0: 3, 1: 1, 2: 0, 3: 3, 4: 1}
+  payloads = [[f"s{s}m{i}" for i in range(5)] for s in depths]
+
+  asyncio.run(StagePipeline(engine, 2, depth_for=lambda step, depth: depths[step]).run_steps(
+      lambda s: source_of(payloads[s]), steps=len(depths)))
+  flat = [p for step in payloads for p in step]
+  assert engine.trained == flat
+  staged = [p for p, attempt in engine.attempts]
+  assert len(staged) == len(set(staged))  # none staged twice
+  assert not any(p.startswith("s2") for p in staged)  # depth 0: none of step 2 staged
+  assert len(engine.store) == 0

@@ -1,0 +1,62 @@
+"""Staging that sizes itself in a real two-process tunix job (docs/configuration.md "Staging that
+sizes itself"): a trainer node of tunix's own server, TrainerWorker and PeftTrainer with the
+plugin installed at TUNIX_STAGE_MAX_HOST_BATCHES=auto, this process the orchestrator at
+TUNIX_MAX_STAGED_BATCHES=auto, both writing their records; the same job trained by a node
+without the plugin (tunix alone) is the reference. The parameters are bitwise equal, every
+micro-batch trained once, and each step's record carries its choice and why: the orchestrator's
+depth (from the trainer's figures, asked by stage_figures after each step), the trainer's host
+bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tunix.experimental.orchestrator.rl_program",
+                    reason="tunix's experimental stack (google/tunix main) is not importable")
+
+from tests.hosts.tunix import test_grpc  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=wrong-import-position
+
+pytestmark = pytest.mark.tunix
+STEPS = 5
+
+
+def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_choice(tmp_path):
+  folder = tmp_path / "metrics"
+  nodes = [test_grpc._start_node("observed", **{test_grpc.NODE_METRICS: str(folder),  # pylint: disable=protected-access
+                                                "TUNIX_STAGE_MAX_HOST_BATCHES": "auto"}),
+           test_grpc._start_node("bare")]  # pylint: disable=protected-access
+  job = [test_grpc.batch(n) for n in range(STEPS * test_grpc.MICRO)]
+  try:
+    auto, inputs, reports = test_grpc.run_program(
+        nodes[0][1]["observed"], staged=True, payloads=job, steps=STEPS,
+        settings={"metrics": str(folder), "max_staged_batches": "auto", "memory_budget": "1GiB"})
+    inline, inline_inputs, _ = test_grpc.run_program(nodes[1][1]["bare"], staged=False,
+                                                     payloads=job, steps=STEPS)
+  finally:
+    for proc, _ in nodes:
+      test_grpc._stop_node(proc)  # pylint: disable=protected-access
+  assert inline_inputs == ["host"] * (STEPS * test_grpc.MICRO)
+  assert len(inputs) == STEPS * test_grpc.MICRO  # every micro-batch trained once
+  assert sum(r.stage_metrics["stage/staged"] for r in reports) == inputs.count("P('fsdp',)") > 0
+  assert auto.keys() == inline.keys() and auto == inline  # byte for byte
+
+  by_role = {}
+  for path in record_lib.files([str(folder)]):
+    records, note = record_lib.read(path)
+    assert note is None
+    by_role[records[0]["role"]] = records
+  orchestrator, trainer = by_role["orchestrator"], by_role["trainer"]
+  print("\n".join(f"{r['role']} step {r['step']}: {r['sizing']}" for r in orchestrator + trainer))
+  assert [r["step"] for r in orchestrator] == list(range(STEPS))
+  for r in orchestrator:  # the depth in force, carried as a setting, and why
+    assert r["sizing"].startswith(f"depth {r['depth']}: ") and "budget 1.0 GiB" in r["sizing"]
+    assert r["settings"]["max_staged_batches"] == r["depth"] >= 1
+  assert orchestrator[0]["sizing"] == ("depth 1: no step measured yet; budget 1.0 GiB, a "
+                                       "micro-batch's size not known yet")
+  # The trainer's figures reached the orchestrator's choice (stage_figures after each step).
+  assert any("no step measured yet" not in r["sizing"] for r in orchestrator[2:]), orchestrator
+  for r in trainer:
+    bound = r["settings"]["max_host_batches"]
+    assert isinstance(bound, int) and r["sizing"].startswith(f"host bound {bound}: ")
