@@ -213,7 +213,7 @@ def fake_tunix(tmp_path):
 @pytest.mark.parametrize("env, problem", [
     ({"TUNIX_STAGE_BATCH": "on"}, "TUNIX_STAGE_BATCH='on' is invalid; accepted: off | stage"),
     ({"TUNIX_STAGE_BATCH": "stage", "TUNIX_MAX_STAGED_BATCHES": "0"},
-     "TUNIX_MAX_STAGED_BATCHES='0' is invalid; accepted: an integer >= 1 and <= 1024"),
+     "TUNIX_MAX_STAGED_BATCHES='0' is invalid; accepted: auto, or an integer >= 1 and <= 1024"),
 ])
 def test_bad_setting_stops_a_host_process_with_one_line_and_exit_2(fake_tunix, env, problem):
   env = {**env, "PYTHONPATH": str(fake_tunix)}

@@ -296,7 +296,7 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
     (["--out", "/proc/x"], "--out='/proc/x' is invalid: cannot create anything in /proc"),
     (["--seed", str(2**32)], "accepted: an integer >= 0 and <= 4294967295"),
     (["--stage_max_host_batches", "1025"],
-     "--stage_max_host_batches='1025' is invalid; accepted: an integer >= 1 and <= 1024"),
+     "--stage_max_host_batches='1025' is invalid; accepted: auto, or an integer >= 1 and <= 1024"),
     (["--png", "{tmp}/timeline.svg"], "is invalid: not a .png name; accepted: a file path "
      "ending in .png"),
     (["--payload_mib", "65536"], "held at once (4 built once on the orchestrator (one per "

@@ -140,7 +140,7 @@ def test_orchestrator_main_reports_every_bad_flag_before_connecting():
       "--seed='-1' is invalid; accepted: an integer >= 0 and <= 4294967295",
       "--connect_timeout_s='x' is invalid; accepted: a number > 0",
       "TUNIX_STAGE_BATCH='maybe' is invalid; accepted: off | stage",
-      "--max_staged_batches='0' is invalid; accepted: an integer >= 1",
+      "--max_staged_batches='0' is invalid; accepted: auto, or an integer >= 1",
   ]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == len(expected), result.stderr

@@ -344,7 +344,7 @@ def test_base_reports_every_bad_staging_value(tmp_path: Path):
       "mlperf_base.sh: error: invalid staging setting: TUNIX_STAGE_BATCH='on' is invalid; "
       "accepted: off | stage",
       "mlperf_base.sh: error: invalid staging setting: TUNIX_MAX_STAGED_BATCHES='0' is invalid; "
-      "accepted: an integer >= 1 and <= 1024"]
+      "accepted: auto, or an integer >= 1 and <= 1024"]
 
 
 def test_base_warns_once_about_a_misspelled_staging_variable_and_goes_on(tmp_path: Path):

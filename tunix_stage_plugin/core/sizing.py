@@ -188,12 +188,17 @@ class HostBound:
 
   def __init__(self, *, budget_bytes: int, device_bound: int, host: str,
                apply: Callable[[int, str], None], bound: int = 1) -> None:
-    self.budget_bytes, self.device_bound, self.host = budget_bytes, device_bound, host
-    self.bound = bound
+    self.budget_bytes, self.host = budget_bytes, host
     self._apply = apply
     self._steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=WINDOW)
+    self.restart(device_bound, bound)
+
+  def restart(self, device_bound: int, bound: int = 1) -> None:
+    """A new run (the same trainer process): from `bound`, nothing measured."""
+    self.device_bound, self.bound = device_bound, bound
+    self._steps.clear()
     self._quiet = 0
-    self.reason = f"host bound {bound}: no step measured yet; budget {_gib(budget_bytes)}"
+    self.reason = f"host bound {bound}: no step measured yet; budget {_gib(self.budget_bytes)}"
 
   def step(self, figures: dict[str, Any]) -> None:
     if figures["step_s"] is None:  # a first step (it compiles; no step before it): not judged

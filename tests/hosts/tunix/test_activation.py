@@ -46,7 +46,7 @@ STAGE = config_lib.resolve({"mode": "stage"}, env={})
 # (with PeftTrainer's seam), engine 3, program 3 (train_stage and the upstream change's two
 # methods) and, through the seam, 3 more (the seam's two methods and last_step_result).
 WAY = probes.loop_way(rl_program.StandardRLProgram)
-HOOKS = {probes.COPY: 15, probes.SEAM: 18}[WAY]
+HOOKS = {probes.COPY: 16, probes.SEAM: 19}[WAY]
 copy_only = pytest.mark.skipif(WAY != probes.COPY,
                                reason="the plugin's copy of train_stage only (c7d8950)")
 seam_only = pytest.mark.skipif(WAY != probes.SEAM,

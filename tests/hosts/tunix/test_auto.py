@@ -22,6 +22,7 @@ pytestmark = pytest.mark.tunix
 STEPS = 5
 
 
+@pytest.mark.loop_way
 def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_choice(tmp_path):
   folder = tmp_path / "metrics"
   nodes = [test_grpc._start_node("observed", **{test_grpc.NODE_METRICS: str(folder),  # pylint: disable=protected-access
@@ -48,7 +49,6 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
     assert note is None
     by_role[records[0]["role"]] = records
   orchestrator, trainer = by_role["orchestrator"], by_role["trainer"]
-  print("\n".join(f"{r['role']} step {r['step']}: {r['sizing']}" for r in orchestrator + trainer))
   assert [r["step"] for r in orchestrator] == list(range(STEPS))
   for r in orchestrator:  # the depth in force, carried as a setting, and why
     assert r["sizing"].startswith(f"depth {r['depth']}: ") and "budget 1.0 GiB" in r["sizing"]

@@ -3,7 +3,8 @@
 Three kinds of run, same data and same seed, so they must end with the same parameters:
 
 - inline: every micro-batch is sent with its train call; no pipeline, nothing staged.
-- staged: core.pipeline.StagePipeline keeps up to `depth` micro-batches staged ahead; with
+- staged: core.pipeline.StagePipeline keeps up to `depth` micro-batches staged ahead (with
+  `auto`, a depth sized each step by core.sizing from both processes' figures); with
   `prestage`, the next step's first micro-batches start staging as soon as this step's last train
   call is sent (run_step's `after_final_dispatch`), so they cross the update and the weight sync.
 - resident: every micro-batch is placed on the device before the first step (no wire, no
@@ -16,7 +17,9 @@ import dataclasses
 import time
 from typing import AsyncIterator, Callable
 
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
@@ -34,6 +37,10 @@ class JobPlan:
   depth: int = 2  # staged only: TUNIX_MAX_STAGED_BATCHES
   prestage: bool = False  # staged only
   sync_s: float = 0.0  # the weight sync closing each step
+  # staged only: the depth sized each step (TUNIX_MAX_STAGED_BATCHES=auto) within this budget
+  # (TUNIX_STAGE_MEMORY_BUDGET); `depth` is then the default it falls back to.
+  auto: bool = False
+  budget_bytes: int = config_lib.SETTINGS_BY_FIELD["memory_budget"].default
 
   def __post_init__(self) -> None:
     if self.kind not in KINDS:
@@ -44,6 +51,8 @@ class JobPlan:
         raise ValueError(f"JobPlan.{name} must be an int >= 1; got {value!r}")
     if self.prestage and self.kind != "staged":
       raise ValueError("prestage needs kind='staged'")
+    if self.auto and self.kind != "staged":
+      raise ValueError("auto needs kind='staged'")
     if not self.sync_s >= 0:
       raise ValueError(f"JobPlan.sync_s must be >= 0; got {self.sync_s!r}")
 
@@ -54,6 +63,7 @@ class StepOutcome:
   seconds: float  # orchestrator wall time: the step's train calls plus its weight sync
   loss: float
   report: pipeline_lib.StepReport
+  depth: int = 0  # staged: the step's stage-ahead depth (sized at auto)
 
   def summary(self) -> str:
     r = self.report
@@ -81,13 +91,18 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
                                                 for i in range(plan.microbatches)])
     train_engine = engine.resident()
   recorder: recorder_lib.Recorder = timeline or recorder_lib.Recorder()
+  if telemetry is None and plan.auto:  # the sizer reads the orchestrator's figures: no record
+    telemetry = telemetry_lib.Telemetry(telemetry_lib.Settings(host="embedded", log_every=0))
   if telemetry is not None:
     telemetry.orchestrator()  # this process orchestrates: its step figures listen
     if timeline is not None:
       telemetry.recorder.add_sink(timeline)
     recorder = engine.recorder = telemetry.recorder
+  auto = (sizing.AutoDepth(plan.budget_bytes, lambda: engine.client.call("stage_figures"),
+                           telemetry) if plan.auto else None)
   pipeline = pipeline_lib.StagePipeline(train_engine, plan.depth, recorder=recorder,
-                                        staging=plan.kind == "staged")
+                                        staging=plan.kind == "staged",
+                                        depth_for=None if auto is None else auto.depth_for)
   outcomes: list[StepOutcome] = []
   started: dict[int, float] = {}
 
@@ -97,15 +112,22 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
   async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
     if plan.sync_s > 0:
       await engine.weight_sync(plan.sync_s)
+    depth = plan.depth if auto is None else auto.before_record(step)
     if telemetry is not None:
-      telemetry.orchestrator_step(report, plan.depth)
+      telemetry.orchestrator_step(report, depth)
+    if auto is not None:  # the trainer's figures asked for, off the critical path
+      auto.after_record()
     outcome = StepOutcome(step, time.perf_counter() - started.pop(step),
-                          float(report.result["loss"]), report)
+                          float(report.result["loss"]), report, depth)
     outcomes.append(outcome)
     if on_step is not None:
       on_step(outcome)
 
-  await pipeline.run_steps(lambda step: _source(batch_for, step, plan.microbatches),
-                           steps=plan.steps, prestage=plan.prestage, before_step=before_step,
-                           after_step=after_step)
+  try:
+    await pipeline.run_steps(lambda step: _source(batch_for, step, plan.microbatches),
+                             steps=plan.steps, prestage=plan.prestage, before_step=before_step,
+                             after_step=after_step)
+  finally:
+    if auto is not None:
+      await auto.close()
   return outcomes

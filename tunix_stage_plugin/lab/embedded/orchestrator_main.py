@@ -5,7 +5,7 @@ plus a summary (stage/fallbacks per step, the parameters' digest, whether every 
 trained once and in order); exit 0, 1 (one-line error) or 2 (every bad flag or setting, a line
 each, before connecting). Micro-batches are built as they are pulled, so memory does not grow
 with --steps. Staging on runs the core stage pipeline at --max_staged_batches, prestaging the
-next step's first micro-batches at depth >= 2. docs/launching.md "Entry points for launch recipes".
+next step's first micro-batches at depth >= 2 (at auto, a depth sized each step, prestaging). docs/launching.md "Entry points for launch recipes".
 """
 
 from __future__ import annotations
@@ -70,9 +70,12 @@ def plan_from(settings: Settings) -> job_lib.JobPlan:
   s, cfg = settings, settings.cfg
   if not cfg.enabled:
     return job_lib.JobPlan(s.steps, s.microbatches, kind="inline", sync_s=s.sync_s)
-  return job_lib.JobPlan(s.steps, s.microbatches, kind="staged",
-                         depth=cfg.max_staged_batches, prestage=cfg.max_staged_batches >= 2,
-                         sync_s=s.sync_s)
+  auto = config_lib.is_auto(cfg.max_staged_batches)
+  depth = (config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default if auto
+           else cfg.max_staged_batches)
+  return job_lib.JobPlan(s.steps, s.microbatches, kind="staged", depth=depth,
+                         prestage=auto or depth >= 2, sync_s=s.sync_s, auto=auto,
+                         budget_bytes=cfg.memory_budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +165,8 @@ async def run(settings: Settings) -> int:
   expected = data_lib.expected_order(plan.steps, plan.microbatches)
   in_order = finish["trained_order"] == expected
   fallbacks = [o.report.fallbacks for o in outcomes]
-  staging = (f"stage depth={plan.depth} prestage={'on' if plan.prestage else 'off'}"
+  depth = f"auto (per step {[o.depth for o in outcomes]})" if plan.auto else plan.depth
+  staging = (f"stage depth={depth} prestage={'on' if plan.prestage else 'off'}"
              if plan.kind == "staged" else "off (inline)")
   if codec is not None:
     ratio = engine.wire.ratio

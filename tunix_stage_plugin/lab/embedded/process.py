@@ -36,7 +36,7 @@ class TrainerProcess:
   """
 
   def __init__(self, *, max_device_batches: int | None = None,
-               max_host_batches: int | None = None, mode: str = "stage",
+               max_host_batches: int | str | None = None, mode: str = "stage",
                extra_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
                ready_timeout_s: float = 120.0, exit_with_parent: str | None = None,
                stderr: IO | None = None, jax_platforms: str | None = None) -> None:

@@ -2,7 +2,7 @@
 
 Lanes (core.executor): fwd_bwd / update / weight_sync / setup / place_resident / finish on the
 compute lane in arrival order; stage_batch on the staging lane, so a stage overlaps a running
-fwd_bwd; heartbeat / info / timeline / memory / reset_staged inline. With staging off, stage_batch runs on
+fwd_bwd; heartbeat / info / timeline / memory / records / stage_figures / reset_staged inline. With staging off, stage_batch runs on
 the compute lane and refuses, so an inline-only trainer never starts a staging thread.
 """
 
@@ -22,6 +22,7 @@ from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.lab.bench import trace as trace_lib
@@ -33,6 +34,7 @@ from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import pacing
 
 LIGHT_METHODS = lanes_lib.LIGHT_METHODS | {"timeline", "memory", "records"}
+STAGE_FIGURES = "stage_figures"  # the name of tunix's host (hosts/tunix/contract.STAGE_FIGURES)
 
 
 def make_executor(cfg: config_lib.StageConfig) -> executor_lib.MethodExecutor:
@@ -57,7 +59,7 @@ class TrainerWorker:
   METHODS = frozenset({
       "heartbeat", "info", "timeline", "memory", "records", "setup", "place_resident", "fwd_bwd",
       "update",
-      "weight_sync", "finish", "stage_batch", "reset_staged",
+      "weight_sync", "finish", "stage_batch", "reset_staged", STAGE_FIGURES,
   })
 
   def __init__(self, cfg: config_lib.StageConfig, *,
@@ -75,8 +77,11 @@ class TrainerWorker:
     self.recorder.add_sink(self._timeline)
     if self.telemetry is not None:
       self.telemetry.trainer(lambda: self.store.take_peaks())
+    # The host bound at auto: sized after each step (a trainer step sink), 1 to start with.
+    self.host_bound: sizing.HostBound | None = None
+    self._sized = False
     self.store = store_lib.StagedBatchStore(cfg.max_device_batches,
-                                            max_host_batches=cfg.max_host_batches)
+                                            max_host_batches=self._host_bound(None))
     self.pool = buffers_lib.HostBufferPool()  # where the server receives large calls' bytes
     self._rss_baseline: int | None = None
     # Device memory since setup: at setup, and the most after any placement (None on CPU).
@@ -119,6 +124,11 @@ class TrainerWorker:
     """The spans recorded since the last setup, on this process's perf_counter clock."""
     return self._timeline.spans()
 
+  def stage_figures(self) -> dict[str, Any] | None:
+    """The trainer's newest closed step's figures as its record holds them (None before its first
+    step, and with staging off): what an orchestrator at depth auto reads after each step."""
+    return None if self.telemetry is None else self.telemetry.newest("trainer")
+
   def records(self) -> list[dict[str, Any]]:
     """The trainer's own per-step records since the last setup (core.telemetry: what a job
     writes; the bench checks them against its own figures); [] with staging off."""
@@ -146,7 +156,7 @@ class TrainerWorker:
     h2d = pacing.SharedLink(None if h2d_mbps is None else h2d_mbps * 1e6)  # checks the rate
     self.store.reset()
     bound = self.cfg.max_device_batches if max_device_batches is None else max_device_batches
-    host_bound = self.cfg.max_host_batches if max_host_batches is None else max_host_batches
+    host_bound = self._host_bound(max_host_batches, bound)
     self.store = store_lib.StagedBatchStore(bound, max_host_batches=host_bound)
     self._trainer = trainer_lib.Trainer(data_lib.sizes_from_dict(sizes), seed)
     self._seed = seed
@@ -293,6 +303,32 @@ class TrainerWorker:
     return self.store.reset(keys)
 
   # --- helpers ----------------------------------------------------------------------------------
+
+  def _host_bound(self, given: int | None, device: int | None = None) -> int:
+    """The host bound a run starts with: `given`, else the setting's; at auto 1, sized after each
+    step from then on (within TUNIX_STAGE_MEMORY_BUDGET)."""
+    self._sized = given is None and config_lib.is_auto(self.cfg.max_host_batches)
+    if not self._sized:
+      return self.cfg.max_host_batches if given is None else given
+    device = self.cfg.max_device_batches if device is None else device
+    if self.host_bound is None:
+      self.host_bound = sizing.HostBound(budget_bytes=self.cfg.memory_budget, host="embedded",
+                                         device_bound=device, apply=self._apply_host_bound)
+      if self.telemetry is not None:
+        self.telemetry.add_step_sink(self.host_bound)
+    self.host_bound.restart(device)
+    if self.telemetry is not None:
+      self.telemetry.sized("trainer", "max_host_batches", 1, self.host_bound.reason)
+    return 1
+
+  def _apply_host_bound(self, bound: int, reason: str) -> None:
+    """A shrink lowers the bound for later arrivals only: what is held stays held."""
+    if not self._sized:  # this run's bound was given
+      return
+    self.store.set_bounds(self.store.max_device_batches, bound)
+    if self.telemetry is not None:
+      self.telemetry.sized("trainer", "max_host_batches", bound, reason)
+
 
   def _require_trainer(self) -> Any:
     if self._trainer is None:
