@@ -307,7 +307,7 @@ def test_every_bad_option_is_reported_at_once_before_anything_starts(tmp_path, c
     (["--host", "maxtext"], "--host='maxtext' is invalid; accepted: embedded | tunix"),
     (["--png", "", "--trace", "", "--json", "{tmp}/a/b/../b.json", "--modes", "inline,inline"],
      "--modes='inline,inline' is invalid; accepted: a comma-separated subset of inline,depth1,depth2,"
-     "depth2_prestage,resident,depth2_prestage_codec, each at most once"),
+     "depth2_prestage,resident,depth2_prestage_codec,auto, each at most once"),
 ])
 def test_a_bad_option_exits_2_with_one_line(args, message, tmp_path, capsys):
   args = [a.replace("{tmp}", str(tmp_path)) for a in args]
@@ -854,3 +854,16 @@ def test_a_tunix_run_is_judged_by_the_tunix_checks_and_reports_real_links():
   text = report.format_report(result, summary, checks)
   assert "tunix's own links on 127.0.0.1 (nothing emulated)" in text and "no weight sync" in text
   assert report.to_json(result, summary, checks, {})["options"]["host"] == "tunix"
+
+
+def test_the_auto_mode_sizes_the_depth_only_when_named():
+  """`auto` (TUNIX_MAX_STAGED_BATCHES=auto, prestaging as depth2_prestage does) is a mode of the
+  one table, run only when --modes names it, its budget the bench's (TUNIX_STAGE_MEMORY_BUDGET);
+  simulate replays it as its own auto."""
+  from tunix_stage_plugin.lab.embedded import bench as embedded_bench  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.lab.sim import run as sim_run  # pylint: disable=import-outside-toplevel
+  assert "auto" in modes_lib.MODES and "auto" not in modes_lib.DEFAULT_MODES
+  plan = embedded_bench.plan_for("auto", 3, 4, 0.0, budget_bytes=64 << 20)
+  assert (plan.kind, plan.auto, plan.prestage, plan.budget_bytes) == ("staged", True, True,
+                                                                     64 << 20)
+  assert sim_run.plan_of("auto").kind == "auto"

@@ -249,7 +249,8 @@ def _check(args: argparse.Namespace) -> tuple[results.BenchOptions | None, dict[
 
 # The staging settings the bench reads as everywhere (its flag beats the variable, which beats
 # the default), and those each mode sets itself, whose variables it does not read.
-READ = ("max_device_batches", "max_host_batches", "codec", "metrics", "log_every")
+READ = ("max_device_batches", "max_host_batches", "codec", "metrics", "log_every",
+        "memory_budget")
 SET_BY_MODE = ("mode", "max_staged_batches", "accept_train_stage")
 NO_RECORD = ("the bench writes no metrics record (its mode runs would share one): its JSON "
              "holds the trainer's own per-step records, run by run (runs[*].job_side_steps)")
@@ -277,9 +278,14 @@ def _settings(p: inputs.Problems, args: argparse.Namespace) -> dict[str, Any]:
     for line in e.problems:
       p.add(line)
     return {f: None for f in READ if f != "metrics"}
+  if config_lib.is_auto(cfg.max_host_batches):
+    host = by_field["max_host_batches"]
+    p.refuse(f"--{host.flag}" if args.max_host_batches is not None else host.env,
+             config_lib.AUTO, config_lib.COUNT_ACCEPTED, "the bench's runs compare one fixed host "
+             "bound (its auto mode sizes the depth)")
   return {"max_device_batches": cfg.max_device_batches,
           "max_host_batches": cfg.max_host_batches, "codec": cfg.codec,
-          "log_every": 0 if args.quiet else cfg.log_every}
+          "log_every": 0 if args.quiet else cfg.log_every, "memory_budget": cfg.memory_budget}
 
 
 def unread_note() -> str | None:

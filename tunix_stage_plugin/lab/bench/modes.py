@@ -14,6 +14,7 @@ class Mode:
   plan: dict
   help: str
   codec: bool = False  # its stages compress (--stage_codec, or `on` when that is off)
+  default: bool = True  # run without --modes (the codec and auto modes only when named)
 
 
 # The one table of benchmark modes: runner, --help and report read it (docs/bench.md shows it).
@@ -32,12 +33,17 @@ MODE_TABLE = (
     Mode("depth2_prestage_codec", dict(kind="staged", depth=2, prestage=True),
          "depth2_prestage with staged payloads compressed (by --stage_codec, or on = "
          "blosc2-zstd:1 when that is off), so one run compares both; needs the codec extra; "
-         "not run unless named in --modes", codec=True),
+         "not run unless named in --modes", codec=True, default=False),
+    Mode("auto", dict(kind="staged", depth=2, prestage=True, auto=True),
+         "the depth sized each step from the job's measured waits within "
+         "TUNIX_STAGE_MEMORY_BUDGET (TUNIX_MAX_STAGED_BATCHES=auto), prestaging as "
+         "depth2_prestage does; not run unless named in --modes", default=False),
 )
 MODES = tuple(m.name for m in MODE_TABLE)
 BY_NAME = {m.name: m for m in MODE_TABLE}
-# What runs without --modes (and what simulate models: it has no codec): the uncompressed modes.
-DEFAULT_MODES = tuple(m.name for m in MODE_TABLE if not m.codec)
+# What runs without --modes (and what simulate models: it has no codec): the uncompressed fixed
+# modes.
+DEFAULT_MODES = tuple(m.name for m in MODE_TABLE if m.default)
 
 # How each micro-batch's wire transfer behaves (lab/embedded/bench.transfer_slowdown).
 SCENARIOS = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import metrics
@@ -53,6 +54,8 @@ class BenchOptions:
   codec: str = "off"  # TUNIX_STAGE_CODEC's values: staged payloads compressed (core.codec)
   h2d: str = "auto"  # modes.H2D
   log_every: int = 1  # the job's per-step lines (TUNIX_STAGE_LOG_EVERY; 0: none, as --quiet)
+  # The auto mode's budget (TUNIX_STAGE_MEMORY_BUDGET; default a quarter of the machine's memory).
+  memory_budget: int = config_lib.SETTINGS_BY_FIELD["memory_budget"].default
 
   def codec_for(self, mode: str) -> codec_lib.Codec | None:
     return mode_codec(self.codec, mode)

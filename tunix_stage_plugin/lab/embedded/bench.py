@@ -31,11 +31,13 @@ BURSTY_HEAD, BURSTY_HEAD_SLOWDOWN = 1 / 3, 1.6  # the first third of a step's tr
 BURSTY_SPIKE_P, BURSTY_SPIKE_SLOWDOWN = 0.2, 2.0  # and a fifth of all, at random
 
 
-def plan_for(mode: str, steps: int, microbatches: int, sync_s: float) -> job_lib.JobPlan:
+def plan_for(mode: str, steps: int, microbatches: int, sync_s: float,
+             budget_bytes: int | None = None) -> job_lib.JobPlan:
   kinds = {m.name: m.plan for m in modes_lib.MODE_TABLE}
   if mode not in kinds:
     raise ValueError(f"unknown mode {mode!r}; accepted: {', '.join(modes_lib.MODES)}")
-  return job_lib.JobPlan(steps, microbatches, sync_s=sync_s, **kinds[mode])
+  budget = {} if budget_bytes is None else {"budget_bytes": budget_bytes}
+  return job_lib.JobPlan(steps, microbatches, sync_s=sync_s, **kinds[mode], **budget)
 
 
 def transfer_slowdown(scenario: str, seed: int, microbatches: int
@@ -145,7 +147,8 @@ class BenchHost:
                       h2d_mbps=(None if calibration.h2d_bytes_per_s is None
                                 else calibration.h2d_bytes_per_s / 1e6),
                       receive_buffers=receive_buffers(self.options, mode))
-    plan = plan_for(mode, self.options.total_steps, self.options.microbatches, calibration.sync_s)
+    plan = plan_for(mode, self.options.total_steps, self.options.microbatches, calibration.sync_s,
+                    self.options.memory_budget)
     recorder = trace_lib.Kept()
     load = cpu.ForeignLoad([os.getpid(), self.trainer.pid])
     step_loads: list[float | None] = []

@@ -112,9 +112,10 @@ def _modes(text: str) -> tuple[str, ...]:
 def _bound(p: inputs.Problems, field: str, flag: str | None, check: bool) -> int | None:
   """A trainer bound: its flag, else its variable (as a job reads it), else None (the default).
   With --check the bench's own bounds rule: a variable set then is said, not read."""
-  if flag is not None:
-    return p.setting(field, flag)
   setting = config_lib.SETTINGS_BY_FIELD[field]
+  if flag is not None:
+    value = p.setting(field, flag)
+    return _fixed(setting, value)
   text = os.environ.get(setting.env, "").strip()
   if not text:
     return None
@@ -123,11 +124,21 @@ def _bound(p: inputs.Problems, field: str, flag: str | None, check: bool) -> int
           "mode runs with the bounds the bench ran with)", file=sys.stderr)
     return None
   try:
-    return config_lib.parse_value(setting, text, setting.env)
+    return _fixed(setting, config_lib.parse_value(setting, text, setting.env))
   except config_lib.ConfigError as e:
     for line in e.problems:
       p.add(line)
     return None
+
+
+def _fixed(setting: config_lib.Setting, value: Any) -> int | None:
+  """A bound the simulator replays: a host bound at auto (sized by the trainer each step) is
+  replayed at its start, the default, said once."""
+  if not config_lib.is_auto(value):
+    return value
+  print(f"tunix-stage simulate: note: {setting.env}=auto is replayed at {setting.default} (the "
+        "simulator does not size the trainer's host bound)", file=sys.stderr)
+  return None
 
 
 def _check_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:

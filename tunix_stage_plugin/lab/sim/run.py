@@ -53,12 +53,12 @@ def plan_of(mode: str) -> Plan:
     raise inputs.Refused("an uncompressed mode with --what_if wire=Fx for the compressed wire "
                          "time", f"mode {mode!r} compresses, and the simulator does not model a "
                          "codec")
+  auto = _AUTO_MODE.fullmatch(mode)  # (the bench's auto mode too: its budget in bytes here)
+  if auto is not None:
+    return Plan("auto", int(auto["budget"] or AUTO_BUDGET), True)
   table = {m.name: m.plan for m in modes_lib.MODE_TABLE}
   if mode in table:
     return Plan(**table[mode])
-  auto = _AUTO_MODE.fullmatch(mode)
-  if auto is not None:
-    return Plan("auto", int(auto["budget"] or AUTO_BUDGET), True)
   match = _DEPTH_MODE.fullmatch(mode)
   if match is None:
     raise inputs.Refused(MODES_ACCEPTED, f"unknown mode {inputs.echo(mode)}")

@@ -330,8 +330,10 @@ class BenchHost:
       program_cls = (_Unstaged if plan["kind"] == "inline" else
                      rl_program.StandardRLProgram if plan.get("prestage") else _NoPrestage)
       manager.install(config_lib.resolve(
-          {"mode": "stage", "max_staged_batches": plan.get("depth", 1),
-           "codec": str(o.codec_for(mode) or "off"), "log_every": o.log_every}, env={}),
+          {"mode": "stage",
+           "max_staged_batches": config_lib.AUTO if plan.get("auto") else plan.get("depth", 1),
+           "memory_budget": o.memory_budget, "codec": str(o.codec_for(mode) or "off"),
+           "log_every": o.log_every}, env={}),
           quiet=True)
       if recorder is not None:
         _record_calls(engine, recorder)
