@@ -6,6 +6,9 @@ once and in order, and each process's record says each step's choice and why.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from tests.embedded.test_mains import _digest, _orchestrate
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
@@ -46,3 +49,8 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
   # Each step's line says the choice too.
   assert "; depth 1: no step measured yet; budget 64.0 MiB, a micro-batch's size not known yet" \
       in auto.stderr
+  # And report: each process's table followed by its steps' choices.
+  out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
+                       capture_output=True, text=True, timeout=120, check=True).stdout
+  assert f"  step 4: {orchestrator[4]['sizing']}" in out.splitlines()
+  assert any(line.startswith("  step 4: host bound ") for line in out.splitlines()), out
