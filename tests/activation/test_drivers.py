@@ -95,8 +95,8 @@ def test_a_bad_staging_flag_stops_the_driver_with_one_line(driver_path):
   proc = run_driver(driver_path, "--max_staged_batches", "0", TUNIX_STAGE_BATCH="stage")
   assert proc.returncode == 2 and proc.stdout == ""
   assert proc.stderr.splitlines() == [
-      f"{drivers.MODULE}: error: --max_staged_batches='0' is invalid; accepted: auto, or an integer >= 1 "
-      "and <= 1024"]
+      f"{drivers.MODULE}: error: --max_staged_batches='0' is invalid; accepted: auto, or an "
+      "integer >= 1 and <= 1024"]
   # A bad flag of the driver's own is the driver's own error, as without the plugin.
   own = run_driver(driver_path, "--batch_size", "x", TUNIX_STAGE_BATCH="stage")
   assert own.returncode == 2 and "argument --batch_size: invalid int value: 'x'" in own.stderr

@@ -305,14 +305,16 @@ def test_the_memory_budget_defaults_to_a_quarter_of_the_machine():
   total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   cfg = config_lib.resolve(env={})
   assert total // 4 - (1 << 20) < cfg.memory_budget <= total // 4
-  assert cfg.as_dict()["memory_budget"]["source"] == "default: a quarter of this machine's memory"
+  assert cfg.as_dict()["memory_budget"]["source"] == (
+      "default: a quarter of this machine's physical memory")
 
 
 def test_cli_config_and_env_for_show_the_budget_and_auto():
   out = _cli("config", env={"TUNIX_MAX_STAGED_BATCHES": "auto"})
   rows = {line.split()[0]: line for line in out.stdout.splitlines()}
   assert rows["TUNIX_MAX_STAGED_BATCHES"].split()[1:] == ["auto", "(env)"]
-  assert "(default: a quarter of this machine's memory)" in rows["TUNIX_STAGE_MEMORY_BUDGET"]
+  assert ("(default: a quarter of this machine's physical memory)"
+          in rows["TUNIX_STAGE_MEMORY_BUDGET"])
   # A machine's own default is not passed on to another machine's process; a set one is.
   out = _cli("config", "--env_for", "trainer", env={})
   assert "TUNIX_STAGE_MEMORY_BUDGET" not in out.stdout

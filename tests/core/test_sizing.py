@@ -123,3 +123,41 @@ def test_a_depth_that_changes_every_step_drops_and_resends_nothing():
   assert len(staged) == len(set(staged))  # none staged twice
   assert not any(p.startswith("s2") for p in staged)  # depth 0: none of step 2 staged
   assert len(engine.store) == 0
+
+
+class Telemetry:
+  """What AutoDepth tells and reads of the process's telemetry."""
+
+  def __init__(self):
+    self.said, self.records = [], []
+
+  def sized(self, role, field, value, reason):
+    self.said.append((role, field, value, reason))
+
+  def newest(self, role):
+    return self.records[-1] if self.records else None
+
+
+def test_a_trainer_that_sends_no_figures_leaves_the_default_depth_said_once(caplog):
+  async def fetch():
+    raise sizing.NoFigures("the trainer has no stage_figures")
+
+  async def job():
+    auto = sizing.AutoDepth(1 << 30, fetch, Telemetry())
+    depths = []
+    for step in range(3):
+      depths.append(auto.depth_for(step, 2))
+      auto.before_record(step)
+      auto.after_record()
+      await asyncio.sleep(0)  # a yield (no wait): the ask, a task of its own, runs here
+      await asyncio.sleep(0)
+    await auto.close()
+    return depths, auto
+
+  depths, auto = asyncio.run(job())
+  assert depths[0] == 1 and depths[-1] == 2  # learning, then the default once it cannot
+  assert auto.sizer.chosen(2).reason == ("depth 2: the default, the trainer sends no figures (the "
+                                         "trainer has no stage_figures)")
+  said = [r.message for r in caplog.records if "stage_figures" in r.message]
+  assert said == ["tunix-stage: TUNIX_MAX_STAGED_BATCHES=auto: the trainer sends no step figures "
+                  "(the trainer has no stage_figures); staging at the default depth 2 from now on"]

@@ -300,9 +300,9 @@ SETTINGS: tuple[Setting, ...] = (
         roles=ROLES,
         metavar="SIZE",
         help="the bytes each process's staged micro-batches may hold where a depth or bound is "
-        "auto (never exceeded); default: a quarter of this machine's physical memory.",
+        "auto (never exceeded).",
         flag_at_default=False,
-        default_note="a quarter of this machine's memory",
+        default_note="a quarter of this machine's physical memory",
     ),
 )
 SETTINGS_BY_FIELD = {s.field: s for s in SETTINGS}

@@ -26,7 +26,7 @@ def literal(text: str) -> str:
 
 def _flag_help(setting: config_lib.Setting) -> str:
   return literal(f"{setting.help} Accepted: {setting.accepted}. Overrides ${setting.env}; "
-                 f"default {config_lib.shown(setting.default)}.")
+                 f"default {setting.default_note or config_lib.shown(setting.default)}.")
 
 
 def add_argparse_flags(parser: argparse.ArgumentParser,

@@ -47,6 +47,8 @@ class StepSink(Protocol):
 
 
 HISTORY = 1024  # recent records kept per side in memory
+# The setting each side sizes at auto (its choice in the side's records: `sized`).
+SIZED = {record_lib.ORCHESTRATOR: "max_staged_batches", record_lib.TRAINER: "max_host_batches"}
 
 
 class Telemetry:
@@ -82,8 +84,12 @@ class Telemetry:
       return history[-1] if history else None
 
   def configure(self, settings: Settings) -> None:
-    """New settings (a re-install): the next records follow them."""
+    """New settings (a re-install): the next records follow them (a depth or bound no longer
+    at auto: no more choices said)."""
     with self._lock:
+      auto = {field for field, value in settings.shaping if config_lib.is_auto(value)}
+      self._in_force = {f: v for f, v in self._in_force.items() if f in auto}
+      self._sizing = {role: why for role, why in self._sizing.items() if SIZED[role] in auto}
       if settings.metrics_dir != self.settings.metrics_dir:
         for writer in self._writers.values():
           writer.close()

@@ -101,7 +101,8 @@ async def figures(engine: Any, *, role: datatypes.Role = ACTOR,
   """The trainer's newest closed step's figures as its record holds them (None before its first
   step); contract.Unsupported from a trainer without stage_figures; TimeoutError after
   `timeout_s`."""
-  call = engine._invoke_worker(_trainer(engine, role), contract.STAGE_FIGURES)  # pylint: disable=protected-access
+  worker = _trainer(engine, role)
+  call = engine._invoke_worker(worker, contract.STAGE_FIGURES)  # pylint: disable=protected-access
   with contract.typed_errors(contract.STAGE_FIGURES):
     try:
       response = await asyncio.wait_for(call, timeout_s)

@@ -89,7 +89,8 @@ class Run:
       inst.telemetry.add_step_sink(metrics.MonitoringSink(), record_lib.ORCHESTRATOR)
     # The program's seams (its subclass's overrides included) decide depth and prestage; at
     # auto the program's seam is asked with the sizer's choice and has the last word.
-    seam, depth = program._stage_ahead_while_pending, config.max_staged_batches  # pylint: disable=protected-access
+    seam = program._stage_ahead_while_pending  # pylint: disable=protected-access
+    depth = config.max_staged_batches
     self.auto: sizing.AutoDepth | None = None
     if config_lib.is_auto(depth):
       auto = self.auto = sizing.AutoDepth(config.memory_budget, self._trainer_figures,

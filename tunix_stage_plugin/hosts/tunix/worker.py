@@ -1,4 +1,5 @@
-"""TrainerWorker: stage_batch / reset_staged / stage_figures, and fwd_bwd consuming a staged key exactly once.
+"""TrainerWorker: stage_batch / reset_staged / stage_figures, and fwd_bwd consuming a staged key
+exactly once.
 
 A staged batch is prepared once, on the staging thread, through the hosted trainer's own
 preparation step (hosts/placements.py; PeftTrainer's in peft.py), after a compressed payload is

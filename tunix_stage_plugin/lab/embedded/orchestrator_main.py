@@ -5,7 +5,8 @@ plus a summary (stage/fallbacks per step, the parameters' digest, whether every 
 trained once and in order); exit 0, 1 (one-line error) or 2 (every bad flag or setting, a line
 each, before connecting). Micro-batches are built as they are pulled, so memory does not grow
 with --steps. Staging on runs the core stage pipeline at --max_staged_batches, prestaging the
-next step's first micro-batches at depth >= 2 (at auto, a depth sized each step, prestaging). docs/launching.md "Entry points for launch recipes".
+next step's first micro-batches at depth >= 2 (at auto, a depth sized each step, prestaging).
+docs/launching.md "Entry points for launch recipes".
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Lanes (core.executor): fwd_bwd / update / weight_sync / setup / place_resident / finish on the
 compute lane in arrival order; stage_batch on the staging lane, so a stage overlaps a running
-fwd_bwd; heartbeat / info / timeline / memory / records / stage_figures / reset_staged inline. With staging off, stage_batch runs on
-the compute lane and refuses, so an inline-only trainer never starts a staging thread.
+fwd_bwd; heartbeat / info / timeline / memory / records / stage_figures / reset_staged inline.
+With staging off, stage_batch runs on the compute lane and refuses, so an inline-only trainer
+never starts a staging thread.
 """
 
 from __future__ import annotations
