@@ -219,7 +219,8 @@ def test_activate_from_env_stops_the_process_on_an_invalid_setting(adapter, caps
     manager.activate_from_env("fake")
   assert e.value.code == 2 and snapshot() == before and adapter.applied == 0
   (name, value), = [(k, v) for k, v in env.items() if v != "stage"]
-  accepted = "off | stage" if name == "TUNIX_STAGE_BATCH" else "an integer >= 1 and <= 1024"
+  accepted = ("off | stage" if name == "TUNIX_STAGE_BATCH"
+              else "auto, or an integer >= 1 and <= 1024")
   assert capsys.readouterr().err.splitlines() == [
       f"tunix-stage: error: invalid staging configuration: {name}={value!r} is invalid; "
       f"accepted: {accepted}"]

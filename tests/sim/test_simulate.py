@@ -421,3 +421,16 @@ def test_the_trainer_bounds_come_from_their_variables_as_a_job_reads_them(tmp_pa
   assert cli_main.main(["simulate", "--check", str(TINY_BENCH)]) == 0
   assert ("note: TUNIX_STAGE_MAX_DEVICE_BATCHES=3 is not read with --check"
           in capsys.readouterr().err)
+
+
+def test_a_host_bound_at_auto_is_replayed_at_its_default_and_said(tmp_path, capsys, monkeypatch):
+  """The trainer sizes a host bound at auto each step; the simulator replays it at its start (the
+  default), said once in one line."""
+  out = tmp_path / "sim.json"
+  monkeypatch.setenv("TUNIX_STAGE_MAX_HOST_BATCHES", "auto")
+  capsys.readouterr()
+  assert cli_main.main(["simulate", str(EXAMPLE), "--json", str(out)]) == 0
+  assert json.loads(out.read_text())["max_host_batches"] == 1
+  assert capsys.readouterr().err.count(
+      "tunix-stage simulate: note: TUNIX_STAGE_MAX_HOST_BATCHES=auto is replayed at 1 (the "
+      "simulator does not size the trainer's host bound)") == 1
