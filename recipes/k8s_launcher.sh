@@ -7,12 +7,14 @@
 # (the rollout: one JobSet per replica, ROLLOUT_REPLICAS, default 1). The staging variables reach
 # the containers through each container's `env`:
 #   orchestrator: TUNIX_STAGE_BATCH, TUNIX_MAX_STAGED_BATCHES, TUNIX_STAGE_CODEC,
-#                 TUNIX_STAGE_ACCEPT_TRAIN_STAGE, TUNIX_STAGE_METRICS, TUNIX_STAGE_LOG_EVERY
+#                 TUNIX_STAGE_ACCEPT_TRAIN_STAGE, TUNIX_STAGE_METRICS, TUNIX_STAGE_LOG_EVERY,
+#                 TUNIX_STAGE_MEMORY_BUDGET (where set)
 #                 (+ --stage_train_batches=stage --max_staged_batches=N when on,
 #                 --stage_codec=C when a codec is set, if ORCHESTRATOR_MAIN is a driver known
 #                 to take them: `tunix-stage config --driver MAIN`; any other gets the env only)
 #   trainer:      TUNIX_STAGE_BATCH, TUNIX_STAGE_MAX_DEVICE_BATCHES, TUNIX_STAGE_MAX_HOST_BATCHES,
-#                 TUNIX_STAGE_ACCEPT_TRAIN_STAGE, TUNIX_STAGE_METRICS, TUNIX_STAGE_LOG_EVERY
+#                 TUNIX_STAGE_ACCEPT_TRAIN_STAGE, TUNIX_STAGE_METRICS, TUNIX_STAGE_LOG_EVERY,
+#                 TUNIX_STAGE_MEMORY_BUDGET (where set)
 # (the plugin's settings table decides which: `tunix-stage config --env_for ROLE`)
 #   rollout:      none
 # With staging off the containers carry TUNIX_STAGE_BATCH=off and no staging flag.
@@ -42,15 +44,17 @@ options:
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)
-  TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, 1..1024 (default 2)
+  TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, 1..1024 or auto (default 2)
   TUNIX_STAGE_MAX_DEVICE_BATCHES  trainer's device-memory bound, 1..1024 (default 1)
-  TUNIX_STAGE_MAX_HOST_BATCHES    trainer's received-batch host bound, 1..1024 (default 1)
+  TUNIX_STAGE_MAX_HOST_BATCHES    trainer's received-batch host bound, 1..1024 or auto (default 1)
   TUNIX_STAGE_CODEC               orchestrator's stage payload codec, off | on | NAME[:LEVEL] (default off)
   TUNIX_STAGE_ACCEPT_TRAIN_STAGE  the fingerprint of a changed tunix train loop to stage anyway,
                                   as its refusal line prints it (default none; docs/tunix.md)
   TUNIX_STAGE_METRICS             a folder in each container for its per-step metrics record
                                   (default none; docs/observability.md)
   TUNIX_STAGE_LOG_EVERY           the per-step line every N steps, 0 none (default 1)
+  TUNIX_STAGE_MEMORY_BUDGET       the bytes a process's staged micro-batches may hold at auto,
+                                  e.g. 6GiB (default a quarter of each machine's memory)
 
 Every other knob (JOB_NAME, ports, model, TPU shape, ...) is listed in mlperf_base.sh.
 KUBECTL_FLAGS (e.g. "--context=my-cluster --namespace=rl") goes before every kubectl command.

@@ -66,13 +66,15 @@ launcher checks before starting anything, and prints the command).
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)            orchestrator, trainer
-  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, 1..1024 (default 2) orchestrator
+  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, 1..1024 or auto (default 2) orchestrator
   TUNIX_STAGE_MAX_DEVICE_BATCHES  device-memory bound, 1..1024 (default 1) trainer
-  TUNIX_STAGE_MAX_HOST_BATCHES    received-batch host bound, 1..1024 (default 1) trainer
+  TUNIX_STAGE_MAX_HOST_BATCHES    received-batch host bound, 1..1024 or auto (default 1) trainer
   TUNIX_STAGE_CODEC               stage payload codec, off | on | NAME[:LEVEL] (default off) orchestrator
   TUNIX_STAGE_ACCEPT_TRAIN_STAGE  a changed tunix train loop's fingerprint (default none) both
   TUNIX_STAGE_METRICS             a folder for each process's metrics record (default none) both
   TUNIX_STAGE_LOG_EVERY           the per-step line every N steps, 0 none (default 1) both
+  TUNIX_STAGE_MEMORY_BUDGET       the bytes staged micro-batches may hold at auto, e.g. 6GiB
+                                  (default a quarter of the machine's memory) both
 The python that runs everything is \$PYTHON (default: the first of this checkout's
 .venv/bin/python, the python next to 'tunix-stage' on PATH, python3, that has the plugin).
 Numbers are decimal ASCII digits ("08" is 8); no value may hold a control character.
