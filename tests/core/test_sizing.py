@@ -161,3 +161,17 @@ def test_a_trainer_that_sends_no_figures_leaves_the_default_depth_said_once(capl
   said = [r.message for r in caplog.records if "stage_figures" in r.message]
   assert said == ["tunix-stage: TUNIX_MAX_STAGED_BATCHES=auto: the trainer sends no step figures "
                   "(the trainer has no stage_figures); staging at the default depth 2 from now on"]
+
+
+def test_the_host_s_own_seam_has_the_last_word_and_is_said():
+  telemetry = Telemetry()
+  auto = sizing.AutoDepth(1 << 30, None, telemetry)
+  assert auto.depth_for(0, 2) == 1
+  auto.host_chose(0, 0, "the program's _stage_ahead_while_pending")
+  assert auto.before_record(0) == 0
+  (said,) = telemetry.said
+  assert said == ("orchestrator", "max_staged_batches", 0, "depth 0: the program's "
+                  "_stage_ahead_while_pending (auto chose depth 1: no step measured yet; budget "
+                  "1.0 GiB, a micro-batch's size not known yet)")
+  auto.host_chose(0, 0, "again")  # the same depth: nothing more said
+  assert auto.sizer.chosen(0).reason.startswith("depth 0: the program's ")

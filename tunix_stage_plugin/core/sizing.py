@@ -139,6 +139,13 @@ class AutoDepth:
                                      f"sends no figures ({self.without})"))
     return default
 
+  def host_chose(self, step: int, depth: int, who: str) -> None:
+    """The host's own seam gave `step` another depth than the one chosen: that one is said."""
+    chosen = self.sizer.chosen(step)
+    if depth != chosen.depth:
+      self.sizer.choices.append(Choice(step, depth, f"depth {depth}: {who} (auto chose "
+                                       f"{chosen.reason})"))
+
   def before_record(self, step: int) -> int:
     """`step` ended: its depth and why go in its record and line; returns the depth."""
     choice = next((c for c in reversed(self.sizer.choices) if c.step == step), None)

@@ -96,7 +96,11 @@ class Run:
       auto = self.auto = sizing.AutoDepth(config.memory_budget, self._trainer_figures,
                                           inst.telemetry)
       depth = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default
-      depth_for = lambda step, asked: seam(step, auto.depth_for(step, asked))
+
+      def depth_for(step: int, asked: int) -> int:
+        depth = seam(step, auto.depth_for(step, asked))
+        auto.host_chose(step, depth, "the program's _stage_ahead_while_pending")
+        return depth
     else:
       depth_for = seam
     self.pipeline = pipeline_lib.StagePipeline(
