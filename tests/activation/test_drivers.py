@@ -20,6 +20,7 @@ import pytest
 from tests import drivers
 from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.activation import manager
+from tunix_stage_plugin.core import config
 from tunix_stage_plugin.core import patching
 
 # The orchestrator arguments the launch recipes pass (mlperf_base.sh), and a few of its own.
@@ -29,7 +30,8 @@ DRIVER_ARGS = ["--model_id=Qwen/Qwen3-1.7B", "--tokenizer_path=Qwen/Qwen3-1.7B",
                "--learning_rate=1.0e-6", "--rollout_replicas=1", "--stop_workers_on_exit",
                "--offpolicy", "1", "--no-use_rollout_logps", "--trajectory_store_root", "/tmp/t"]
 STAGING_KEYS = {"stage_train_batches", "max_staged_batches", "stage_codec",
-                "stage_accept_train_stage", "stage_metrics", "stage_log_every"}
+                "stage_accept_train_stage", "stage_metrics", "stage_log_every",
+                "stage_memory_budget"}
 RUN_DRIVER = f"import sys; from {drivers.PACKAGE} import run_deepswe_dist; " \
              "run_deepswe_dist.main(sys.argv[1:])"
 (DEEPSWE,) = [d for d in triggers.KNOWN_DRIVERS if d.module == drivers.MODULE]
@@ -58,7 +60,8 @@ def test_with_staging_on_the_driver_takes_the_flags_and_leaves_the_rest_to_it(dr
   # Flags beat the environment; the effective values are on the driver's namespace.
   assert {k: staged["args"][k] for k in STAGING_KEYS} == {
       "stage_train_batches": "stage", "max_staged_batches": 3, "stage_codec": "off",
-      "stage_accept_train_stage": "", "stage_metrics": "", "stage_log_every": 1}
+      "stage_accept_train_stage": "", "stage_metrics": "", "stage_log_every": 1,
+      "stage_memory_budget": config.machine_budget()}
   # Every other argument reached the driver's own parser as it was, in order.
   assert {k: v for k, v in staged["args"].items() if k not in STAGING_KEYS} == plain["args"]
   assert plain["args"]["max_staleness"] == 1 and plain["args"]["use_rollout_logps"] is False
