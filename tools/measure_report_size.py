@@ -174,7 +174,7 @@ def phases(folder: str) -> dict:
   timed("read", lambda: [sum(1 for _ in record_lib.Reader(p)) for p in paths])
   found, _ = timed("runs", lambda: runs_lib.runs([folder]))
   run = found[0]
-  timed("summary", lambda: analysis.summary(run.trainer, run.orchestrator))
+  timed("summary", lambda: analysis.summary(run.trainer_steps, run.orchestrator_steps))
   timed("advice", lambda: report_cmd.checked_advice(run))
   return out
 
