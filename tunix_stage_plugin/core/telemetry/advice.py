@@ -10,7 +10,8 @@ import dataclasses
 import math
 import operator
 import statistics
-from typing import Any
+from array import array
+from typing import Any, Sequence
 
 from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core.telemetry import analysis
@@ -108,10 +109,10 @@ class Window:
   """The step figures the rule reads, a value per step (the trainer's), and the job's."""
 
   settings: Settings
-  step_s: tuple[float, ...]
-  mid_step_s: tuple[float, ...]
-  boundary_s: tuple[float, ...]  # 0 where not known (a first step)
-  pool_wait_s: tuple[float, ...]
+  step_s: Sequence[float]
+  mid_step_s: Sequence[float]
+  boundary_s: Sequence[float]  # 0 where not known (a first step)
+  pool_wait_s: Sequence[float]
   over_bound: int  # transfers that ran out of their wait for a receive buffer
   bound_by: tuple[str, ...]
   refused: tuple[int, ...]  # stages refused by a full bound, per orchestrator step
@@ -152,8 +153,8 @@ class Window:
         prestage=any(o["prestaged"]) if ran else None,
         max_device_batches=record.setting(last, "max_device_batches"),
         max_host_batches=record.setting(last, "max_host_batches"))
-    receives = list(map(_per, f["receive.seconds"], f["receive.calls"]))
-    places = list(map(_per, f["place.seconds"], f["place.count"]))
+    receives = array("d", map(_per, f["receive.seconds"], f["receive.calls"]))
+    places = array("d", map(_per, f["place.seconds"], f["place.count"]))
     # A micro-batch's crossing: its receive on the trainer; where the trainer timed none (tunix's
     # own unary call is received before any hook sees it), the orchestrator's stage call.
     if any(f["receive.calls"]):
@@ -163,13 +164,13 @@ class Window:
       transfer_s = _median([s for s in o["stage_calls.median_s"] if s is not None])
       stage_s = max((s for s in o["stage_calls.max_s"] if s is not None), default=None)
     refused = orchestrator.family("fallbacks.by_kind").get(outcome.StageStatus.REFUSED.value)
-    wait = list(map(analysis.waited, f["input_wait_s.mid_step"], f["input_wait_s.boundary"]))
+    wait = map(analysis.waited, f["input_wait_s.mid_step"], f["input_wait_s.boundary"])
     return cls(
         settings=settings,
-        step_s=tuple(map(analysis.lasted, f["step_s"], f["compute_s"], wait, f["other_s"])),
-        mid_step_s=tuple(f["input_wait_s.mid_step"]),
-        boundary_s=tuple(b or 0.0 for b in f["input_wait_s.boundary"]),
-        pool_wait_s=tuple(f["pool.wait_s"]),
+        step_s=array("d", map(analysis.lasted, f["step_s"], f["compute_s"], wait, f["other_s"])),
+        mid_step_s=array("d", f["input_wait_s.mid_step"]),
+        boundary_s=array("d", (b or 0.0 for b in f["input_wait_s.boundary"])),
+        pool_wait_s=array("d", f["pool.wait_s"]),
         over_bound=sum(f["pool.over_bound"]),
         bound_by=tuple(f["bound_by"]),
         refused=tuple(refused) if refused is not None else (0,) * len(orchestrator),
@@ -181,7 +182,7 @@ class Window:
         microbatch_bytes=_median([b / n for b, n in zip(f["place.bytes"], f["place.count"])
                                   if n]))
 
-  def figure(self, name: str, values: tuple[float, ...]) -> Figure:
+  def figure(self, name: str, values: Sequence[float]) -> Figure:
     """`values`' mean over the window, and the steps where it was a significant part."""
     held = sum(analysis.significant(v, s) for v, s in zip(values, self.step_s))
     return Figure(name, math.fsum(values) / len(values), held, len(values))

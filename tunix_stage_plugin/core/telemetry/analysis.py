@@ -6,7 +6,8 @@ estimate (which setting held staging back: advice.py). Read by the per-step line
 from __future__ import annotations
 
 import statistics
-from typing import Any, Iterable
+from array import array
+from typing import Any, Iterable, Sequence
 
 from tunix_stage_plugin.core.telemetry import steps as steps_lib
 
@@ -19,11 +20,11 @@ GIB = 1 << 30
 RULE = "medians per step leave a first step out where there are others; totals are over every step"
 
 
-def judged(steps: steps_lib.Steps) -> list[int]:
+def judged(steps: steps_lib.Steps) -> Sequence[int]:
   """The rows of `steps` a median is taken over (RULE): a first step, which has no step before
   it and compiles, left out where there are others."""
-  rows = [i for i, s in enumerate(steps.columns["step_s"]) if s == s]  # NaN: null
-  return rows or list(range(len(steps)))
+  rows = array("q", (i for i, s in enumerate(steps.columns["step_s"]) if s == s))  # NaN: null
+  return rows or array("q", range(len(steps)))
 
 
 def significant(seconds: float | None, step_s: float) -> bool:
@@ -78,11 +79,11 @@ def estimated(wait: float, staged_: int, receive_s: float, receives: int, place_
   return wait + staged_ * (per_receive + place_s / places)
 
 
-def staged(steps: steps_lib.Steps, rows: list[int]) -> list[int]:
+def staged(steps: steps_lib.Steps, rows: Sequence[int]) -> Sequence[int]:
   """The `rows` of trainer steps that staged a micro-batch (placed one on the staging lane); the
   others ran inline (staging off, or every stage fell back)."""
   column = steps.columns["place.staged"]
-  return [i for i in rows if column[i]]
+  return array("q", (i for i in rows if column[i]))
 
 
 def _median(values: list[float]) -> float | None:
@@ -102,14 +103,15 @@ def summary(trainer: steps_lib.Steps, orchestrator: steps_lib.Steps) -> dict[str
         "step_s", "compute_s", "input_wait_s.mid_step", "input_wait_s.boundary", "other_s",
         "compute.slowdown_s", "place.staged", "receive.seconds", "receive.calls",
         "place.seconds", "place.count")}
-    wait = list(map(waited, f["input_wait_s.mid_step"], f["input_wait_s.boundary"]))
-    staged_ = [i for i, n in enumerate(f["place.staged"]) if n]  # of rows
-    paths = {"staged": staged_, "inline": [i for i, n in enumerate(f["place.staged"]) if not n]}
-    waits = {path: [wait[i] for i in group] for path, group in paths.items()}
+    wait = array("d", map(waited, f["input_wait_s.mid_step"], f["input_wait_s.boundary"]))
+    staged_ = array("q", (i for i, n in enumerate(f["place.staged"]) if n))  # of rows
+    paths = {"staged": staged_,
+             "inline": array("q", (i for i, n in enumerate(f["place.staged"]) if not n))}
+    waits = {path: array("d", (wait[i] for i in group)) for path, group in paths.items()}
     hid_in = staged_ or range(len(rows))  # what staging hid: in the steps that staged
-    estimate = [estimated(wait[i], f["place.staged"][i], f["receive.seconds"][i],
-                          f["receive.calls"][i], f["place.seconds"][i], f["place.count"][i])
-                for i in hid_in]
+    estimate = array("d", (estimated(wait[i], f["place.staged"][i], f["receive.seconds"][i],
+                                     f["receive.calls"][i], f["place.seconds"][i],
+                                     f["place.count"][i]) for i in hid_in))
     bound = trainer.values("bound_by")
     out["trainer"] = {
         "step_s": statistics.median(map(lasted, f["step_s"], f["compute_s"], wait,

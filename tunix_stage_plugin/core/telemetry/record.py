@@ -21,6 +21,11 @@ from typing import Any, Callable, Iterable, Iterator
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import inputs
 
+try:  # optional, the `fast` extra: a long record read in about half the time (docs/observability.md)
+  import orjson
+except ImportError:
+  orjson = None  # pylint: disable=invalid-name
+
 SCHEMA = "tunix-stage-metrics"
 VERSION = 2
 # The version that added each field a record of an older version lacks (version 1 had no run).
@@ -227,8 +232,17 @@ class Reader:
         elif len(raw) > MAX_LINE:
           raise _error(f"{self.path}:{n + 1}", LINES_ACCEPTED, f"a line of more than "
                        f"{MAX_LINE} bytes")
-        for record, self.offset in zip(_decode(self.path, n - len(lines) + 1, lines), starts):
-          before = _check(self.path, self.count + 1, record, before)
+        values = _fast(lines)
+        fast = values is not None
+        if not fast:
+          values = _decode(self.path, n - len(lines) + 1, lines)
+        for record, self.offset, line in zip(values, starts, lines):
+          try:
+            before = _check(self.path, self.count + 1, record, before)
+          except RecordError:
+            if fast:  # what is wrong said of json's value, as without orjson
+              _check(self.path, self.count + 1, _decode(self.path, n, [line])[0], None)
+            raise
           self.count += 1
           yield before
         lines, starts = [], []
@@ -432,6 +446,20 @@ _SHAPES = {(role, version): {(f"?{k}" if k in lacks else k): shape for k, shape 
            for role in FIELDS for version, lacks in _LACKS.items()}
 _CHECKS = {key: _compile(shape) for key, shape in _SHAPES.items()}
 _FAST = {key: _written(shape) for key, shape in _SHAPES.items()}
+
+
+def _fast(lines: list[bytes]) -> list[Any] | None:
+  """orjson's values of `lines` where it is installed and reads them all (the same values as
+  json's, read in a third of the time), else None: json reads them, and names a line that is
+  not a JSON record (orjson refuses what json reads as NaN, the infinities, lone surrogates,
+  another encoding, and reads an integer past 64 bits as a float: the check refuses those, its
+  line said of json's value)."""
+  if orjson is None:
+    return None
+  try:
+    return [orjson.loads(raw) for raw in lines]
+  except ValueError:
+    return None
 
 
 def _decode(path: str, first: int, lines: list[bytes]) -> list[Any]:

@@ -83,30 +83,27 @@ class Steps:
   def __len__(self) -> int:
     return len(self.columns["step"])
 
-  def values(self, name: str, rows: Sequence[int] | None = None) -> list[Any]:
-    """Column `name` (at `rows`, or every step) as a list, None where the record said null."""
-    column = self.columns[name]
-    got = column.tolist() if rows is None else _pick(column, rows).tolist()
+  def values(self, name: str, rows: Sequence[int] | None = None) -> Sequence[Any]:
+    """Column `name` (at `rows`, or every step): its array where it holds no null, else a list
+    with None where the record said null (a text's column: its texts)."""
+    column = self.columns[name] if rows is None else _pick(self.columns[name], rows)
     if name in self.texts:
       words = self.texts[name]
-      return [None if c == NULL else words[c] for c in got]
+      return [None if c == NULL else words[c] for c in column]
     if column.typecode == "q":
-      return [None if v == NULL else v for v in got] if NULL in column else got
-    return [None if v != v else v for v in got]  # NaN is null
+      return [None if v == NULL else v for v in column] if NULL in column else column
+    return [None if v != v else v for v in column] if any(map(math.isnan, column)) else column
 
   def family(self, name: str) -> dict[str, Any]:
     """An object of any fields (`receive.by_transport`), per field its column (or per part)."""
     return self.families[name]
 
   def take(self, rows: Sequence[int]) -> "Steps":
-    """The steps at `rows` (in that order), their `last` the last of them where they end where
-    these do."""
+    """The steps at `rows` (in that order); their `last` is not known here (None)."""
     pick = lambda c: _pick(c, rows)  # noqa: E731
-    ends_here = bool(rows) and rows[-1] == len(self) - 1
     return Steps(self.role, {k: pick(c) for k, c in self.columns.items()}, self.texts,
                  {k: {f: (pick(c) if isinstance(c, array) else {p: pick(a) for p, a in c.items()})
-                      for f, c in fam.items()} for k, fam in self.families.items()},
-                 self.last if ends_here else None)
+                      for f, c in fam.items()} for k, fam in self.families.items()}, None)
 
   @classmethod
   def of(cls, role: str, records: Iterable[dict[str, Any]]) -> "Steps":
