@@ -131,8 +131,9 @@ def time_report(folder: str, tree: str | None, report_args: list[str]) -> dict:
   """One `tunix-stage report` on `folder` in a subprocess (with `tree`'s package): its figures."""
   size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
   env = dict(os.environ)
-  if tree:  # its package first (`-m` puts the working folder first: run it there)
-    env["PYTHONPATH"] = tree
+  if tree:  # its package first (`-m` puts the working folder first: run it there), then any
+    # PYTHONPATH given (e.g. where orjson is installed, to time the `fast` extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
   cmd = [sys.executable, "-m", "tunix_stage_plugin", "report", os.path.abspath(folder),
          *report_args]
   with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:

@@ -291,7 +291,7 @@ def read(path: str) -> tuple[list[dict[str, Any]], str | None]:
 
 
 class _Bad(Exception):
-  """A field that is not what SHAPES says; `path` filled in on the way out."""
+  """A field that is not what SHAPES says; `path`: the field's names, innermost first."""
 
   def __init__(self, value: Any, accepted: str, why: str | None = None) -> None:
     super().__init__(accepted)
@@ -299,153 +299,84 @@ class _Bad(Exception):
     self.path: list[str] = []
 
 
-def _compile(shape: Any) -> Callable[..., None]:
-  """A function that raises _Bad unless a value is what `shape` (SHAPES) says."""
-  if isinstance(shape, Maybe):
-    inner = _compile(shape.shape)
-
-    def maybe(value: Any) -> None:
-      if value is not None:
-        inner(value)
-    return maybe
-  if isinstance(shape, dict) and "*" in shape:
-    each = _compile(shape["*"])
-
-    def every(value: Any) -> None:
-      if type(value) is not dict:  # pylint: disable=unidiomatic-typecheck
-        raise _Bad(value, "a JSON object")
-      for key, item in value.items():
-        try:
-          each(item)
-        except _Bad as e:
-          e.path.append(key)
-          raise
-    return every
-  if isinstance(shape, dict):
-    fields = tuple((key.removeprefix("?"), key.startswith("?"), _compile(sub))
-                   for key, sub in shape.items())
-
-    def fixed(value: Any, before: dict[str, Any] | None = None) -> None:
-      """`before`: a value of this shape checked already: a part of `value` equal to its is
-      its (checked, and held once)."""
-      if type(value) is not dict:  # pylint: disable=unidiomatic-typecheck
-        raise _Bad(value, "a JSON object")
-      for field, optional, check in fields:
-        if field in value:
-          item = value[field]
-          if before is not None and type(item) is dict and before.get(field) == item:  # pylint: disable=unidiomatic-typecheck
-            value[field] = before[field]
-            continue
-          try:
-            check(item)
-          except _Bad as e:
-            e.path.append(field)
-            raise
-        elif not optional:
-          raise _missing(field)
-    return fixed
-  return _LEAVES[shape]
-
-
 MISSING = "missing"
-
-
-def _missing(field: str) -> _Bad:
-  bad = _Bad(None, LINES_ACCEPTED, MISSING)
-  bad.path.append(field)
-  return bad
-
-
-def _number(value: Any) -> None:
-  if not ((type(value) is float or type(value) is int)  # pylint: disable=unidiomatic-typecheck
-          and 0 <= value <= MAX_NUMBER):  # NaN and the infinities fail; a bool is not an int
-    raise _Bad(value, NUMBER)
-
-
-def _count(value: Any) -> None:
-  if not (type(value) is int and 0 <= value <= MAX_COUNT):  # pylint: disable=unidiomatic-typecheck
-    raise _Bad(value, COUNT)
-
-
-def _text(value: Any) -> None:
-  if type(value) is not str:  # pylint: disable=unidiomatic-typecheck
-    raise _Bad(value, TEXT)
-
-
-_LEAVES = {NUMBER: _number, COUNT: _count, TEXT: _text}
-# Each leaf's test as an expression of `v`, for _written (the same tests as _LEAVES').
+OBJECT = "a JSON object"
+# Each leaf's test as an expression of `v` (_written's).
 _TESTS = {NUMBER: "(type(v) is float or type(v) is int) and 0 <= v <= MAX_NUMBER",
           COUNT: "type(v) is int and 0 <= v <= MAX_COUNT", TEXT: "type(v) is str"}
 
 
+def _bad(value: Any, accepted: str, path: tuple[str, ...], why: str | None = None) -> _Bad:
+  bad = _Bad(value, accepted, why)
+  bad.path = list(reversed(path))
+  return bad
+
+
 def _written(shape: dict[str, Any]) -> Callable[[dict[str, Any], Any], None]:
-  """`shape`'s check written out as one function (a record's fields checked in a few
-  microseconds, not a call each): it raises (_Fail, KeyError, TypeError) unless a record is
-  what `shape` says, and says nothing of why (_check asks _compile's, which names the field).
-  A top-level object equal to the line before's (`b`) is that line's, checked already."""
+  """The check of a record of `shape` (SHAPES), written out as one function (a record's fields
+  checked in a few microseconds, not a call each): it raises _Bad naming the first field that is
+  not what `shape` says. A top-level object equal to the line before's (`b`) is that line's
+  (checked already, and held once)."""
   lines: list[str] = []
 
-  def check(sub: Any, var: str, indent: str, depth: int) -> None:
+  def check(sub: Any, var: str, path: tuple[str, ...], indent: str, depth: int) -> None:
+    where = "(" + "".join(f"{p}, " for p in path) + ")"  # literals, and the loops' keys
     if isinstance(sub, Maybe):
       lines.append(f"{indent}if {var} is not None:")
-      check(sub.shape, var, indent + "  ", depth)
-    elif isinstance(sub, dict) and "*" in sub:
-      lines.append(f"{indent}if type({var}) is not dict:")
-      lines.append(f"{indent}  raise _Fail")
-      item = f"i{depth}"
-      lines.append(f"{indent}for {item} in {var}.values():")
-      check(sub["*"], item, indent + "  ", depth + 1)
+      check(sub.shape, var, path, indent + "  ", depth)
     elif isinstance(sub, dict):
       lines.append(f"{indent}if type({var}) is not dict:")
-      lines.append(f"{indent}  raise _Fail")
-      for key, inner in sub.items():
-        field, value = key.removeprefix("?"), f"x{depth}"
-        if key.startswith("?"):
-          lines.append(f"{indent}if {field!r} in {var}:")
-          lines.append(f"{indent}  {value} = {var}[{field!r}]")
-          check(inner, value, indent + "  ", depth + 1)
+      lines.append(f"{indent}  raise _bad({var}, OBJECT, {where})")
+      if "*" in sub:
+        key, item = f"k{depth}", f"i{depth}"
+        lines.append(f"{indent}for {key}, {item} in {var}.items():")
+        check(sub["*"], item, (*path, key), indent + "  ", depth + 1)
+        return
+      for name, inner in sub.items():
+        field, value = name.removeprefix("?"), f"x{depth}"
+        lines.append(f"{indent}{value} = {var}.get({field!r}, _M)")
+        if name.startswith("?"):
+          lines.append(f"{indent}if {value} is not _M:")
+          check(inner, value, (*path, repr(field)), indent + "  ", depth + 1)
         else:
-          lines.append(f"{indent}{value} = {var}[{field!r}]")
-          check(inner, value, indent, depth + 1)
+          lines.append(f"{indent}if {value} is _M:")
+          missing = "(" + "".join(f"{p}, " for p in (*path, repr(field))) + ")"
+          lines.append(f"{indent}  raise _bad(None, LINES_ACCEPTED, {missing}, MISSING)")
+          check(inner, value, (*path, repr(field)), indent, depth + 1)
     else:
       lines.append(f"{indent}v = {var}")
       lines.append(f"{indent}if not ({_TESTS[sub]}):")
-      lines.append(f"{indent}  raise _Fail")
+      lines.append(f"{indent}  raise _bad(v, {sub!r}, {where})")
 
-  lines.append("  if type(r) is not dict:")
-  lines.append("    raise _Fail")
-  for key, sub in shape.items():
-    field = key.removeprefix("?")
+  for name, sub in shape.items():
+    field = name.removeprefix("?")
     body = "  "
-    if key.startswith("?"):
-      lines.append(f"  if {field!r} in r:")
+    lines.append(f"  x = r.get({field!r}, _M)")
+    if name.startswith("?"):
+      lines.append("  if x is not _M:")
       body = "    "
-    lines.append(f"{body}x = r[{field!r}]")
+    else:
+      lines.append("  if x is _M:")
+      lines.append(f"    raise _bad(None, LINES_ACCEPTED, ({field!r},), MISSING)")
     if isinstance(sub, dict):  # the line before's, where equal
       lines.append(f"{body}if b is not None and type(x) is dict and x == b.get({field!r}):")
       lines.append(f"{body}  r[{field!r}] = b[{field!r}]")
       lines.append(f"{body}else:")
       body += "  "
-    check(sub, "x", body, 0)
-  names = {"_Fail": _Fail, "MAX_NUMBER": MAX_NUMBER, "MAX_COUNT": MAX_COUNT}
+    check(sub, "x", (repr(field),), body, 0)
+  names = {"_bad": _bad, "_M": object(), "OBJECT": OBJECT, "MISSING": MISSING,
+           "LINES_ACCEPTED": LINES_ACCEPTED, "MAX_NUMBER": MAX_NUMBER, "MAX_COUNT": MAX_COUNT}
   exec(compile("def check(r, b):\n" + "\n".join(lines) + "\n", "<record check>", "exec"),  # pylint: disable=exec-used
        names)
   return names["check"]
 
 
-class _Fail(Exception):
-  """A record _written's check refused: _compile's says why."""
-
-
-# Per version, the fields its records lack; per role and version, its records' shape, and its
-# check written out (_written) and as a function per field that names what is wrong (_compile).
+# Per version, the fields its records lack; per role and version, the check of its records.
 _LACKS = {version: tuple(field for field, added in ADDED.items() if added > version)
           for version in range(1, VERSION + 1)}
-_SHAPES = {(role, version): {(f"?{k}" if k in lacks else k): shape for k, shape in
-                             {**SHAPES["common"], **SHAPES[role]}.items()}
+_CHECKS = {(role, version): _written({(f"?{k}" if k in lacks else k): shape for k, shape in
+                                      {**SHAPES["common"], **SHAPES[role]}.items()})
            for role in FIELDS for version, lacks in _LACKS.items()}
-_CHECKS = {key: _compile(shape) for key, shape in _SHAPES.items()}
-_FAST = {key: _written(shape) for key, shape in _SHAPES.items()}
 
 
 def _fast(lines: list[bytes]) -> list[Any] | None:
@@ -494,7 +425,7 @@ def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dic
                  f"(its schema field is "
                  f"{record.get('schema') if isinstance(record, dict) else None!r})")
   version = record.get("version")
-  if version not in _LACKS or isinstance(version, bool):
+  if type(version) is not int or version not in _LACKS:  # pylint: disable=unidiomatic-typecheck
     raise _error(f"{path}:{n}", f"versions 1 to {VERSION}: read it with the version that wrote "
                  "it", f"schema version {version!r} is not one this tunix-stage-plugin reads")
   role = record.get("role")
@@ -502,10 +433,7 @@ def _check(path: str, n: int, record: Any, before: dict[str, Any] | None) -> dic
     raise _error(f"{path}:{n}", " | ".join(FIELDS), f"role {role!r}")
   try:
     same = before is not None and before["role"] == role and before["version"] == version
-    try:
-      _FAST[role, version](record, before if same else None)
-    except (_Fail, KeyError, TypeError):  # not what SHAPES says: which field, and why
-      _CHECKS[role, version](record)
+    _CHECKS[role, version](record, before if same else None)
   except _Bad as e:
     if len(e.path) == 1 and e.why == MISSING:  # a field of the record itself: name them all
       missing = [k for k in (*COMMON, *SHAPES[role]) if k not in record
