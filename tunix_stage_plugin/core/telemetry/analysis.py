@@ -24,7 +24,9 @@ def judged(steps: steps_lib.Steps) -> Sequence[int]:
   """The rows of `steps` a median is taken over (RULE): a first step, which has no step before
   it and compiles, left out where there are others."""
   rows = array("q", (i for i, s in enumerate(steps.columns["step_s"]) if s == s))  # NaN: null
-  return rows or array("q", range(len(steps)))
+  if not rows:
+    return range(len(steps))
+  return range(rows[0], rows[-1] + 1) if rows[-1] - rows[0] + 1 == len(rows) else rows
 
 
 def significant(seconds: float | None, step_s: float) -> bool:
@@ -83,7 +85,8 @@ def staged(steps: steps_lib.Steps, rows: Sequence[int]) -> Sequence[int]:
   """The `rows` of trainer steps that staged a micro-batch (placed one on the staging lane); the
   others ran inline (staging off, or every stage fell back)."""
   column = steps.columns["place.staged"]
-  return array("q", (i for i in rows if column[i]))
+  picked = array("q", (i for i in rows if column[i]))
+  return rows if len(picked) == len(rows) else picked
 
 
 def _median(values: list[float]) -> float | None:
