@@ -159,3 +159,16 @@ def test_the_record_is_read_alike_with_orjson_or_without(tmp_path, monkeypatch, 
     said, good = read[orjson]
     assert good == [json.loads(line) for line in lines]
     assert isinstance(said, str) == refused and (not refused or f"{bad}:2 {name}" in said), said
+
+
+def test_a_record_changed_after_it_was_read_is_one_line(tmp_path):
+  """The rows a table shows are read again by their line's offset: a file rewritten in between
+  is said in one line, never a traceback."""
+  trainer_records(tmp_path)
+  (run,), _ = runs_lib.runs([str(tmp_path)])
+  (path,) = run.files
+  with open(path, "r+", encoding="utf-8") as f:
+    f.seek(0)
+    f.write("x" * 40)
+  with pytest.raises(record_lib.RecordError, match="changed while it was read"):
+    run.records(record_lib.TRAINER)

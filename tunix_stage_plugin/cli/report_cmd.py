@@ -213,21 +213,25 @@ def run(args: argparse.Namespace) -> int:
     return error(inputs.invalid("--png", args.png, "records holding a trainer's steps (the "
                                 "picture draws them)", "these records hold no trainer step"))
   pair = comparable(args.paths, found)
-  if pair is not None:
-    report_compare.run(*pair, summaries=tuple(map(summarize, pair)), as_json=args.json,
-                       notes=notes)
-  elif args.json:
-    print(json.dumps({"runs": [as_json(r, args.steps) for r in found], "notes": notes},
-                     indent=2))
-  else:
-    for note in notes:
-      print(f"note: {note}")
-    if len(found) > 1:
-      print(f"{len(found)} runs (jobs) in these records, each reported apart; give one run's "
-            "files to read it alone")
-    for n, run_ in enumerate(found, start=1):
-      print(f"run {n} of {len(found)}: {run_.label}" if len(found) > 1 else f"run: {run_.label}")
-      _print_run(run_, args.steps)
+  try:  # the records shown are read again: a file changed since is one line
+    if pair is not None:
+      report_compare.run(*pair, summaries=tuple(map(summarize, pair)), as_json=args.json,
+                         notes=notes)
+    elif args.json:
+      print(json.dumps({"runs": [as_json(r, args.steps) for r in found], "notes": notes},
+                       indent=2))
+    else:
+      for note in notes:
+        print(f"note: {note}")
+      if len(found) > 1:
+        print(f"{len(found)} runs (jobs) in these records, each reported apart; give one run's "
+              "files to read it alone")
+      for n, run_ in enumerate(found, start=1):
+        print(f"run {n} of {len(found)}: {run_.label}" if len(found) > 1
+              else f"run: {run_.label}")
+        _print_run(run_, args.steps)
+  except record_lib.RecordError as e:
+    return error(str(e))
   if args.png is not None:
     why = _draw(args.png, list(pair) if pair is not None else found)
     if why is not None:

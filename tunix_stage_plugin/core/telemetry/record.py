@@ -276,11 +276,13 @@ def at(path: str, offsets: Iterable[int]) -> list[dict[str, Any]]:
     with open(path, "rb") as f:
       for offset in offsets:
         f.seek(offset)
-        where = f"{path} (the line at byte {offset})"
-        (value,) = _decode(where, 0, [f.readline(MAX_LINE + 1)])
-        out.append(_check(where, 0, value, None))
+        (value,) = _decode(path, 0, [f.readline(MAX_LINE + 1)])
+        out.append(_check(path, 0, value, None))
   except OSError as e:
     raise _error(path, LINES_ACCEPTED, f"cannot be read ({e.strerror or e})") from None
+  except RecordError:
+    raise _error(path, LINES_ACCEPTED, "changed while it was read (a line read before is no "
+                 "longer that record)") from None
   return out
 
 
