@@ -172,3 +172,17 @@ def test_a_record_changed_after_it_was_read_is_one_line(tmp_path):
     f.write("x" * 40)
   with pytest.raises(record_lib.RecordError, match="changed while it was read"):
     run.records(record_lib.TRAINER)
+
+
+def test_a_field_added_to_the_table_is_a_column_and_words_are_not(monkeypatch):
+  """A field record.SHAPES gains (an object that may be null or missing, as a pipeline's sizing
+  would be) is a column of its numbers; a text in words is no figure and no column."""
+  shape = record_lib.Maybe({"depth": record_lib.COUNT, "why": record_lib.TEXT})
+  monkeypatch.setitem(record_lib.SHAPES, record_lib.ORCHESTRATOR,
+                      {**record_lib.SHAPES[record_lib.ORCHESTRATOR], "?sizing": shape})
+  records = orchestrator_records(3)
+  records[1]["sizing"] = None
+  records[2]["sizing"] = {"depth": 2, "why": "a micro-batch's stage 0.30 s against 0.50 s"}
+  steps = steps_lib.Steps.of(record_lib.ORCHESTRATOR, records)
+  assert steps.values("sizing.depth") == [None, None, 2]
+  assert "sizing.why" not in steps.columns and "bound_by" not in steps.columns

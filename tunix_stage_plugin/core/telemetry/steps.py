@@ -19,6 +19,9 @@ from tunix_stage_plugin.core.telemetry import record as record_lib
 NULL = -1  # a count column's null (a count is >= 0); a number column's is NaN
 # The common fields a step's columns hold (the others name its process and run: runs.py).
 COMMON = ("time", "step")
+# The text fields kept as columns: a code a step into their few values. Another text (words
+# that may differ every step) is no figure: the records shown hold it.
+TEXTS = ("bound_by",)
 
 
 def _leaf(shape: Any) -> Any:
@@ -168,6 +171,7 @@ class Builder:
     self.columns: dict[str, array] = {}
     self._words: dict[str, dict[str, int]] = {}
     self._families: dict[str, _Family] = {}
+    self._appends: dict[str, Callable[[Any], None]] = {}
     self.last: dict[str, Any] | None = None
     shape = {k: v for k, v in record_lib.SHAPES["common"].items() if k in COMMON}
     self._add = _compile(shape | record_lib.SHAPES[role], self)
@@ -181,15 +185,20 @@ class Builder:
                  {k: f.columns for k, f in self._families.items()}, self.last)
 
   def column(self, name: str, kind: Any) -> Callable[[Any], None]:
-    self.columns[name] = array(_code(kind))
-    if kind == record_lib.TEXT:
-      words = self._words[name] = {}
-      append = self.columns[name].append
-      return lambda w: append(NULL if w is None else words.setdefault(w, len(words)))
-    return self.columns[name].append
+    """Column `name`'s append (made on the first ask: a null object's and its fields' share it)."""
+    if name not in self._appends:
+      column = self.columns[name] = array(_code(kind))
+      if kind == record_lib.TEXT:
+        words = self._words[name] = {}
+        self._appends[name] = lambda w: column.append(
+            NULL if w is None else words.setdefault(w, len(words)))
+      else:
+        self._appends[name] = column.append
+    return self._appends[name]
 
   def family(self, name: str, shape: Any) -> Callable[[Any], None]:
-    self._families[name] = _Family(shape)
+    if name not in self._families:
+      self._families[name] = _Family(shape)
     return self._families[name].add
 
 
@@ -207,7 +216,7 @@ def _compile(shape: dict[str, Any], builder: Builder) -> Callable[[dict[str, Any
         lines.append(f"{indent}{ref(builder.family(name, sub))}(None)")
       elif isinstance(sub, dict):
         nulls(sub, name, indent)
-      else:
+      elif sub != record_lib.TEXT or name in TEXTS:
         lines.append(f"{indent}{ref(builder.column(name, sub))}({_null(sub)})")
 
   def ref(value: Any) -> str:
@@ -233,7 +242,7 @@ def _compile(shape: dict[str, Any], builder: Builder) -> Callable[[dict[str, Any
           walk(sub, inner, name + ".", indent + "  ")
         else:
           walk(sub, inner, name + ".", indent)
-      else:
+      elif sub != record_lib.TEXT or name in TEXTS:
         append = ref(builder.column(name, sub))
         if maybe and sub != record_lib.TEXT:
           lines.append(f"{indent}v = {get}; {append}({_null(sub)} if v is None else v)")
