@@ -36,6 +36,7 @@ from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import runs as runs_lib
 
 MIB = 1 << 20
+STEP_S = 2.5  # about the steps' length (trainer_figures'): their records' times are this apart
 
 
 def trainer_figures(step: int, rng: random.Random) -> dict:
@@ -82,6 +83,7 @@ def write(folder: str, steps: int, version: int) -> None:
     writer = record_lib.Writer(folder, role, run["id"])
     for step in range(steps):
       rec = record_lib.make(role, "tunix", figures(step, rng), settings, run)
+      rec["time"] = run["started"] + STEP_S * (step + 1)  # as the job's steps end, not as written
       if version == 1:  # as version 1 wrote it: no run
         del rec["run"]
         rec["version"] = 1
@@ -129,8 +131,9 @@ def time_report(folder: str, tree: str | None, report_args: list[str]) -> dict:
   """One `tunix-stage report` on `folder` in a subprocess (with `tree`'s package): its figures."""
   size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
   env = dict(os.environ)
-  if tree:  # its package first (`-m` puts the working folder first: run it there)
-    env["PYTHONPATH"] = tree
+  if tree:  # its package first (`-m` puts the working folder first: run it there), then any
+    # PYTHONPATH given (e.g. where orjson is installed, to time the `fast` extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
   cmd = [sys.executable, "-m", "tunix_stage_plugin", "report", os.path.abspath(folder),
          *report_args]
   with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
@@ -152,9 +155,10 @@ def time_report(folder: str, tree: str | None, report_args: list[str]) -> dict:
 
 
 def phases(folder: str) -> dict:
-  """The CPU seconds of a report's parts on `folder`, each timed alone: decoding the JSON, reading
-  it (decoding and checking), telling the runs apart (reading included), the summary and the
-  advice (of the first run)."""
+  """The CPU seconds of a report's parts on `folder`, each timed alone: decoding the JSON (json's,
+  and orjson's where installed), reading it (decoding and checking), telling the runs apart
+  (reading included, and each field appended to its run's columns), the summary and the advice
+  (of the first run)."""
   paths = record_lib.files([folder])
   out = {}
 
@@ -171,10 +175,17 @@ def phases(folder: str) -> dict:
           json.loads(b"[" + b",".join(chunk) + b"]")
 
   timed("decode", decode)
+  if record_lib.orjson is not None:  # the `fast` extra's decoder, as the reader calls it
+    def decode_fast():
+      for path in paths:
+        with open(path, "rb") as f:
+          while chunk := f.readlines(record_lib.CHUNK * 1024):
+            record_lib.orjson.loads(b"[" + b",".join(chunk) + b"]")
+    timed("decode_orjson", decode_fast)
   timed("read", lambda: [sum(1 for _ in record_lib.Reader(p)) for p in paths])
   found, _ = timed("runs", lambda: runs_lib.runs([folder]))
   run = found[0]
-  timed("summary", lambda: analysis.summary(run.trainer, run.orchestrator))
+  timed("summary", lambda: analysis.summary(run.trainer_steps, run.orchestrator_steps))
   timed("advice", lambda: report_cmd.checked_advice(run))
   return out
 

@@ -5,20 +5,25 @@ sum."""
 from __future__ import annotations
 
 from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import steps as steps_lib
 
 MIB = 1 << 20
 
 
 def orchestrator_step(step, stage_median_s):
-  return {"step": step, "step_s": None if step == 0 else 2.0, "microbatches": 4, "staged": 3,
-          "inline": 1, "prestaged": 0, "fallbacks": {"count": 1, "by_kind": {"refused": 1}},
-          "stage_calls": {"median_s": stage_median_s},
+  return {"time": 10.0 + step, "step": step, "step_s": None if step == 0 else 2.0,
+          "microbatches": 4, "depth": 1, "staged": 3, "inline": 1, "prestaged": 0,
+          "peak_staged": 1, "fallbacks": {"count": 1, "by_kind": {"refused": 1}},
+          "stage_calls": {"count": 3, "seconds": 3 * stage_median_s, "median_s": stage_median_s,
+                          "max_s": stage_median_s},
           "sent": {"side": {"calls": 4, "bytes": 4 * MIB, "seconds": 0.4}}}
 
 
 def test_medians_leave_the_first_step_out_and_totals_count_every_step():
   steps = [orchestrator_step(0, 5.0), orchestrator_step(1, 0.1), orchestrator_step(2, 0.3)]
-  o = analysis.summary([], steps)["orchestrator"]
+  o = analysis.summary(steps_lib.Steps.of(record_lib.TRAINER, []),
+                       steps_lib.Steps.of(record_lib.ORCHESTRATOR, steps))["orchestrator"]
   assert o["stage_call_median_s"] == 0.2  # step 0's compiling 5 s left out
   assert (o["staged"], o["inline"], o["fallbacks"]) == (9, 3, 3)
   assert o["fallbacks_by_kind"] == {"refused": 3}

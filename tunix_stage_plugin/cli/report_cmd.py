@@ -168,15 +168,15 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
 
 
 def shown(process: runs_lib.Process, steps: int | None) -> list[dict[str, Any]]:
-  """The records of `process` its table shows: its last `steps` (DEFAULT_STEPS unless given)."""
-  n = DEFAULT_STEPS if steps is None else steps
-  return process.records[len(process.records) - n:] if n else []
+  """The records of `process` its table shows: its last `steps` (DEFAULT_STEPS unless given),
+  read from its files (a run keeps its steps' figures, not its records)."""
+  return process.records(DEFAULT_STEPS if steps is None else steps)
 
 
 def as_json(run_: runs_lib.Run, steps: int | None) -> dict[str, Any]:
   return {"label": run_.label, "started": run_.started,
           "processes": [{"role": p.role, "host": p.host, "process": p.name, "run": p.run,
-                         "started": p.started, "steps": len(p.records),
+                         "started": p.started, "steps": len(p.steps),
                          "records": shown(p, steps)} for p in run_.processes],
           "summary": summarize(run_)}
 
@@ -214,25 +214,29 @@ def run(args: argparse.Namespace) -> int:
     found, notes = runs_lib.runs(args.paths)
   except record_lib.RecordError as e:
     return error(str(e))
-  if args.png is not None and not any(r.trainer for r in found):
+  if args.png is not None and not any(len(r.trainer_steps) for r in found):
     return error(inputs.invalid("--png", args.png, "records holding a trainer's steps (the "
                                 "picture draws them)", "these records hold no trainer step"))
   pair = comparable(args.paths, found)
-  if pair is not None:
-    report_compare.run(*pair, summaries=tuple(map(summarize, pair)), as_json=args.json,
-                       notes=notes)
-  elif args.json:
-    print(json.dumps({"runs": [as_json(r, args.steps) for r in found], "notes": notes},
-                     indent=2))
-  else:
-    for note in notes:
-      print(f"note: {note}")
-    if len(found) > 1:
-      print(f"{len(found)} runs (jobs) in these records, each reported apart; give one run's "
-            "files to read it alone")
-    for n, run_ in enumerate(found, start=1):
-      print(f"run {n} of {len(found)}: {run_.label}" if len(found) > 1 else f"run: {run_.label}")
-      _print_run(run_, args.steps)
+  try:  # the records shown are read again: a file changed since is one line
+    if pair is not None:
+      report_compare.run(*pair, summaries=tuple(map(summarize, pair)), as_json=args.json,
+                         notes=notes)
+    elif args.json:
+      print(json.dumps({"runs": [as_json(r, args.steps) for r in found], "notes": notes},
+                       indent=2))
+    else:
+      for note in notes:
+        print(f"note: {note}")
+      if len(found) > 1:
+        print(f"{len(found)} runs (jobs) in these records, each reported apart; give one run's "
+              "files to read it alone")
+      for n, run_ in enumerate(found, start=1):
+        print(f"run {n} of {len(found)}: {run_.label}" if len(found) > 1
+              else f"run: {run_.label}")
+        _print_run(run_, args.steps)
+  except record_lib.RecordError as e:
+    return error(str(e))
   if args.png is not None:
     why = _draw(args.png, list(pair) if pair is not None else found)
     if why is not None:
@@ -243,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
 
 def summarize(run_: runs_lib.Run) -> dict[str, Any]:
   """A run's figures (core.telemetry.analysis) and the rule's advice on it, checked."""
-  summary = analysis.summary(run_.trainer, run_.orchestrator)
+  summary = analysis.summary(run_.trainer_steps, run_.orchestrator_steps)
   summary["advice"] = checked_advice(run_)
   summary["recommendations"] = [a["line"] for a in summary["advice"] if a["recommended"]]
   return summary
@@ -251,15 +255,15 @@ def summarize(run_: runs_lib.Run) -> dict[str, Any]:
 
 def _print_run(run_: runs_lib.Run, steps: int | None) -> None:
   for p in run_.processes:
-    print(f"{p.role} {p.name} ({p.host}, {len(p.records)} steps)")
+    print(f"{p.role} {p.name} ({p.host}, {len(p.steps)} steps)")
     records = shown(p, steps)
     if records:
       rows = trainer_rows if p.role == record_lib.TRAINER else orchestrator_rows
       for line in rows(records) + sizing_lines(records):
         print(f"  {line}")
-    left = len(p.records) - len(records)
+    left = len(p.steps) - len(records)
     if left and (steps is None or steps):
-      print(f"  (the first {left} of its {len(p.records)} steps left out: --steps N shows the "
+      print(f"  (the first {left} of its {len(p.steps)} steps left out: --steps N shows the "
             "last N, --steps 0 the summary only)")
   summary = summarize(run_)
   print(f"overall ({analysis.RULE}):")
@@ -278,7 +282,7 @@ def checked_advice(run_: runs_lib.Run) -> list[dict[str, Any]]:
   """The rule's advice on the job (core.telemetry.advice), each with the simulator's prediction
   on the same record where the lab is installed: recommended where it predicts a shorter step
   (largest gain first), or where it cannot say (marked not checked, and why)."""
-  window = advice_lib.Window.of_records(run_.trainer, run_.orchestrator)
+  window = advice_lib.Window.of_steps(run_.trainer_steps, run_.orchestrator_steps)
   advice = advice_lib.advise(window)
   if not advice:
     return []
@@ -291,7 +295,8 @@ def checked_advice(run_: runs_lib.Run) -> list[dict[str, Any]]:
            f"{install_hint.install_command('bench')})")
     checks = [why] * len(advice)
   else:
-    checks = checker.predict(run_.trainer, window.settings, advice)
+    checks = checker.predict(run_.records(record_lib.TRAINER, checker.CHECK_STEPS),
+                             window.settings, advice)
   out = []
   for a, check in zip(advice, checks):
     entry = {**a.as_dict(), "line": a.line(), "prediction": None, "checked": None,

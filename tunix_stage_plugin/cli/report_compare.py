@@ -18,9 +18,11 @@ import statistics
 from typing import Any, Callable
 
 from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import runs as runs_lib
 from tunix_stage_plugin.core.telemetry import scalars
+from tunix_stage_plugin.core.telemetry import steps as steps_lib
 
 MIN_STEPS = 5  # each run's steps the test needs; fewer: too few to tell
 ALPHA = 0.05
@@ -31,15 +33,52 @@ TEST = (f"Mann-Whitney U, two-sided, at {ALPHA:.0%}, on each run's steps (a firs
         f"{MIN_STEPS} steps in a run: {TOO_FEW}")
 
 
-Reader = Callable[[dict[str, Any]], float | int | None]
-# What is compared, per side: the scalars' tables (the bound as a count of steps, below) and the
-# trainer step's whole input wait.
-_SKIPPED = tuple(name for name in scalars.TRAINER if name.startswith("bound_by_"))
-FIGURES: tuple[tuple[str, str, Reader], ...] = (
-    (record_lib.TRAINER, "input_wait_s", analysis.input_wait),
-    *((record_lib.TRAINER, name, read) for name, read in scalars.TRAINER.items()
-      if name not in _SKIPPED),
-    *((record_lib.ORCHESTRATOR, name, read) for name, read in scalars.ORCHESTRATOR.items()),
+# Each figure compared: the scalar's name (scalars.TRAINER / ORCHESTRATOR, the one table of the
+# names: the bound, a count of steps, is in each run's summary instead) and its values at a
+# run's steps, read from their columns (core.telemetry.steps: the record's fields by path);
+# tests/cli/test_report_compare.py holds each to the scalar's own reading of the records.
+Values = Callable[[steps_lib.Steps, list[int]], list[Any]]
+
+
+def _column(name: str) -> Values:
+  return lambda steps, rows: steps.values(name, rows)
+
+
+def _received_gib_s(steps: steps_lib.Steps, rows: list[int]) -> list[float | None]:
+  return [b / s / analysis.GIB if s else None for b, s in
+          zip(steps.values("receive.bytes", rows), steps.values("receive.seconds", rows))]
+
+
+def _input_wait(steps: steps_lib.Steps, rows: list[int]) -> list[float]:
+  return list(map(analysis.waited, steps.values("input_wait_s.mid_step", rows),
+                  steps.values("input_wait_s.boundary", rows)))
+
+
+def _fallbacks(kind: str) -> Values:
+  def read(steps: steps_lib.Steps, rows: list[int]) -> list[int]:
+    column = steps.family("fallbacks.by_kind").get(kind)
+    return [0] * len(rows) if column is None else [column[i] for i in rows]
+  return read
+
+
+FIGURES: tuple[tuple[str, str, Values], ...] = (
+    (record_lib.TRAINER, "input_wait_s", _input_wait),
+    *((record_lib.TRAINER, name, read) for name, read in {
+        "step_s": _column("step_s"), "compute_s": _column("compute_s"),
+        "slowdown_s": _column("compute.slowdown_s"),
+        "input_wait_mid_step_s": _column("input_wait_s.mid_step"),
+        "input_wait_boundary_s": _column("input_wait_s.boundary"),
+        "other_s": _column("other_s"), "received_gib_s": _received_gib_s,
+        "staged": _column("place.staged"), "inline": _column("place.inline"),
+        "pool_waits": _column("pool.waits"),
+        "peak_device_batches": _column("staged.peak_device")}.items()),
+    *((record_lib.ORCHESTRATOR, name, read) for name, read in {
+        **{name: _column(name) for name in ("step_s", "microbatches", "depth", "staged",
+                                            "inline", "prestaged", "peak_staged")},
+        "fallbacks": _column("fallbacks.count"),
+        **{f"fallbacks_{kind.value}": _fallbacks(kind.value)
+           for kind in orchestrator_lib.FALLBACK_KINDS},
+        "stage_call_median_s": _column("stage_calls.median_s")}.items()),
 )
 
 
@@ -78,8 +117,8 @@ def compare(a: runs_lib.Run, b: runs_lib.Run, summaries: tuple[dict[str, Any], d
   for side, name, read in FIGURES:
     samples = []
     for run in (a, b):
-      steps = analysis.judged(run.trainer if side == record_lib.TRAINER else run.orchestrator)
-      samples.append([v for v in map(read, steps) if v is not None])
+      steps = run.trainer_steps if side == record_lib.TRAINER else run.orchestrator_steps
+      samples.append([v for v in read(steps, analysis.judged(steps)) if v is not None])
     if not samples[0] and not samples[1]:
       continue  # neither run knows it (e.g. no orchestrator records)
     medians = [statistics.median(s) if s else None for s in samples]
@@ -95,8 +134,8 @@ def compare(a: runs_lib.Run, b: runs_lib.Run, summaries: tuple[dict[str, Any], d
                     "b": medians[1], "steps": [len(s) for s in samples], "change": change,
                     "change_pct": pct, "p": p, "verdict": verdict})
   return {"test": TEST,
-          "runs": [{"label": run.label, "trainer_steps": len(run.trainer),
-                    "orchestrator_steps": len(run.orchestrator),
+          "runs": [{"label": run.label, "trainer_steps": len(run.trainer_steps),
+                    "orchestrator_steps": len(run.orchestrator_steps),
                     "summary": summary}
                    for run, summary in zip((a, b), summaries)],
           "figures": figures}

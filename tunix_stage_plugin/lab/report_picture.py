@@ -9,10 +9,12 @@ report_cmd loads this module only for --png. docs/observability.md "The picture"
 from __future__ import annotations
 
 import textwrap
-from typing import Any, Sequence
+from typing import Sequence
 
 from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import runs as runs_lib
+from tunix_stage_plugin.core.telemetry import steps as steps_lib
 
 # (label, colour, hatch) of each part of a bar, bottom to top.
 PARTS = (
@@ -29,17 +31,17 @@ class PictureError(RuntimeError):
   """The picture cannot be drawn: matplotlib is not installed, or no run holds a trainer step."""
 
 
-def parts(step: dict[str, Any]) -> tuple[float, ...]:
-  """A trainer record's bar, bottom to top (PARTS): the parts add up to the step."""
-  slowdown = step["compute"]["slowdown_s"] or 0.0
-  wait = step["input_wait_s"]
-  return (max(0.0, step["compute_s"] - slowdown), min(slowdown, step["compute_s"]),
-          step["other_s"], wait["boundary"] or 0.0, wait["mid_step"])
+def parts(trainer: steps_lib.Steps) -> list[tuple[float, ...]]:
+  """Each trainer step's bar, bottom to top (PARTS): the parts add up to the step."""
+  return [(max(0.0, compute - (slowdown or 0.0)), min(slowdown or 0.0, compute), other,
+           boundary or 0.0, mid)
+          for compute, slowdown, other, boundary, mid in zip(*(trainer.values(name) for name in (
+              "compute_s", "compute.slowdown_s", "other_s", "input_wait_s.boundary",
+              "input_wait_s.mid_step")))]
 
 
-def draw(path: str, runs: Sequence[Any]) -> None:
-  """Draws `runs` (each with `label` and `trainer`, its trainer records in step order) to the PNG
-  file `path`."""
+def draw(path: str, runs: Sequence[runs_lib.Run]) -> None:
+  """Draws `runs` (each with its `label` and `trainer_steps`) to the PNG file `path`."""
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
     matplotlib.use("Agg")
@@ -49,29 +51,31 @@ def draw(path: str, runs: Sequence[Any]) -> None:
     from tunix_stage_plugin.core import install_hint  # pylint: disable=import-outside-toplevel
     raise PictureError(f"--png needs matplotlib ({e}); install the 'bench' extra: "
                        f"{install_hint.install_command('bench')}") from None
-  if not any(run.trainer for run in runs):
+  if not any(len(run.trainer_steps) for run in runs):
     raise PictureError(inputs.invalid("--png", path, "records holding a trainer's steps (the "
                                       "picture draws them)", "these records hold no trainer step"))
-  steps = max(len(run.trainer) for run in runs)
+  steps = max(len(run.trainer_steps) for run in runs)
   # Wide enough for the legend and the titles (a run's label says its start, processes and
   # settings: wrapped to its panel), wider with more steps.
   width = min(10.0, max(7.0, 1.5 + 0.35 * steps))
   fig, axes = plt.subplots(1, len(runs), figsize=(width * len(runs), 5.2), sharey=True,
                            squeeze=False)
-  top = max((sum(parts(s)) for run in runs for s in run.trainer), default=1.0) or 1.0
-  for ax, run in zip(axes[0], runs):
-    x = [s["step"] for s in run.trainer]
+  bars = [parts(run.trainer_steps) for run in runs]
+  top = max((sum(bar) for run_bars in bars for bar in run_bars), default=1.0) or 1.0
+  for ax, run, run_bars in zip(axes[0], runs, bars):
+    x = run.trainer_steps.values("step")
     bottom = [0.0] * len(x)
     for n, (_, colour, hatch) in enumerate(PARTS):
-      heights = [parts(s)[n] for s in run.trainer]
+      heights = [bar[n] for bar in run_bars]
       ax.bar(x, heights, bottom=bottom, width=0.8, color=colour, hatch=hatch,
              edgecolor="white" if hatch else colour, linewidth=0.0 if not hatch else 0.5)
       bottom = [b + h for b, h in zip(bottom, heights)]
     if len(x) <= MAX_COUNTED:
-      for step, height, s in zip(x, bottom, run.trainer):
-        ax.text(step, height + top * 0.01, f"{s['place']['staged']}s\n{s['place']['inline']}i",
+      for step, height, staged, inline in zip(x, bottom, run.trainer_steps.values("place.staged"),
+                                              run.trainer_steps.values("place.inline")):
+        ax.text(step, height + top * 0.01, f"{staged}s\n{inline}i",
                 ha="center", va="bottom", fontsize=6, linespacing=0.9)
-    summary = analysis.summary(run.trainer, [])["trainer"]
+    summary = analysis.summary(run.trainer_steps, run.orchestrator_steps)["trainer"]
     ax.set_title(textwrap.fill(f"{run.label or 'the job'}: median step {summary['step_s']:.2f} "
                                f"s, input wait {summary['input_wait_s']:.2f} s",
                                width=int(width * 11)), fontsize=8, loc="left")

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import statistics
-from typing import Any
+from array import array
+from typing import Any, Sequence
 
 from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import record
+from tunix_stage_plugin.core.telemetry import steps as steps_lib
 
 # A cause counts once it held at least this share of the window's steps (and one step): a cause
 # in a minority of the steps still costs time, and the simulator judges whether a change helps.
@@ -106,10 +109,10 @@ class Window:
   """The step figures the rule reads, a value per step (the trainer's), and the job's."""
 
   settings: Settings
-  step_s: tuple[float, ...]
-  mid_step_s: tuple[float, ...]
-  boundary_s: tuple[float, ...]  # 0 where not known (a first step)
-  pool_wait_s: tuple[float, ...]
+  step_s: Sequence[float]
+  mid_step_s: Sequence[float]
+  boundary_s: Sequence[float]  # 0 where not known (a first step)
+  pool_wait_s: Sequence[float]
   over_bound: int  # transfers that ran out of their wait for a receive buffer
   bound_by: tuple[str, ...]
   refused: tuple[int, ...]  # stages refused by a full bound, per orchestrator step
@@ -123,56 +126,63 @@ class Window:
   @classmethod
   def of_records(cls, trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
                  ) -> "Window | None":
-    """The window of a job's records: the trainer steps after the first (which compiles and
-    has no step before it) that staged, where there are any (an inline step's wait says nothing
-    of a staging setting); None with no trainer step."""
-    steps = analysis.judged(trainer)
-    steps = analysis.staged(steps) or steps
-    if not steps:
+    """The window of a job's records (a few, whole: a pipeline sizing itself, the simulator)."""
+    return cls.of_steps(steps_lib.Steps.of(record.TRAINER, trainer),
+                        steps_lib.Steps.of(record.ORCHESTRATOR, orchestrator))
+
+  @classmethod
+  def of_steps(cls, trainer: steps_lib.Steps, orchestrator: steps_lib.Steps) -> "Window | None":
+    """The window of a job's steps (their columns): the trainer steps after the first (which
+    compiles and has no step before it) that staged, where there are any (an inline step's wait
+    says nothing of a staging setting); None with no trainer step."""
+    if not len(trainer):
       return None
-    last = trainer[-1]
-    depth = orchestrator[-1]["depth"] if orchestrator else record.setting(
-        last, "max_staged_batches")
+    rows = analysis.judged(trainer)
+    rows = analysis.staged(trainer, rows) or rows
+    f = {name: trainer.values(name, rows) for name in (
+        "step_s", "compute_s", "input_wait_s.mid_step", "input_wait_s.boundary", "other_s",
+        "receive.seconds", "receive.calls", "place.seconds", "place.count", "place.bytes",
+        "pool.wait_s", "pool.over_bound", "bound_by", "compute.fwd_bwd_median_s")}
+    o = {name: orchestrator.values(name) for name in (
+        "depth", "prestaged", "peak_staged", "stage_calls.median_s", "stage_calls.max_s")}
+    last = trainer.last
+    ran = orchestrator.last if len(orchestrator) else None
     settings = Settings(
-        host=orchestrator[-1]["host"] if orchestrator else last["host"], depth=depth,
-        prestage=any(f["prestaged"] for f in orchestrator) if orchestrator else None,
+        host=(ran or last)["host"],
+        depth=o["depth"][-1] if ran else record.setting(last, "max_staged_batches"),
+        prestage=any(o["prestaged"]) if ran else None,
         max_device_batches=record.setting(last, "max_device_batches"),
         max_host_batches=record.setting(last, "max_host_batches"))
+    receives = array("d", map(_per, f["receive.seconds"], f["receive.calls"]))
+    places = array("d", map(_per, f["place.seconds"], f["place.count"]))
     # A micro-batch's crossing: its receive on the trainer; where the trainer timed none (tunix's
     # own unary call is received before any hook sees it), the orchestrator's stage call.
-    receive = [_per(f["receive"]["seconds"], f["receive"]["calls"]) for f in steps
-               if f["receive"]["calls"]]
-    if receive:
-      transfer_s = _median(receive)
-      stage_s = max(_per(f["receive"]["seconds"], f["receive"]["calls"])
-                    + _per(f["place"]["seconds"], f["place"]["count"]) for f in steps)
+    if any(f["receive.calls"]):
+      transfer_s = _median([r for r, n in zip(receives, f["receive.calls"]) if n])
+      stage_s = max(map(operator.add, receives, places))
     else:
-      transfer_s = _median([f["stage_calls"]["median_s"] for f in orchestrator
-                            if f["stage_calls"]["median_s"] is not None])
-      stage_s = max((f["stage_calls"]["max_s"] for f in orchestrator
-                     if f["stage_calls"]["max_s"] is not None), default=None)
+      transfer_s = _median([s for s in o["stage_calls.median_s"] if s is not None])
+      stage_s = max((s for s in o["stage_calls.max_s"] if s is not None), default=None)
+    refused = orchestrator.family("fallbacks.by_kind").get(outcome.StageStatus.REFUSED.value)
+    wait = map(analysis.waited, f["input_wait_s.mid_step"], f["input_wait_s.boundary"])
     return cls(
         settings=settings,
-        step_s=tuple(analysis.step_seconds(f) for f in steps),
-        mid_step_s=tuple(f["input_wait_s"]["mid_step"] for f in steps),
-        boundary_s=tuple(f["input_wait_s"]["boundary"] or 0.0 for f in steps),
-        pool_wait_s=tuple(f["pool"]["wait_s"] for f in steps),
-        over_bound=sum(f["pool"]["over_bound"] for f in steps),
-        bound_by=tuple(f["bound_by"] for f in steps),
-        refused=tuple(f["fallbacks"]["by_kind"].get(outcome.StageStatus.REFUSED.value, 0)
-                      for f in orchestrator),
-        depth_full=bool(orchestrator) and all(f["peak_staged"] >= f["depth"]
-                                              for f in orchestrator if f["depth"]),
+        step_s=array("d", map(analysis.lasted, f["step_s"], f["compute_s"], wait, f["other_s"])),
+        mid_step_s=array("d", f["input_wait_s.mid_step"]),
+        boundary_s=array("d", (b or 0.0 for b in f["input_wait_s.boundary"])),
+        pool_wait_s=array("d", f["pool.wait_s"]),
+        over_bound=sum(f["pool.over_bound"]),
+        bound_by=tuple(f["bound_by"]),
+        refused=tuple(refused) if refused is not None else (0,) * len(orchestrator),
+        depth_full=bool(ran) and all(p >= d for p, d in zip(o["peak_staged"], o["depth"]) if d),
         transfer_s=transfer_s,
-        place_s=_median([_per(f["place"]["seconds"], f["place"]["count"]) for f in steps
-                         if f["place"]["count"]]),
+        place_s=_median([p for p, n in zip(places, f["place.count"]) if n]),
         stage_s=stage_s,
-        compute_s=_median([f["compute"]["fwd_bwd_median_s"] for f in steps
-                           if f["compute"]["fwd_bwd_median_s"] is not None]),
-        microbatch_bytes=_median([f["place"]["bytes"] / f["place"]["count"] for f in steps
-                                  if f["place"]["count"]]))
+        compute_s=_median([c for c in f["compute.fwd_bwd_median_s"] if c is not None]),
+        microbatch_bytes=_median([b / n for b, n in zip(f["place.bytes"], f["place.count"])
+                                  if n]))
 
-  def figure(self, name: str, values: tuple[float, ...]) -> Figure:
+  def figure(self, name: str, values: Sequence[float]) -> Figure:
     """`values`' mean over the window, and the steps where it was a significant part."""
     held = sum(analysis.significant(v, s) for v, s in zip(values, self.step_s))
     return Figure(name, math.fsum(values) / len(values), held, len(values))

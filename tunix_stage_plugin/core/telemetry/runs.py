@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import gc
+import operator
 import os
+from array import array
 from typing import Any, Iterable
 
 from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core.telemetry import steps as steps_lib
 
 # The hosts a trainer's record may name behind the orchestrator's: MaxText's engine runs behind
 # tunix's worker, driven by tunix's orchestrator.
@@ -30,7 +34,8 @@ SLACK_S = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class Process:
-  """One process's records of one run, in step order."""
+  """One process's records of one run, in step order: its figures as columns (`steps`), and
+  where each step's record is (`files`, `lines`), read again only for the steps shown."""
 
   role: str
   host: str
@@ -40,7 +45,8 @@ class Process:
   started: float  # Unix seconds (a version-1 record's: its first step's)
   stepping: float  # when its steps began: its first record's time less its longest step
   ended: float  # its last record's time
-  records: list[dict[str, Any]]
+  steps: steps_lib.Steps
+  lines: tuple[array, array]  # per step, its file (an index into `files`) and its line's offset
   files: tuple[str, ...]
   sources: tuple[str, ...]  # the paths given that its files came from
 
@@ -48,16 +54,58 @@ class Process:
   def name(self) -> str:
     return f"{self.hostname}:{self.pid}"
 
+  def records(self, last: int | None = None) -> list[dict[str, Any]]:
+    """Its records, whole (its `last` steps'), read again from its files in step order."""
+    file_of, offsets = self.lines
+    first = 0 if last is None else max(0, len(offsets) - last)
+    out: list[dict[str, Any]] = []
+    while first < len(offsets):  # a file's run of lines at a time
+      end = first
+      while end < len(offsets) and file_of[end] == file_of[first]:
+        end += 1
+      out += record_lib.at(self.files[file_of[first]], offsets[first:end])
+      first = end
+    return out
+
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """One job's processes and their records (each role's in step order, process by process)."""
+  """One job's processes and their steps (each role's in step order, process by process)."""
 
   label: str  # what tells it apart: its start, its processes, the settings they ran with
-  trainer: list[dict[str, Any]]
-  orchestrator: list[dict[str, Any]]
   processes: tuple[Process, ...]
   started: float
+
+  @functools.cached_property
+  def trainer_steps(self) -> steps_lib.Steps:
+    """The trainer's figures as columns (what the summary and the advice read)."""
+    return self._steps(record_lib.TRAINER)
+
+  @functools.cached_property
+  def orchestrator_steps(self) -> steps_lib.Steps:
+    return self._steps(record_lib.ORCHESTRATOR)
+
+  def _steps(self, role: str) -> steps_lib.Steps:
+    parts = [p.steps for p in self.processes if p.role == role]
+    return steps_lib.Steps.joined(role, parts) if parts else steps_lib.Steps.of(role, [])
+
+  def records(self, role: str, last: int | None = None) -> list[dict[str, Any]]:
+    """Its records of `role`, whole (the `last` of them), read again from their files."""
+    out: list[dict[str, Any]] = []
+    for p in reversed([p for p in self.processes if p.role == role]):
+      if last is not None and len(out) >= last:
+        break
+      out[:0] = p.records(None if last is None else last - len(out))
+    return out
+
+  @property
+  def trainer(self) -> list[dict[str, Any]]:
+    """Every trainer record, whole (a long run's cost: `trainer_steps` reads its figures)."""
+    return self.records(record_lib.TRAINER)
+
+  @property
+  def orchestrator(self) -> list[dict[str, Any]]:
+    return self.records(record_lib.ORCHESTRATOR)
 
   @property
   def sources(self) -> tuple[str, ...]:
@@ -84,12 +132,18 @@ def runs(paths: Iterable[str]) -> tuple[list[Run], list[str]]:
           continue  # a file given twice (by name and in its folder) is read once
         seen.add(os.path.realpath(path))
         reader = record_lib.Reader(path)
-        held: tuple[Any, ...] = ()  # the role, process and run of the record before; its session
+        process = run = role = None  # the record before's; its session's appends
         for rec in reader:  # (the reader shares a process and run with the line before: `is`)
-          if held[:3] != (rec["role"], rec["process"], rec.get("run")):
-            held = (rec["role"], rec["process"], rec.get("run"), _session(sessions, rec))
-            held[3]["files"][path] = held[3]["sources"][source] = None
-          held[3]["records"].append(rec)
+          if rec["process"] is not process or rec.get("run") is not run or rec["role"] != role:
+            process, run, role = rec["process"], rec.get("run"), rec["role"]
+            session = _session(sessions, rec)
+            session["sources"][source] = None
+            in_file = session["files"].setdefault(path, len(session["files"]))
+            add, offset, file_of = (session["builder"].add, session["offsets"].append,
+                                    session["file_of"].append)
+          add(rec)
+          offset(reader.offset)
+          file_of(in_file)
         if reader.note is not None:
           notes.append(reader.note)
   finally:
@@ -114,35 +168,45 @@ def _jobs(members: list[Process]) -> list[list[Process]]:
   orchestrators = sorted((p for p in members if p.role == record_lib.ORCHESTRATOR),
                          key=lambda p: (p.stepping, p.ended))
   jobs: list[list[Process]] = [[o] for o in orchestrators]
-  host_steps = [{r["host_step"] for r in o.records if r.get("host_step") is not None}
-                for o in orchestrators]
+  host_steps = [set(o.steps.values("host_step")) - {None} for o in orchestrators]
   alone: list[list[Process]] = []
   for p in members:
     if p.role == record_lib.ORCHESTRATOR:
       continue
-    parts: dict[int | None, list[dict[str, Any]]] = {}
-    for rec in p.records:
-      parts.setdefault(_job_of(rec, orchestrators, host_steps), []).append(rec)
-    for index, records in parts.items():
-      part = p if len(parts) == 1 else dataclasses.replace(
-          p, records=records, stepping=records[0]["time"], ended=records[-1]["time"])
+    parts: dict[int | None, list[int]] = {}
+    for row, (time, host_step) in enumerate(zip(p.steps.columns["time"],
+                                                 p.steps.values("host_step"))):
+      parts.setdefault(_job_of(time, host_step, orchestrators, host_steps), []).append(row)
+    for index, rows in parts.items():
+      part = p if len(parts) == 1 else _part(p, rows)
       (alone.append([part]) if index is None else jobs[index].append(part))
   return jobs + alone
 
 
-def _job_of(rec: dict[str, Any], orchestrators: list[Process], host_steps: list[set[int]]
-            ) -> int | None:
+def _part(p: Process, rows: list[int]) -> Process:
+  """The steps of `p` at `rows` (a trainer's steps of one job, where it served several)."""
+  steps = p.steps.take(rows)
+  pick = lambda c: array(c.typecode, operator.itemgetter(*rows)(c) if len(rows) > 1  # noqa: E731
+                         else [c[rows[0]]])
+  part = dataclasses.replace(p, steps=steps, lines=(pick(p.lines[0]), pick(p.lines[1])),
+                             stepping=steps.columns["time"][0], ended=steps.columns["time"][-1])
+  steps.last = part.records(1)[0]
+  return part
+
+
+def _job_of(time: float, host_step: int | None, orchestrators: list[Process],
+            host_steps: list[set[int]]) -> int | None:
   """The orchestrator run a trainer step's record is of, or None. Where the host numbers its
   steps on both sides (tunix's train step, `host_step`), among the orchestrators that ran that
   step only; then the one whose steps its time falls among (the nearest, within SLACK_S; of two
   at once, the one begun last)."""
   candidates = range(len(orchestrators))
-  if rec.get("host_step") is not None and any(host_steps):
-    candidates = [i for i in candidates if rec["host_step"] in host_steps[i]]
+  if host_step is not None and any(host_steps):
+    candidates = [i for i in candidates if host_step in host_steps[i]]
   best, nearest = None, SLACK_S
   for index in candidates:
     o = orchestrators[index]
-    distance = max(o.stepping - rec["time"], rec["time"] - o.ended, 0.0)
+    distance = max(o.stepping - time, time - o.ended, 0.0)
     if distance <= nearest:
       best, nearest = index, distance
   return best
@@ -155,30 +219,36 @@ def _session(sessions: dict[tuple[Any, ...], dict[str, Any]], rec: dict[str, Any
   key = (rec["role"], rec["process"]["hostname"], rec["process"]["pid"],
          None if run is None else run["id"])
   if key not in sessions:
-    sessions[key] = {"key": key, "host": rec["host"], "records": [], "files": {},
-                     "sources": {}, "started": None if run is None else run["started"]}
+    sessions[key] = {"key": key, "host": rec["host"], "files": {}, "sources": {},
+                     "builder": steps_lib.Builder(rec["role"]), "offsets": array("q"),
+                     "file_of": array("H"), "started": None if run is None else run["started"]}
   return sessions[key]
 
 
 def _process(s: dict[str, Any]) -> Process:
   role, hostname, pid, run = s["key"]
-  times = [r["time"] for r in s["records"]]
+  steps, lines = s["builder"].steps(), (s["file_of"], s["offsets"])
+  order = steps.columns["step"]
+  if any(a > b for a, b in zip(order, order[1:])):  # in step order (a file's lines are)
+    rows = sorted(range(len(order)), key=order.__getitem__)
+    steps = steps.take(rows)
+    lines = tuple(array(c.typecode, operator.itemgetter(*rows)(c)) for c in lines)
+  times = steps.columns["time"]
   first = min(times)
-  stepping = first - max(r["step_s"] or 0.0 for r in s["records"])
+  stepping = first - max((v for v in steps.columns["step_s"] if v == v), default=0.0)
   started = stepping if s["started"] is None else min(s["started"], first)
-  records = sorted(s["records"], key=lambda r: r["step"])
-  return Process(role=role, host=s["host"], hostname=hostname, pid=pid, run=run,
-                 started=started, stepping=max(stepping, started), ended=max(times),
-                 records=records, files=tuple(s["files"]), sources=tuple(s["sources"]))
+  process = Process(role=role, host=s["host"], hostname=hostname, pid=pid, run=run,
+                    started=started, stepping=max(stepping, started), ended=max(times),
+                    steps=steps, lines=lines, files=tuple(s["files"]),
+                    sources=tuple(s["sources"]))
+  steps.last = process.records(1)[0]
+  return process
 
 
 def _run(group: list[Process]) -> Run:
   group = sorted(group, key=lambda p: (p.role != record_lib.TRAINER, p.started, p.name))
   return Run(label=label(group), processes=tuple(group),
-             started=min(p.started for p in group),
-             trainer=[r for p in group if p.role == record_lib.TRAINER for r in p.records],
-             orchestrator=[r for p in group if p.role == record_lib.ORCHESTRATOR
-                           for r in p.records])
+             started=min(p.started for p in group))
 
 
 def when(seconds: float) -> str:
@@ -201,8 +271,9 @@ def label(processes: list[Process]) -> str:
   values: dict[str, dict[Any, None]] = {}
   for setting in record_lib.CARRIED:
     for p in processes:
-      if p.role in setting.roles and setting.field in p.records[-1]["settings"]:
-        values.setdefault(setting.field, {})[p.records[-1]["settings"][setting.field]] = None
+      last = p.steps.last["settings"]
+      if p.role in setting.roles and setting.field in last:
+        values.setdefault(setting.field, {})[last[setting.field]] = None
   settings = ", ".join(f"{field}={'/'.join(str(v) for v in vs)}"
                        for field, vs in values.items())
   return f"{head}; {procs}" + (f"; {settings}" if settings else "")
