@@ -84,7 +84,8 @@ def test_an_unset_default_shows_as_none_in_help(name: str):
   text = " ".join(cli_main.subcommands()[name].format_help().split())
   assert "default ." not in text
   for setting in config_lib.SETTINGS:
-    assert f"Overrides ${setting.env}; default {config_lib.shown(setting.default)}." in text
+    default = setting.default_note or config_lib.shown(setting.default)  # a machine's: in words
+    assert f"Overrides ${setting.env}; default {default}." in text
   assert "Overrides $TUNIX_STAGE_METRICS; default none." in text
 
 
