@@ -54,3 +54,6 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
                        capture_output=True, text=True, timeout=120, check=True).stdout
   assert f"  step 4: {orchestrator[4]['sizing']}" in out.splitlines()
   assert any(line.startswith("  step 4: host bound ") for line in out.splitlines()), out
+  # Its run's settings say what was sized (not the last step's values, which read as fixed).
+  (label,) = [line for line in out.splitlines() if line.startswith("run:") and "orchestrator" in line]
+  assert "max_staged_batches=auto" in label and "max_host_batches=auto" in label, label

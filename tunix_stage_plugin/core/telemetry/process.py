@@ -47,9 +47,6 @@ class StepSink(Protocol):
 
 
 HISTORY = 1024  # recent records kept per side in memory
-# The setting each side sizes at auto (its choice in the side's records: `sized`).
-SIZED = {record_lib.ORCHESTRATOR: "max_staged_batches", record_lib.TRAINER: "max_host_batches"}
-
 
 class Telemetry:
 
@@ -89,7 +86,8 @@ class Telemetry:
     with self._lock:
       auto = {field for field, value in settings.shaping if config_lib.is_auto(value)}
       self._in_force = {f: v for f, v in self._in_force.items() if f in auto}
-      self._sizing = {role: why for role, why in self._sizing.items() if SIZED[role] in auto}
+      self._sizing = {role: why for role, why in self._sizing.items()
+                      if record_lib.SIZED[role] in auto}
       if settings.metrics_dir != self.settings.metrics_dir:
         for writer in self._writers.values():
           writer.close()

@@ -54,6 +54,8 @@ class Maybe:  # pylint: disable=too-few-public-methods
 # The staging settings a record carries (those that shape its figures: depths, bounds, codec),
 # from the settings table; a reader takes a missing one at the table's default. A depth or bound
 # set to auto is carried as the value in force at the step, its choice in the role's `sizing`.
+# The setting each role sizes at auto: what its records' `sizing` speaks of.
+SIZED = {ORCHESTRATOR: "max_staged_batches", TRAINER: "max_host_batches"}
 CARRIED = tuple(config_lib.SETTINGS_BY_FIELD[field] for field in (
     "max_staged_batches", "max_device_batches", "max_host_batches", "codec"))
 TRANSFERS = {"*": {"calls": COUNT, "bytes": COUNT, "seconds": NUMBER, "?gib_s": Maybe(NUMBER)}}

@@ -20,6 +20,7 @@ import os
 from array import array
 from typing import Any, Iterable
 
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import steps as steps_lib
 
@@ -263,7 +264,7 @@ def when(seconds: float) -> str:
 def label(processes: list[Process]) -> str:
   """What tells a run apart: when it started, its processes, and the settings they ran with
   (each from the processes of the roles it is for, as their last record says; `a/b` where they
-  differ)."""
+  differ; `auto` for one its process sized each step)."""
   started = min(p.started for p in processes)
   estimated = all(p.run is None for p in processes)
   head = f"{'about ' if estimated else ''}started {when(started)}"
@@ -271,9 +272,11 @@ def label(processes: list[Process]) -> str:
   values: dict[str, dict[Any, None]] = {}
   for setting in record_lib.CARRIED:
     for p in processes:
-      last = p.steps.last["settings"]
-      if p.role in setting.roles and setting.field in last:
-        values.setdefault(setting.field, {})[last[setting.field]] = None
+      last = p.steps.last
+      if p.role in setting.roles and setting.field in last["settings"]:
+        sized = last.get("sizing") and record_lib.SIZED[p.role] == setting.field
+        value = config_lib.AUTO if sized else last["settings"][setting.field]
+        values.setdefault(setting.field, {})[value] = None
   settings = ", ".join(f"{field}={'/'.join(str(v) for v in vs)}"
                        for field, vs in values.items())
   return f"{head}; {procs}" + (f"; {settings}" if settings else "")
