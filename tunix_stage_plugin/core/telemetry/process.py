@@ -48,6 +48,7 @@ class StepSink(Protocol):
 
 HISTORY = 1024  # recent records kept per side in memory
 
+
 class Telemetry:
 
   def __init__(self, settings: Settings) -> None:

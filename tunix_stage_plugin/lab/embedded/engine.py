@@ -114,6 +114,10 @@ class EmbeddedEngine:
   async def reset(self, keys: list[str]) -> None:
     await self._call("reset_staged", keys)
 
+  async def figures(self) -> dict[str, Any] | None:
+    """The trainer's newest closed step's figures (its stage_figures: what auto sizes from)."""
+    return await self._call(contract.STAGE_FIGURES)
+
   async def weight_sync(self, seconds: float) -> None:
     await self._call("weight_sync", seconds)
 

@@ -98,8 +98,7 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
     if timeline is not None:
       telemetry.recorder.add_sink(timeline)
     recorder = engine.recorder = telemetry.recorder
-  auto = (sizing.AutoDepth(plan.budget_bytes, lambda: engine.client.call("stage_figures"),
-                           telemetry) if plan.auto else None)
+  auto = sizing.AutoDepth(plan.budget_bytes, engine.figures, telemetry) if plan.auto else None
   pipeline = pipeline_lib.StagePipeline(train_engine, plan.depth, recorder=recorder,
                                         staging=plan.kind == "staged",
                                         depth_for=None if auto is None else auto.depth_for)

@@ -29,13 +29,14 @@ from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import pacing
 
 LIGHT_METHODS = lanes_lib.LIGHT_METHODS | {"timeline", "memory", "records"}
-STAGE_FIGURES = "stage_figures"  # the name of tunix's host (hosts/tunix/contract.STAGE_FIGURES)
 
 
 def make_executor(cfg: config_lib.StageConfig) -> executor_lib.MethodExecutor:
@@ -60,7 +61,7 @@ class TrainerWorker:
   METHODS = frozenset({
       "heartbeat", "info", "timeline", "memory", "records", "setup", "place_resident", "fwd_bwd",
       "update",
-      "weight_sync", "finish", "stage_batch", "reset_staged", STAGE_FIGURES,
+      "weight_sync", "finish", "stage_batch", "reset_staged", contract.STAGE_FIGURES,
   })
 
   def __init__(self, cfg: config_lib.StageConfig, *,
@@ -128,12 +129,12 @@ class TrainerWorker:
   def stage_figures(self) -> dict[str, Any] | None:
     """The trainer's newest closed step's figures as its record holds them (None before its first
     step, and with staging off): what an orchestrator at depth auto reads after each step."""
-    return None if self.telemetry is None else self.telemetry.newest("trainer")
+    return None if self.telemetry is None else self.telemetry.newest(record_lib.TRAINER)
 
   def records(self) -> list[dict[str, Any]]:
     """The trainer's own per-step records since the last setup (core.telemetry: what a job
     writes; the bench checks them against its own figures); [] with staging off."""
-    return [] if self.telemetry is None else list(self.telemetry.history["trainer"])
+    return [] if self.telemetry is None else list(self.telemetry.history[record_lib.TRAINER])
 
   # --- compute lane -----------------------------------------------------------------------------
 
@@ -319,7 +320,7 @@ class TrainerWorker:
         self.telemetry.add_step_sink(self.host_bound)
     self.host_bound.restart(device)
     if self.telemetry is not None:
-      self.telemetry.sized("trainer", "max_host_batches", 1, self.host_bound.reason)
+      self.telemetry.sized(record_lib.TRAINER, "max_host_batches", 1, self.host_bound.reason)
     return 1
 
   def _apply_host_bound(self, bound: int, reason: str) -> None:
@@ -328,7 +329,7 @@ class TrainerWorker:
       return
     self.store.set_bounds(self.store.max_device_batches, bound)
     if self.telemetry is not None:
-      self.telemetry.sized("trainer", "max_host_batches", bound, reason)
+      self.telemetry.sized(record_lib.TRAINER, "max_host_batches", bound, reason)
 
 
   def _require_trainer(self) -> Any:
