@@ -1,13 +1,15 @@
-"""The package's layout: the production path apart from the lab, and no import cycle.
+"""The package's layout: what a job loads apart from what only a reader of its records and the
+lab load, and no import cycle.
 
-The production path is what a tunix job loads (activation, core, hosts, transport) plus the
-command line (cli, all of it: `tunix-stage` names the lab's subcommands without importing them);
-the lab (tunix_stage_plugin.lab) is what only the bench and the simulator load. Read statically
+The job's path is what a tunix job loads (activation, core, hosts, transport); the command line
+(cli) names the reading layer's and the lab's subcommands without importing them; the reading
+layer (tunix_stage_plugin.reading: `report`, the records' DataFrame) is what only a reader loads,
+and the lab (tunix_stage_plugin.lab) what only the bench and the simulator load. Read statically
 (every import statement, function-level ones included, so the tunix hook modules count although
-tunix is absent here) and at run time in a fresh interpreter with the lab and its libraries
-blocked: every production module imports, and the production commands run (`config --check`, as
-the launch recipes run it, `doctor`, `run --help`, `report --help`, `tunix-stage --help`) without
-loading the lab.
+tunix is absent here) and at run time in a fresh interpreter with the lab, the reading layer and
+their libraries blocked: every job module imports, and the production commands run (`config
+--check`, as the launch recipes run it, `doctor`, `run --help`, `tunix-stage --help`) without
+loading them; `report --help` loads the reading layer and never the lab.
 """
 
 from __future__ import annotations
@@ -20,12 +22,17 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import tunix_stage_plugin
 
 PACKAGE = pathlib.Path(tunix_stage_plugin.__file__).parent
 LAB = "tunix_stage_plugin.lab"
-PRODUCTION = ("activation", "core", "hosts", "transport", "cli", "__init__.py", "__main__.py")
+READING = "tunix_stage_plugin.reading"
+JOB = ("activation", "core", "hosts", "transport", "__init__.py", "__main__.py")
+PRODUCTION = (*JOB, "cli")
 LAB_LIBRARIES = ("optax", "looptime", "matplotlib")
+READING_LIBRARIES = ("pandas", "pyarrow", "matplotlib")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -48,22 +55,34 @@ def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
   return {n for n in names if n.startswith("tunix_stage_plugin")}
 
 
-def _production_files() -> list[pathlib.Path]:
+def _files(parts: tuple[str, ...] = PRODUCTION) -> list[pathlib.Path]:
   files = []
-  for part in PRODUCTION:
+  for part in parts:
     path = PACKAGE / part
     files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
   return files
 
 
-def test_the_production_path_imports_nothing_from_the_lab():
+
+def _importing(files: list[pathlib.Path], *layers: str) -> dict[str, list[str]]:
+  """Per file of `files`, the modules of `layers` it imports (statically), where any."""
   modules = _modules()
-  files = _production_files()
-  assert len(files) > 30  # the folders above exist and hold the production modules
-  found = {str(f.relative_to(PACKAGE)): sorted(n for n in _imports(f, modules)
-                                               if n == LAB or n.startswith(LAB + "."))
+  found = {str(f.relative_to(PACKAGE)): sorted(
+      n for n in _imports(f, modules) if any(n == x or n.startswith(x + ".") for x in layers))
            for f in files}
-  assert {f: names for f, names in found.items() if names} == {}
+  return {f: names for f, names in found.items() if names}
+
+
+def test_the_production_path_imports_nothing_from_the_lab_or_the_reading_layer():
+  files = _files()
+  assert len(files) > 30  # the folders above exist and hold the production modules
+  assert _importing(files, LAB, READING) == {}
+
+
+def test_the_reading_layer_imports_nothing_from_the_lab():
+  files = _files(("reading",))
+  assert len(files) >= 6
+  assert _importing(files, LAB) == {}
 
 
 def test_no_import_cycle():
@@ -89,8 +108,9 @@ def test_no_import_cycle():
 
 
 def test_the_plugin_loads_and_refuses_with_the_lab_and_its_libraries_blocked():
-  blocked = (LAB, *LAB_LIBRARIES)
-  files = _production_files()
+  """The lab, the reading layer and their libraries blocked: every job module still loads."""
+  blocked = (LAB, READING, *LAB_LIBRARIES, *READING_LIBRARIES)
+  files = _files()
   production = sorted(m for m, p in _modules().items() if p in files)
   # Every production module is imported; the hook modules that need a host absent here (tunix,
   # MaxText, flax) stop at that host's import, and only there.
@@ -114,7 +134,7 @@ def test_the_plugin_loads_and_refuses_with_the_lab_and_its_libraries_blocked():
             raise
       import tunix_stage_plugin
       print(tunix_stage_plugin.install(mode="stage").line)
-      print(loaded, sorted(m for m in sys.modules if m.startswith({LAB!r})))
+      print(loaded, sorted(m for m in sys.modules if m.startswith(({LAB!r}, {READING!r}))))
   """)
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                         env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
@@ -125,36 +145,42 @@ def test_the_plugin_loads_and_refuses_with_the_lab_and_its_libraries_blocked():
   assert re.fullmatch(r"tunix-stage: tunix is not importable \(\w+Error: .+\)", refusal), refusal
 
 
-def test_every_file_of_the_package_is_production_or_lab():
-  production = set(_production_files())
+def test_every_file_of_the_package_is_production_reading_or_lab():
+  production = set(_files())
   lab = set((PACKAGE / "lab").rglob("*.py"))
-  assert production.isdisjoint(lab)
-  assert sorted(map(str, set(PACKAGE.rglob("*.py")) - production - lab)) == []
+  reading = set((PACKAGE / "reading").rglob("*.py"))
+  assert production.isdisjoint(lab) and production.isdisjoint(reading)
+  assert sorted(map(str, set(PACKAGE.rglob("*.py")) - production - lab - reading)) == []
 
 
-# (argv, what its output starts with): the production commands, as a recipe or a user runs them.
+# (argv, what its output starts with): the production commands, as a recipe or a user runs them;
+# the lab and the reading layer, and their libraries, blocked.
 PRODUCTION_COMMANDS = (
     (["config", "--check"], ""),
     (["doctor"], "tunix-stage-plugin "),
     (["run", "--help"], "usage: tunix-stage run"),
-    (["report", "--help"], "usage: tunix-stage report"),
     (["--help"], "usage: tunix-stage "),
 )
+# `report`, the lab blocked (the reading layer, pandas and pyarrow loaded).
+READING_COMMANDS = ((["report", "--help"], "usage: tunix-stage report"),)
 
 
-def test_the_production_commands_never_import_the_lab():
+@pytest.mark.parametrize("commands, blocked", [
+    (PRODUCTION_COMMANDS, (LAB, READING, *LAB_LIBRARIES, *READING_LIBRARIES)),
+    (READING_COMMANDS, (LAB, *LAB_LIBRARIES))], ids=["production", "report"])
+def test_the_production_commands_never_import_the_lab(commands, blocked):
   code = textwrap.dedent(f"""
       import contextlib, io, sys
 
       class Block:
         def find_spec(self, name, path=None, target=None):
-          if any(name == b or name.startswith(b + ".") for b in {(LAB, *LAB_LIBRARIES)!r}):
+          if any(name == b or name.startswith(b + ".") for b in {blocked!r}):
             raise ImportError(f"blocked: {{name}}")
           return None
 
       sys.meta_path.insert(0, Block())
       from tunix_stage_plugin.cli import main
-      for argv, start in {PRODUCTION_COMMANDS!r}:
+      for argv, start in {commands!r}:
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
           try:
@@ -179,6 +205,7 @@ def test_installing_the_package_without_extras_pulls_no_lab_library():
   runtime = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in requires
              if "extra ==" not in r}
   assert runtime == {"numpy", "jax", "grpcio", "cloudpickle"}
-  bench = {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in requires
-           if re.search(r"""extra == ["']bench["']""", r)}
-  assert set(LAB_LIBRARIES) <= bench
+  extra = lambda name: {re.split(r"[<>=!~ ;\[]", r, maxsplit=1)[0].lower() for r in requires  # noqa: E731
+                        if re.search(f"""extra == ["']{name}["']""", r)}
+  assert set(LAB_LIBRARIES) <= extra("bench")
+  assert set(READING_LIBRARIES) == extra("report") <= extra("bench")

@@ -63,7 +63,7 @@ MAXTEXT_PACKAGES=("jax==0.11.1" "jaxlib==0.11.1" "flax==0.12.12" "optax>=0.2.8"
   "grain>=0.2.18" "aqtp>=0.9.0" "drjax>=0.2.1" jaxtyping "qwix>=0.1.8" tokamax huggingface_hub
   "transformers>=5.12.1" sentencepiece tiktoken tokenizers sympy "tensorboardx>=2.6.5"
   pathwaysutils tqdm fsspec pandas perfetto safetensors "google-metrax>=0.2.4" pillow protobuf
-  tenacity
+  tenacity pyarrow
   pytest pytest-timeout hypothesis grpcio cloudpickle portpicker looptime blosc2)
 
 # --- the source -------------------------------------------------------------------------------

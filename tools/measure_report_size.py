@@ -30,10 +30,7 @@ import sys
 import tempfile
 import time
 
-from tunix_stage_plugin.cli import report_cmd
-from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.telemetry import runs as runs_lib
 
 MIB = 1 << 20
 STEP_S = 2.5  # about the steps' length (trainer_figures'): their records' times are this apart
@@ -132,7 +129,7 @@ def time_report(folder: str, tree: str | None, report_args: list[str]) -> dict:
   size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
   env = dict(os.environ)
   if tree:  # its package first (`-m` puts the working folder first: run it there), then any
-    # PYTHONPATH given (e.g. where orjson is installed, to time the `fast` extra)
+    # PYTHONPATH given
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
   cmd = [sys.executable, "-m", "tunix_stage_plugin", "report", os.path.abspath(folder),
          *report_args]
@@ -155,38 +152,26 @@ def time_report(folder: str, tree: str | None, report_args: list[str]) -> dict:
 
 
 def phases(folder: str) -> dict:
-  """The CPU seconds of a report's parts on `folder`, each timed alone: decoding the JSON (json's,
-  and orjson's where installed), reading it (decoding and checking), telling the runs apart
-  (reading included, and each field appended to its run's columns), the summary and the advice
-  (of the first run)."""
-  paths = record_lib.files([folder])
+  """The CPU seconds of a report's parts on `folder`, each timed alone, and the resident memory
+  after each (MiB): importing the reading layer (pandas, pyarrow), reading the records into
+  their tables (pyarrow's JSON reader and the columns' check), telling the runs apart, the
+  summary and the advice (of the first run)."""
   out = {}
 
   def timed(name, fn):
     start = time.process_time()
     result = fn()
     out[name + "_s"] = round(time.process_time() - start, 2)
+    with open("/proc/self/statm", encoding="ascii") as f:
+      out[name + "_rss_mib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // MIB
     return result
 
-  def decode():
-    for path in paths:
-      with open(path, "rb") as f:
-        while chunk := f.readlines(record_lib.CHUNK * 1024):
-          json.loads(b"[" + b",".join(chunk) + b"]")
-
-  timed("decode", decode)
-  if record_lib.orjson is not None:  # the `fast` extra's decoder, as the reader calls it
-    def decode_fast():
-      for path in paths:
-        with open(path, "rb") as f:
-          while chunk := f.readlines(record_lib.CHUNK * 1024):
-            record_lib.orjson.loads(b"[" + b",".join(chunk) + b"]")
-    timed("decode_orjson", decode_fast)
-  timed("read", lambda: [sum(1 for _ in record_lib.Reader(p)) for p in paths])
-  found, _ = timed("runs", lambda: runs_lib.runs([folder]))
-  run = found[0]
-  timed("summary", lambda: analysis.summary(run.trainer_steps, run.orchestrator_steps))
-  timed("advice", lambda: report_cmd.checked_advice(run))
+  # pylint: disable=import-outside-toplevel
+  reading = timed("import", lambda: __import__("tunix_stage_plugin.reading.report").reading)
+  found = timed("read", lambda: reading.records.read([folder]))
+  run = timed("runs", lambda: reading.runs.of(found))[0]
+  timed("summary", lambda: reading.summary.summary(run.trainer_steps, run.orchestrator_steps))
+  timed("advice", lambda: reading.report.checked_advice(run))
   return out
 
 

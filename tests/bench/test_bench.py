@@ -20,6 +20,7 @@ import tunix_stage_plugin
 from tests import procs
 from tests.bench import split_oracle
 from tests.core.trace_check import partial_overlaps
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.inputs import echo
 from tunix_stage_plugin.lab.bench import meta as meta_lib
 from tunix_stage_plugin.lab.bench import metrics
@@ -111,11 +112,22 @@ def _run(mode, seconds, *, digest="d" * 64, order=None, peak=1, foreign=0.0, rou
       trainer_rss={"baseline": 900 * MIB, "peak": (900 + grown_mib) * MIB},
       orchestrator_rss={"baseline": 100 * MIB, "peak": 120 * MIB},
       job_side=None if job_side is None else [
-          {"step": 1, "input_wait_s": {"mid_step": mid, "boundary": boundary}, "other_s": other,
-           "compute_s": seconds - 0.3,
-           "compute": {"slowdown_s": None, "alone_s": 1.7, "beside_transfer": 2},
-           "bound_by": "wire"}
-          for mid, boundary, other in job_side])
+          _record(mid, boundary, other, seconds - 0.3) for mid, boundary, other in job_side])
+
+
+def _record(mid, boundary, other, compute):
+  """A trainer's record of the timed step (as its telemetry writes one, core.telemetry.record):
+  its input wait, other calls and compute."""
+  figures = {"step": 1, "host_step": None, "step_s": compute + mid + boundary + other,
+             "compute_s": compute, "input_wait_s": {"mid_step": mid, "boundary": boundary},
+             "other_s": other, "microbatches": 2,
+             "compute": {"fwd_bwd_median_s": 1.7, "update_s": 0.1, "alone_s": 1.7,
+                         "beside_transfer": 2, "slowdown_s": None},
+             "receive": {"calls": 0, "bytes": 0, "seconds": 0.0, "by_transport": {}},
+             "place": {"count": 2, "seconds": 0.1, "bytes": 2 * MIB, "staged": 2, "inline": 0},
+             "pool": {"waits": 0, "wait_s": 0.0, "over_bound": 0},
+             "staged": {"peak_device": 1, "peak_host": 1}, "bound_by": "wire"}
+  return record_lib.make(record_lib.TRAINER, "embedded", figures, {}, record_lib.new_run())
 
 
 def _result(**overrides):

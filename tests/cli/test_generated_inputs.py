@@ -262,7 +262,7 @@ def _records() -> tuple[dict[str, Any], ...]:
   from tunix_stage_plugin.core import pipeline
   from tunix_stage_plugin.core import tracks
   from tunix_stage_plugin.core.telemetry import process
-  from tunix_stage_plugin.core.telemetry import record as record_lib
+  from tunix_stage_plugin.reading import records as records_lib
 
   with tempfile.TemporaryDirectory() as folder:
     write_trainer_job(pathlib.Path(folder), steps=3)
@@ -275,7 +275,7 @@ def _records() -> tuple[dict[str, Any], ...]:
                                                 peak_staged=1, fallback_reasons=[pipeline.Fallback(
                                                     outcome.StageStatus.REFUSED, "x")]), 2)
     tel.close()
-    return tuple(json.loads(line) for path in record_lib.files([folder])
+    return tuple(json.loads(line) for path, _ in records_lib.files([folder])
                  for line in pathlib.Path(path).read_text().splitlines())
 
 

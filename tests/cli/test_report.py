@@ -18,12 +18,12 @@ import pytest
 
 from tests.core.test_telemetry import compute
 from tunix_stage_plugin.cli import main as cli_main
-from tunix_stage_plugin.cli import report_cmd
 from tunix_stage_plugin.core import install_hint
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process
-from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry.recorder import Span
+from tunix_stage_plugin.reading import records as records_lib
+from tunix_stage_plugin.reading import report as report_cmd
 
 MIB = 1 << 20
 
@@ -59,7 +59,7 @@ def write_trainer_job(folder, steps=4, boundary_wait=0.0, pool_waits=0, host_bat
     for span in spans:
       tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
   tel.close()
-  return record_lib.files([str(folder)])
+  return [path for path, _ in records_lib.files([str(folder)])]
 
 
 def report(*argv, check=True):
@@ -81,7 +81,9 @@ def test_report_prints_each_step_and_what_held_staging_back(tmp_path):
   assert steps[1][1:6] == ["2.70", "2.20", "0.00", "0.50", "0.00"]
   # Totals count every step of the table they sum (the header says so); medians leave step 0 out.
   assert "totals are over every step" in out and "a first step out" in out
-  assert "bound by: compute in 1, wire in 3 (steps)" in out
+  # Step 0 (its compile) is shown as such and bounds nothing.
+  assert "bound by: wire in 3, 1 first step (compile) not judged (steps)" in out
+  assert steps[0][-3:] == ["first", "step", "(compile)"]
   assert "received by side channel: 8 calls, 512.0 MiB at 0.16 GiB/s" in out
   assert "TUNIX_STAGE_MAX_HOST_BATCHES=2" in out  # the pool waited: one more host batch
 
@@ -94,7 +96,8 @@ def test_report_json_carries_the_records_and_the_summary(tmp_path):
   assert proc["role"] == "trainer" and [r["step"] for r in proc["records"]] == [0, 1, 2, 3]
   summary = run["summary"]["trainer"]
   assert summary["step_s"] == pytest.approx(2.2) and summary["input_wait_s"] == pytest.approx(0)
-  assert summary["bound_by"] == {"compute": 4, "wire": 0, "shared cores": 0}
+  assert summary["bound_by"] == {"compute": 3, "wire": 0, "shared cores": 0}
+  assert summary["first_steps"] == 1 and not summary["only_first"]
   # Totals over every step, as the table: 4 steps of 2 receives of 64 MiB.
   assert summary["received"]["side"]["calls"] == sum(
       r["receive"]["calls"] for r in proc["records"]) == 8

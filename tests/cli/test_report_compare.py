@@ -1,4 +1,4 @@
-"""`tunix-stage report A B` (cli/report_compare.py) and `report --png` (lab/report_picture.py) over
+"""`tunix-stage report A B` (reading/compare.py) and `report --png` (reading/picture.py) over
 tiny runs the telemetry core wrote: each run's trainer records written by a process of its own
 (test_report's job, in a child process), so the two runs are two jobs' processes, as a user's
 two folders are. The real two-process tunix job's runs: tests/hosts/tunix/test_observability.py.
@@ -15,7 +15,7 @@ import textwrap
 import pytest
 
 from tests.cli.test_report import report
-from tunix_stage_plugin.cli import report_compare
+from tunix_stage_plugin.reading import compare as report_compare
 
 
 def write_run(folder, **job):
@@ -63,8 +63,9 @@ def test_two_runs_compared_each_figure_s_median_the_change_and_the_verdict(runs)
   assert f["stage/staged"]["a"] == f["stage/staged"]["b"] == 2
   # Each run's own summary, as `report` judges one job.
   a, b = (r["summary"] for r in data["runs"])
-  # counts over every step: A's first (no boundary before it) is not wire-bound
-  assert a["trainer"]["bound_by"]["wire"] == 6 and b["trainer"]["bound_by"]["compute"] == 7
+  # counts over every step but a first (its compile, counted apart)
+  assert a["trainer"]["bound_by"]["wire"] == 6 and b["trainer"]["bound_by"]["compute"] == 6
+  assert a["trainer"]["first_steps"] == b["trainer"]["first_steps"] == 1
   assert any("TUNIX_STAGE_MAX_HOST_BATCHES=2" in line for line in a["recommendations"])
   assert b["recommendations"] == []
 
@@ -169,7 +170,7 @@ def test_png_refuses_a_file_it_cannot_write_in_one_line_before_reading(runs, tmp
   assert proc.returncode == 2 and proc.stdout == ""
   (line,) = proc.stderr.strip().splitlines()
   assert line.startswith("tunix-stage report: error: --png=") and why in line
-  assert "accepted: a PNG file to write" in line
+  assert "accepted: a file to write whose name ends in .png, .svg" in line
 
 
 def test_png_without_matplotlib_is_one_line_naming_the_extra(runs, tmp_path):
@@ -188,8 +189,9 @@ def test_png_without_matplotlib_is_one_line_naming_the_extra(runs, tmp_path):
   """)
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                         timeout=120)
-  assert proc.returncode == 2
+  assert proc.returncode == 2 and proc.stdout == ""  # refused before any record is read
   (line,) = proc.stderr.strip().splitlines()
-  assert line.startswith("tunix-stage report: error: --png needs matplotlib")
-  assert "'bench' extra" in line and "pip install" in line
+  assert line.startswith("tunix-stage report: error: --png=") and "matplotlib is not installed" \
+      in line
+  assert "'report' extra" in line and "pip install" in line
   assert not (tmp_path / "p.png").exists()

@@ -1,7 +1,7 @@
 """`tunix-stage report` and `simulate` on records of several runs: two real embedded jobs (a
 trainer process and its orchestrator each, over gRPC on 127.0.0.1, the job's depth 2 then 1)
 writing into one folder, as a user who reuses TUNIX_STAGE_METRICS gets; and how runs are told
-apart and paired (core.telemetry.runs), on records written by the record's own Writer.
+apart and paired (reading/runs.py), on records written by the record's own Writer.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from tunix_stage_plugin.cli import report_cmd
 from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.telemetry import runs as runs_lib
+from tunix_stage_plugin.reading import report as report_cmd
+from tunix_stage_plugin.reading import runs as runs_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 
 ORCH = [sys.executable, "-m", "tunix_stage_plugin.lab.embedded.orchestrator_main"]
@@ -52,8 +52,9 @@ def test_two_jobs_in_one_folder_are_reported_run_by_run(two_jobs):
   assert notes == [] and len(found) == 2
   for run, depth in zip(found, DEPTHS):
     assert [p.role for p in run.processes] == ["trainer", "orchestrator"]
-    assert [r["step"] for r in run.trainer] == [r["step"] for r in run.orchestrator] == [0, 1, 2]
-    assert {r["depth"] for r in run.orchestrator} == {depth}
+    assert run.trainer_steps["step"].tolist() == run.orchestrator_steps["step"].tolist() == \
+        [0, 1, 2]
+    assert set(run.orchestrator_steps["depth"]) == {depth}
     assert f"max_staged_batches={depth}," in run.label
   assert found[0].started < found[1].started
   assert {p.pid for p in found[0].processes}.isdisjoint(p.pid for p in found[1].processes)
@@ -124,7 +125,7 @@ def test_version_1_records_are_runs_by_process_and_time(two_jobs, tmp_path):
       [[p.name for p in r.processes] for r in found]
   assert all(p.run is None for r in old for p in r.processes)
   assert old[0].label.startswith("about started ")
-  assert [len(r.trainer) for r in old] == [3, 3]
+  assert [len(r.trainer_steps) for r in old] == [3, 3]
 
 
 def _write(folder, role, host, times, pid, run=True, started=None, step_s=1.0):
@@ -181,7 +182,7 @@ def test_runs_pair_by_overlapping_time_on_hosts_that_meet(tmp_path):
   _write(again, "trainer", "tunix", [103.0, 104.0], pid=6)
   _write(again, "orchestrator", "tunix", [100.5, 104.5], pid=2)
   (run,), _ = runs_lib.runs([str(again)])
-  assert [p.pid for p in run.processes] == [1, 6, 2] and len(run.trainer) == 4
+  assert [p.pid for p in run.processes] == [1, 6, 2] and len(run.trainer_steps) == 4
 
 
 def test_two_jobs_one_after_the_other_are_two_however_close(tmp_path):
@@ -203,7 +204,7 @@ def test_two_jobs_one_after_the_other_are_two_however_close(tmp_path):
   writer.close()
   found, _ = runs_lib.runs([str(tmp_path)])
   assert [[p.pid for p in r.processes] for r in found] == [[1, 9], [2, 9]]
-  assert [(len(r.trainer), len(r.orchestrator)) for r in found] == [(6, 6), (6, 6)]
+  assert [(len(r.trainer_steps), len(r.orchestrator_steps)) for r in found] == [(6, 6), (6, 6)]
 
 
 def test_a_trainer_that_served_one_orchestrator_after_another_is_split_between_the_jobs(
@@ -213,7 +214,7 @@ def test_a_trainer_that_served_one_orchestrator_after_another_is_split_between_t
   _write(tmp_path, "orchestrator", "tunix", [110.1, 111.1], pid=3)
   found, _ = runs_lib.runs([str(tmp_path)])
   assert [[p.pid for p in r.processes] for r in found] == [[1, 2], [1, 3]]
-  assert [[r["step"] for r in run.trainer] for run in found] == [[0, 1, 2], [3, 4]]
+  assert [run.trainer_steps["step"].tolist() for run in found] == [[0, 1, 2], [3, 4]]
   # A trainer step near no orchestrator's steps is a run of the trainer alone.
   _write(tmp_path / "late", "trainer", "tunix", [100.0, 200.0], pid=4)
   _write(tmp_path / "late", "orchestrator", "tunix", [100.1], pid=5)
@@ -241,4 +242,5 @@ def test_tunix_s_train_step_pairs_a_trainer_step_with_the_orchestrator_that_ran_
   write("orchestrator", 2, [100.01, 100.26], [1, 2])
   found, _ = runs_lib.runs([str(tmp_path)])
   assert [[p.pid for p in r.processes] for r in found] == [[1, 2], [1]]
-  assert [[r["host_step"] for r in run.trainer] for run in found] == [[1, 2], [3, 4]]
+  assert [run.trainer_steps["host_step"].astype(int).tolist() for run in found] == \
+      [[1, 2], [3, 4]]

@@ -1,4 +1,4 @@
-"""The one rule of what to change (core.telemetry.advice), row by row of docs/observability.md
+"""The one rule of what to change (core/advice.py), row by row of docs/observability.md
 "Reading the figures", over windows of step figures built here; the rule over real records and its
 check against the simulator: tests/sim/test_advice.py.
 """
@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from tunix_stage_plugin.core.telemetry import advice
+from tunix_stage_plugin.core import advice
 
 SETTINGS = advice.Settings(host="tunix", depth=2, prestage=True, max_device_batches=2,
                            max_host_batches=1)
@@ -49,7 +49,7 @@ def test_a_mid_step_wait_with_the_depth_used_up_and_a_wire_that_keeps_up_gets_th
   depth = found[0]
   assert depth.setting == "TUNIX_MAX_STAGED_BATCHES=3 with TUNIX_STAGE_MAX_DEVICE_BATCHES=3"
   assert depth.change == advice.Change(depth=3, max_device_batches=3)
-  assert depth.cost == "16 MiB of device memory per micro-batch more"
+  assert depth.cost == "16.0 MiB of device memory per micro-batch more"
   # The depth not used up (the stages could not keep it full): more depth would not be used.
   assert advice.DEPTH not in kinds(window(mid=0.3, transfer_s=0.4, compute_s=0.5,
                                           depth_full=False))
@@ -92,7 +92,7 @@ def test_pool_waits_refusals_and_shared_cores():
   assert (a.kind, a.setting, a.change) == (
       advice.HOST_BOUND, "TUNIX_STAGE_MAX_HOST_BATCHES=2", advice.Change(max_host_batches=2))
   assert [b.kind for b in advice.advise(window(over_bound=1))] == [advice.HOST_BOUND]
-  assert a.cost == "one more receive buffer on the trainer: 16 MiB of host memory"
+  assert a.cost == "one more receive buffer on the trainer: 16.0 MiB of host memory"
   a, = advice.advise(window(refused=(0, 3, 0, 0)))
   assert (a.kind, a.setting, str(a.figure)) == (
       advice.DEVICE_BOUND, "TUNIX_STAGE_MAX_DEVICE_BATCHES=3", "stages refused 3 (in 1 of 4 steps)")

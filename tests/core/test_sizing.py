@@ -75,7 +75,7 @@ def test_the_host_bound_grows_on_waits_within_the_budget_and_shrinks_after_quiet
   # and the trainer then waited for its input: one more receive buffer.
   assert trainer.run(True, True) == 2 and trainer.pool.bound == DEVICE + 2
   assert trainer.reasons[-1].startswith("host bound 2: receive-pool wait ")
-  assert trainer.reasons[-1].endswith("; budget 1.0 GiB, 48.0 MiB used")
+  assert trainer.reasons[-1].endswith("; budget 1.00 GiB, 48.0 MiB used")
   assert trainer.run(True) == 3  # the steps at the new bound only decide the next
   assert trainer.run(False, False) == 3 and "in 2 step(s)" in trainer.reasons[-1]
   assert trainer.run(False) == 2  # 3 steps in which no transfer waited for a buffer
@@ -126,16 +126,21 @@ def test_a_depth_that_changes_every_step_drops_and_resends_nothing():
 
 
 class Telemetry:
-  """What AutoDepth tells and reads of the process's telemetry."""
+  """What AutoDepth tells the process's telemetry (it reads none of it: the step's figures are
+  handed to it)."""
 
   def __init__(self):
-    self.said, self.records = [], []
+    self.said = []
 
   def sized(self, role, field, value, reason):
     self.said.append((role, field, value, reason))
 
-  def newest(self, role):
-    return self.records[-1] if self.records else None
+
+# An orchestrator step's figures, as its aggregator makes them (core/telemetry/orchestrator.py).
+ORCHESTRATOR_STEP = {"step": 0, "host_step": None, "step_s": None, "microbatches": 2, "depth": 1,
+                     "staged": 1, "inline": 1, "prestaged": 0, "peak_staged": 1,
+                     "fallbacks": {"count": 0, "by_kind": {}}, "sent": {},
+                     "stage_calls": {"count": 1, "seconds": 0.1, "median_s": 0.1, "max_s": 0.1}}
 
 
 def test_a_trainer_that_sends_no_figures_leaves_the_default_depth_said_once(caplog):
@@ -143,12 +148,12 @@ def test_a_trainer_that_sends_no_figures_leaves_the_default_depth_said_once(capl
     raise sizing.NoFigures("the trainer has no stage_figures")
 
   async def job():
-    auto = sizing.AutoDepth(1 << 30, fetch, Telemetry())
+    auto = sizing.AutoDepth(1 << 30, fetch, Telemetry(), "tunix")
     depths = []
     for step in range(3):
       depths.append(auto.depth_for(step, 2))
       auto.before_record(step)
-      auto.after_record()
+      auto.after_step(ORCHESTRATOR_STEP)
       await asyncio.sleep(0)  # a yield (no wait): the ask, a task of its own, runs here
       await asyncio.sleep(0)
     await auto.close()
@@ -165,13 +170,13 @@ def test_a_trainer_that_sends_no_figures_leaves_the_default_depth_said_once(capl
 
 def test_the_host_s_own_seam_has_the_last_word_and_is_said():
   telemetry = Telemetry()
-  auto = sizing.AutoDepth(1 << 30, None, telemetry)
+  auto = sizing.AutoDepth(1 << 30, None, telemetry, "tunix")
   assert auto.depth_for(0, 2) == 1
   auto.host_chose(0, 0, "the program's _stage_ahead_while_pending")
   assert auto.before_record(0) == 0
   (said,) = telemetry.said
   assert said == ("orchestrator", "max_staged_batches", 0, "depth 0: the program's "
                   "_stage_ahead_while_pending (auto chose depth 1: no step measured yet; budget "
-                  "1.0 GiB, a micro-batch's size not known yet)")
+                  "1.00 GiB, a micro-batch's size not known yet)")
   auto.host_chose(0, 0, "again")  # the same depth: nothing more said
   assert auto.sizer.chosen(0).reason.startswith("depth 0: the program's ")

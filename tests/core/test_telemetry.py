@@ -1,5 +1,6 @@
 """The telemetry core: the recorder's fan-out, the compute watcher over real JAX computations,
-the step aggregators' arithmetic, the record file and its reader, the per-step line.
+the step aggregators' arithmetic, the record file (read back by the reading layer), the per-step
+line, the scalars from the one table of figures.
 
 The trainer aggregator is fed spans built here (its input is spans, whoever records them): each
 test builds a step whose idle, transfers and lane calls it knows, and checks the figures against
@@ -9,8 +10,10 @@ what it built. The orchestrator's figures come from a real pipeline run (tests/c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import math
 import os
 import time
 
@@ -23,15 +26,16 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.outcome import StageStatus
 from tunix_stage_plugin.core.pipeline import Fallback, StagePipeline, StepReport
-from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core.telemetry import scalars
 from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
 from tunix_stage_plugin.core.telemetry.recorder import Span
 from tunix_stage_plugin.lab.bench import trace as trace_lib
+from tunix_stage_plugin.reading import records as records_lib
+from tunix_stage_plugin.reading import runs as runs_lib
 
 MIB = 1 << 20
 
@@ -181,7 +185,7 @@ def test_a_trainer_step_splits_into_compute_input_wait_and_other_calls():
   assert second["place"]["staged"] == 1 and second["place"]["inline"] == 0
   assert second["pool"] == {"waits": 1, "wait_s": pytest.approx(0.05), "over_bound": 1}
   assert second["staged"] == {"peak_device": 2, "peak_host": 1}
-  assert second["bound_by"] == analysis.WIRE  # 0.5 s of input wait in a 3.3 s step
+  assert second["bound_by"] == figures_lib.WIRE  # 0.5 s of input wait in a 3.3 s step
 
 
 def beside_every_fwd_bwd(t):
@@ -206,7 +210,7 @@ def test_a_slowdown_without_a_baseline_is_unknown_and_a_restart_keeps_the_baseli
   assert first["compute"]["beside_transfer"] == 2
   assert "compute 2.00 (its slowdown beside transfers unknown) + input wait" in \
       lines.trainer_line(first)
-  assert first["bound_by"] == analysis.COMPUTE  # no input wait; the slowdown not known
+  assert first["bound_by"] == figures_lib.COMPUTE  # no input wait; the slowdown not known
   for span in [compute("fwd_bwd", 2.0, 2.6), compute("update", 2.6, 2.8)]:  # one ran alone
     agg.record(span)
   tel.restart()
@@ -215,23 +219,20 @@ def test_a_slowdown_without_a_baseline_is_unknown_and_a_restart_keeps_the_baseli
   _, second = tel.history["trainer"]
   assert second["compute"]["alone_s"] == pytest.approx(0.6)  # from before the restart
   assert second["compute"]["slowdown_s"] == pytest.approx(2 * (0.9 - 0.6))
-  assert second["bound_by"] == analysis.SHARED_CORES
+  assert second["bound_by"] == figures_lib.SHARED_CORES
   # The slowdown is part of the compute: said inside it, so the step's sum reads as a sum.
   assert "= compute 2.00 (0.60 of it slower beside transfers) + input wait 0.00 mid-step" in \
       lines.trainer_line(second)
 
 
 def test_the_bound_follows_the_largest_loss():
-  base = {"step": 1, "step_s": 2.0, "compute_s": 2.0, "other_s": 0.0,
-          "input_wait_s": {"mid_step": 0.0, "boundary": 0.0},
-          "compute": {"slowdown_s": 0.0}}
-  assert analysis.bound_by(base) == analysis.COMPUTE
-  assert analysis.bound_by({**base, "compute": {"slowdown_s": 0.5}}) == analysis.SHARED_CORES
-  assert analysis.bound_by({**base, "input_wait_s": {"mid_step": 0.01, "boundary": 0.3}}) == \
-      analysis.WIRE
-  # Under the floor (5 % of the step and 20 ms) nothing counts.
-  assert analysis.bound_by({**base, "input_wait_s": {"mid_step": 0.05, "boundary": 0.0}}) == \
-      analysis.COMPUTE
+  """bound_by(step, input wait, slowdown) of a 2 s step."""
+  assert figures_lib.bound_by(2.0, 0.0, 0.0) == figures_lib.COMPUTE
+  assert figures_lib.bound_by(2.0, 0.0, 0.5) == figures_lib.SHARED_CORES
+  assert figures_lib.bound_by(2.0, 0.01 + 0.3, 0.0) == figures_lib.WIRE
+  # Under the floor (5 % of the step and 20 ms) nothing counts; an unknown slowdown neither.
+  assert figures_lib.bound_by(2.0, 0.05, 0.0) == figures_lib.COMPUTE
+  assert figures_lib.bound_by(2.0, 0.0, None) == figures_lib.COMPUTE
 
 
 def test_the_orchestrator_figures_count_a_real_pipeline_s_calls_by_step():
@@ -296,18 +297,28 @@ def test_the_orchestrator_counts_fallbacks_by_their_typed_status():
 
 
 def test_the_settings_a_record_carries_come_from_the_settings_table():
-  """One list (record.CARRIED) of the table's settings: what a process's records carry, the
-  types a reader accepts, and the defaults the report takes where a record lacks one."""
+  """One list (record.CARRIED) of the table's settings: what a process's records carry (each
+  role's own), the types a reader accepts (a depth or bound sized each step may say auto), and
+  the defaults the report takes where a record lacks one."""
   cfg = config_lib.resolve({"mode": "stage", "max_host_batches": 3}, env={})
   settings = process.Settings.of("tunix", cfg)
   assert dict(settings.shaping) == {"max_staged_batches": 2, "max_device_batches": 1,
                                     "max_host_batches": 3, "codec": "off"}
-  assert record_lib.SHAPES["common"]["settings"] == {
-      "?max_staged_batches": record_lib.COUNT, "?max_device_batches": record_lib.COUNT,
-      "?max_host_batches": record_lib.COUNT, "?codec": record_lib.TEXT}
-  assert record_lib.setting({"settings": {}}, "max_host_batches") == \
+  assert records_lib.SHAPES["common"]["settings"] == {
+      "?max_staged_batches": records_lib.SIZED, "?max_device_batches": records_lib.COUNT,
+      "?max_host_batches": records_lib.SIZED, "?codec": records_lib.TEXT}
+  tel = process.Telemetry(dataclasses.replace(settings, log_every=0))
+  tel.trainer()
+  for span in (compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.1)):
+    tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
+  tel.orchestrator_step(StepReport(0, trained=1, inline=1), 2)
+  assert tel.history["trainer"][0]["settings"] == {"max_device_batches": 1,
+                                                   "max_host_batches": 3}
+  assert tel.history["orchestrator"][0]["settings"] == {"max_staged_batches": 2, "codec": "off"}
+  row = {"max_host_batches": float("nan")}
+  assert runs_lib.setting(row, "max_host_batches") == \
       config_lib.SETTINGS_BY_FIELD["max_host_batches"].default
-  assert record_lib.setting({"settings": {"max_host_batches": 3}}, "max_host_batches") == 3
+  assert runs_lib.setting({"max_host_batches": 3.0}, "max_host_batches") == 3
 
 
 def test_records_are_written_one_line_per_step_and_read_back(tmp_path):
@@ -317,26 +328,31 @@ def test_records_are_written_one_line_per_step_and_read_back(tmp_path):
   for span in (compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.1),
                compute("fwd_bwd", 1.2, 2.0), compute("update", 2.0, 2.1)):
     tel.recorder.add(span.track, span.name, span.start, span.end, **dict(span.args))
-  (path,) = record_lib.files([str(tmp_path / "m")])
+  ((path, _),) = records_lib.files([str(tmp_path / "m")])
   assert os.path.basename(path) == record_lib.file_name("trainer", tel.run["id"])
-  records, note = record_lib.read(path)
-  assert note is None and [r["step"] for r in records] == [0, 1]
-  assert records[1]["input_wait_s"]["boundary"] == pytest.approx(0.1)
-  assert records[1]["settings"] == {"max_host_batches": 1} and records[1]["host"] == "test"
+  found = records_lib.read([path])
+  steps = found.steps["trainer"]
+  assert found.notes == [] and steps["step"].tolist() == [0, 1]
+  assert steps["input_wait_boundary_s"][1] == pytest.approx(0.1)
+  assert steps["max_host_batches"].tolist() == [1, 1] and steps["host"].tolist() == ["test"] * 2
+  assert steps["max_staged_batches"].isna().all()  # not a trainer's setting: not carried
   # A last line cut short (a process killed while writing it, or still writing it, as here):
   # the whole records before it are read.
+  written = [json.loads(line) for line in open(path, encoding="utf-8")]
   with open(path, "a", encoding="utf-8") as f:
-    f.write(json.dumps(records[0])[:40])
-  again, note = record_lib.read(path)
-  assert len(again) == 2 and "its last line is still being written" in note
+    f.write(json.dumps(written[0])[:40])
+  again = records_lib.read([path])
+  assert len(again.steps["trainer"]) == 2
+  (note,) = again.notes
+  assert "its last line is still being written" in note
   # A record written before the metrics logger has no host_step: still read, as it was.
   old = tmp_path / "old.jsonl"
   old.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "host_step"}) + "\n"
-                         for r in records), encoding="utf-8")
-  assert all("host_step" in r for r in records)
-  read_old, note = record_lib.read(str(old))
-  assert note is None and [r["step"] for r in read_old] == [0, 1]
-  assert not any("host_step" in r for r in read_old)
+                         for r in written), encoding="utf-8")
+  assert all("host_step" in r for r in written)
+  read_old = records_lib.read([str(old)])
+  assert read_old.notes == [] and read_old.steps["trainer"]["step"].tolist() == [0, 1]
+  assert read_old.steps["trainer"]["host_step"].isna().all()
   tel.close()
 
 
@@ -350,8 +366,8 @@ def test_records_are_written_one_line_per_step_and_read_back(tmp_path):
 def test_a_record_file_that_is_not_this_schema_is_refused_in_one_line(tmp_path, line, message):
   path = tmp_path / "x.jsonl"
   path.write_text(line + "\n" + line + "\n")
-  with pytest.raises(record_lib.RecordError, match=message) as e:
-    record_lib.read(str(path))
+  with pytest.raises(records_lib.RecordError, match=message) as e:
+    records_lib.read([str(path)])
   assert str(e.value).startswith(f"{path}:1 is invalid: ") and "\n" not in str(e.value)
 
 
@@ -387,17 +403,20 @@ def test_the_step_s_scalars_are_named_under_stage_from_the_one_table():
     agg.record(span)
   first, second = steps
   assert (first["host_step"], second["host_step"]) == (7, 8)  # what each update answered
-  named = scalars.trainer(second)
-  assert all(name.startswith(scalars.PREFIX) for name in named)
-  assert set(named) == {scalars.PREFIX + name for name in scalars.TRAINER}
+  named = figures_lib.scalars(figures_lib.TRAINER, second)
+  assert all(name.startswith(figures_lib.PREFIX) for name in named)
+  assert set(named) == {figures_lib.PREFIX + f.name for f in figures_lib.FIGURES
+                        if f.role == figures_lib.TRAINER and f.scalar}
   assert named["stage/input_wait_boundary_s"] == pytest.approx(0.8)
   assert named["stage/received_gib_s"] == pytest.approx(1 / 0.5)
   assert named["stage/staged"] == 1 and named["stage/inline"] == 0
   assert named["stage/peak_device_batches"] == 2
   assert named["stage/bound_by_wire"] == 1
   assert named["stage/bound_by_compute"] == named["stage/bound_by_shared_cores"] == 0
-  assert "stage/input_wait_boundary_s" not in scalars.trainer(first)
-  assert "stage/received_gib_s" not in scalars.trainer(first)  # nothing received in it
+  assert "stage/input_wait_boundary_s" not in figures_lib.scalars(figures_lib.TRAINER, first)
+  # nothing received in it
+  assert "stage/received_gib_s" not in figures_lib.scalars(figures_lib.TRAINER, first)
+  assert all(type(v) in (int, float) for v in named.values())  # plain numbers, for any logger
 
 
 def test_a_step_sink_that_raises_is_said_once_and_dropped_and_the_record_goes_on(
@@ -425,9 +444,8 @@ def test_a_step_sink_that_raises_is_said_once_and_dropped_and_the_record_goes_on
   assert told == [1, 2, 3]
   assert [r.message for r in caplog.records] == [
       "tunix-stage: telemetry: Broken failed (OSError: disk full) and was dropped; staging goes on"]
-  (path,) = record_lib.files([str(tmp_path / "m")])
-  records, _ = record_lib.read(path)
-  assert [r["host_step"] for r in records] == [1, 2, 3]  # the record carries the host's step
+  steps = records_lib.read([str(tmp_path / "m")]).steps["trainer"]
+  assert steps["host_step"].tolist() == [1, 2, 3]  # the record carries the host's step
   tel.close()
   tel.trainer().record(compute("fwd_bwd", 9.0, 9.5))  # closed: no sink is told any more
   tel.trainer().record(compute("update", 9.5, 9.6, host_step=4))
@@ -458,14 +476,14 @@ def test_the_orchestrator_s_scalars_and_host_step_reach_its_own_sinks_and_record
   tel.orchestrator_step(report, 2, host_step=5)
   tel.orchestrator_step(StepReport(1, trained=4, staged=4), 2)  # the answer carried no step
   assert told["trainer"] == [] and [f["host_step"] for f in told["orchestrator"]] == [5, None]
-  named = scalars.orchestrator(told["orchestrator"][0])
+  named = figures_lib.scalars(figures_lib.ORCHESTRATOR, told["orchestrator"][0])
   assert set(report.metrics()) <= set(named)  # tunix's step result's names are the same
   assert {k: named[k] for k in report.metrics()} == report.metrics()
   assert named["stage/fallbacks_refused"] == 1 and named["stage/fallbacks_failed"] == 0
   assert named["stage/depth"] == 2 and "stage/step_s" not in named  # the first: unknown
-  assert set(scalars.orchestrator(told["orchestrator"][1])) == {
-      scalars.PREFIX + name for name in scalars.ORCHESTRATOR} - {"stage/stage_call_median_s"}
-  (path,) = record_lib.files([str(tmp_path / "m")])
-  records, _ = record_lib.read(path)
-  assert [r["host_step"] for r in records] == [5, None]
+  assert set(figures_lib.scalars(figures_lib.ORCHESTRATOR, told["orchestrator"][1])) == {
+      figures_lib.PREFIX + f.name for f in figures_lib.FIGURES
+      if f.role == figures_lib.ORCHESTRATOR and f.scalar} - {"stage/stage_call_median_s"}
+  steps = records_lib.read([str(tmp_path / "m")]).steps["orchestrator"]
+  assert steps["host_step"].tolist()[0] == 5 and math.isnan(steps["host_step"].tolist()[1])
   tel.close()

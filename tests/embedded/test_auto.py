@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from tests.embedded.test_mains import _digest, _orchestrate
+from tests.records import job_records
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 
@@ -30,11 +31,7 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
   assert "trained once in order: yes" in summary
   assert _digest(auto.stdout) == _digest(inline.stdout)  # the same parameters, bit for bit
 
-  by_role = {record_lib.TRAINER: [], record_lib.ORCHESTRATOR: []}
-  for path in record_lib.files([str(folder)]):
-    records, note = record_lib.read(path)
-    assert note is None
-    by_role[records[0]["role"]] += records
+  by_role = job_records(folder)
   orchestrator = by_role[record_lib.ORCHESTRATOR]
   assert [r["step"] for r in orchestrator] == list(range(int(STEPS)))
   for r in orchestrator:

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tunix_stage_plugin.core.telemetry import lines
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 
 STEPS, MB = 3, 3
@@ -62,7 +62,8 @@ def test_received_and_sent_totals_count_every_step_as_their_tables_do(tmp_path):
   assert sent["calls"] == sum(r["sent"]["side"]["calls"] for r in orch["records"])
   assert received["calls"] == sent["calls"] and received["bytes"] == sent["bytes"]
   assert trainer["records"][0]["receive"]["calls"] > 0  # step 0 received: it is counted
-  assert sum(data["summary"]["trainer"]["bound_by"].values()) == len(trainer["records"])
+  summary = data["summary"]["trainer"]
+  assert sum(summary["bound_by"].values()) + summary["first_steps"] == len(trainer["records"])
   assert "totals are over every step" in text
   (overall,) = [l for l in text.splitlines() if l.strip().startswith("trainer step: median")]
   assert re.search(r" s = compute \d+\.\d\d( \([^()+]*\))? \+ input wait ", overall), overall
@@ -98,4 +99,4 @@ def test_a_tiny_job_s_lines_name_the_transport_and_the_size_it_used(tmp_path):
                                            (16 << 20, "16.0 MiB"), (int(1.5 * (1 << 30)),
                                                                     "1.50 GiB")])
 def test_sizes_show_in_the_unit_that_shows_them(nbytes, shown):
-  assert lines.size(nbytes) == shown
+  assert figures_lib.size(nbytes) == shown

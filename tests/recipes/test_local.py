@@ -445,7 +445,7 @@ def test_local_host_tunix_runs_tunix_s_small_job_staged_and_report_reads_it(
   two."""
   # pylint: disable=import-outside-toplevel
   from tests.docs.test_documented_commands import _mask  # the docs' samples, masked alike
-  from tunix_stage_plugin.core.telemetry import record as record_lib
+  from tests.records import job_records
   logs, metrics = tmp_path / "logs", tmp_path / "metrics"
   proc = launch("--host", "tunix", "--steps", "3", "--tiny", "--log_dir", str(logs),
                 "--timeout", "240", timeout=300, TUNIX_STAGE_BATCH="stage",
@@ -468,12 +468,7 @@ def test_local_host_tunix_runs_tunix_s_small_job_staged_and_report_reads_it(
     assert f"tunix-stage: step {step}: 4 micro-batches, staged " in orchestrator
     assert f"tunix-stage: trainer step {step}: " in trainer
   # The records: one per process, a record per step; the orchestrator staged micro-batches.
-  by_role = {}
-  for path in record_lib.files([str(metrics)]):
-    records, note = record_lib.read(path)
-    assert note is None, path
-    (role,) = {r["role"] for r in records}
-    by_role[role] = records
+  by_role = job_records(metrics)
   assert set(by_role) == {"orchestrator", "trainer"}
   assert all([r["step"] for r in records] == [0, 1, 2] for records in by_role.values())
   staged = sum(r["staged"] for r in by_role["orchestrator"])

@@ -12,12 +12,13 @@ import sys
 
 import pytest
 
-from tunix_stage_plugin.cli import report_cmd
+from tunix_stage_plugin.core import advice as advice_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.telemetry import advice as advice_lib
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry.recorder import Span
+from tunix_stage_plugin.reading import records as records_lib
+from tunix_stage_plugin.reading import report as report_cmd
 from tunix_stage_plugin.lab.embedded import process as process_lib
 from tunix_stage_plugin.lab.sim import advice as check_lib
 from tunix_stage_plugin.lab.sim import trace as trace_lib
@@ -43,8 +44,8 @@ def report_text(folder):
 
 def simulated(folder, settings, wire=1.0):
   """What `simulate` predicts on the folder's record: its mean step after the first."""
-  records = [r for f in record_lib.files([str(folder)]) for r in record_lib.read(f)[0]]
-  trace = trace_lib.of_records(records, str(folder)).scaled({"wire": wire})
+  trainer = records_lib.read([str(folder)]).steps[record_lib.TRAINER]
+  trace = trace_lib.of_steps(trainer, str(folder)).scaled({"wire": wire})
   return check_lib.mean_step(trace, settings)
 
 
@@ -69,7 +70,8 @@ def fixture_wire_bound_job(tmp_path_factory):
 def test_a_job_bound_by_its_wire_is_told_the_codec_or_bandwidth_with_the_prediction(
     wire_bound_job):
   summary = report_json(wire_bound_job)
-  assert summary["trainer"]["bound_by"]["wire"] == 6  # every step (counts are over every step)
+  # every step but the first, its compile (counts are over every step; a first counted apart)
+  assert summary["trainer"]["bound_by"]["wire"] == 5 and summary["trainer"]["first_steps"] == 1
   advice = {a["kind"]: a for a in summary["advice"]}
   # Never "raise the depth" (the wire is the bound: no depth can hide it), never tunix's knob.
   assert advice_lib.DEPTH not in advice
@@ -132,8 +134,10 @@ def write_minority_job(folder, steps=7, slow=(2, 4, 6)):
 def test_a_job_bound_by_the_wire_in_3_of_7_steps_is_not_told_nothing_to_change(tmp_path):
   write_minority_job(tmp_path)
   summary = report_json(tmp_path)
-  # Counts over every step (the first, compute-bound, among them); the rule judges the 6 after it.
-  assert summary["trainer"]["bound_by"] == {"compute": 4, "wire": 3, "shared cores": 0}
+  # Counts over every step but the first (its compile, counted apart); the rule judges the 6
+  # after it.
+  assert summary["trainer"]["bound_by"] == {"compute": 3, "wire": 3, "shared cores": 0}
+  assert summary["trainer"]["first_steps"] == 1
   (wire,) = summary["advice"]
   assert wire["kind"] == advice_lib.WIRE and wire["recommended"]
   assert (wire["figure"]["steps"], wire["figure"]["of"]) == (3, 6)
@@ -157,8 +161,8 @@ def test_a_change_the_simulator_predicts_no_gain_from_is_not_recommended(tmp_pat
                                  max_host_batches=1)
   wire = advice_lib.Advice(advice_lib.WIRE, "compress", advice_lib.Figure("f", 0.0, 0, 6), "c",
                            "w", advice_lib.Change(wire=0.5))
-  records = [r for f in record_lib.files([str(tmp_path)]) for r in record_lib.read(f)[0]]
-  (prediction,) = check_lib.predict(records, settings, [wire])
+  trainer = records_lib.read([str(tmp_path)]).steps[record_lib.TRAINER]
+  (prediction,) = check_lib.predict(trainer, settings, [wire])
   assert not prediction.helps and prediction.after_s == pytest.approx(prediction.before_s)
   entry = {"line": f"{wire.line()}; {prediction}", "recommended": prediction.helps}
   assert report_cmd.advice_lines([entry]) == [

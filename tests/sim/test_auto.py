@@ -65,7 +65,7 @@ def test_the_sizer_never_exceeds_its_budget_in_bytes():
   sizer = sizing.Sizer(budget_bytes=3 * (5 << 30), microbatch_bytes=5 << 30)
   assert sizer.most == 3
   assert sizer.depth_for(0, 2) == 1
-  assert sizer.choices[-1].reason == "depth 1: no step measured yet; budget 15.0 GiB, 5.0 GiB used"
+  assert sizer.choices[-1].reason == "depth 1: no step measured yet; budget 15.00 GiB, 5.00 GiB used"
   with pytest.raises(ValueError, match="holds no micro-batch"):
     sizing.Sizer(budget_bytes=1 << 30, microbatch_bytes=2 << 30)
 

@@ -27,21 +27,6 @@ FIELDS = flags_lib.ORCHESTRATOR_FIELDS  # the drivers are orchestrator drivers
 NATIVE_MARK = config_lib.SETTINGS_BY_FIELD["mode"].flag
 
 
-def find(main: str) -> Driver | None:
-  """The known driver `main` names: its module, or something in it (`module.main`,
-  `module:main`, as a runtime's --process_main names it); None when the plugin does not know it."""
-  for driver in triggers.KNOWN_DRIVERS:
-    if main == driver.module or main.startswith((f"{driver.module}.", f"{driver.module}:")):
-      return driver
-  return None
-
-
-def hooked(host: str | None = None) -> tuple[Driver, ...]:
-  """The known drivers whose flags the plugin adds (all hosts when `host` is None)."""
-  return tuple(d for d in triggers.KNOWN_DRIVERS
-               if d.parse is not None and host in (None, d.host))
-
-
 def problem(module: types.ModuleType, driver: Driver) -> str | None:
   """Why `module`'s parse function cannot be made to take the staging flags (None: it can)."""
   parse = vars(module).get(driver.parse)

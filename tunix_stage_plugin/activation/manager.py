@@ -21,7 +21,6 @@ import threading
 from typing import Any
 
 from tunix_stage_plugin.hosts import interface as hosts_lib
-from tunix_stage_plugin.activation import drivers
 from tunix_stage_plugin.activation import entry_points
 from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.activation import importhook
@@ -260,7 +259,7 @@ def accept_driver_flags(host: str) -> None:
   script (`python -m DRIVER`) is `__main__`, whose parse function is defined after the imports
   that install staging: it cannot take the flags, and one line says so."""
   _say_script_driver(host)
-  for driver in drivers.hooked(host):
+  for driver in triggers.hooked(host):
     if driver.module in sys.modules:
       hook_driver(driver)
     elif driver.module not in _watched_drivers:
@@ -270,8 +269,8 @@ def accept_driver_flags(host: str) -> None:
 
 def _say_script_driver(host: str) -> None:
   spec = vars(sys.modules["__main__"]).get("__spec__")  # None: a script file, -c or interactive
-  driver = None if spec is None else drivers.find(spec.name)
-  if driver is None or driver not in drivers.hooked(host) or driver.module in _left_drivers:
+  driver = None if spec is None else triggers.find(spec.name)
+  if driver is None or driver not in triggers.hooked(host) or driver.module in _left_drivers:
     return
   _left_drivers.add(driver.module)
   print(f"tunix-stage: {driver.module} runs as a script (python -m), so its command line takes "
@@ -289,6 +288,8 @@ def hook_driver(driver: triggers.Driver) -> None:
         or not _requested(driver.host)):
       return
     module = sys.modules[driver.module]
+    # The flags' wrapper (drivers.py, with core/flags.py), loaded once a known driver is.
+    from tunix_stage_plugin.activation import drivers  # pylint: disable=import-outside-toplevel
     if drivers.defines_flags(module, driver):
       _left_drivers.add(driver.module)
       return  # the driver defines them itself (the upstream change): nothing to add

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from tunix_stage_plugin.activation import drivers
+from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.hosts.triggers import KNOWN_DRIVERS
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
@@ -52,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def driver_line(main: str) -> str:
   """One line: whether the driver `main` names takes the staging flags, and how."""
-  driver = drivers.find(main)
+  driver = triggers.find(main)
   if driver is None:
     return (f"{main}: not a driver known to take the staging flags; it reads the staging "
             "settings from the environment only (known: "
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
   if args.env_for or args.flags_for:
     role = args.env_for or args.flags_for
-    if args.flags_for and args.driver is not None and drivers.find(args.driver) is None:
+    if args.flags_for and args.driver is not None and triggers.find(args.driver) is None:
       return 0  # a driver the plugin does not know: the environment only
     for field in config_lib.fields_for(role):
       setting, value = config_lib.SETTINGS_BY_FIELD[field], getattr(cfg, field)

@@ -26,14 +26,11 @@ from tunix_stage_plugin.core import buffers as buffers_lib
 # pylint: disable-next=unused-import
 from tunix_stage_plugin.core import install_hint
 from tunix_stage_plugin.core.codec_spec import ACCEPTED, CODECS, DEFAULT_CODEC, DEFAULT_LEVELS
+from tunix_stage_plugin.core.codec_spec import CodecUnavailable
 from tunix_stage_plugin.core.codec_spec import EXTRA, EXTRA_NAME, LEVELS, MODULES, OFF, ON
 
 MIN_PACK_BYTES = 64 << 10  # smaller arrays travel raw: their bytes are not worth a codec call
 CHUNK_BYTES = 64 << 20  # under every codec's 2 GiB per-call limit; one decode call per chunk
-
-
-class CodecUnavailable(ValueError):
-  """The spec is well formed but its library is not installed (the message names the extra)."""
 
 
 class CodecError(RuntimeError):

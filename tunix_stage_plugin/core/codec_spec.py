@@ -23,3 +23,7 @@ ACCEPTED = (f"{OFF} | {ON} (= {DEFAULT_CODEC}:{DEFAULT_LEVELS[DEFAULT_CODEC]}) |
             "with LEVEL an integer in NAME's range: "
             + ", ".join(f"{name} {LEVELS[name][0]} to {LEVELS[name][1]} (default "
                         f"{DEFAULT_LEVELS[name]})" for name in CODECS))
+
+
+class CodecUnavailable(ValueError):
+  """The spec is well formed but its library is not installed (the message names the extra)."""

@@ -125,6 +125,8 @@ def machine_budget() -> Bytes:
 
 
 def _parse_codec(text: str) -> str:
+  if text.strip() == codec_spec.OFF:  # the codec itself (numpy, its library) loads only for one
+    return codec_spec.OFF
   # pylint: disable-next=import-outside-toplevel
   from tunix_stage_plugin.core import codec as codec_lib
   spec = codec_lib.parse(text)  # CodecUnavailable: well formed, library missing
@@ -357,11 +359,9 @@ def parse_value(setting: Setting, raw: Any, origin: str) -> Any:
   if len(text) > setting.max_chars:
     raise ConfigError(inputs.invalid(origin, text, setting.accepted,
                                      f"longer than {setting.max_chars} characters"))
-  # pylint: disable-next=import-outside-toplevel
-  from tunix_stage_plugin.core import codec as codec_lib
   try:
     return setting.parse(text)
-  except codec_lib.CodecUnavailable as e:
+  except codec_spec.CodecUnavailable as e:
     raise ConfigError(inputs.invalid(origin, text, setting.accepted, str(e))) from None
   except ValueError:
     raise ConfigError(inputs.invalid(origin, text, setting.accepted)) from None

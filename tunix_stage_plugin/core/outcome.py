@@ -68,3 +68,35 @@ class StagedPayloadUnreadable(RuntimeError):
   """Raised by an engine's train(stage_key=...) when the trainer could not decode the staged
   payload (compressed bytes damaged, or no codec there) and trained nothing: the pipeline trains
   that micro-batch inline instead and counts a fallback. Trainers raise it by this name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerStep:
+  """A trainer's newest closed step, as its stage_figures call answers it: what a depth sized
+  each step (auto) reads of the trainer. `figures`: the step's figures as its aggregator made
+  them (core/telemetry/trainer.py); the bounds in force on the trainer, and whether it sizes its
+  host bound itself (it may then hold one more)."""
+
+  run: str  # the trainer's run, so that a step is read once
+  figures: dict[str, Any]
+  max_device_batches: int
+  max_host_batches: int
+  host_sized: bool
+
+  @property
+  def step(self) -> int:
+    return self.figures["step"]
+
+  @property
+  def holds(self) -> int:
+    """The most micro-batches the trainer can hold staged: its device and host bounds, one more
+    where it sizes its host bound itself."""
+    return self.max_device_batches + self.max_host_batches + (1 if self.host_sized else 0)
+
+  def as_dict(self) -> dict[str, Any]:
+    """The form that travels in a reply (plain types only)."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]) -> "TrainerStep":
+    return cls(**d)

@@ -1,9 +1,9 @@
 """Staging that sizes itself (TUNIX_MAX_STAGED_BATCHES=auto, TUNIX_STAGE_MAX_HOST_BATCHES=auto):
 each step's stage-ahead depth (`Sizer`, the orchestrator's) and the trainer's host bound
 (`HostBound`, a step sink of the trainer's) chosen by the one rule of what to change
-(core.telemetry.advice) from the figures the last steps measured, within a memory budget in bytes
-that the staged micro-batches never exceed. docs/configuration.md "Staging that sizes itself",
-docs/simulate.md "auto".
+(core/advice.py) from the last steps' figures as their step aggregators made them, within a
+memory budget in bytes that the staged micro-batches never exceed. Loaded only where a depth or
+bound is auto. docs/configuration.md "Staging that sizes itself", docs/simulate.md "auto".
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
+from tunix_stage_plugin.core import advice
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core.telemetry import advice
-from tunix_stage_plugin.core.telemetry import record as record_lib
+from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 
 log = logging.getLogger("tunix_stage_plugin")
-GIB = 1 << 30
+TRAINER, ORCHESTRATOR = figures_lib.TRAINER, figures_lib.ORCHESTRATOR
 WINDOW = 3  # the last steps a choice reads
 QUIET_STEPS = 3  # steps without a transfer waiting for a buffer before the host bound shrinks
 
@@ -31,24 +32,35 @@ class Choice:
   reason: str  # "depth 2: <the figure that decided>; budget 6.0 GiB, 4.2 used"
 
 
+def _table(role: str, steps: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
+  """Steps' figures (as their aggregator made them) by name, a value per step: what
+  advice.Window.of reads."""
+  rows = [figures_lib.row(role, step) for step in steps]
+  return {name: [r[name] for r in rows] for name in figures_lib.BY_ROLE[role]}
+
+
 class Sizer:
-  """Feed it each step's figures (`observe`: the trainer's and the orchestrator's, as the records
-  hold them); the pipeline asks it each step's depth (`depth_for`). It starts at depth 1 (the
-  least memory), goes deeper when the rule asks and the budget holds it (depth x micro-batch
-  bytes <= budget), and never shallower than a depth the trainer was seen to need (waits with
-  the depth used up) unless the wire becomes the bound. A micro-batch's bytes are given (the
-  simulator's) or learned from the trainer's figures (a job's: depth 1 until they are); the
-  depth is also at most what the trainer can hold (its device and host bounds, as its newest
-  record's settings say; one more where it sizes its host bound itself)."""
+  """Feed it each step's figures (`observe`: the trainer's and the orchestrator's, as their step
+  aggregators made them); the pipeline asks it each step's depth (`depth_for`). It starts at
+  depth 1 (the least memory), goes deeper when the rule asks and the budget holds it (depth x
+  micro-batch bytes <= budget), and never shallower than a depth the trainer was seen to need
+  (waits with the depth used up) unless the wire becomes the bound. A micro-batch's bytes are
+  given (the simulator's) or learned from the trainer's figures (a job's: depth 1 until they
+  are); the depth is also at most what the trainer can hold (`holds`: its device and host
+  bounds, one more where it sizes its host bound itself)."""
 
   def __init__(self, *, budget_bytes: int, microbatch_bytes: int | None = None,
-               window: int = WINDOW) -> None:
+               window: int = WINDOW, host: str = "tunix") -> None:
     if microbatch_bytes is not None and (budget_bytes < microbatch_bytes or microbatch_bytes < 1):
       raise ValueError(f"a budget of {budget_bytes} bytes holds no micro-batch of "
                        f"{microbatch_bytes} bytes")
     self.budget_bytes, self.microbatch_bytes = budget_bytes, microbatch_bytes
+    self.host = host
     self._trainer: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
     self._orchestrator: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
+    self._bounds = (config_lib.SETTINGS_BY_FIELD["max_device_batches"].default,
+                    config_lib.SETTINGS_BY_FIELD["max_host_batches"].default)
+    self._holds: int | None = None  # what the trainer can hold staged; None before it says
     self._floor = 1  # the deepest depth the trainer was seen to need
     self._floor_why = ""
     # The last few steps' choices: a step's depth is chosen before the step before it ends.
@@ -67,28 +79,32 @@ class Sizer:
              if f["place"]["count"]]
     return max(1, int(max(sizes))) if sizes else None
 
-  def _trainer_holds(self) -> int | None:
-    """What the trainer can hold staged (its newest record's bounds); None before any."""
-    if not self._trainer:
-      return None
-    last = self._trainer[-1]
-    held = (record_lib.setting(last, "max_device_batches")
-            + record_lib.setting(last, "max_host_batches"))
-    return held + 1 if last.get("sizing") else held  # its host bound may grow by one
-
-  def observe(self, trainer: dict[str, Any] | None, orchestrator: dict[str, Any] | None) -> None:
-    """One step's figures (either side may be missing in a step)."""
+  def observe(self, trainer: outcome.TrainerStep | None,
+              orchestrator: dict[str, Any] | None) -> None:
+    """One step's figures (either side may be missing in a step): the trainer's newest step
+    with its bounds, the orchestrator's own step."""
     if trainer is not None:
-      self._trainer.append(trainer)
+      self._trainer.append(trainer.figures)
+      self._bounds = (trainer.max_device_batches, trainer.max_host_batches)
+      self._holds = trainer.holds
     if orchestrator is not None:
       self._orchestrator.append(orchestrator)
 
+  def window(self) -> advice.Window | None:
+    """The rule's window over the last steps observed."""
+    orchestrator = _table(ORCHESTRATOR, self._orchestrator)
+    depth = orchestrator["depth"][-1] if self._orchestrator else 1
+    settings = advice.Settings(
+        host=self.host, depth=depth,
+        prestage=any(orchestrator["prestaged"]) if self._orchestrator else None,
+        max_device_batches=self._bounds[0], max_host_batches=self._bounds[1])
+    return advice.Window.of(settings, _table(TRAINER, self._trainer), orchestrator,
+                            first_alone=True)
+
   def depth_for(self, step: int, depth: int) -> int:  # pylint: disable=unused-argument
     """The pipeline's seam: `step`'s depth (`depth`, the configured one, is not used)."""
-    window = advice.Window.of_records(list(self._trainer), list(self._orchestrator))
-    most, holds = self.most, self._trainer_holds()
-    if holds is not None:
-      most = min(most, holds)
+    window = self.window()
+    most = self.most if self._holds is None else min(self.most, self._holds)
     chosen, why, needed = advice.choose_depth(window, most)
     if needed and chosen > self._floor:
       self._floor, self._floor_why = chosen, why
@@ -109,7 +125,7 @@ class Sizer:
   def _size(self, nbytes: int) -> str:
     if self.microbatch_bytes == 1:  # a budget counted in micro-batches (the simulator's)
       return f"{nbytes} micro-batch{'' if nbytes == 1 else 'es'}"
-    return _gib(nbytes)
+    return figures_lib.size(nbytes)
 
 
 class NoFigures(RuntimeError):
@@ -118,16 +134,18 @@ class NoFigures(RuntimeError):
 
 class AutoDepth:
   """A job's depth at auto (the orchestrator's): a Sizer fed each step with the orchestrator's own
-  record and the trainer's newest, asked by `fetch` (the trainer's stage_figures call) once per
-  step after it, off the critical path (a task of its own; one at a time). A trainer that can
-  never send them (`fetch` raises NoFigures): the fixed default depth from then on, said once."""
+  step figures and the trainer's newest step, asked by `fetch` (the trainer's stage_figures call)
+  once per step after it, off the critical path (a task of its own; one at a time). A trainer
+  that can never send them (`fetch` raises NoFigures): the fixed default depth from then on, said
+  once."""
 
-  def __init__(self, budget_bytes: int, fetch: Callable[[], Awaitable[dict[str, Any] | None]],
-               telemetry: Any) -> None:
-    self.sizer = Sizer(budget_bytes=budget_bytes)
+  def __init__(self, budget_bytes: int,
+               fetch: Callable[[], Awaitable[outcome.TrainerStep | None]], telemetry: Any,
+               host: str) -> None:
+    self.sizer = Sizer(budget_bytes=budget_bytes, host=host)
     self._fetch, self._telemetry = fetch, telemetry
     self._task: asyncio.Task | None = None
-    self._seen: tuple[str, int] | None = None  # the trainer record last observed (run, step)
+    self._seen: tuple[str, int] | None = None  # the trainer step last observed (run, step)
     self.without: str | None = None  # why the trainer sends no figures: the default depth
 
   def depth_for(self, step: int, depth: int) -> int:
@@ -151,13 +169,13 @@ class AutoDepth:
     choice = next((c for c in reversed(self.sizer.choices) if c.step == step), None)
     if choice is None:  # a step the pipeline asked no depth for (it staged nothing)
       return 0
-    self._telemetry.sized(record_lib.ORCHESTRATOR, "max_staged_batches", choice.depth,
-                          choice.reason)
+    self._telemetry.sized(ORCHESTRATOR, "max_staged_batches", choice.depth, choice.reason)
     return choice.depth
 
-  def after_record(self) -> None:
-    """The step's record is made: the sizer reads it, and asks the trainer for its figures."""
-    self.sizer.observe(None, self._telemetry.newest(record_lib.ORCHESTRATOR))
+  def after_step(self, figures: dict[str, Any]) -> None:
+    """The step's figures are made (`figures`, the orchestrator's): the sizer reads them, and
+    the trainer is asked for its own."""
+    self.sizer.observe(None, figures)
     if self.without is None and (self._task is None or self._task.done()):
       self._task = asyncio.ensure_future(self._ask())
 
@@ -174,8 +192,8 @@ class AutoDepth:
       log.debug("tunix-stage: the trainer's figures were not read this step (%s: %s)",
                 type(e).__name__, e)
       return
-    if newest is not None and (newest["run"]["id"], newest["step"]) != self._seen:
-      self._seen = (newest["run"]["id"], newest["step"])
+    if newest is not None and (newest.run, newest.step) != self._seen:
+      self._seen = (newest.run, newest.step)
       self.sizer.observe(newest, None)
 
   async def close(self) -> None:
@@ -205,16 +223,17 @@ class HostBound:
     self.device_bound, self.bound = device_bound, bound
     self._steps.clear()
     self._quiet = 0
-    self.reason = f"host bound {bound}: no step measured yet; budget {_gib(self.budget_bytes)}"
+    self.reason = (f"host bound {bound}: no step measured yet; budget "
+                   f"{figures_lib.size(self.budget_bytes)}")
 
   def step(self, figures: dict[str, Any]) -> None:
     if figures["step_s"] is None:  # a first step (it compiles; no step before it): not judged
       return
-    settings = {"max_device_batches": self.device_bound, "max_host_batches": self.bound}
-    self._steps.append(record_lib.make(record_lib.TRAINER, self.host, figures, settings,
-                                       {"id": "sizing", "started": 0.0}))
+    self._steps.append(figures)
     self._quiet = 0 if figures["pool"]["waits"] else self._quiet + 1
-    window = advice.Window.of_records(list(self._steps), [])
+    settings = advice.Settings(host=self.host, depth=1, prestage=None,
+                               max_device_batches=self.device_bound, max_host_batches=self.bound)
+    window = advice.Window.of(settings, _table(TRAINER, self._steps), _table(ORCHESTRATOR, ()))
     found = {a.kind: a for a in advice.advise(window)}
     nbytes = _received_bytes(self._steps)
     fits = nbytes is not None and (self.device_bound + self.bound + 1) * nbytes <= self.budget_bytes
@@ -241,20 +260,12 @@ class HostBound:
 
   def _budget(self, nbytes: int | None) -> str:
     held = "" if nbytes is None else (
-        f", {_gib((self.device_bound + self.bound) * nbytes)} used")
-    return f"budget {_gib(self.budget_bytes)}{held}"
+        f", {figures_lib.size((self.device_bound + self.bound) * nbytes)} used")
+    return f"budget {figures_lib.size(self.budget_bytes)}{held}"
 
 
-def _received_bytes(steps: Any) -> int | None:
+def _received_bytes(steps: Iterable[dict[str, Any]]) -> int | None:
   """A micro-batch's bytes as the trainer received or placed them (the largest seen)."""
   sizes = [f["receive"]["bytes"] / f["receive"]["calls"] for f in steps if f["receive"]["calls"]]
   sizes += [f["place"]["bytes"] / f["place"]["count"] for f in steps if f["place"]["count"]]
   return max(1, int(max(sizes))) if sizes else None
-
-
-def _gib(nbytes: float) -> str:
-  """Bytes in GiB, or in MiB or KiB below a tenth of one (never "0.0 GiB")."""
-  for unit, scale in (("GiB", GIB), ("MiB", 1 << 20)):
-    if nbytes >= scale / 10:
-      return f"{nbytes / scale:.1f} {unit}"
-  return f"{nbytes / 1024:.1f} KiB"

@@ -49,3 +49,17 @@ KNOWN_DRIVERS: tuple[Driver, ...] = (
     Driver("tunix_stage_plugin.lab.embedded.orchestrator_main", "embedded", None,
            "the embedded host's orchestrator"),
 )
+
+
+def find(main: str) -> Driver | None:
+  """The known driver `main` names: its module, or something in it (`module.main`,
+  `module:main`, as a runtime's --process_main names it); None when the plugin does not know it."""
+  for driver in KNOWN_DRIVERS:
+    if main == driver.module or main.startswith((f"{driver.module}.", f"{driver.module}:")):
+      return driver
+  return None
+
+
+def hooked(host: str | None = None) -> tuple[Driver, ...]:
+  """The known drivers whose flags the plugin adds (all hosts when `host` is None)."""
+  return tuple(d for d in KNOWN_DRIVERS if d.parse is not None and host in (None, d.host))

@@ -230,7 +230,7 @@ from tunix.experimental.worker import trainer_worker
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import codec as codec_lib
-from tunix_stage_plugin.core.telemetry import record as record_lib
+from tests.records import job_records
 from tunix_stage_plugin.hosts.maxtext import placement as placement_lib
 from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
@@ -493,9 +493,8 @@ def test_the_trainer_records_each_step_of_a_maxtext_engine(staging, tmp_path):
   inline, staged = records[:STEPS], records[STEPS:]
   assert [r["place"]["inline"] for r in inline] == [MICRO] * STEPS
   assert sum(r["place"]["staged"] for r in staged) == STEPS * MICRO
-  (path,) = record_lib.files([str(folder)])
-  written, note = record_lib.read(path)
-  assert note is None and [r["step"] for r in written] == [r["step"] for r in records]
+  written = job_records(folder)["trainer"]
+  assert [r["step"] for r in written] == [r["step"] for r in records]
   # What a user runs on the job's records: the per-step table of the maxtext host's steps,
   # the split overall and one recommendation.
   out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],

@@ -16,7 +16,7 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
                     reason="tunix's experimental stack (google/tunix main) is not importable")
 
 from tests.hosts.tunix import test_grpc  # pylint: disable=wrong-import-position
-from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=wrong-import-position
+from tests.records import job_records  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.tunix
 STEPS = 5
@@ -43,17 +43,13 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
   assert sum(r.stage_metrics["stage/staged"] for r in reports) == inputs.count("P('fsdp',)") > 0
   assert auto.keys() == inline.keys() and auto == inline  # byte for byte
 
-  by_role = {}
-  for path in record_lib.files([str(folder)]):
-    records, note = record_lib.read(path)
-    assert note is None
-    by_role[records[0]["role"]] = records
+  by_role = job_records(folder)
   orchestrator, trainer = by_role["orchestrator"], by_role["trainer"]
   assert [r["step"] for r in orchestrator] == list(range(STEPS))
   for r in orchestrator:  # the depth in force, carried as a setting, and why
-    assert r["sizing"].startswith(f"depth {r['depth']}: ") and "budget 1.0 GiB" in r["sizing"]
+    assert r["sizing"].startswith(f"depth {r['depth']}: ") and "budget 1.00 GiB" in r["sizing"]
     assert r["settings"]["max_staged_batches"] == r["depth"] >= 1
-  assert orchestrator[0]["sizing"] == ("depth 1: no step measured yet; budget 1.0 GiB, a "
+  assert orchestrator[0]["sizing"] == ("depth 1: no step measured yet; budget 1.00 GiB, a "
                                        "micro-batch's size not known yet")
   # The trainer's figures reached the orchestrator's choice (stage_figures after each step).
   assert any("no step measured yet" not in r["sizing"] for r in orchestrator[2:]), orchestrator

@@ -20,10 +20,15 @@ from tests.core.test_telemetry import compute  # pylint: disable=wrong-import-po
 from tunix_stage_plugin.core.pipeline import StepReport  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import process  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=wrong-import-position
-from tunix_stage_plugin.core.telemetry import scalars  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.core.telemetry import figures as figures_lib  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.hosts.tunix import metrics  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.tunix
+
+
+def scalar_names(role):
+  """The full names of `role`'s scalars (figures.FIGURES' `scalar`)."""
+  return {figures_lib.PREFIX + f.name for f in figures_lib.FIGURES if f.role == role and f.scalar}
 
 
 @pytest.fixture
@@ -59,7 +64,7 @@ def test_each_step_s_scalars_go_to_the_trainer_s_logger_at_the_step_its_update_a
   mine = [e for e in logged if "/stage/" in e[0]]
   assert {step for _, _, step in mine} == {11, 12}
   names = {tag for tag, _, _ in mine}
-  assert names <= {f"actor/train/{name}" for name in (scalars.PREFIX + n for n in scalars.TRAINER)}
+  assert names <= {f"actor/train/{name}" for name in scalar_names(figures_lib.TRAINER)}
   assert "actor/train/stage/compute_s" in names and "actor/train/stage/bound_by_compute" in names
   assert [s for tag, _, s in mine if tag == "actor/train/stage/compute_s"] == [11, 12]
   # tunix's own history holds them too, in train mode, as its loss would be.
@@ -109,7 +114,7 @@ def test_with_opentelemetry_on_the_same_scalars_arrive_as_tunix_s_gauges():
             for sm in rm.scope_metrics for m in sm.metrics}
   assert points["tunix.stage.compute_s"] == [({"tunix.training.mode": "train"},
                                                pytest.approx(1.1))]
-  assert {f"tunix.{scalars.PREFIX.replace('/', '.')}{name}" for name in (
+  assert {f"tunix.{figures_lib.PREFIX.replace('/', '.')}{name}" for name in (
       "compute_s", "input_wait_mid_step_s", "staged", "bound_by_compute")} <= set(points)
   assert points["tunix.training.step"] == [({"tunix.training.mode": "train"}, 2)]
   tel.close()
@@ -125,10 +130,10 @@ def test_the_orchestrator_s_scalars_reach_jax_monitoring_listeners_at_the_traine
   tel.orchestrator_step(StepReport(0, trained=4, staged=3, inline=1), 2, host_step=11)
   tel.orchestrator_step(StepReport(1, trained=4, staged=4), 2, host_step=12)
   tel.orchestrator_step(StepReport(2, trained=4, staged=4), 2)  # no step answered: its own
-  mine = [e for e in logged if e[0].startswith(scalars.PREFIX)]
+  mine = [e for e in logged if e[0].startswith(figures_lib.PREFIX)]
   # Every name of the table but the stage calls' median (no stage call spans here: unknown).
-  assert {name for name, _, _ in mine} == {scalars.PREFIX + n for n in scalars.ORCHESTRATOR
-                                           if n != "stage_call_median_s"}
+  assert {name for name, _, _ in mine} == scalar_names(figures_lib.ORCHESTRATOR) - {
+      "stage/stage_call_median_s"}
   assert [(v, s) for name, v, s in mine if name == "stage/staged"] == [(3, 11), (4, 12), (4, 2)]
 
   def broken(event, value, **kwargs):

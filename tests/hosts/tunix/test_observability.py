@@ -29,12 +29,16 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 import jax  # pylint: disable=wrong-import-position
 
 from tests.hosts.tunix import test_grpc  # pylint: disable=wrong-import-position
-from tunix_stage_plugin.core.telemetry import analysis  # pylint: disable=wrong-import-position
-from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.telemetry import scalars
+from tests.records import job_records  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.core.telemetry import figures as figures_lib  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.reading import records as records_lib  # pylint: disable=wrong-import-position
 
 pytestmark = pytest.mark.tunix
 MIB = 1 << 20
+# Each role's scalars by their full names (figures.FIGURES' `scalar`).
+SCALARS = {role: {figures_lib.PREFIX + f.name for f in figures_lib.FIGURES
+                  if f.role == role and f.scalar} for role in figures_lib.ROLES}
 
 
 def payloads():
@@ -56,13 +60,7 @@ def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
     span_names, files = test_grpc.ask_node(port, "perf_spans")
   finally:
     test_grpc._stop_node(proc)  # pylint: disable=protected-access
-  paths = record_lib.files([str(folder)])
-  by_role = {}
-  for path in paths:
-    records, note = record_lib.read(path)
-    assert note is None
-    (role,) = {r["role"] for r in records}
-    by_role[role] = records
+  by_role = job_records(folder)
   trainer, orchestrator = by_role["trainer"], by_role["orchestrator"]
   # One record per step and process: the trainer's 2 staged steps and 2 inline ones; the
   # orchestrator's 2 staged (the inline job ran without the plugin in this process).
@@ -71,8 +69,8 @@ def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
   assert all(r["microbatches"] == test_grpc.MICRO for r in trainer + orchestrator)
   assert sum(r["staged"] for r in orchestrator) >= test_grpc.MICRO
   assert orchestrator[1]["sent"]["side"]["bytes"] >= 3 * 64 * MIB
-  staged_wait = [analysis.input_wait(r) for r in trainer[1:2]]
-  inline_wait = [analysis.input_wait(r) for r in trainer[3:4]]
+  staged_wait = [figures_lib.row("trainer", r)["input_wait_s"] for r in trainer[1:2]]
+  inline_wait = [figures_lib.row("trainer", r)["input_wait_s"] for r in trainer[3:4]]
   print(f"\ninput wait per step: staged {staged_wait}, inline {inline_wait}; trainer records "
         f"{[(r['bound_by'], r['receive']['by_transport']) for r in trainer]}")
   assert inline_wait[0] > 2 * staged_wait[0] + 0.05, (staged_wait, inline_wait)
@@ -193,8 +191,7 @@ def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_
             "bound_by_compute", "bound_by_wire", "bound_by_shared_cores")
   for name in always:  # known every step: at every step of the loss, once
     assert [step for step, _ in stage[f"train/stage/{name}"]] == loss_steps, (name, stage)
-  assert {tag.removeprefix("train/") for tag in stage} <= {
-      scalars.PREFIX + name for name in scalars.TRAINER}
+  assert {tag.removeprefix("train/") for tag in stage} <= SCALARS[figures_lib.TRAINER]
   assert all(step in loss_steps for points in stage.values() for step, _ in points)
   assert sum(v for _, v in stage["train/stage/staged"]) >= test_grpc.MICRO  # it staged
   assert all(v > 0 for _, v in stage["train/stage/compute_s"])
@@ -205,13 +202,13 @@ def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_
   # the trainer's loss (tunix's train_step, from each step's last update answer); with staging
   # off in this process nothing was said.
   mine = [(event, value, step) for event, value, step in staged_heard
-          if event.startswith(scalars.PREFIX)]
-  assert {event for event, _, _ in mine} <= {scalars.PREFIX + n for n in scalars.ORCHESTRATOR}
+          if event.startswith(figures_lib.PREFIX)]
+  assert {event for event, _, _ in mine} <= SCALARS[figures_lib.ORCHESTRATOR]
   assert [step for event, _, step in mine if event == "stage/staged"] == loss_steps
   assert [v for event, v, _ in mine if event == "stage/microbatches"] == \
       [test_grpc.MICRO] * test_grpc.STEPS
   assert sum(v for event, v, _ in mine if event == "stage/staged") >= test_grpc.MICRO
-  assert not [e for e in heard[len(staged_heard):] if e[0].startswith(scalars.PREFIX)]
+  assert not [e for e in heard[len(staged_heard):] if e[0].startswith(figures_lib.PREFIX)]
 
 
 def run_pair(tmp_path, steps=6):
@@ -237,12 +234,11 @@ def test_report_compares_two_real_runs_and_draws_them(tmp_path):
   """`report A B` on two runs of the real job (host bounds 1 and 2): each figure's median, the
   change and a verdict from both runs' 5 judged steps; `--png` draws them side by side (the
   picture read back); what `report` refuses it still refuses."""
-  from tunix_stage_plugin.cli import report_compare  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.reading import compare as report_compare  # pylint: disable=import-outside-toplevel
   a, b = run_pair(tmp_path)
   for folder, bound in ((a, 1), (b, 2)):
-    (trainer,) = [p for p in record_lib.files([folder]) if "trainer-" in p]
-    records, _ = record_lib.read(trainer)
-    assert {r["settings"]["max_host_batches"] for r in records} == {bound}
+    trainer = records_lib.read([folder]).steps[record_lib.TRAINER]
+    assert set(trainer["max_host_batches"]) == {bound}
 
   def report(*argv, check=True):
     return subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", *argv],

@@ -13,7 +13,7 @@ from typing import Any
 
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
 # What a fallback can be (core.pipeline.Fallback's status), counted per step in this order.
@@ -68,5 +68,5 @@ class OrchestratorSteps:
 
 def _sent(spans: list[recorder_lib.Span]) -> dict[str, dict[str, Any]]:
   sent = (dict(s.args) | {"seconds": s.duration} for s in spans)
-  return analysis.transports((a["transport"], 1, a["bytes"], a["seconds"]) for a in sent
+  return figures_lib.transports((a["transport"], 1, a["bytes"], a["seconds"]) for a in sent
                              if a["bytes"] is not None)  # None: a call that crossed no wire

@@ -13,6 +13,7 @@ import threading
 from typing import Any, Protocol
 
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
@@ -60,13 +61,15 @@ class Telemetry:
     self._trainer_host = settings.host
     self._writers: dict[str, record_lib.Writer] = {}
     self.run = record_lib.new_run()  # what tells this run's records apart from another's
-    self._step_sinks: dict[str, tuple[StepSink, ...]] = {role: () for role in record_lib.FIELDS}
+    self._step_sinks: dict[str, tuple[StepSink, ...]] = {role: () for role in record_lib.ROLES}
     # Each side's recent records (the bench compares them with its own figures).
     self.history: dict[str, collections.deque[dict[str, Any]]] = {
-        role: collections.deque(maxlen=HISTORY) for role in record_lib.FIELDS}
+        role: collections.deque(maxlen=HISTORY) for role in record_lib.ROLES}
     # A depth or bound sized each step (auto): its value in force and each role's last choice.
     self._in_force: dict[str, int] = {}
     self._sizing: dict[str, str] = {}
+    # Each side's newest step: its run, figures and the settings in force.
+    self._newest: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {}
 
   def sized(self, role: str, field: str, value: int, reason: str) -> None:
     """`field` (a setting at auto) is `value` from now on, for `reason`: the records of `role`
@@ -75,11 +78,17 @@ class Telemetry:
       self._in_force[field] = value
       self._sizing[role] = reason
 
-  def newest(self, role: str) -> dict[str, Any] | None:
-    """`role`'s newest record in this process (None before its first step)."""
+  def trainer_step(self) -> outcome.TrainerStep | None:
+    """The trainer's newest closed step in this process with the bounds in force (None before
+    its first step): what its stage_figures answers."""
     with self._lock:
-      history = self.history[role]
-      return history[-1] if history else None
+      newest = self._newest.get(record_lib.TRAINER)
+    if newest is None:
+      return None
+    run, figures, settings = newest
+    bound = {field: settings.get(field, config_lib.SETTINGS_BY_FIELD[field].default)
+             for field in ("max_device_batches", "max_host_batches")}
+    return outcome.TrainerStep(run=run, figures=figures, host_sized="sizing" in figures, **bound)
 
   def configure(self, settings: Settings) -> None:
     """New settings (a re-install): the next records follow them (a depth or bound no longer
@@ -124,6 +133,7 @@ class Telemetry:
         self.recorder.add_sink(self._orchestrator)
       for history in self.history.values():
         history.clear()
+      self._newest.clear()
       self.run = record_lib.new_run()
       writers, self._writers = list(self._writers.values()), {}
     for writer in writers:
@@ -166,7 +176,9 @@ class Telemetry:
     settings = self.settings
     with self._lock:
       shaping = {field: self._in_force.get(field, value) if config_lib.is_auto(value) else value
-                 for field, value in settings.shaping}
+                 for field, value in settings.shaping
+                 if role in config_lib.SETTINGS_BY_FIELD[field].roles}
+      self._newest[role] = (self.run["id"], figures, shaping)
       rec = record_lib.make(role, host or settings.host, figures, shaping, self.run)
       self.history[role].append(rec)
       writer = None

@@ -21,7 +21,7 @@ import time
 from typing import Any, Callable, Iterable
 
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.telemetry import analysis
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
 log = logging.getLogger("tunix_stage_plugin")
@@ -189,13 +189,16 @@ class TrainerSteps:
         "staged": dict(zip(("peak_device", "peak_host"),
                            self.peaks() if self.peaks is not None else (None, None))),
     }
-    figures["bound_by"] = analysis.bound_by(figures)
+    wait = mid_wait + (boundary or 0.0)
+    figures["bound_by"] = figures_lib.bound_by(
+        figures["step_s"] if prev_end is not None else busy + wait + figures["other_s"], wait,
+        figures["compute"]["slowdown_s"])
     self._step += 1
     return figures
 
 
 def _receives(spans: list[recorder_lib.Span]) -> dict[str, Any]:
-  by_transport = analysis.transports(
+  by_transport = figures_lib.transports(
       ((dict(s.args)["transport"], 1, dict(s.args)["bytes"], s.duration) for s in spans),
       rate=False)
   return {"calls": len(spans), "bytes": sum(t["bytes"] for t in by_transport.values()),

@@ -2,7 +2,7 @@
 (`MaxTextTrainingEngine._metrics_logger`, which writes `train/<name>` to its TensorBoard
 writer), as `train/stage/...` beside the loss, at the step MaxText logs that update's loss at;
 where the engine has no writer (`enable_tensorboard=False`, or not process 0), the process's
-jax.monitoring listeners get them under the same names. The names: core/telemetry/scalars.py.
+jax.monitoring listeners get them under the same names. The names: core/telemetry/figures.py.
 docs/observability.md "In your metrics logger".
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from tunix_stage_plugin.core.telemetry import scalars
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 
 
 def logger_of(module: ModuleType, engine: Any) -> Any:
@@ -35,7 +35,7 @@ class EngineSink:
   def step(self, figures: dict[str, Any]) -> None:
     if figures["host_step"] is None:  # the update answered no step: none of the loss's to sit at
       return
-    step, values = figures["host_step"] - 1, scalars.trainer(figures)
+    step, values = figures["host_step"] - 1, figures_lib.scalars(figures_lib.TRAINER, figures)
     if self.logger._tb_writer is not None:  # pylint: disable=protected-access
       self.logger._write_metrics_to_tensorboard(step=step, metrics=values, mode=self.mode)  # pylint: disable=protected-access
       return

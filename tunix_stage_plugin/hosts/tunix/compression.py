@@ -16,16 +16,9 @@ import jax
 import numpy as np
 
 from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.hosts.tunix.packed import CompressedPayload
 
-
-@dataclasses.dataclass
-class CompressedPayload:
-  """A payload's pytree with its large array leaves as codec.PackedArray."""
-
-  codec: str  # codec.Codec.name
-  tree: Any
-  nbytes: int  # the array leaves' bytes once decoded
-  wire_bytes: int  # the array leaves' bytes as they travel
+CodecError = codec_lib.CodecError  # what check and decompress raise
 
 
 def _is_array(leaf: Any) -> bool:

@@ -21,7 +21,7 @@ from tunix_stage_plugin.core import outcome as outcome_lib
 
 STAGE_BATCH = "stage_batch"  # (payload, key) -> a StageOutcome (stage_answer)
 RESET_STAGED = "reset_staged"  # (keys=None) -> the dropped keys (reset_answer)
-# () -> the trainer's newest closed step's figures as its record holds them, or None
+# () -> the trainer's newest closed step (a TrainerStep: its figures and bounds), or None
 # (figures_answer); asked once per step where the depth is auto (core.sizing), on the light lane.
 STAGE_FIGURES = "stage_figures"
 FWD_BWD = "fwd_bwd"  # tunix's; the plugin adds the keyword STAGE_KEY
@@ -77,13 +77,14 @@ def dropped_keys(response: Any) -> list[str]:
   return response.metadata[_DROPPED]
 
 
-def figures_answer(record: dict[str, Any] | None) -> dict[str, Any]:
-  """stage_figures' answer: the trainer's newest record (core.telemetry.record), or None."""
-  return {_FIGURES: record}
+def figures_answer(step: outcome_lib.TrainerStep | None) -> dict[str, Any]:
+  """stage_figures' answer: the trainer's newest closed step, or None before its first."""
+  return {_FIGURES: None if step is None else step.as_dict()}
 
 
-def trainer_figures(response: Any) -> dict[str, Any] | None:
-  return response.metadata[_FIGURES]
+def trainer_figures(response: Any) -> outcome_lib.TrainerStep | None:
+  answer = response.metadata[_FIGURES]
+  return None if answer is None else outcome_lib.TrainerStep.from_dict(answer)
 
 
 def mark_placement_fallback(response: Any, reason: str | None) -> Any:

@@ -97,10 +97,9 @@ async def reset(engine: Any, keys: list[str] | None = None, *, role: datatypes.R
 
 
 async def figures(engine: Any, *, role: datatypes.Role = ACTOR,
-                  timeout_s: float = RESET_TIMEOUT_S) -> dict[str, Any] | None:
-  """The trainer's newest closed step's figures as its record holds them (None before its first
-  step); contract.Unsupported from a trainer without stage_figures; TimeoutError after
-  `timeout_s`."""
+                  timeout_s: float = RESET_TIMEOUT_S) -> outcome_lib.TrainerStep | None:
+  """The trainer's newest closed step, its figures and bounds (None before its first step);
+  contract.Unsupported from a trainer without stage_figures; TimeoutError after `timeout_s`."""
   worker = _trainer(engine, role)
   call = engine._invoke_worker(worker, contract.STAGE_FIGURES)  # pylint: disable=protected-access
   with contract.typed_errors(contract.STAGE_FIGURES):

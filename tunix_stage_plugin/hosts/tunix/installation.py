@@ -15,7 +15,6 @@ from typing import Any, Callable
 
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
@@ -91,8 +90,9 @@ class Installation:
     self._watcher: trainer_telemetry.ComputeWatcher | None = None
     self._tracers: list[Any] = []
     self._logger: Any = None  # the metrics logger told of each trainer step (the first met)
-    # The host bound in force: the setting's, or at auto the trainer's own choice each step.
-    self.host_bound: sizing.HostBound | None = None
+    # The host bound in force: the setting's, or at auto the trainer's own choice each step
+    # (core.sizing.HostBound, loaded only then).
+    self.host_bound: Any = None
     self._host = self._host_bound_of(live.config)
     self._bound_pool()
     live.on_update(self._reconfigure)
@@ -188,6 +188,7 @@ class Installation:
     if not config_lib.is_auto(config.max_host_batches):
       return config.max_host_batches
     if self.host_bound is None:
+      from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
       self.host_bound = sizing.HostBound(budget_bytes=config.memory_budget,
                                          device_bound=config.max_device_batches, host=HOST,
                                          apply=self._apply_host_bound)

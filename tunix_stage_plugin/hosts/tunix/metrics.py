@@ -3,7 +3,7 @@
 (TensorBoard through metrax, W&B, CLU) and, with `enable_opentelemetry`, its OpenTelemetry
 gauges show `stage/...` beside the loss, at the step the loss is logged at; on the orchestrator,
 which has no logger of tunix's, the process's jax.monitoring listeners (where every such logger's
-backends listen), at the same step. The names: core/telemetry/scalars.py.
+backends listen), at the same step. The names: core/telemetry/figures.py.
 docs/observability.md "In your metrics logger".
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from tunix.sft import metrics_logger as metrics_logger_lib
 
-from tunix_stage_plugin.core.telemetry import scalars
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 
 
 def logger_of(trainer: Any) -> metrics_logger_lib.MetricsLogger | None:
@@ -37,7 +37,7 @@ class MetricsSink:
     step = figures["host_step"]
     if step is None:  # the update answered no step: no step of the loss's to sit at
       return
-    for name, value in scalars.trainer(figures).items():
+    for name, value in figures_lib.scalars(figures_lib.TRAINER, figures).items():
       self.logger.log(self.prefix, name, value, metrics_logger_lib.Mode.TRAIN, step)
 
 
@@ -49,5 +49,5 @@ class MonitoringSink:
 
   def step(self, figures: dict[str, Any]) -> None:
     step = figures["step"] if figures["host_step"] is None else figures["host_step"]
-    for name, value in scalars.orchestrator(figures).items():
+    for name, value in figures_lib.scalars(figures_lib.ORCHESTRATOR, figures).items():
       jax.monitoring.record_scalar(name, value, step=step)

@@ -21,7 +21,6 @@ from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import peft
-from tunix_stage_plugin.hosts.tunix import tracing
 
 log = logging.getLogger("tunix_stage_plugin")
 
@@ -59,7 +58,9 @@ def observed(inst: installation_lib.Installation, state: installation_lib.Worker
   if target is None:  # a trainer staging cannot serve: nothing to watch
     return call()
   tracer = _unless_broken(inst, target, lambda: placement.tracer(target), TRACER)
-  if tracer is not None:
+  tracing: Any = None
+  if tracer is not None:  # the plugin's spans on it (tracing.py), loaded only for a tracer
+    from tunix_stage_plugin.hosts.tunix import tracing  # pylint: disable=import-outside-toplevel
     inst.trace_into(tracer, tracing.TracerSink)
   logger = _unless_broken(inst, target, lambda: placement.metrics_logger(target), LOGGER)
   if logger is not None:

@@ -15,12 +15,12 @@ from typing import Any
 import jax
 from flax import nnx
 from tunix.experimental.common import datatypes
+from tunix.perf.experimental import tracer as tracer_lib
 
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import metrics
-from tunix_stage_plugin.hosts.tunix import tracing
 
 SEAM = "_prepare_payload"
 
@@ -100,8 +100,10 @@ class PeftPlacement:
       return target._buffered_train_metrics.losses[-1]  # pylint: disable=protected-access
     return target._last_update_grad_norm  # pylint: disable=protected-access
 
-  def tracer(self, target: Any) -> Any:
-    return tracing.tracer_of(target)
+  def tracer(self, target: Any) -> tracer_lib.PerfTracer | None:
+    """The PerfTracer a PeftTrainer was given, or None (no tracer: tunix's NoopTracer)."""
+    tracer = target._perf_tracer_v2  # pylint: disable=protected-access
+    return tracer if isinstance(tracer, tracer_lib.PerfTracer) else None
 
   def metrics_logger(self, target: Any) -> Any:
     return metrics.logger_of(target)

@@ -11,14 +11,17 @@ seams a program subclass overrides".
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
-from tunix_stage_plugin.hosts.tunix import loop_copy
-from tunix_stage_plugin.hosts.tunix import loop_seam
 from tunix_stage_plugin.hosts.tunix import probes
+
+# The module of each way of the loop: only the way this tunix has is loaded.
+WAYS = {probes.SEAM: "tunix_stage_plugin.hosts.tunix.loop_seam",
+        probes.COPY: "tunix_stage_plugin.hosts.tunix.loop_copy"}
 
 log = logging.getLogger("tunix_stage_plugin")
 
@@ -61,9 +64,7 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     del next_step
     return _may_prestage(inst, self)
 
-  if probes.loop_way(program_cls) == probes.SEAM:
-    loop_seam.apply(registry, inst, program_cls, engine_cls)
-  else:
-    loop_copy.apply(registry, inst, program_cls, engine_cls)
+  way = importlib.import_module(WAYS[probes.loop_way(program_cls)])
+  way.apply(registry, inst, program_cls, engine_cls)
   registry.set(program_cls, "_stage_ahead_while_pending", _stage_ahead_while_pending)
   registry.set(program_cls, "_prestage_across_boundary", _prestage_across_boundary)

@@ -14,13 +14,11 @@ from typing import Any
 
 from tunix.experimental.orchestrator import rl_program
 
-from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core import codec_spec
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
-from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
@@ -45,15 +43,19 @@ class StagingCalls:
   the event loop; `raw_bytes` / `sent_bytes` count its array bytes before and after.
   """
 
-  def __init__(self, engine: Any, router: route.Router,
-               codec: codec_lib.Codec | None = None) -> None:
+  def __init__(self, engine: Any, router: route.Router, codec: str = codec_spec.OFF
+               ) -> None:
     self._engine = engine
     self.router = router
-    self.codec = codec
+    self.codec: Any = None  # core.codec.Codec, loaded only where a codec is set
+    if codec != codec_spec.OFF:
+      from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
+      self.codec = codec_lib.parse(codec)
     self.raw_bytes = self.sent_bytes = 0
 
   async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
     if self.codec is not None:
+      from tunix_stage_plugin.hosts.tunix import compression  # pylint: disable=import-outside-toplevel
       payload = await asyncio.to_thread(compression.compress, self.codec, payload)
       self.raw_bytes += payload.nbytes
       self.sent_bytes += payload.wire_bytes
@@ -83,7 +85,7 @@ class Run:
     self.engine = engine
     self.num_steps = num_steps
     self.router = route.router_of(inst, engine)
-    self.calls = StagingCalls(engine, self.router, codec_lib.parse(config.codec))
+    self.calls = StagingCalls(engine, self.router, config.codec)
     inst.telemetry.orchestrator()  # this process orchestrates: its step figures listen
     if inst.first_time("orchestrator scalars"):  # and reach its jax.monitoring listeners
       inst.telemetry.add_step_sink(metrics.MonitoringSink(), record_lib.ORCHESTRATOR)
@@ -91,10 +93,11 @@ class Run:
     # auto the program's seam is asked with the sizer's choice and has the last word.
     seam = program._stage_ahead_while_pending  # pylint: disable=protected-access
     depth = config.max_staged_batches
-    self.auto: sizing.AutoDepth | None = None
+    self.auto: Any = None  # core.sizing.AutoDepth, loaded only at auto
     if config_lib.is_auto(depth):
+      from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
       auto = self.auto = sizing.AutoDepth(config.memory_budget, self._trainer_figures,
-                                          inst.telemetry)
+                                          inst.telemetry, installation_lib.HOST)
       depth = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default
 
       def depth_for(step: int, asked: int) -> int:
@@ -116,17 +119,18 @@ class Run:
     """tunix's step result with the step's staging metrics; the step's figures recorded and
     said (the job's telemetry)."""
     depth = self.pipeline.depth if self.auto is None else self.auto.before_record(report.step)
-    self.inst.telemetry.orchestrator_step(report, depth, _codec_note(self.calls),
-                                          host_step=contract.trained_step(report.result))
+    figures = self.inst.telemetry.orchestrator_step(
+        report, depth, _codec_note(self.calls), host_step=contract.trained_step(report.result))
     if self.auto is not None:  # the trainer's figures asked for, off the critical path
-      self.auto.after_record()
+      self.auto.after_step(figures)
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return StagedRLStepResult(**fields, stage_metrics=report.metrics())
 
-  async def _trainer_figures(self) -> dict[str, Any] | None:
+  async def _trainer_figures(self) -> outcome_lib.TrainerStep | None:
     try:
       return await engine_lib.figures(self.engine)
     except contract.Unsupported as e:
+      from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
       raise sizing.NoFigures(str(e)) from None
 
   async def close(self) -> None:

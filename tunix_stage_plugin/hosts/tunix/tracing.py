@@ -29,12 +29,6 @@ SPAN_NAMES = {
 }
 
 
-def tracer_of(trainer: Any) -> tracer_lib.PerfTracer | None:
-  """The PerfTracer a PeftTrainer was given, or None (no tracer: tunix's NoopTracer)."""
-  tracer = trainer._perf_tracer_v2  # pylint: disable=protected-access
-  return tracer if isinstance(tracer, tracer_lib.PerfTracer) else None
-
-
 class TracerSink:
   """A telemetry sink (core.telemetry.recorder.Sink): the staging spans on `tracer`'s timelines.
 

@@ -14,34 +14,38 @@ from typing import Any
 
 from tunix.experimental.common import datatypes
 
-from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.hosts import placements
-from tunix_stage_plugin.hosts.tunix import compression
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import observation
 from tunix_stage_plugin.hosts.tunix import peft
 from tunix_stage_plugin.hosts.tunix import transforms
+from tunix_stage_plugin.hosts.tunix.packed import CompressedPayload
+
+
+def _codec() -> Any:
+  """The codec's decoding (compression.py), loaded once a compressed payload arrives."""
+  from tunix_stage_plugin.hosts.tunix import compression  # pylint: disable=import-outside-toplevel
+  return compression
 
 
 def _check(state: installation_lib.WorkerStaging, payload: Any) -> None:
-  if isinstance(payload, compression.CompressedPayload):
-    payload = compression.check(payload)  # refused at once when this trainer cannot decode it
+  if isinstance(payload, CompressedPayload):
+    payload = _codec().check(payload)  # refused at once when this trainer cannot decode it
   if state.placement.check is not None:
     state.placement.check(payload)
 
 
 def _place(inst: installation_lib.Installation, state: installation_lib.WorkerStaging,
            payload: Any) -> Any:
-  if isinstance(payload, compression.CompressedPayload):  # decoded here, on the staging lane
-    payload = compression.decompress(payload)
+  if isinstance(payload, CompressedPayload):  # decoded here, on the staging lane
+    payload = _codec().decompress(payload)
   payload = transforms.apply_transforms(payload)
   with inst.recorder.span(tracks.TRAINER_H2D, "staged", lane="staging",
                           bytes=observation.nbytes(payload)):
@@ -60,11 +64,12 @@ def _chosen(inst: installation_lib.Installation, worker: Any) -> installation_li
 
 def _unplaced_payload(key: str, payload: Any) -> Any:
   """A received batch that was never placed, as the host's inline fwd_bwd takes it."""
-  if not isinstance(payload, compression.CompressedPayload):
+  if not isinstance(payload, CompressedPayload):
     return payload
+  compression = _codec()
   try:
     return compression.decompress(payload)
-  except codec_lib.CodecError as e:  # trains nothing: the orchestrator sends it inline
+  except compression.CodecError as e:  # trains nothing: the orchestrator sends it inline
     raise outcome_lib.StagedPayloadUnreadable(
         f"staged batch {key!r} did not decode ({e}); send it with its train call") from None
 
@@ -93,9 +98,9 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     return self._response(**contract.reset_answer(dropped))  # pylint: disable=protected-access
 
   def stage_figures(self: Any) -> datatypes.Response:
-    """The trainer's newest closed step's figures, as its record holds them (None before its
-    first step): what an orchestrator sizing its depth (auto) reads after each step."""
-    newest = inst.telemetry.newest(record_lib.TRAINER)
+    """The trainer's newest closed step, its figures and bounds (None before its first step):
+    what an orchestrator sizing its depth (auto) reads after each step."""
+    newest = inst.telemetry.trainer_step()
     return self._response(**contract.figures_answer(newest))  # pylint: disable=protected-access
 
   @functools.wraps(original_fwd_bwd)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import meta
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.lab.embedded import data as data_lib
+from tunix_stage_plugin.reading import records as records_lib
+from tunix_stage_plugin.reading import summary as summary_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,26 +338,19 @@ def criteria(result: results.BenchResult, summary: dict[str, ModeSummary]) -> li
 
 
 def job_side_split(result: results.BenchResult) -> dict[str, dict[str, Any]]:
-  """Per mode with trainer records: the medians of where a step went (core.telemetry's split:
-  compute, input wait mid-step and at the boundary, the compute's slowdown beside transfers),
-  and what bound most of its steps."""
+  """Per mode with trainer records: where its steps went by the trainer's own records (the
+  reading layer's table and medians: summary.split), over the same steps as the table's medians
+  (the quiet timed steps where there are any: `summarize`)."""
   out = {}
   for mode in dict.fromkeys(r.mode for r in result.runs):
-    records = [rec for r in result.runs if r.mode == mode and r.job_side for rec in r.job_side]
+    runs = [r for r in result.runs if r.mode == mode and r.job_side]
+    records = [rec for r in runs for rec in r.job_side]
+    quiet = [q for r in runs for q, _ in zip(r.step_quiet, r.job_side)]
     if not records:
       continue
-    bounds = [rec["bound_by"] for rec in records]
-    known = [rec for rec in records if rec["compute"]["slowdown_s"] is not None]
-    out[mode] = {
-        "steps": len(records), "steps_with_slowdown": len(known),
-        "compute_s": metrics.median([rec["compute_s"] for rec in records]),
-        "mid_step_s": metrics.median([rec["input_wait_s"]["mid_step"] for rec in records]),
-        "boundary_s": metrics.median([rec["input_wait_s"]["boundary"] or 0.0
-                                      for rec in records]),
-        "slowdown_s": metrics.median([rec["compute"]["slowdown_s"] for rec in known]),
-        "alone_s": metrics.median([rec["compute"]["alone_s"] for rec in known]),
-        "bound_by": max(dict.fromkeys(bounds), key=bounds.count),
-    }
+    used = [i for i, q in enumerate(quiet) if q] or range(len(records))
+    steps = records_lib.of_records([records[i] for i in used])[figures_lib.TRAINER]
+    out[mode] = summary_lib.split(steps)
   return out
 
 

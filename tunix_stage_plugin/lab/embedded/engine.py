@@ -114,9 +114,10 @@ class EmbeddedEngine:
   async def reset(self, keys: list[str]) -> None:
     await self._call("reset_staged", keys)
 
-  async def figures(self) -> dict[str, Any] | None:
-    """The trainer's newest closed step's figures (its stage_figures: what auto sizes from)."""
-    return await self._call(contract.STAGE_FIGURES)
+  async def figures(self) -> outcome_lib.TrainerStep | None:
+    """The trainer's newest closed step (its stage_figures: what auto sizes from)."""
+    answer = await self._call(contract.STAGE_FIGURES)
+    return None if answer is None else outcome_lib.TrainerStep.from_dict(answer)
 
   async def weight_sync(self, seconds: float) -> None:
     await self._call("weight_sync", seconds)

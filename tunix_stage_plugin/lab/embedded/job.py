@@ -98,7 +98,8 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
     if timeline is not None:
       telemetry.recorder.add_sink(timeline)
     recorder = engine.recorder = telemetry.recorder
-  auto = sizing.AutoDepth(plan.budget_bytes, engine.figures, telemetry) if plan.auto else None
+  auto = (sizing.AutoDepth(plan.budget_bytes, engine.figures, telemetry, "embedded") if plan.auto
+          else None)
   pipeline = pipeline_lib.StagePipeline(train_engine, plan.depth, recorder=recorder,
                                         staging=plan.kind == "staged",
                                         depth_for=None if auto is None else auto.depth_for)
@@ -112,10 +113,9 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
     if plan.sync_s > 0:
       await engine.weight_sync(plan.sync_s)
     depth = plan.depth if auto is None else auto.before_record(step)
-    if telemetry is not None:
-      telemetry.orchestrator_step(report, depth)
+    figures = None if telemetry is None else telemetry.orchestrator_step(report, depth)
     if auto is not None:  # the trainer's figures asked for, off the critical path
-      auto.after_record()
+      auto.after_step(figures)
     outcome = StepOutcome(step, time.perf_counter() - started.pop(step),
                           float(report.result["loss"]), report, depth)
     outcomes.append(outcome)

@@ -127,9 +127,11 @@ class TrainerWorker:
     return self._timeline.spans()
 
   def stage_figures(self) -> dict[str, Any] | None:
-    """The trainer's newest closed step's figures as its record holds them (None before its first
-    step, and with staging off): what an orchestrator at depth auto reads after each step."""
-    return None if self.telemetry is None else self.telemetry.newest(record_lib.TRAINER)
+    """The trainer's newest closed step, its figures and bounds, as it travels (None before its
+    first step, and with staging off): what an orchestrator at depth auto reads after each
+    step."""
+    newest = None if self.telemetry is None else self.telemetry.trainer_step()
+    return None if newest is None else newest.as_dict()
 
   def records(self) -> list[dict[str, Any]]:
     """The trainer's own per-step records since the last setup (core.telemetry: what a job

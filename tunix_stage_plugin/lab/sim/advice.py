@@ -12,7 +12,7 @@ import math
 from typing import Any
 
 from tunix_stage_plugin.core import inputs
-from tunix_stage_plugin.core.telemetry import advice as advice_lib
+from tunix_stage_plugin.core import advice as advice_lib
 from tunix_stage_plugin.lab.sim import run as run_lib
 from tunix_stage_plugin.lab.sim import trace as trace_lib
 
@@ -50,13 +50,13 @@ def mean_step(trace: trace_lib.Trace, settings: advice_lib.Settings) -> float:
   return math.fsum(result.step_s) / len(result.step_s)
 
 
-def predict(trainer: list[dict[str, Any]], settings: advice_lib.Settings,
+def predict(trainer: Any, settings: advice_lib.Settings,
             advice: list[advice_lib.Advice]) -> list[Prediction | str]:
   """Per advice, the simulator's prediction on one run's last CHECK_STEPS trainer steps (its
-  records in step order: core.telemetry.runs), or why there is none (one line: a change the
-  simulator cannot try, a record past its bounds)."""
+  table in step order: reading.runs), or why there is none (one line: a change the simulator
+  cannot try, a record past its bounds)."""
   try:
-    trace = trace_lib.of_records(trainer[-CHECK_STEPS:], "the record")
+    trace = trace_lib.of_steps(trainer.iloc[-CHECK_STEPS:], "the record")
     before = mean_step(trace, settings)
   except (trace_lib.TraceError, inputs.Refused) as e:
     return [f"not checked ({e})"] * len(advice)

@@ -14,12 +14,12 @@ from typing import AsyncIterator
 import looptime
 
 from tunix_stage_plugin.core import inputs
+from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_telemetry
-from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
 from tunix_stage_plugin.lab.sim import model
@@ -28,7 +28,7 @@ from tunix_stage_plugin.lab.sim import trace as trace_lib
 _DEPTH_MODE = re.compile(r"depth(?P<depth>[1-9][0-9]?)(?P<prestage>_prestage)?")
 _AUTO_MODE = re.compile(r"auto(?P<budget>[1-9][0-9]?)?")
 AUTO_BUDGET = 4  # `auto`'s memory budget, in micro-batches (autoN: N)
-HOST = "simulate"  # the host its step figures say they came from (for the sizer's records)
+HOST = "simulate"  # the host its step figures say they came from (the sizer's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,8 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
     max_device_batches = max(max_device_batches, plan.depth)
   trainer = model.SimTrainer(max_device_batches=max_device_batches,
                              max_host_batches=max_host_batches, resident=plan.kind == "resident")
-  sizer = sizing.Sizer(budget_bytes=plan.depth, microbatch_bytes=1) if auto else None
+  sizer = (sizing.Sizer(budget_bytes=plan.depth, microbatch_bytes=1, host=HOST) if auto
+           else None)
   pipeline = pipeline_lib.StagePipeline(
       trainer, 1 if auto else plan.depth, recorder=trainer.timeline,
       staging=plan.kind in ("staged", "auto"),
@@ -122,7 +123,6 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
     trainer.timeline.add_sink(trainer_telemetry_sink)
     trainer.timeline.add_sink(orchestrator_steps)
   fallbacks, peak, depths, choices = 0, 0, [], []
-  run = record_lib.new_run()  # the records the sizer is fed are one run's
 
   async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
     nonlocal fallbacks, peak
@@ -134,15 +134,11 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
       depth = choice.depth
       choices.append(choice.reason)
     depths.append(depth)
-    if sizer is not None:  # as the records hold them (core.telemetry.record)
-      shaping = {"max_staged_batches": depth, "max_device_batches": max_device_batches,
-                 "max_host_batches": max_host_batches}
-      sizer.observe(
-          record_lib.make(record_lib.TRAINER, HOST, trainer_steps.pop(), shaping,
-                          run)
-          if trainer_steps else None,
-          record_lib.make(record_lib.ORCHESTRATOR, HOST, orchestrator_steps.step(report, depth),
-                          shaping, run))
+    if sizer is not None:  # as the step aggregators make them, and the trainer's stage_figures
+      trainer_step = None if not trainer_steps else outcome_lib.TrainerStep(
+          run=HOST, figures=trainer_steps.pop(), max_device_batches=max_device_batches,
+          max_host_batches=max_host_batches, host_sized=False)
+      sizer.observe(trainer_step, orchestrator_steps.step(report, depth))
       trainer_steps.clear()
     await trainer.boundary(step, trace.steps[step].boundary_s)
 

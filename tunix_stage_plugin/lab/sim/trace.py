@@ -22,7 +22,8 @@ from typing import Any
 from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.telemetry import runs as runs_lib
+from tunix_stage_plugin.reading import records as records_lib
+from tunix_stage_plugin.reading import runs as runs_lib
 from tunix_stage_plugin.lab import inputs as lab_inputs
 
 RESOURCES = ("wire", "h2d", "compute")
@@ -391,7 +392,7 @@ def from_records(path: str) -> Trace:
   run's files: a trace is one job's."""
   try:
     found, notes = runs_lib.runs([path])
-  except record_lib.RecordError as e:
+  except records_lib.RecordError as e:
     raise TraceError(str(e)) from None
   for note in notes:  # a file skipped or cut short: said, as report says it
     print(f"tunix-stage simulate: note: {note}", file=sys.stderr)
@@ -400,28 +401,25 @@ def from_records(path: str) -> Trace:
                       for n, r in enumerate(found, start=1))
     raise _refuse(path, "one run's records: give one run's files (its trainer's .jsonl)",
                   f"it holds {len(found)} runs ({named})")
-  return of_records(found[0].trainer, path)
+  return of_steps(found[0].trainer_steps, path)
 
 
-def of_records(records: list[dict[str, Any]], source: str) -> Trace:
-  """One run's records already read (core.telemetry.runs: a Run's, in its order): each trainer
-  step as the trainer measured it. Per micro-batch: the step's median fwd_bwd as compute, its
-  receives' mean time as wire (0 where none was timed: tunix's own unary call is received before
-  any hook sees it), its placements' mean time as h2d; the step's update; its compute lane's own
-  calls (a weight sync) as the boundary."""
+def of_steps(trainer: Any, source: str) -> Trace:
+  """One run's trainer steps already read (reading.runs: a Run's, a pandas DataFrame in its
+  order), each as the trainer measured it. Per micro-batch: the step's median fwd_bwd as
+  compute, its receives' mean time as wire (0 where none was timed: tunix's own unary call is
+  received before any hook sees it), its placements' mean time as h2d; the step's update; its
+  compute lane's own calls (a weight sync) as the boundary."""
   steps = []
-  for r in records:
-    if r["role"] != record_lib.TRAINER:
+  for r in trainer.itertuples(index=False):
+    wire = r.received_s / r.received if r.received else 0.0
+    h2d = r.placed_s / r.placed if r.placed else 0.0
+    compute = r.fwd_bwd_median_s
+    if not r.microbatches or compute != compute:  # no fwd_bwd (NaN): nothing to simulate
       continue
-    received, placed = r["receive"], r["place"]
-    wire = received["seconds"] / received["calls"] if received["calls"] else 0.0
-    h2d = placed["seconds"] / placed["count"] if placed["count"] else 0.0
-    compute = r["compute"]["fwd_bwd_median_s"]
-    if not r["microbatches"] or compute is None:
-      continue  # a step with no fwd_bwd: nothing to simulate
-    steps.append(StepTimes(tuple(MicroBatchTimes(wire, h2d, compute)
-                                 for _ in range(r["microbatches"])),
-                           r["compute"]["update_s"], r["other_s"]))
+    steps.append(StepTimes(tuple(MicroBatchTimes(float(wire), float(h2d), float(compute))
+                                 for _ in range(int(r.microbatches))),
+                           float(r.update_s), float(r.other_s)))
   if not steps:
     raise _refuse(source, ACCEPTED_INPUT, "no trainer record with a fwd_bwd in it")
   return check_bounds(Trace(tuple(steps), source), source)

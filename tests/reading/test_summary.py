@@ -1,12 +1,12 @@
-"""The summary's one rule (analysis.RULE, said in the report's header): medians per step leave a
+"""The summary's one rule (summary.RULE, said in the report's header): medians per step leave a
 first step out where there are others; totals and counts are over every step, as the tables they
 sum."""
 
 from __future__ import annotations
 
-from tunix_stage_plugin.core.telemetry import analysis
 from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.telemetry import steps as steps_lib
+from tunix_stage_plugin.reading import records as records_lib
+from tunix_stage_plugin.reading import summary as summary_lib
 
 MIB = 1 << 20
 
@@ -21,11 +21,14 @@ def orchestrator_step(step, stage_median_s):
 
 
 def test_medians_leave_the_first_step_out_and_totals_count_every_step():
-  steps = [orchestrator_step(0, 5.0), orchestrator_step(1, 0.1), orchestrator_step(2, 0.3)]
-  o = analysis.summary(steps_lib.Steps.of(record_lib.TRAINER, []),
-                       steps_lib.Steps.of(record_lib.ORCHESTRATOR, steps))["orchestrator"]
+  steps = [record_lib.make(record_lib.ORCHESTRATOR, "tunix", orchestrator_step(step, median),
+                           {}, run) for (step, median), run in zip(
+                               ((0, 5.0), (1, 0.1), (2, 0.3)), [record_lib.new_run()] * 3)]
+  tables = records_lib.of_records(steps)
+  o = summary_lib.summary(tables[record_lib.TRAINER],
+                          tables[record_lib.ORCHESTRATOR])["orchestrator"]
   assert o["stage_call_median_s"] == 0.2  # step 0's compiling 5 s left out
   assert (o["staged"], o["inline"], o["fallbacks"]) == (9, 3, 3)
   assert o["fallbacks_by_kind"] == {"refused": 3}
   assert o["sent"]["side"]["calls"] == 12 and o["sent"]["side"]["bytes"] == 12 * MIB
-  assert "a first step out" in analysis.RULE and "totals are over every step" in analysis.RULE
+  assert "a first step out" in summary_lib.RULE and "totals are over every step" in summary_lib.RULE

@@ -1,22 +1,21 @@
 """What to change in a job: the one rule that reads a window of its step figures and names the
 setting that held staging back, to what, the figure that decided it and what it costs. `tunix-stage
-report` prints it (checked against the simulator where the lab is installed), and a pipeline that
-sizes itself asks the same rule. docs/observability.md "Reading the figures".
+report` asks it of a run's table (checked against the simulator where the lab is installed), and a
+pipeline that sizes itself (core/sizing.py, at auto) of its last steps' live figures: both give
+`Window.of` the figures by their names (core/telemetry/figures.py). docs/observability.md
+"Reading the figures".
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import operator
-import statistics
-from array import array
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 from tunix_stage_plugin.core import outcome
-from tunix_stage_plugin.core.telemetry import analysis
-from tunix_stage_plugin.core.telemetry import record
-from tunix_stage_plugin.core.telemetry import steps as steps_lib
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 
 # A cause counts once it held at least this share of the window's steps (and one step): a cause
 # in a minority of the steps still costs time, and the simulator judges whether a change helps.
@@ -25,7 +24,6 @@ STEP_SHARE = 0.25
 # this many times its recent length (the upstream change's production measurements: 2x transient
 # gRPC contention spikes).
 SPIKE = 2.0
-MIB = 1 << 20
 
 # The advice's kinds: one per row of docs/observability.md "Reading the figures".
 HOST_BOUND, DEVICE_BOUND, DEPTH, PRESTAGE, WIRE, CORES = (
@@ -104,6 +102,10 @@ class Advice:
     return dataclasses.asdict(self)
 
 
+Table = Mapping[str, Sequence[Any]]
+"""A side's step figures by name (figures.FIGURES), each a value per step."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Window:
   """The step figures the rule reads, a value per step (the trainer's), and the job's."""
@@ -124,67 +126,62 @@ class Window:
   microbatch_bytes: float | None
 
   @classmethod
-  def of_records(cls, trainer: list[dict[str, Any]], orchestrator: list[dict[str, Any]]
-                 ) -> "Window | None":
-    """The window of a job's records (a few, whole: a pipeline sizing itself, the simulator)."""
-    return cls.of_steps(steps_lib.Steps.of(record.TRAINER, trainer),
-                        steps_lib.Steps.of(record.ORCHESTRATOR, orchestrator))
-
-  @classmethod
-  def of_steps(cls, trainer: steps_lib.Steps, orchestrator: steps_lib.Steps) -> "Window | None":
-    """The window of a job's steps (their columns): the trainer steps after the first (which
-    compiles and has no step before it) that staged, where there are any (an inline step's wait
-    says nothing of a staging setting); None with no trainer step."""
-    if not len(trainer):
-      return None
-    rows = analysis.judged(trainer)
-    rows = analysis.staged(trainer, rows) or rows
-    f = {name: trainer.values(name, rows) for name in (
-        "step_s", "compute_s", "input_wait_s.mid_step", "input_wait_s.boundary", "other_s",
-        "receive.seconds", "receive.calls", "place.seconds", "place.count", "place.bytes",
-        "pool.wait_s", "pool.over_bound", "bound_by", "compute.fwd_bwd_median_s")}
-    o = {name: orchestrator.values(name) for name in (
-        "depth", "prestaged", "peak_staged", "stage_calls.median_s", "stage_calls.max_s")}
-    last = trainer.last
-    ran = orchestrator.last if len(orchestrator) else None
-    settings = Settings(
-        host=(ran or last)["host"],
-        depth=o["depth"][-1] if ran else record.setting(last, "max_staged_batches"),
-        prestage=any(o["prestaged"]) if ran else None,
-        max_device_batches=record.setting(last, "max_device_batches"),
-        max_host_batches=record.setting(last, "max_host_batches"))
-    receives = array("d", map(_per, f["receive.seconds"], f["receive.calls"]))
-    places = array("d", map(_per, f["place.seconds"], f["place.count"]))
+  def of(cls, settings: Settings, trainer: Table, orchestrator: Table, *,
+         first_alone: bool = False) -> "Window | None":
+    """The window of a job's steps, each side's figures by name (figures.FIGURES: a run's
+    DataFrame, or a few live steps' values; a figure not known in a step is None or NaN): the
+    trainer steps but a process's first (which compiles and has no step before it: a report
+    never advises on it; with `first_alone`, a sizer that has seen no other reads it) that
+    staged, where there are any (an inline step's wait says nothing of a staging setting); None
+    with no such trainer step."""
+    f = {name: np.asarray(trainer[name], dtype=np.float64) for name in (
+        "step_s", "compute_s", "input_wait_mid_step_s", "input_wait_boundary_s", "other_s",
+        "received", "received_s", "placed", "placed_s", "placed_bytes", "staged",
+        "pool_wait_s", "pool_over_bound", "fwd_bwd_median_s")}
+    rows = ~np.isnan(f["step_s"])
+    if not rows.any():
+      if not first_alone or not len(rows):
+        return None
+      rows = np.ones(len(rows), dtype=bool)
+    staged = rows & (f["staged"] > 0)
+    rows = staged if staged.any() else rows
+    f = {name: values[rows] for name, values in f.items()}
+    bound = tuple(np.asarray(trainer["bound_by"], dtype=object)[rows])
+    o = {name: np.asarray(orchestrator[name], dtype=np.float64) for name in (
+        "depth", "peak_staged", "stage_call_median_s", "stage_call_max_s",
+        f"fallbacks_{outcome.StageStatus.REFUSED.value}")}
+    receives = _per(f["received_s"], f["received"])
+    places = _per(f["placed_s"], f["placed"])
     # A micro-batch's crossing: its receive on the trainer; where the trainer timed none (tunix's
     # own unary call is received before any hook sees it), the orchestrator's stage call.
-    if any(f["receive.calls"]):
-      transfer_s = _median([r for r, n in zip(receives, f["receive.calls"]) if n])
-      stage_s = max(map(operator.add, receives, places))
+    if (f["received"] > 0).any():
+      transfer_s = _median(receives[f["received"] > 0])
+      stage_s = float(np.max(receives + places))
     else:
-      transfer_s = _median([s for s in o["stage_calls.median_s"] if s is not None])
-      stage_s = max((s for s in o["stage_calls.max_s"] if s is not None), default=None)
-    refused = orchestrator.family("fallbacks.by_kind").get(outcome.StageStatus.REFUSED.value)
-    wait = map(analysis.waited, f["input_wait_s.mid_step"], f["input_wait_s.boundary"])
+      transfer_s = _median(o["stage_call_median_s"])
+      stage_s = _max(o["stage_call_max_s"])
+    depth, peak = o["depth"], o["peak_staged"]
     return cls(
         settings=settings,
-        step_s=array("d", map(analysis.lasted, f["step_s"], f["compute_s"], wait, f["other_s"])),
-        mid_step_s=array("d", f["input_wait_s.mid_step"]),
-        boundary_s=array("d", (b or 0.0 for b in f["input_wait_s.boundary"])),
-        pool_wait_s=array("d", f["pool.wait_s"]),
-        over_bound=sum(f["pool.over_bound"]),
-        bound_by=tuple(f["bound_by"]),
-        refused=tuple(refused) if refused is not None else (0,) * len(orchestrator),
-        depth_full=bool(ran) and all(p >= d for p, d in zip(o["peak_staged"], o["depth"]) if d),
+        step_s=np.where(np.isnan(f["step_s"]), f["compute_s"] + f["input_wait_mid_step_s"]
+                        + np.nan_to_num(f["input_wait_boundary_s"]) + f["other_s"], f["step_s"]),
+        mid_step_s=f["input_wait_mid_step_s"],
+        boundary_s=np.nan_to_num(f["input_wait_boundary_s"]),
+        pool_wait_s=f["pool_wait_s"],
+        over_bound=int(f["pool_over_bound"].sum()),
+        bound_by=bound,
+        refused=tuple(int(n) for n in o[f"fallbacks_{outcome.StageStatus.REFUSED.value}"]),
+        depth_full=bool(len(depth)) and bool(np.all((peak >= depth) | (depth == 0))),
         transfer_s=transfer_s,
-        place_s=_median([p for p, n in zip(places, f["place.count"]) if n]),
+        place_s=_median(places[f["placed"] > 0]),
         stage_s=stage_s,
-        compute_s=_median([c for c in f["compute.fwd_bwd_median_s"] if c is not None]),
-        microbatch_bytes=_median([b / n for b, n in zip(f["place.bytes"], f["place.count"])
-                                  if n]))
+        compute_s=_median(f["fwd_bwd_median_s"]),
+        microbatch_bytes=_median((f["placed_bytes"] / np.where(f["placed"] > 0, f["placed"], 1))
+                                 [f["placed"] > 0]))
 
   def figure(self, name: str, values: Sequence[float]) -> Figure:
     """`values`' mean over the window, and the steps where it was a significant part."""
-    held = sum(analysis.significant(v, s) for v, s in zip(values, self.step_s))
+    held = int(sum(figures_lib.significant(v, s) for v, s in zip(values, self.step_s)))
     return Figure(name, math.fsum(values) / len(values), held, len(values))
 
   def counts(self, figure: Figure) -> bool:
@@ -235,7 +232,7 @@ def advise(window: Window | None) -> list[Advice]:
                       refused, f"{size} of device memory",
                       "a bound on the trainer was full",
                       Change(max_device_batches=s.max_device_batches + 1)))
-  wire_steps = window.bound_by.count(analysis.WIRE)
+  wire_steps = window.bound_by.count(figures_lib.WIRE)
   deeper_helps = not window.wire_is_the_bound or s.depth < window.wire_depth
   if window.counts(mid) and deeper_helps and window.depth_full:
     depth = s.depth + 1
@@ -261,8 +258,8 @@ def advise(window: Window | None) -> list[Advice]:
                       "compress) or give the link more bandwidth", waits,
                       "no more memory (the codec's buffers aside)", why,
                       Change(wire=0.5)))
-  cores = Figure("steps bound by shared cores", window.bound_by.count(analysis.SHARED_CORES),
-                 window.bound_by.count(analysis.SHARED_CORES), len(window.bound_by), unit="")
+  cores = Figure("steps bound by shared cores", window.bound_by.count(figures_lib.SHARED_CORES),
+                 window.bound_by.count(figures_lib.SHARED_CORES), len(window.bound_by), unit="")
   if cores.steps > cores.of // 2:
     out.append(Advice(CORES, "give the trainer's host more cores for its receive", cores,
                       "nothing in memory", "the compute runs slower while the receive runs "
@@ -294,17 +291,24 @@ def choose_depth(window: Window | None, most: int) -> tuple[int, str, bool]:
 def _spans(ratio: float) -> int:
   """How many of one thing a time `ratio` of it spans, a part under analysis.SHARE of one not
   counted (a placement of 2 % of a crossing does not ask for a second staged micro-batch)."""
-  return max(1, math.ceil(ratio - analysis.SHARE))
+  return max(1, math.ceil(ratio - figures_lib.SHARE))
 
 
-def _median(values: list[float]) -> float | None:
-  return statistics.median(values) if values else None
+def _median(values: np.ndarray) -> float | None:
+  """The median of the known values (NaN: not known), or None."""
+  values = values[~np.isnan(values)]
+  return float(np.median(values)) if len(values) else None
 
 
-def _per(seconds: float, count: int) -> float:
-  """A step's receives' or placements' mean time (0 where it had none)."""
-  return seconds / count if count else 0.0
+def _max(values: np.ndarray) -> float | None:
+  values = values[~np.isnan(values)]
+  return float(np.max(values)) if len(values) else None
+
+
+def _per(seconds: np.ndarray, count: np.ndarray) -> np.ndarray:
+  """Each step's receives' or placements' mean time (0 where it had none)."""
+  return np.where(count > 0, seconds / np.where(count > 0, count, 1), 0.0)
 
 
 def _size(nbytes: float | None) -> str:
-  return f"{nbytes / MIB:.0f} MiB" if nbytes else "one micro-batch"
+  return figures_lib.size(nbytes) if nbytes else "one micro-batch"

@@ -1,12 +1,12 @@
 """`tunix-stage report A B`: two runs side by side, so a user reads whether the setting they changed
 helped beyond the step-to-step noise, not from two medians alone.
 
-Each figure is the per-step scalar the dashboards show (core/telemetry/scalars.py, the one table
-of the names), plus the step's whole input wait; its median per run, the change, and a verdict:
-a two-sided Mann-Whitney U test at 5 % on the two runs' steps when both have at least
-MIN_STEPS (the steps `analysis.summary` judges: a first step, which compiles, left out where
-there are others), else "too few steps to tell". Each run's summary (what bounded its steps,
-what staging hid, what to change) is `report`'s. docs/observability.md "Comparing two
+Each figure is one the figures' table marks `compared` (core/telemetry/figures.py: the scalars
+the dashboards show, under the same names, and the step's whole input wait); its median per run,
+the change, and a verdict: a two-sided Mann-Whitney U test at 5 % on the two runs' steps when
+both have at least MIN_STEPS (the steps the summary judges: a first step, which compiles, left
+out where there are others), else "too few steps to tell". Each run's summary (what bounded its
+steps, what staging hid, what to change) is `report`'s. docs/observability.md "Comparing two
 runs".
 """
 
@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from typing import Any, Callable
+from typing import Any
 
-from tunix_stage_plugin.core.telemetry import analysis
-from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_lib
-from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.telemetry import runs as runs_lib
-from tunix_stage_plugin.core.telemetry import scalars
-from tunix_stage_plugin.core.telemetry import steps as steps_lib
+import numpy as np
+
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
+from tunix_stage_plugin.reading import runs as runs_lib
+from tunix_stage_plugin.reading import summary as summary_lib
 
 MIN_STEPS = 5  # each run's steps the test needs; fewer: too few to tell
 ALPHA = 0.05
@@ -31,55 +30,10 @@ ONE_RUN = "in one run only"  # a figure the other run has no step of (e.g. no or
 TEST = (f"Mann-Whitney U, two-sided, at {ALPHA:.0%}, on each run's steps (a first step left out "
         f"where there are others; normal approximation with ties corrected); fewer than "
         f"{MIN_STEPS} steps in a run: {TOO_FEW}")
-
-
-# Each figure compared: the scalar's name (scalars.TRAINER / ORCHESTRATOR, the one table of the
-# names: the bound, a count of steps, is in each run's summary instead) and its values at a
-# run's steps, read from their columns (core.telemetry.steps: the record's fields by path);
-# tests/cli/test_report_compare.py holds each to the scalar's own reading of the records.
-Values = Callable[[steps_lib.Steps, list[int]], list[Any]]
-
-
-def _column(name: str) -> Values:
-  return lambda steps, rows: steps.values(name, rows)
-
-
-def _received_gib_s(steps: steps_lib.Steps, rows: list[int]) -> list[float | None]:
-  return [b / s / analysis.GIB if s else None for b, s in
-          zip(steps.values("receive.bytes", rows), steps.values("receive.seconds", rows))]
-
-
-def _input_wait(steps: steps_lib.Steps, rows: list[int]) -> list[float]:
-  return list(map(analysis.waited, steps.values("input_wait_s.mid_step", rows),
-                  steps.values("input_wait_s.boundary", rows)))
-
-
-def _fallbacks(kind: str) -> Values:
-  def read(steps: steps_lib.Steps, rows: list[int]) -> list[int]:
-    column = steps.family("fallbacks.by_kind").get(kind)
-    return [0] * len(rows) if column is None else [column[i] for i in rows]
-  return read
-
-
-FIGURES: tuple[tuple[str, str, Values], ...] = (
-    (record_lib.TRAINER, "input_wait_s", _input_wait),
-    *((record_lib.TRAINER, name, read) for name, read in {
-        "step_s": _column("step_s"), "compute_s": _column("compute_s"),
-        "slowdown_s": _column("compute.slowdown_s"),
-        "input_wait_mid_step_s": _column("input_wait_s.mid_step"),
-        "input_wait_boundary_s": _column("input_wait_s.boundary"),
-        "other_s": _column("other_s"), "received_gib_s": _received_gib_s,
-        "staged": _column("place.staged"), "inline": _column("place.inline"),
-        "pool_waits": _column("pool.waits"),
-        "peak_device_batches": _column("staged.peak_device")}.items()),
-    *((record_lib.ORCHESTRATOR, name, read) for name, read in {
-        **{name: _column(name) for name in ("step_s", "microbatches", "depth", "staged",
-                                            "inline", "prestaged", "peak_staged")},
-        "fallbacks": _column("fallbacks.count"),
-        **{f"fallbacks_{kind.value}": _fallbacks(kind.value)
-           for kind in orchestrator_lib.FALLBACK_KINDS},
-        "stage_call_median_s": _column("stage_calls.median_s")}.items()),
-)
+# The figures compared, each side's in the table's order: the trainer's whole input wait first.
+FIGURES: tuple[figures_lib.Figure, ...] = tuple(sorted(
+    (f for f in figures_lib.FIGURES if f.compared),
+    key=lambda f: (f.role != figures_lib.TRAINER, f.name != "input_wait_s")))
 
 
 def mann_whitney_p(a: list[float], b: list[float]) -> float:
@@ -112,13 +66,15 @@ def mann_whitney_p(a: list[float], b: list[float]) -> float:
 def compare(a: runs_lib.Run, b: runs_lib.Run, summaries: tuple[dict[str, Any], dict[str, Any]]
             ) -> dict[str, Any]:
   """The two runs' figures side by side, each change and its verdict, and each run's summary
-  (`report`'s: cli/report_cmd.summarize)."""
+  (`report`'s: report.summarize)."""
   figures = []
-  for side, name, read in FIGURES:
+  for f in FIGURES:
     samples = []
     for run in (a, b):
-      steps = run.trainer_steps if side == record_lib.TRAINER else run.orchestrator_steps
-      samples.append([v for v in read(steps, analysis.judged(steps)) if v is not None])
+      steps = run.steps(f.role)
+      values = np.asarray(steps[f.name][summary_lib.judged(steps)], dtype=np.float64)
+      samples.append(values[~np.isnan(values)].tolist())
+    side, name = f.role, f.name
     if not samples[0] and not samples[1]:
       continue  # neither run knows it (e.g. no orchestrator records)
     medians = [statistics.median(s) if s else None for s in samples]
@@ -130,7 +86,7 @@ def compare(a: runs_lib.Run, b: runs_lib.Run, summaries: tuple[dict[str, Any], d
       if min(map(len, samples)) >= MIN_STEPS:
         p = mann_whitney_p(*samples)
         verdict = BEYOND if p < ALPHA else WITHIN
-    figures.append({"side": side, "name": scalars.PREFIX + name, "a": medians[0],
+    figures.append({"side": side, "name": figures_lib.PREFIX + name, "a": medians[0],
                     "b": medians[1], "steps": [len(s) for s in samples], "change": change,
                     "change_pct": pct, "p": p, "verdict": verdict})
   return {"test": TEST,

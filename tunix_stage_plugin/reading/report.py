@@ -1,13 +1,13 @@
 """`tunix-stage report PATH...`: what staging did in a job, from its processes' metrics records.
 
-Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) as a stream, tells the runs
-in them apart (core.telemetry.runs) and prints, run by run, per process and step, where the
+Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) into tables (records.py),
+tells the runs in them apart (runs.py) and prints, run by run, per process and step, where the
 trainer's step went (compute, input wait mid-step and at the boundary, other calls, the compute's
 slowdown beside transfers) and what the orchestrator staged and sent; then the run's medians,
-what staging hid against an inline estimate, the transports' speeds, and which setting held
-staging back (core.telemetry.advice), checked against the simulator where the lab is installed.
-Two runs named apart are compared (report_compare.py); `--png` draws the job, in the lab
-(lab/report_picture.py, loaded only then: matplotlib is a lab library). docs/observability.md
+what staging hid against an inline estimate, the transports' speeds (summary.py), and which
+setting held staging back (core/advice.py), checked against the simulator where the lab is
+installed. Two runs named apart are compared (compare.py); `--png` draws the job (picture.py,
+matplotlib). SIGINT or SIGTERM ends it with one line, exit 130 or 143. docs/observability.md
 "tunix-stage report".
 """
 
@@ -17,18 +17,22 @@ import argparse
 import dataclasses
 import importlib
 import json
-import os
+import signal
 import sys
 from typing import Any
 
-from tunix_stage_plugin.cli import report_compare
+import pandas as pd
+
+from tunix_stage_plugin.core import advice as advice_lib
 from tunix_stage_plugin.core import inputs
 from tunix_stage_plugin.core import install_hint
-from tunix_stage_plugin.core.telemetry import advice as advice_lib
-from tunix_stage_plugin.core.telemetry import analysis
-from tunix_stage_plugin.core.telemetry import lines
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.telemetry import runs as runs_lib
+from tunix_stage_plugin.reading import compare as compare_lib
+from tunix_stage_plugin.reading import picture as picture_lib
+from tunix_stage_plugin.reading import records as records_lib
+from tunix_stage_plugin.reading import runs as runs_lib
+from tunix_stage_plugin.reading import summary as summary_lib
 
 # The steps each process's table shows unless --steps says: its last ones (a long record's table
 # would be its length in lines; the summary is over every step).
@@ -44,15 +48,16 @@ def _steps(text: str) -> int:
 
 
 # The simulator's check of the advice, imported by name and only where the lab is installed (the
-# production path imports nothing from the lab: tests/test_layout.py).
+# reading layer imports nothing from the lab: tests/test_layout.py).
 CHECKER = "tunix_stage_plugin.lab.sim.advice"
 NOTHING = "nothing to change: staging kept the trainer's input ready"
+GIB = figures_lib.GIB
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
   parser = subparsers.add_parser(
       "report",
-      help="what staging did in a job, from its metrics records (TUNIX_STAGE_METRICS)",
+      help=help_line,
       description="Read the metrics records a job's processes wrote (TUNIX_STAGE_METRICS=DIR "
       "makes each staging process write DIR/<role>-<host>-<pid>-<run>.jsonl, one record per "
       "step) and print, run by run (records of several jobs are told apart by their processes' "
@@ -61,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
       "transports' speeds and what to change.",
       epilog="Two PATHs, each one run of other processes (e.g. two folders): the runs "
       "compared, each figure's median a step side by side with the change and whether it is "
-      f"beyond the step-to-step noise ({report_compare.TEST}). "
+      f"beyond the step-to-step noise ({compare_lib.TEST}). "
       "example: tunix-stage report /tmp/job-metrics   (docs/observability.md)")
   parser.add_argument("paths", nargs="+", metavar="PATH",
                       help="the folder TUNIX_STAGE_METRICS named, or record files")
@@ -72,11 +77,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
   parser.add_argument("--json", action="store_true", help="print one JSON object instead (each "
                       "process's records within --steps)")
   parser.add_argument("--png", metavar="FILE",
-                      help="also draw the job to FILE: per trainer step, where the step went "
+                      help="also draw the job to FILE, in the format its name ends with "
+                      f"({picture_lib.FORMATS_SAID}): per trainer step, where the step went "
                       "(compute, its slowdown beside transfers inside it, input wait mid-step "
-                      "and at the boundary, other calls), its staged and inline micro-batches "
-                      "counted above the bar; two runs side by side (needs matplotlib: the "
-                      "'bench' extra)")
+                      "and at the boundary, other calls), the step's own micro-batches staged "
+                      "and inline counted above the bar; two runs side by side (needs "
+                      f"matplotlib: the '{picture_lib.EXTRA}' extra)")
   parser.set_defaults(run=run)
 
 
@@ -92,8 +98,7 @@ def comparable(paths: list[str], found: list[runs_lib.Run]
   return None
 
 
-def _s(seconds: float | None) -> str:
-  return "-" if seconds is None else f"{seconds:.2f}"
+_s = figures_lib.seconds
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -101,47 +106,58 @@ def _table(rows: list[list[str]]) -> list[str]:
   return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
-def trainer_rows(records: list[dict[str, Any]]) -> list[str]:
+def _int(value: Any) -> str:
+  return str(int(value))
+
+
+def trainer_rows(steps: pd.DataFrame) -> list[str]:
   rows = [["step", "step s", "compute", "wait mid", "wait boundary", "other", "slowdown",
            "received", "placed", "pool waits", "bound by"]]
-  for r in records:
-    wait, received = r["input_wait_s"], r["receive"]
-    rows.append([str(r["step"]), _s(r["step_s"]), _s(r["compute_s"]), _s(wait["mid_step"]),
-                 _s(wait["boundary"]), _s(r["other_s"]), _s(r["compute"]["slowdown_s"]),
-                 f"{received['calls']} / {lines.size(received['bytes'])}",
-                 f"{r['place']['count']} / {_s(r['place']['seconds'])} s",
-                 f"{r['pool']['waits']} ({r['pool']['over_bound']} over)", r["bound_by"]])
+  first = summary_lib.first_steps(steps)
+  for r, is_first in zip(steps.itertuples(index=False), first):
+    rows.append([_int(r.step), _s(r.step_s), _s(r.compute_s), _s(r.input_wait_mid_step_s),
+                 _s(r.input_wait_boundary_s), _s(r.other_s), _s(r.slowdown_s),
+                 f"{_int(r.received)} / {figures_lib.size(r.received_bytes)}",
+                 f"{_int(r.placed)} / {_s(r.placed_s)} s",
+                 f"{_int(r.pool_waits)} ({_int(r.pool_over_bound)} over)",
+                 summary_lib.FIRST if is_first else str(r.bound_by)])
   return _table(rows)
 
 
-def orchestrator_rows(records: list[dict[str, Any]]) -> list[str]:
+def orchestrator_rows(steps: pd.DataFrame) -> list[str]:
   rows = [["step", "micro-batches", "staged", "prestaged", "inline", "fallbacks", "sent",
            "stage call median"]]
-  for r in records:
-    sent = ", ".join(f"{name} {lines.size(t['bytes'])}" for name, t in r["sent"].items())
-    rows.append([str(r["step"]), str(r["microbatches"]), str(r["staged"]), str(r["prestaged"]),
-                 str(r["inline"]), str(r["fallbacks"]["count"]), sent or "-",
-                 _s(r["stage_calls"]["median_s"])])
+  for r in steps.to_dict("records"):
+    sent = ", ".join(f"{name} {figures_lib.size(r[f'sent_{name}_bytes'])}"
+                     for name in figures_lib.TRANSPORTS if r[f"sent_{name}_calls"])
+    rows.append([_int(r["step"]), _int(r["microbatches"]), _int(r["staged"]),
+                 _int(r["prestaged"]), _int(r["inline"]), _int(r["fallbacks"]), sent or "-",
+                 _s(r["stage_call_median_s"])])
   return _table(rows)
 
 
-def sizing_lines(records: list[dict[str, Any]]) -> list[str]:
+def sizing_lines(steps: pd.DataFrame) -> list[str]:
   """Each step's choice of a depth or bound sized by itself (auto), and why; [] for none."""
-  return [f"step {r['step']}: {r['sizing']}" for r in records if r.get("sizing")]
+  return [f"step {int(step)}: {why}" for step, why in zip(steps["step"], steps["sizing"])
+          if isinstance(why, str)]
 
 
 def overall_lines(summary: dict[str, Any]) -> list[str]:
   out = []
   t = summary.get("trainer")
   if t is not None:
-    bound = ", ".join(f"{b} in {n}" for b, n in t["bound_by"].items() if n)
+    bound = [f"{b} in {n}" for b, n in t["bound_by"].items() if n]
+    first = t["first_steps"]
+    bound.append(f"{first} {summary_lib.FIRST}{'' if first == 1 else 's'} not judged")
     estimate = t["inline_wait_estimate_s"]
     share = f" ({t['hidden_s'] / estimate:.0%})" if estimate > 0 else ""
-    slowdown = lines.slowdown(t["slowdown_s"], 0)  # the median's, where any step knew it
-    out += [f"trainer step: median {_s(t['step_s'])} s = compute {_s(t['compute_s'])}{slowdown} "
+    slowdown = lines_slowdown(t["slowdown_s"])
+    which = ("trainer step (its first only, which compiles: shown, never advised on)"
+             if t["only_first"] else "trainer step")
+    out += [f"{which}: median {_s(t['step_s'])} s = compute {_s(t['compute_s'])}{slowdown} "
             f"+ input wait {_s(t['input_wait_s'])} (mid-step {_s(t['mid_step_s'])}, boundary "
             f"{_s(t['boundary_s'])}) + other calls {_s(t['other_s'])}",
-            f"bound by: {bound} (steps)"]
+            f"bound by: {', '.join(bound)} (steps)"]
     paths = t["by_path"]
     if paths["staged"]["steps"] and paths["inline"]["steps"]:
       out.append("input wait a step: " + ", ".join(
@@ -151,9 +167,9 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
                f"{_s(estimate)} s of input wait{share}"
                + (" (in the steps that staged)" if paths["inline"]["steps"] else ""))
     for name, tr in t["received"].items():
-      rate = "" if tr["gib_s"] is None else f" at {lines.speed(tr['gib_s'] * lines.GIB)}"
-      out.append(f"received by {lines.TRANSPORT_NAMES.get(name, name)}: {tr['calls']} calls, "
-                 f"{lines.size(tr['bytes'])}{rate}")
+      rate = "" if tr["gib_s"] is None else f" at {figures_lib.speed(tr['gib_s'] * GIB)}"
+      out.append(f"received by {figures_lib.TRANSPORTS[name]}: {tr['calls']} calls, "
+                 f"{figures_lib.size(tr['bytes'])}{rate}")
   o = summary.get("orchestrator")
   if o is not None:
     kinds = "".join(f", {n} {k}" for k, n in o["fallbacks_by_kind"].items())
@@ -161,84 +177,127 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
                f"inline {o['inline']}, fallbacks {o['fallbacks']}{kinds}; stage call median "
                f"{_s(o['stage_call_median_s'])} s")
     for name, tr in o["sent"].items():  # a call's time includes its wait on the trainer
-      out.append(f"sent by {lines.TRANSPORT_NAMES.get(name, name)}: {tr['calls']} calls, "
-                 f"{lines.size(tr['bytes'])}, {tr['seconds'] / tr['calls']:.3f} s a "
+      out.append(f"sent by {figures_lib.TRANSPORTS[name]}: {tr['calls']} calls, "
+                 f"{figures_lib.size(tr['bytes'])}, {tr['seconds'] / tr['calls']:.3f} s a "
                  "call (its wait on the trainer included)")
   return out
 
 
-def shown(process: runs_lib.Process, steps: int | None) -> list[dict[str, Any]]:
-  """The records of `process` its table shows: its last `steps` (DEFAULT_STEPS unless given),
-  read from its files (a run keeps its steps' figures, not its records)."""
-  return process.records(DEFAULT_STEPS if steps is None else steps)
+def lines_slowdown(seconds: float | None) -> str:
+  """The median slowdown, said inside the compute it is part of, where any step knew it."""
+  return "" if seconds is None else f" ({_s(seconds)} of it slower beside transfers)"
+
+
+def shown(process: runs_lib.Process, steps: int | None) -> pd.DataFrame:
+  """The steps of `process` its table shows: its last `steps` (DEFAULT_STEPS unless given)."""
+  n = DEFAULT_STEPS if steps is None else steps
+  return process.steps.iloc[len(process.steps) - min(n, len(process.steps)):]
+
+
+def record_of(role: str, row: dict[str, Any]) -> dict[str, Any]:
+  """A step's row as its record held it (core/telemetry/record.py's fields): what `--json`
+  prints. A family's entries are those the step had (its first figure, a transport's calls or a
+  fallback kind's count, not 0); a field a record may lack is null where not known."""
+  run = None if _null(row["run"]) else str(row["run"])
+  out: dict[str, Any] = {
+      "schema": record_lib.SCHEMA, "version": record_lib.VERSION if run else 1, "role": role,
+      "host": str(row["host"]), "process": {"pid": int(row["pid"]),
+                                            "hostname": str(row["hostname"])},
+      **({"run": {"id": run, "started": float(row["run_started"])}} if run else {}),
+      "time": float(row["time"]), "step": int(row["step"]),
+      "settings": {s.field: runs_lib.setting(pd.Series(row), s.field)
+                   for s in record_lib.CARRIED if not _null(row[s.field])}}
+  present: dict[tuple[str, ...], bool] = {}
+  for f in figures_lib.BY_ROLE[role].values():
+    value = None if _null(row[f.name]) else row[f.name]
+    if not f.path:
+      continue
+    if f.family is not None:
+      at = out
+      for key in f.family:  # the family's object, empty where the step had no entry
+        at = at.setdefault(key, {})
+      if not present.setdefault(f.path[:len(f.family) + 1], bool(value)):
+        continue  # an entry the step did not have
+    if value is not None:
+      value = (int(value) if f.unit in (figures_lib.COUNT, figures_lib.BYTES) else
+               str(value) if f.unit in (figures_lib.TEXT, figures_lib.CAUSE) else float(value))
+    at = out
+    for key in f.path[:-1]:
+      at = at.setdefault(key, {})
+    at[f.path[-1]] = value
+  return out
+
+
+def _null(value: Any) -> bool:
+  return value is None or (isinstance(value, float) and value != value)
 
 
 def as_json(run_: runs_lib.Run, steps: int | None) -> dict[str, Any]:
   return {"label": run_.label, "started": run_.started,
           "processes": [{"role": p.role, "host": p.host, "process": p.name, "run": p.run,
                          "started": p.started, "steps": len(p.steps),
-                         "records": shown(p, steps)} for p in run_.processes],
+                         "records": [record_of(p.role, row) for row in
+                                     shown(p, steps).to_dict("records")]}
+                        for p in run_.processes],
           "summary": summarize(run_)}
 
 
-def _picture_target(path: str) -> str | None:
-  """Why `path` cannot take the picture (one line), or None."""
-  folder = os.path.dirname(os.path.abspath(path))
-  why = ("a folder" if os.path.isdir(path) else
-         "its folder is not a folder that exists" if not os.path.isdir(folder) else
-         "not writable" if not os.access(path if os.path.exists(path) else folder, os.W_OK)
-         else None)
-  return None if why is None else inputs.invalid("--png", path, "a PNG file to write", why)
+class Interrupted(Exception):
+  """SIGINT or SIGTERM while the report runs (the signal's number in `args[0]`)."""
 
 
-def _draw(path: str, runs: list[runs_lib.Run]) -> str | None:
-  """Draws `runs` to `path` (lab/report_picture.py, loaded only here); the one line of why not."""
-  picture = importlib.import_module("tunix_stage_plugin.lab.report_picture")
-  try:
-    picture.draw(path, runs)
-  except picture.PictureError as e:
-    return str(e)
-  except (OSError, ValueError) as e:
-    return inputs.invalid("--png", path, "a PNG file to write", f"{type(e).__name__}: {e}")
-  return None
+def _interrupt(signum: int, _frame: Any) -> None:
+  raise Interrupted(signum)
 
 
 def run(args: argparse.Namespace) -> int:
+  """Reports (or compares, or draws) the records `args.paths` name; a signal ends it with one
+  line and 128 + its number (130: SIGINT, 143: SIGTERM)."""
+  previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+  try:
+    return _run(args)
+  except (Interrupted, KeyboardInterrupt) as e:
+    signum = e.args[0] if isinstance(e, Interrupted) else signal.SIGINT
+    print(f"tunix-stage report: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+    return 128 + signum
+  finally:
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
   def error(line: str) -> int:
     print(f"tunix-stage report: error: {line}", file=sys.stderr)
     return 2
 
-  if args.png is not None and (why := _picture_target(args.png)) is not None:
-    return error(why)
+  if args.png is not None and (why := picture_lib.refusal(args.png)) is not None:
+    return error(why)  # before any record is read
   try:
     found, notes = runs_lib.runs(args.paths)
-  except record_lib.RecordError as e:
+  except records_lib.RecordError as e:
     return error(str(e))
   if args.png is not None and not any(len(r.trainer_steps) for r in found):
     return error(inputs.invalid("--png", args.png, "records holding a trainer's steps (the "
                                 "picture draws them)", "these records hold no trainer step"))
   pair = comparable(args.paths, found)
-  try:  # the records shown are read again: a file changed since is one line
-    if pair is not None:
-      report_compare.run(*pair, summaries=tuple(map(summarize, pair)), as_json=args.json,
-                         notes=notes)
-    elif args.json:
-      print(json.dumps({"runs": [as_json(r, args.steps) for r in found], "notes": notes},
-                       indent=2))
-    else:
-      for note in notes:
-        print(f"note: {note}")
-      if len(found) > 1:
-        print(f"{len(found)} runs (jobs) in these records, each reported apart; give one run's "
-              "files to read it alone")
-      for n, run_ in enumerate(found, start=1):
-        print(f"run {n} of {len(found)}: {run_.label}" if len(found) > 1
-              else f"run: {run_.label}")
-        _print_run(run_, args.steps)
-  except record_lib.RecordError as e:
-    return error(str(e))
+  if pair is not None:
+    compare_lib.run(*pair, summaries=tuple(map(summarize, pair)), as_json=args.json,
+                    notes=notes)
+  elif args.json:
+    print(json.dumps({"runs": [as_json(r, args.steps) for r in found], "notes": notes},
+                     indent=2))
+  else:
+    for note in notes:
+      print(f"note: {note}")
+    if len(found) > 1:
+      print(f"{len(found)} runs (jobs) in these records, each reported apart; give one run's "
+            "files to read it alone")
+    for n, run_ in enumerate(found, start=1):
+      print(f"run {n} of {len(found)}: {run_.label}" if len(found) > 1
+            else f"run: {run_.label}")
+      _print_run(run_, args.steps)
   if args.png is not None:
-    why = _draw(args.png, list(pair) if pair is not None else found)
+    why = picture_lib.draw(args.png, list(pair) if pair is not None else found)
     if why is not None:
       return error(why)
     print(f"tunix-stage report: drew {args.png}", file=sys.stderr)
@@ -246,8 +305,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(run_: runs_lib.Run) -> dict[str, Any]:
-  """A run's figures (core.telemetry.analysis) and the rule's advice on it, checked."""
-  summary = analysis.summary(run_.trainer_steps, run_.orchestrator_steps)
+  """A run's figures (summary.py) and the rule's advice on it, checked."""
+  summary = summary_lib.summary(run_.trainer_steps, run_.orchestrator_steps)
   summary["advice"] = checked_advice(run_)
   summary["recommendations"] = [a["line"] for a in summary["advice"] if a["recommended"]]
   return summary
@@ -256,17 +315,17 @@ def summarize(run_: runs_lib.Run) -> dict[str, Any]:
 def _print_run(run_: runs_lib.Run, steps: int | None) -> None:
   for p in run_.processes:
     print(f"{p.role} {p.name} ({p.host}, {len(p.steps)} steps)")
-    records = shown(p, steps)
-    if records:
+    table = shown(p, steps)
+    if len(table):
       rows = trainer_rows if p.role == record_lib.TRAINER else orchestrator_rows
-      for line in rows(records) + sizing_lines(records):
+      for line in rows(table) + sizing_lines(table):
         print(f"  {line}")
-    left = len(p.steps) - len(records)
+    left = len(p.steps) - len(table)
     if left and (steps is None or steps):
       print(f"  (the first {left} of its {len(p.steps)} steps left out: --steps N shows the "
             "last N, --steps 0 the summary only)")
   summary = summarize(run_)
-  print(f"overall ({analysis.RULE}):")
+  print(f"overall ({summary_lib.RULE}):")
   for line in overall_lines(summary):
     print(f"  {line}")
   replay = next((a["prediction"]["before_s"] for a in summary["advice"] if a["prediction"]),
@@ -279,10 +338,10 @@ def _print_run(run_: runs_lib.Run, steps: int | None) -> None:
 
 
 def checked_advice(run_: runs_lib.Run) -> list[dict[str, Any]]:
-  """The rule's advice on the job (core.telemetry.advice), each with the simulator's prediction
-  on the same record where the lab is installed: recommended where it predicts a shorter step
-  (largest gain first), or where it cannot say (marked not checked, and why)."""
-  window = advice_lib.Window.of_steps(run_.trainer_steps, run_.orchestrator_steps)
+  """The rule's advice on the job (core/advice.py), each with the simulator's prediction on the
+  same record where the lab is installed: recommended where it predicts a shorter step (largest
+  gain first), or where it cannot say (marked not checked, and why)."""
+  window = summary_lib.window(run_)
   advice = advice_lib.advise(window)
   if not advice:
     return []
@@ -295,8 +354,7 @@ def checked_advice(run_: runs_lib.Run) -> list[dict[str, Any]]:
            f"{install_hint.install_command('bench')})")
     checks = [why] * len(advice)
   else:
-    checks = checker.predict(run_.records(record_lib.TRAINER, checker.CHECK_STEPS),
-                             window.settings, advice)
+    checks = checker.predict(run_.trainer_steps, window.settings, advice)
   out = []
   for a, check in zip(advice, checks):
     entry = {**a.as_dict(), "line": a.line(), "prediction": None, "checked": None,
