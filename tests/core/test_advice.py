@@ -109,7 +109,9 @@ def test_a_change_applies_to_the_settings_it_names_only():
 
 def test_where_the_wire_is_the_bound_the_depth_that_overlaps_it_with_the_placement_still_helps():
   """A crossing of 12 s and a placement of 3.9 s against 10.35 s of compute: at depth 1 they run
-  one after the other (15.9 s a micro-batch); depth 2 overlaps them, no deeper one helps."""
+  one after the other (15.9 s a micro-batch); depth 2 overlaps them. The report's advice names no
+  deeper one; a sizer tries one more only while the trainer waits with the depth used up (a
+  jittery wire's fast crossings bank micro-batches), and a depth the stages cannot fill ends it."""
   settings = dataclasses.replace(SETTINGS, depth=1)
   w = window(mid=8.0, bound_by="wire", transfer_s=12.0, place_s=3.9, stage_s=15.9, compute_s=10.35,
              settings=settings, step_s=(110.0,) * 4)
@@ -118,13 +120,21 @@ def test_where_the_wire_is_the_bound_the_depth_that_overlaps_it_with_the_placeme
   assert "no depth beyond 2 can hide it" in advice.advise(w)[1].why
   assert advice.choose_depth(w, 4)[0] == 2
   at_two = dataclasses.replace(w, settings=dataclasses.replace(settings, depth=2))
-  assert kinds(at_two) == [advice.WIRE] and advice.choose_depth(at_two, 4)[0] == 2
+  assert kinds(at_two) == [advice.WIRE] and advice.choose_depth(at_two, 4, 2)[0] == 3
+  not_full = dataclasses.replace(at_two, depth_full=False)
+  depth, why, _ = advice.choose_depth(not_full, 4, 2)
+  assert depth == 2 and why.startswith("the wire is the bound")
+  # Waiting with a depth not used up, never shallower: a shallower one waits longer.
+  assert advice.choose_depth(not_full, 4, 3) == (3, "kept: input wait mid-step 8.00 s a step (in "
+                                                 "4 of 4 steps), with the depth not used up", False)
 
 
 def test_the_depth_chosen_is_the_stages_a_compute_spans_with_a_cushion_for_spikes():
   assert advice.choose_depth(None, 4) == (1, "no step measured yet", False)
+  assert advice.choose_depth(None, 4, 2) == (2, "no step measured yet", False)  # the one in force
   fast = window(transfer_s=1.0, stage_s=1.5, compute_s=10.35)
   assert advice.choose_depth(fast, 4)[0] == 1  # 2 x 1.5 s fits in one compute
+  assert advice.choose_depth(fast, 4, 2)[0] == 1  # shallower: the trainer did not wait
   near = window(transfer_s=5.5, stage_s=9.4, compute_s=10.35)
   depth, why, needed = advice.choose_depth(near, 4)
   assert (depth, needed) == (2, False) and why.startswith("a micro-batch's stage 9.40 s against "

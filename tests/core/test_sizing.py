@@ -11,12 +11,13 @@ import asyncio
 from tests.core.engines import ThreadedEngine, source_of
 from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import keys as keys_lib
+from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.pipeline import StagePipeline
 from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
-from tunix_stage_plugin.core.telemetry.recorder import Span
+from tunix_stage_plugin.core.telemetry.recorder import Recorder, Span
 
 MIB = 1 << 20
 DEVICE = 1
@@ -131,6 +132,7 @@ class Telemetry:
 
   def __init__(self):
     self.said = []
+    self.recorder = Recorder()  # AutoDepth listens to what the process sends
 
   def sized(self, role, field, value, reason):
     self.said.append((role, field, value, reason))
@@ -160,9 +162,10 @@ def test_a_trainer_that_sends_no_figures_leaves_the_default_depth_said_once(capl
     return depths, auto
 
   depths, auto = asyncio.run(job())
-  assert depths[0] == 1 and depths[-1] == 2  # learning, then the default once it cannot
-  assert auto.sizer.chosen(2).reason == ("depth 2: the default, the trainer sends no figures (the "
-                                         "trainer has no stage_figures)")
+  assert depths == [2, 2, 2]  # the default from the start, and once it cannot learn
+  assert auto.sizer.held(2).reason == ("depth 2: the default, the trainer sends no figures (the "
+                                         "trainer has no stage_figures); budget 1.00 GiB, a "
+                                         "micro-batch's size not known yet")
   said = [r.message for r in caplog.records if "stage_figures" in r.message]
   assert said == ["tunix-stage: TUNIX_MAX_STAGED_BATCHES=auto: the trainer sends no step figures "
                   "(the trainer has no stage_figures); staging at the default depth 2 from now on"]
@@ -171,12 +174,86 @@ def test_a_trainer_that_sends_no_figures_leaves_the_default_depth_said_once(capl
 def test_the_host_s_own_seam_has_the_last_word_and_is_said():
   telemetry = Telemetry()
   auto = sizing.AutoDepth(1 << 30, None, telemetry, "tunix")
-  assert auto.depth_for(0, 2) == 1
+  assert auto.depth_for(0, 2) == 2
   auto.host_chose(0, 0, "the program's _stage_ahead_while_pending")
   assert auto.before_record(0) == 0
   (said,) = telemetry.said
   assert said == ("orchestrator", "max_staged_batches", 0, "depth 0: the program's "
-                  "_stage_ahead_while_pending (auto chose depth 1: no step measured yet; budget "
-                  "1.00 GiB, a micro-batch's size not known yet)")
+                  "_stage_ahead_while_pending (auto chose depth 2: the default (no step measured "
+                  "yet); budget 1.00 GiB, a micro-batch's size not known yet)")
   auto.host_chose(0, 0, "again")  # the same depth: nothing more said
-  assert auto.sizer.chosen(0).reason.startswith("depth 0: the program's ")
+  assert auto.sizer.held(0).reason.startswith("depth 0: the program's ")
+
+
+class Sending:
+  """A StageEngine that records each call's send of a 16 MiB micro-batch as a host's route does
+  (what AutoDepth learns a micro-batch's bytes from), stages at once, and trains in a few turns
+  of the event loop; it counts the micro-batches it holds staged ahead at once."""
+
+  def __init__(self, recorder):
+    self.recorder, self.held, self.most = recorder, set(), 0
+
+  async def stage(self, payload, *, key):
+    with self.recorder.span(tracks.ORCHESTRATOR_SEND, "stage_batch", transport="side",
+                            bytes=16 * MIB, step=0):
+      await asyncio.sleep(0)
+    self.held.add(key)
+    self.most = max(self.most, len(self.held))
+    return outcome.staged(key)
+
+  async def train(self, payload, *, stage_key, apply_optimizer):
+    self.held.discard(stage_key)  # taken as its call arrives: the ones held are staged ahead
+    for _ in range(8):  # a train call outlasts a few stages (turns of the loop, no wall time)
+      await asyncio.sleep(0)
+    return outcome.Trained(payload)
+
+  async def reset(self, keys):
+    self.held.difference_update(keys)
+
+
+def first_step_at_auto(budget):
+  telemetry = Telemetry()
+  auto = sizing.AutoDepth(budget, None, telemetry, "tunix")
+  engine = Sending(telemetry.recorder)
+
+  async def job():
+    pipeline = StagePipeline(engine, 2, depth_for=auto.depth_for, room=auto.room)
+    await pipeline.run_step(0, source_of([f"m{i}" for i in range(5)]))
+    auto.before_record(0)
+
+  asyncio.run(job())
+  return engine, telemetry.said[-1]
+
+
+def test_the_first_step_stages_at_the_default_depth_within_a_budget_the_first_send_sizes():
+  """Nothing measured yet: depth 2 (the fixed default) where the budget holds two micro-batches;
+  where it holds one, the first micro-batch sent sizes it and the step holds one, said so."""
+  engine, said = first_step_at_auto(1 << 30)
+  assert engine.most == 2 and said[2] == 2
+  engine, said = first_step_at_auto(24 * MIB)
+  assert engine.most == 1
+  assert said[2:] == (1, "depth 1: the budget decided (depth 2 asked: the default (no step "
+                      "measured yet)); budget 24.0 MiB, 16.0 MiB used")
+
+
+def test_a_micro_batch_over_the_budget_holds_the_least_staging_said_once(caplog):
+  engine, said = first_step_at_auto(1 * MIB)
+  assert engine.most == 1
+  assert said[2:] == (1, "depth 1: the budget decided: a micro-batch of 16.0 MiB exceeds it, so "
+                      "the least staging that works; budget 1.0 MiB, 16.0 MiB used")
+  trainer = Trainer(budget_bytes=1 * MIB)
+  assert trainer.run(True, True, True) == 1 and trainer.pool.bound == DEVICE + 1
+  assert trainer.reasons[-1] == ("host bound 1: the budget decided: a micro-batch of 16.0 MiB "
+                                 "exceeds it, so the least staging that works; budget 1.0 MiB, "
+                                 "32.0 MiB used")
+  warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+  assert warned == [
+      f"tunix-stage: a micro-batch of 16.0 MiB alone exceeds TUNIX_STAGE_MEMORY_BUDGET (1.0 MiB): "
+      f"staging holds the least that works ({least}); set TUNIX_STAGE_MEMORY_BUDGET=48MiB or more "
+      "to let auto size it" for least in ("depth 1", "host bound 1")]
+  # The least a host bound of 1 holds (device + 1 micro-batches) over the budget: said in the
+  # line, no warning (one micro-batch fits).
+  trainer = Trainer(budget_bytes=24 * MIB)
+  assert trainer.run(True, True, True) == 1
+  assert trainer.reasons[-1].startswith("host bound 1: the budget decided: 2 micro-batches of "
+                                        "16.0 MiB exceed it, so the least staging that works")

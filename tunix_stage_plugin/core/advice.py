@@ -267,25 +267,29 @@ def advise(window: Window | None) -> list[Advice]:
   return out
 
 
-def choose_depth(window: Window | None, most: int) -> tuple[int, str, bool]:
-  """The depth the rule asks for the next step, at most `most` (a memory budget's), why, and
-  whether the trainer was seen to need it: one deeper than the window ran at where the trainer
-  still waited mid-step with that depth used up and the wire keeps up (`advise`'s DEPTH); else
-  the stages a compute spans, with a cushion for a stage SPIKE times the longest step's mean (so
-  a wire that keeps up only just gets a cushion, and one far faster than the compute holds one
-  micro-batch, never more staged unused); where the wire is the bound, the depth that keeps it
-  busy (`Window.wire_depth`: no deeper one can help)."""
+def choose_depth(window: Window | None, most: int, depth: int = 1) -> tuple[int, str, bool]:
+  """The depth the rule asks for the next step, from `depth` (the one in force), at most `most`
+  (a memory budget's), why, and whether the trainer was seen to need it. It moves only on a
+  measured step's evidence: one deeper where the trainer waited mid-step with the window's depth
+  used up (where the wire is the bound too: a deeper cushion rides out its spikes, and a depth
+  the wire cannot fill is never used up, which ends the climb); else the stages a compute spans,
+  with a cushion for a stage SPIKE times the longest step's mean (where the wire is the bound,
+  the depth that keeps it busy, `Window.wire_depth`), shallower than `depth` only where the
+  trainer did not wait mid-step (a micro-batch staged ahead that sits unused)."""
   if window is None or window.stage_s is None or not window.compute_s:
-    return 1, "no step measured yet", False
-  found = {a.kind: a for a in advise(window)}
+    return min(most, depth), "no step measured yet", False
+  mid = window.figure("input wait mid-step", window.mid_step_s)
+  if window.counts(mid) and window.depth_full:
+    return min(most, window.settings.depth + 1), str(mid), True
   if window.wire_is_the_bound:
-    return min(most, window.wire_depth), window.wire_why(), False
-  if DEPTH in found:
-    return min(most, window.settings.depth + 1), str(found[DEPTH].figure), True
-  want = _spans(SPIKE * window.stage_s / window.compute_s)
-  return min(most, want), (f"a micro-batch's stage {window.stage_s:.2f} s against "
-                           f"{window.compute_s:.2f} s of compute, {SPIKE:g}x spikes included, "
-                           f"over the last {len(window.step_s)} step(s)"), False
+    want, why = window.wire_depth, window.wire_why()
+  else:
+    want = _spans(SPIKE * window.stage_s / window.compute_s)
+    why = (f"a micro-batch's stage {window.stage_s:.2f} s against {window.compute_s:.2f} s of "
+           f"compute, {SPIKE:g}x spikes included, over the last {len(window.step_s)} step(s)")
+  if want < depth and window.counts(mid):
+    return min(most, depth), f"kept: {mid}, with the depth not used up", False
+  return min(most, want), why, False
 
 
 def _spans(ratio: float) -> int:

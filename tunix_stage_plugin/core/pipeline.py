@@ -175,6 +175,9 @@ class _Window:
     depth = self.depth
     if not self.exhausted and self.pull is None and len(self.entries) < max(depth, 1):
       self.pull = asyncio.create_task(_next_or_end(self.source))
+    room = self.pipeline.room
+    if room is not None:  # what a memory budget lets be staged now
+      depth = min(depth, room() or depth)
     if (self.stage is None and self.pipeline.staging and self.pipeline.unsupported is None
         and self.staged_count() < depth):
       entry = next((e for e in self.entries if e.status is _Status.NEW), None)
@@ -302,11 +305,14 @@ class StagePipeline:
   may end without a micro-batch that closes it (tunix's loop ends such a step without an update,
   e.g. when its scored queue answers no group); the step then ends after the micro-batches it
   pulled, its result the last train call's (None when it had none). Otherwise such a source
-  breaks the contract (PipelineContractError)."""
+  breaks the contract (PipelineContractError). `room()`, where given, caps the micro-batches
+  staged or staging at once below the step's depth as it goes (a memory budget's, which the
+  first micro-batch sent may size; None: no cap)."""
 
   def __init__(self, engine: StageEngine, depth: int, *, key_prefix: str | None = None,
                recorder: recorder_lib.Recorder = recorder_lib.DISABLED, staging: bool = True,
-               depth_for: DepthFor | None = None, open_ended: bool = False) -> None:
+               depth_for: DepthFor | None = None, open_ended: bool = False,
+               room: Callable[[], int | None] | None = None) -> None:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
     key_prefix = keys_lib.run_prefix() if key_prefix is None else key_prefix
@@ -318,6 +324,7 @@ class StagePipeline:
     self.staging = staging
     self.depth_for = depth_for
     self.open_ended = open_ended
+    self.room = room
     self.unsupported: str | None = None  # why staging stopped for good (the trainer cannot stage)
     self.pending_resets: list[str] = []  # keys whose reset failed: retried before the next step
 

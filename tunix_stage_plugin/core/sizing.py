@@ -17,12 +17,15 @@ from typing import Any, Awaitable, Callable, Iterable
 from tunix_stage_plugin.core import advice
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 
 log = logging.getLogger("tunix_stage_plugin")
 TRAINER, ORCHESTRATOR = figures_lib.TRAINER, figures_lib.ORCHESTRATOR
 WINDOW = 3  # the last steps a choice reads
 QUIET_STEPS = 3  # steps without a transfer waiting for a buffer before the host bound shrinks
+DEFAULT_DEPTH = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].fixed  # where auto starts
+MIB = figures_lib.MIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Choice:
   step: int
   depth: int
   reason: str  # "depth 2: <the figure that decided>; budget 6.0 GiB, 4.2 used"
+  asked: tuple[int, str] | None = None  # the depth the rule asked and why, before the budget
 
 
 def _table(role: str, steps: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -41,13 +45,12 @@ def _table(role: str, steps: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
 
 class Sizer:
   """Feed it each step's figures (`observe`: the trainer's and the orchestrator's, as their step
-  aggregators made them); the pipeline asks it each step's depth (`depth_for`). It starts at
-  depth 1 (the least memory), goes deeper when the rule asks and the budget holds it (depth x
-  micro-batch bytes <= budget), and never shallower than a depth the trainer was seen to need
-  (waits with the depth used up) unless the wire becomes the bound. A micro-batch's bytes are
-  given (the simulator's) or learned from the trainer's figures (a job's: depth 1 until they
-  are); the depth is also at most what the trainer can hold (`holds`: its device and host
-  bounds, one more where it sizes its host bound itself)."""
+  aggregators made them); the pipeline asks it each step's depth (`depth_for`) and, as it goes,
+  the most micro-batches the budget holds (`most`). From the fixed default depth it moves only on
+  a measured step's evidence (advice.choose_depth), never shallower than a depth the trainer was
+  seen to need, at most what the trainer can hold (`holds`) and the budget (depth x micro-batch
+  bytes; depth 1 where one micro-batch alone exceeds it, said once). A micro-batch's bytes are
+  given (the simulator's) or learned: the most this process sent (`sent`) or the trainer placed."""
 
   def __init__(self, *, budget_bytes: int, microbatch_bytes: int | None = None,
                window: int = WINDOW, host: str = "tunix") -> None:
@@ -59,25 +62,28 @@ class Sizer:
     self._trainer: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
     self._orchestrator: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
     self._bounds = (config_lib.SETTINGS_BY_FIELD["max_device_batches"].default,
-                    config_lib.SETTINGS_BY_FIELD["max_host_batches"].default)
+                    config_lib.SETTINGS_BY_FIELD["max_host_batches"].fixed)
     self._holds: int | None = None  # what the trainer can hold staged; None before it says
-    self._floor = 1  # the deepest depth the trainer was seen to need
-    self._floor_why = ""
+    self.depth = DEFAULT_DEPTH  # the depth in force
+    self._floor, self._floor_why = 1, ""  # the deepest depth the trainer was seen to need
+    self.sent = 0  # the largest micro-batch this process sent, bytes
+    self._over = False  # one micro-batch alone exceeds the budget (said once)
     # The last few steps' choices: a step's depth is chosen before the step before it ends.
     self.choices: collections.deque[Choice] = collections.deque(maxlen=4)
 
   @property
-  def most(self) -> int:
-    """The deepest depth the budget holds (1 while a micro-batch's bytes are not known)."""
+  def most(self) -> int | None:
+    """The deepest depth the budget holds (at least 1); None while a micro-batch's bytes are not
+    known."""
     nbytes = self._microbatch_bytes()
-    return 1 if nbytes is None else max(1, self.budget_bytes // nbytes)
+    return None if nbytes is None else max(1, self.budget_bytes // nbytes)
 
   def _microbatch_bytes(self) -> int | None:
     if self.microbatch_bytes is not None:
       return self.microbatch_bytes
     sizes = [f["place"]["bytes"] / f["place"]["count"] for f in self._trainer
-             if f["place"]["count"]]
-    return max(1, int(max(sizes))) if sizes else None
+             if f["place"]["count"]] + [self.sent]
+    return max(1, int(max(sizes))) if max(sizes) else None
 
   def observe(self, trainer: outcome.TrainerStep | None,
               orchestrator: dict[str, Any] | None) -> None:
@@ -93,7 +99,7 @@ class Sizer:
   def window(self) -> advice.Window | None:
     """The rule's window over the last steps observed."""
     orchestrator = _table(ORCHESTRATOR, self._orchestrator)
-    depth = orchestrator["depth"][-1] if self._orchestrator else 1
+    depth = orchestrator["depth"][-1] if self._orchestrator else self.depth
     settings = advice.Settings(
         host=self.host, depth=depth,
         prestage=any(orchestrator["prestaged"]) if self._orchestrator else None,
@@ -104,28 +110,56 @@ class Sizer:
   def depth_for(self, step: int, depth: int) -> int:  # pylint: disable=unused-argument
     """The pipeline's seam: `step`'s depth (`depth`, the configured one, is not used)."""
     window = self.window()
-    most = self.most if self._holds is None else min(self.most, self._holds)
-    chosen, why, needed = advice.choose_depth(window, most)
+    chosen, why, needed = advice.choose_depth(window, config_lib.MAX_DEPTH, self.depth)
+    why = why if window else f"the default ({why})"
     if needed and chosen > self._floor:
       self._floor, self._floor_why = chosen, why
-    if chosen < self._floor and (window is None or not window.wire_is_the_bound):
-      chosen, why = min(self._floor, most), (f"kept: the trainer waited with a depth less "
-                                             f"({self._floor_why})")
-    nbytes = self._microbatch_bytes()
+    if chosen < self._floor:
+      chosen, why = self._floor, f"kept: the trainer waited with a depth less ({self._floor_why})"
+    if self._holds is not None and chosen > self._holds:
+      chosen, why = self._holds, f"what the trainer holds (depth {chosen} asked: {why})"
+    self.depth = chosen
+    self.choices.append(self.within_budget(step, chosen, why))
+    return self.depth
+
+  def within_budget(self, step: int, chosen: int, why: str) -> Choice:
+    """The choice of `chosen` for `step` (and why) as the budget lets it be held."""
+    asked, nbytes, most = (chosen, why), self._microbatch_bytes(), self.most
+    if nbytes is not None and nbytes > self.budget_bytes:
+      chosen, why = 1, over_budget(nbytes, self.budget_bytes, not self._over, "depth 1")
+      self._over = True
+    elif most is not None and chosen > most:
+      chosen, why = most, f"the budget decided (depth {chosen} asked: {why})"
+    self.depth = min(self.depth, chosen)
     used = "a micro-batch's size not known yet" if nbytes is None else (
         f"{self._size(chosen * nbytes)} used")
-    self.choices.append(Choice(step, chosen, f"depth {chosen}: {why}; budget "
-                               f"{self._size(self.budget_bytes)}, {used}"))
-    return chosen
+    return Choice(step, chosen, f"depth {chosen}: {why}; budget {self._size(self.budget_bytes)}, "
+                  f"{used}", asked)
 
-  def chosen(self, step: int) -> Choice:
-    """The choice made for `step`, one of the last few asked."""
-    return next(c for c in reversed(self.choices) if c.step == step)
+  def held(self, step: int) -> Choice:
+    """`step`'s choice as the budget let it be held: a micro-batch's bytes learned during the
+    step (its first one sent) may have cut it."""
+    choice = next(c for c in reversed(self.choices) if c.step == step)
+    capped = choice if choice.asked is None else self.within_budget(step, *choice.asked)
+    return choice if capped.depth == choice.depth else capped
 
   def _size(self, nbytes: int) -> str:
     if self.microbatch_bytes == 1:  # a budget counted in micro-batches (the simulator's)
       return f"{nbytes} micro-batch{'' if nbytes == 1 else 'es'}"
     return figures_lib.size(nbytes)
+
+
+def over_budget(nbytes: int, budget: int, say: bool, least: str, count: int = 1) -> str:
+  """Why staging holds `least`, the least that works: `count` micro-batches of `nbytes` exceed
+  the budget; with `say` (one alone does), also a warning naming the setting to change."""
+  if say:
+    log.warning("tunix-stage: a micro-batch of %s alone exceeds TUNIX_STAGE_MEMORY_BUDGET (%s): "
+                "staging holds the least that works (%s); set TUNIX_STAGE_MEMORY_BUDGET=%dMiB "
+                "or more to let auto size it", figures_lib.size(nbytes),
+                figures_lib.size(budget), least, -(-3 * nbytes // MIB))
+  what = "a micro-batch" if count == 1 else f"{count} micro-batches"
+  return (f"the budget decided: {what} of {figures_lib.size(nbytes)} exceed"
+          f"{'s' if count == 1 else ''} it, so the least staging that works")
 
 
 class NoFigures(RuntimeError):
@@ -137,7 +171,8 @@ class AutoDepth:
   step figures and the trainer's newest step, asked by `fetch` (the trainer's stage_figures call)
   once per step after it, off the critical path (a task of its own; one at a time). A trainer
   that can never send them (`fetch` raises NoFigures): the fixed default depth from then on, said
-  once."""
+  once. A recorder sink of the process's telemetry: the micro-batches it sends size the budget's
+  room (`room`, the pipeline's), from the first one sent."""
 
   def __init__(self, budget_bytes: int,
                fetch: Callable[[], Awaitable[outcome.TrainerStep | None]], telemetry: Any,
@@ -147,28 +182,36 @@ class AutoDepth:
     self._task: asyncio.Task | None = None
     self._seen: tuple[str, int] | None = None  # the trainer step last observed (run, step)
     self.without: str | None = None  # why the trainer sends no figures: the default depth
+    telemetry.recorder.add_sink(self)
+
+  def room(self) -> int | None:
+    """The pipeline's: the most micro-batches staged ahead at once now (the budget's)."""
+    return self.sizer.most
+
+  def record(self, span: Any) -> None:  # what this process sends: a micro-batch's bytes
+    if span.track == tracks.ORCHESTRATOR_SEND:
+      self.sizer.sent = max(self.sizer.sent, dict(span.args).get("bytes") or 0)
 
   def depth_for(self, step: int, depth: int) -> int:
     """The pipeline's seam (under the host's own, where it has one)."""
     if self.without is None:
       return self.sizer.depth_for(step, depth)
-    default = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default
-    self.sizer.choices.append(Choice(step, default, f"depth {default}: the default, the trainer "
-                                     f"sends no figures ({self.without})"))
-    return default
+    self.sizer.choices.append(self.sizer.within_budget(
+        step, DEFAULT_DEPTH, f"the default, the trainer sends no figures ({self.without})"))
+    return self.sizer.choices[-1].depth
 
   def host_chose(self, step: int, depth: int, who: str) -> None:
     """The host's own seam gave `step` another depth than the one chosen: that one is said."""
-    chosen = self.sizer.chosen(step)
+    chosen = self.sizer.held(step)
     if depth != chosen.depth:
       self.sizer.choices.append(Choice(step, depth, f"depth {depth}: {who} (auto chose "
                                        f"{chosen.reason})"))
 
   def before_record(self, step: int) -> int:
     """`step` ended: its depth and why go in its record and line; returns the depth."""
-    choice = next((c for c in reversed(self.sizer.choices) if c.step == step), None)
-    if choice is None:  # a step the pipeline asked no depth for (it staged nothing)
-      return 0
+    if not any(c.step == step for c in self.sizer.choices):
+      return 0  # a step the pipeline asked no depth for (it staged nothing)
+    choice = self.sizer.held(step)
     self._telemetry.sized(ORCHESTRATOR, "max_staged_batches", choice.depth, choice.reason)
     return choice.depth
 
@@ -186,7 +229,7 @@ class AutoDepth:
       self.without = str(e)
       log.warning("tunix-stage: TUNIX_MAX_STAGED_BATCHES=auto: the trainer sends no step "
                   "figures (%s); staging at the default depth %d from now on", e,
-                  config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default)
+                  DEFAULT_DEPTH)
       return
     except Exception as e:  # pylint: disable=broad-except  (asked again after the next step)
       log.debug("tunix-stage: the trainer's figures were not read this step (%s: %s)",
@@ -197,6 +240,7 @@ class AutoDepth:
       self.sizer.observe(newest, None)
 
   async def close(self) -> None:
+    self._telemetry.recorder.remove_sink(self)
     task, self._task = self._task, None
     if task is not None:
       task.cancel()
@@ -221,12 +265,21 @@ class HostBound:
   def restart(self, device_bound: int, bound: int = 1) -> None:
     """A new run (the same trainer process): from `bound`, nothing measured."""
     self.device_bound, self.bound = device_bound, bound
+    self._over = False  # one micro-batch alone exceeds the budget (said once a run)
     self._steps.clear()
     self._quiet = 0
     self.reason = (f"host bound {bound}: no step measured yet; budget "
                    f"{figures_lib.size(self.budget_bytes)}")
 
   def step(self, figures: dict[str, Any]) -> None:
+    nbytes = _received_bytes([figures, *self._steps])
+    least = self.device_bound + 1  # the micro-batches a host bound of 1 lets the trainer hold
+    if nbytes is not None and least * nbytes > self.budget_bytes:
+      alone = nbytes > self.budget_bytes
+      self._set(1, over_budget(nbytes, self.budget_bytes, alone and not self._over,
+                               "host bound 1", 1 if alone else least), nbytes)
+      self._over |= alone
+      return
     if figures["step_s"] is None:  # a first step (it compiles; no step before it): not judged
       return
     self._steps.append(figures)

@@ -91,6 +91,7 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
                                                 for i in range(plan.microbatches)])
     train_engine = engine.resident()
   recorder: recorder_lib.Recorder = timeline or recorder_lib.Recorder()
+  sends = engine.recorder  # the engine's own, given back after the job
   if telemetry is None and plan.auto:  # the sizer reads the orchestrator's figures: no record
     telemetry = telemetry_lib.Telemetry(telemetry_lib.Settings(host="embedded", log_every=0))
   if telemetry is not None:
@@ -102,7 +103,8 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
           else None)
   pipeline = pipeline_lib.StagePipeline(train_engine, plan.depth, recorder=recorder,
                                         staging=plan.kind == "staged",
-                                        depth_for=None if auto is None else auto.depth_for)
+                                        depth_for=None if auto is None else auto.depth_for,
+                                        room=None if auto is None else auto.room)
   outcomes: list[StepOutcome] = []
   started: dict[int, float] = {}
 
@@ -127,6 +129,7 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
                              steps=plan.steps, prestage=plan.prestage, before_step=before_step,
                              after_step=after_step)
   finally:
+    engine.recorder = sends
     if auto is not None:
       await auto.close()
   return outcomes

@@ -130,7 +130,7 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
     peak = max(peak, report.peak_staged)
     depth = plan.depth
     if sizer is not None:
-      choice = sizer.chosen(step)
+      choice = sizer.held(step)
       depth = choice.depth
       choices.append(choice.reason)
     depths.append(depth)
