@@ -128,7 +128,8 @@ def test_install_is_idempotent_and_updates_depths(adapter, capsys):
   assert len(err) == 2 and err[0].startswith("tunix-stage: staging on for fakehost")
   # The second call changed a depth: one line says what is in force now and where it came from.
   assert err[1] == ("tunix-stage: staging settings now in force for fake: max_staged_batches=4 "
-                    "(--max_staged_batches), max_device_batches=1, max_host_batches=1, codec=off "
+                    "(--max_staged_batches), max_device_batches=1, max_host_batches=auto, "
+                    "codec=off "
                     "[--stage_train_batches=stage]")
   manager.install(stage_config(max_staged_batches=4), host="fake")
   assert capsys.readouterr().err == ""  # the same settings again: nothing to say

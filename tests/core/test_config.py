@@ -19,7 +19,10 @@ ENV_NAMES = [s.env for s in config_lib.SETTINGS]
 
 def test_defaults_when_env_is_empty():
   cfg = config_lib.resolve(env={})
-  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("off", 2, 1)
+  assert (cfg.mode, cfg.max_staged_batches, cfg.max_device_batches) == ("off", "auto", 1)
+  assert cfg.max_host_batches == "auto"  # both sized each step by default, from their fixed values
+  assert [config_lib.fixed(f, getattr(cfg, f)) for f in ("max_staged_batches",
+                                                         "max_host_batches")] == [2, 1]
   assert not cfg.enabled
   assert set(cfg.sources.values()) == {"default"}
 
@@ -42,7 +45,7 @@ def test_env_beats_default_and_explicit_beats_env():
 
 def test_empty_env_value_counts_as_unset():
   cfg = config_lib.resolve(env={"TUNIX_STAGE_BATCH": "  ", "TUNIX_MAX_STAGED_BATCHES": ""})
-  assert cfg.mode == "off" and cfg.max_staged_batches == 2
+  assert cfg.mode == "off" and cfg.max_staged_batches == "auto"
 
 
 @pytest.mark.parametrize("name,value,accepted", [
@@ -312,7 +315,15 @@ def test_the_memory_budget_defaults_to_a_quarter_of_the_machine():
 def test_cli_config_and_env_for_show_the_budget_and_auto():
   out = _cli("config", env={"TUNIX_MAX_STAGED_BATCHES": "auto"})
   rows = {line.split()[0]: line for line in out.stdout.splitlines()}
-  assert rows["TUNIX_MAX_STAGED_BATCHES"].split()[1:] == ["auto", "(env)"]
+  assert rows["TUNIX_MAX_STAGED_BATCHES"].split()[1:3] == ["auto", "(env:"]
+  # Which is in force and from where: auto by default, sized from its fixed value, one setting
+  # away; a fixed value says nothing more.
+  assert rows["TUNIX_MAX_STAGED_BATCHES"].endswith(
+      "(env: sized each step from 2; TUNIX_MAX_STAGED_BATCHES=2 fixes it)")
+  assert rows["TUNIX_STAGE_MAX_HOST_BATCHES"].endswith(
+      "auto     (default: sized each step from 1; TUNIX_STAGE_MAX_HOST_BATCHES=1 fixes it)")
+  out = _cli("config", env={"TUNIX_MAX_STAGED_BATCHES": "2"})
+  assert "TUNIX_MAX_STAGED_BATCHES         2        (env)" in out.stdout.splitlines()
   assert ("(default: a quarter of this machine's physical memory)"
           in rows["TUNIX_STAGE_MEMORY_BUDGET"])
   # A machine's own default is not passed on to another machine's process; a set one is.

@@ -300,7 +300,8 @@ def test_the_settings_a_record_carries_come_from_the_settings_table():
   """One list (record.CARRIED) of the table's settings: what a process's records carry (each
   role's own), the types a reader accepts (a depth or bound sized each step may say auto), and
   the defaults the report takes where a record lacks one."""
-  cfg = config_lib.resolve({"mode": "stage", "max_host_batches": 3}, env={})
+  cfg = config_lib.resolve({"mode": "stage", "max_staged_batches": 2, "max_host_batches": 3},
+                           env={})
   settings = process.Settings.of("tunix", cfg)
   assert dict(settings.shaping) == {"max_staged_batches": 2, "max_device_batches": 1,
                                     "max_host_batches": 3, "codec": "off"}
@@ -315,9 +316,11 @@ def test_the_settings_a_record_carries_come_from_the_settings_table():
   assert tel.history["trainer"][0]["settings"] == {"max_device_batches": 1,
                                                    "max_host_batches": 3}
   assert tel.history["orchestrator"][0]["settings"] == {"max_staged_batches": 2, "codec": "off"}
-  row = {"max_host_batches": float("nan")}
+  row = {"max_host_batches": float("nan"), "max_staged_batches": float("nan")}
+  # A record that lacks a sized setting ran at its fixed value (the default before auto was).
   assert runs_lib.setting(row, "max_host_batches") == \
-      config_lib.SETTINGS_BY_FIELD["max_host_batches"].default
+      config_lib.SETTINGS_BY_FIELD["max_host_batches"].fixed == 1
+  assert runs_lib.setting(row, "max_staged_batches") == 2
   assert runs_lib.setting({"max_host_batches": 3.0}, "max_host_batches") == 3
 
 

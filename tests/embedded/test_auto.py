@@ -27,7 +27,9 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
     inline = _orchestrate(trainer.address, "--steps", STEPS, "--stage_train_batches", "off")
   assert auto.returncode == 0 and inline.returncode == 0, auto.stderr + inline.stderr
   summary = auto.stdout.strip().splitlines()[-1]
-  assert "staging stage depth=auto (per step [1, " in summary and "prestage=on" in summary
+  # The fixed default's depth until a step is measured (steps 0 and 1: the second's is chosen
+  # before the first ends).
+  assert "staging stage depth=auto (per step [2, 2, " in summary and "prestage=on" in summary
   assert "trained once in order: yes" in summary
   assert _digest(auto.stdout) == _digest(inline.stdout)  # the same parameters, bit for bit
 
@@ -44,8 +46,8 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
     bound = r["settings"]["max_host_batches"]
     assert r["sizing"].startswith(f"host bound {bound}: ")
   # Each step's line says the choice too.
-  assert "; depth 1: no step measured yet; budget 64.0 MiB, a micro-batch's size not known yet" \
-      in auto.stderr
+  assert ("; depth 2: the default (no step measured yet); budget 64.0 MiB, a micro-batch's size "
+          "not known yet") in auto.stderr
   # And report: each process's table followed by its steps' choices.
   out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
                        capture_output=True, text=True, timeout=120, check=True).stdout

@@ -46,7 +46,7 @@ def test_staged_and_inline_orchestrators_against_one_trainer_then_sigterm():
   assert staged.returncode == 0, staged.stderr
   summary = staged.stdout.strip().splitlines()[-1]
   assert summary.startswith("orchestrator_main: OK: 2 steps x 3 micro-batches, staging stage "
-                            "depth=2 prestage=on, trainer staging stage")
+                            "depth=auto (per step [2, 2]) prestage=on, trainer staging stage")
   assert "stage/fallbacks per step [0, 1]" in summary  # s1-m1 failed in the worker
   assert "trained once in order: yes" in summary
   assert len(staged.stdout.strip().splitlines()) == 3  # a line per step, then the summary

@@ -86,6 +86,11 @@ def is_auto(value: Any) -> bool:
   return value == AUTO
 
 
+def fixed(field: str, value: Any) -> int:
+  """A depth or bound's value, or at auto the fixed value it starts from."""
+  return SETTINGS_BY_FIELD[field].fixed if is_auto(value) else value
+
+
 class Bytes(int):
   """A size in bytes, shown with its unit (8GiB, 512MiB, or bytes where no unit divides it)."""
 
@@ -181,6 +186,9 @@ class Setting:
   # environment at the default (that machine derives its own); said beside the source.
   default_note: str = ""
   max_chars: int = MAX_VALUE_CHARS  # longer raw values are refused before parsing
+  # A setting that may be `auto` (sized each step): the fixed value auto starts from, one setting
+  # away (the default before auto was), and what a record that lacks the setting ran with.
+  fixed: int | None = None
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -200,13 +208,14 @@ SETTINGS: tuple[Setting, ...] = (
         field="max_staged_batches",
         env="TUNIX_MAX_STAGED_BATCHES",
         flag="max_staged_batches",
-        default=2,
+        default=AUTO,
         parse=_parse_sized,
         accepted=SIZED_ACCEPTED,
         roles=(ORCHESTRATOR,),
         help="orchestrator: how many micro-batches to keep staged ahead of the pending train call; "
-        "auto: chosen each step from the job's measured waits, within "
+        "auto (the default): chosen each step from the job's measured waits, from 2, within "
         "TUNIX_STAGE_MEMORY_BUDGET.",
+        fixed=2,
     ),
     Setting(
         field="max_device_batches",
@@ -223,15 +232,16 @@ SETTINGS: tuple[Setting, ...] = (
         field="max_host_batches",
         env="TUNIX_STAGE_MAX_HOST_BATCHES",
         flag="stage_max_host_batches",
-        default=1,
+        default=AUTO,
         parse=_parse_sized,
         accepted=SIZED_ACCEPTED,
         roles=(TRAINER,),
         help="trainer: how many received micro-batches may wait in host memory for a device slot "
         "(a stage is answered once received; its placement follows on the staging lane); a "
-        "stage over the bound is refused and that micro-batch trains inline; auto: one more "
-        "where transfers waited for a buffer, one fewer after quiet steps, within "
-        "TUNIX_STAGE_MEMORY_BUDGET.",
+        "stage over the bound is refused and that micro-batch trains inline; auto (the "
+        "default): from 1, one more where transfers waited for a buffer, one fewer after quiet "
+        "steps, within TUNIX_STAGE_MEMORY_BUDGET.",
+        fixed=1,
     ),
     Setting(
         field="codec",
@@ -302,7 +312,8 @@ SETTINGS: tuple[Setting, ...] = (
         roles=ROLES,
         metavar="SIZE",
         help="the bytes each process's staged micro-batches may hold where a depth or bound is "
-        "auto (never exceeded).",
+        "auto (never exceeded; where one micro-batch alone exceeds it, the least staging that "
+        "works, said once).",
         flag_at_default=False,
         default_note="a quarter of this machine's physical memory",
     ),
@@ -322,9 +333,9 @@ class StageConfig:
   """The effective configuration and, per field, where its value came from."""
 
   mode: str = MODE_OFF
-  max_staged_batches: int | str = 2  # or AUTO
+  max_staged_batches: int | str = AUTO  # or a fixed depth
   max_device_batches: int = 1
-  max_host_batches: int | str = 1  # or AUTO
+  max_host_batches: int | str = AUTO  # or a fixed bound
   codec: str = "off"
   accept_train_stage: str = ""
   metrics: str = ""  # "": no record
@@ -348,6 +359,9 @@ class StageConfig:
     source = self.sources[setting.field]
     if source == SOURCE_DEFAULT and setting.default_note:
       return f"{source}: {setting.default_note}"
+    if setting.fixed is not None and is_auto(getattr(self, setting.field)):
+      return (f"{source}: sized each step from {setting.fixed}; {setting.env}={setting.fixed} "
+              "fixes it")
     return source
 
 

@@ -98,7 +98,7 @@ SHAPES = {
     "common": {"host": TEXT, "process": {"pid": COUNT, "hostname": TEXT},
                "run": {"id": TEXT, "started": NUMBER}, "time": NUMBER, "step": COUNT,
                "settings": {f"?{s.field}": (SIZED if config_lib.AUTO in s.accepted else COUNT)
-                            if isinstance(s.default, int) else TEXT
+                            if isinstance(s.fixed or s.default, int) else TEXT
                             for s in record_lib.CARRIED}},
     **{role: _role_shape(role) for role in record_lib.ROLES},
 }

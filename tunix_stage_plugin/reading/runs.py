@@ -223,10 +223,10 @@ def when(seconds: float) -> str:
 
 def setting(row: pd.Series, field: str) -> Any:
   """A setting a step's row says it ran with, or the settings table's default where it lacks
-  one (an older record, a role the setting is not for)."""
+  one (an older record, a role the setting is not for; a sized one's fixed value)."""
   value = row[field]
   if pd.isna(value):
-    return config_lib.SETTINGS_BY_FIELD[field].default
+    return config_lib.fixed(field, config_lib.SETTINGS_BY_FIELD[field].default)
   return int(value) if isinstance(value, (float, np.floating, np.integer)) else value
 
 

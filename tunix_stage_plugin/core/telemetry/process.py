@@ -71,12 +71,16 @@ class Telemetry:
     # Each side's newest step: its run, figures and the settings in force.
     self._newest: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {}
 
-  def sized(self, role: str, field: str, value: int, reason: str) -> None:
+  def sized(self, role: str, field: str, value: int, reason: str | None) -> None:
     """`field` (a setting at auto) is `value` from now on, for `reason`: the records of `role`
-    carry the value in force and the reason (`sizing`), its per-step line says it."""
+    carry the value in force and the reason (`sizing`), its per-step line says it; no `reason`:
+    a run that holds it fixed (nothing said)."""
     with self._lock:
       self._in_force[field] = value
-      self._sizing[role] = reason
+      if reason is None:
+        self._sizing.pop(role, None)
+      else:
+        self._sizing[role] = reason
 
   def trainer_step(self) -> outcome.TrainerStep | None:
     """The trainer's newest closed step in this process with the bounds in force (None before
@@ -86,7 +90,8 @@ class Telemetry:
     if newest is None:
       return None
     run, figures, settings = newest
-    bound = {field: settings.get(field, config_lib.SETTINGS_BY_FIELD[field].default)
+    bound = {field: config_lib.fixed(field, settings.get(
+        field, config_lib.SETTINGS_BY_FIELD[field].default))
              for field in ("max_device_batches", "max_host_batches")}
     return outcome.TrainerStep(run=run, figures=figures, host_sized="sizing" in figures, **bound)
 

@@ -98,7 +98,7 @@ class Run:
       from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
       auto = self.auto = sizing.AutoDepth(config.memory_budget, self._trainer_figures,
                                           inst.telemetry, installation_lib.HOST)
-      depth = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default
+      depth = config_lib.fixed("max_staged_batches", depth)
 
       def depth_for(step: int, asked: int) -> int:
         depth = seam(step, auto.depth_for(step, asked))
@@ -109,7 +109,8 @@ class Run:
     self.pipeline = pipeline_lib.StagePipeline(
         self.calls, depth,
         key_prefix=sessions.key_prefix(),  # this process's session
-        recorder=inst.recorder, depth_for=depth_for, open_ended=open_ended)
+        recorder=inst.recorder, depth_for=depth_for, open_ended=open_ended,
+        room=None if self.auto is None else self.auto.room)
 
   def may_prestage(self, next_step: int) -> bool:
     return self.pipeline.may_prestage(next_step, self.num_steps,

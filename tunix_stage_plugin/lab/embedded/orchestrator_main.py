@@ -72,8 +72,7 @@ def plan_from(settings: Settings) -> job_lib.JobPlan:
   if not cfg.enabled:
     return job_lib.JobPlan(s.steps, s.microbatches, kind="inline", sync_s=s.sync_s)
   auto = config_lib.is_auto(cfg.max_staged_batches)
-  depth = (config_lib.SETTINGS_BY_FIELD["max_staged_batches"].default if auto
-           else cfg.max_staged_batches)
+  depth = config_lib.fixed("max_staged_batches", cfg.max_staged_batches)
   return job_lib.JobPlan(s.steps, s.microbatches, kind="staged", depth=depth,
                          prestage=auto or depth >= 2, sync_s=s.sync_s, auto=auto,
                          budget_bytes=cfg.memory_budget)

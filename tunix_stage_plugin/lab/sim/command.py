@@ -67,7 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
     setting = config_lib.SETTINGS_BY_FIELD[field]
     parser.add_argument(f"--{setting.flag}", dest=field, default=None, metavar="N",
                         help=f"the trainer's {bound} bound ({setting.env}'s {setting.accepted}; "
-                        f"default: {setting.env} where set, else {setting.default}; with "
+                        f"default: {setting.env} where set, else "
+                        f"{config_lib.fixed(field, setting.default)}; with "
                         "--check, the bench's own)")
   parser.add_argument("--what_if", action="append", default=[], metavar="RESOURCE=Fx",
                       help="scale one resource's times, e.g. wire=0.5x (compression halving the "
@@ -133,10 +134,10 @@ def _bound(p: inputs.Problems, field: str, flag: str | None, check: bool) -> int
 
 def _fixed(setting: config_lib.Setting, value: Any) -> int | None:
   """A bound the simulator replays: a host bound at auto (sized by the trainer each step) is
-  replayed at its start, the default, said once."""
+  replayed at its start, said once."""
   if not config_lib.is_auto(value):
     return value
-  print(f"tunix-stage simulate: note: {setting.env}=auto is replayed at {setting.default} (the "
+  print(f"tunix-stage simulate: note: {setting.env}=auto is replayed at {setting.fixed} (the "
         "simulator does not size the trainer's host bound)", file=sys.stderr)
   return None
 
@@ -181,7 +182,7 @@ def _check_inputs(args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
   if args.png is not None:
     p.take("--png", args.png, inputs.output_png)
   values["device"] = values["device"] or config_lib.SETTINGS_BY_FIELD["max_device_batches"].default
-  values["host"] = values["host"] or config_lib.SETTINGS_BY_FIELD["max_host_batches"].default
+  values["host"] = values["host"] or config_lib.SETTINGS_BY_FIELD["max_host_batches"].fixed
   return ({}, p.lines) if p else (values, [])
 
 
@@ -318,7 +319,7 @@ def _bench_bounds(path: str, bench: dict[str, Any]) -> tuple[int, int]:
   bounds = []
   for field in ("max_device_batches", "max_host_batches"):
     setting = config_lib.SETTINGS_BY_FIELD[field]
-    value = options.get(field, setting.default)
+    value = options.get(field, config_lib.fixed(field, setting.default))
     try:
       bounds.append(config_lib.parse_value(setting, value if isinstance(value, str)
                                            else json.dumps(value), f"{path} options.{field}"))
