@@ -277,14 +277,12 @@ def _settings(p: inputs.Problems, args: argparse.Namespace) -> dict[str, Any]:
   except config_lib.ConfigError as e:
     for line in e.problems:
       p.add(line)
-    return {f: None for f in READ if f != "metrics"}
-  if config_lib.is_auto(cfg.max_host_batches):
-    host = by_field["max_host_batches"]
-    p.refuse(f"--{host.flag}" if args.max_host_batches is not None else host.env,
-             config_lib.AUTO, config_lib.COUNT_ACCEPTED, "the bench's runs compare one fixed host "
-             "bound (its auto mode sizes the depth)")
+    return {**{f: None for f in READ if f != "metrics"}, "size_host_bound": False}
   return {"max_device_batches": cfg.max_device_batches,
-          "max_host_batches": cfg.max_host_batches, "codec": cfg.codec,
+          # At auto (the default) the fixed modes run at its fixed value and the auto mode sizes
+          # it, as a job at the default settings does.
+          "max_host_batches": config_lib.fixed("max_host_batches", cfg.max_host_batches),
+          "size_host_bound": config_lib.is_auto(cfg.max_host_batches), "codec": cfg.codec,
           "log_every": 0 if args.quiet else cfg.log_every, "memory_budget": cfg.memory_budget}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
@@ -180,4 +180,18 @@ def job_side_agreement(timings: Sequence[StepTiming], records: Sequence[dict]
                 "job_boundary_s": job_boundary,
                 "agrees": all(abs(job - bench) <= max(AGREE_SHARE * bench, AGREE_S)
                               for bench, job in pairs)})
+  return out
+
+
+def choices(orchestrator: Sequence[dict], trainer: Sequence[dict]) -> list[dict[str, Any]]:
+  """An auto run's choices, each step's, from both processes' own records (what a job writes):
+  the orchestrator's depth and the trainer's host bound in force, and why (None where that side
+  was not sized)."""
+  host = {rec["step"]: rec for rec in trainer}
+  out = []
+  for rec in orchestrator:
+    bound = host.get(rec["step"], {})
+    out.append({"step": rec["step"], "depth": rec["depth"], "depth_why": rec.get("sizing"),
+                "host_bound": bound.get("settings", {}).get("max_host_batches"),
+                "host_bound_why": bound.get("sizing")})
   return out

@@ -272,7 +272,9 @@ def memory_criteria(result: results.BenchResult, summary: dict[str, ModeSummary]
                          f"(with the compute's own {working / GIB:.2f} GiB, measured at "
                          "calibration)", value=growth, threshold=bound, comparison="<="))
   staged = {m: s for m, s in summary.items() if m not in ("inline", "resident")}
-  bounds = o.max_device_batches + o.max_host_batches
+  # A run that sized its host bound (auto) held at most the most receive buffers it chose.
+  bounds = o.max_device_batches + max([o.max_host_batches] + [
+      c["host_bound"] for r in result.runs for c in r.choices if c["host_bound_why"]])
   name = (f"trainer memory: staged peak <= inline peak + (device + host bound = {bounds}) x "
           f"payload + {STAGED_SLACK:.0%}")
   measured = {m: s.trainer_growth for m, s in staged.items() if s.trainer_growth is not None}
@@ -446,6 +448,22 @@ def compute_drift(result: results.BenchResult, summary: dict[str, ModeSummary]
           "margin": COMPUTE_MARGIN, "sized_for_another_compute": abs(ratio - 1) > COMPUTE_MARGIN}
 
 
+def choices_lines(result: results.BenchResult) -> list[str]:
+  """What each auto run chose, step by step (the orchestrator's depth; the trainer's host bound
+  where it was sized), and why its last step's were chosen (bench.json: runs[*].choices)."""
+  out = []
+  for run in (r for r in result.runs if r.choices):
+    depths = " ".join(str(c["depth"]) for c in run.choices)
+    last = run.choices[-1]
+    sized = [c for c in run.choices if c["host_bound_why"]]
+    bounds = (f", host bound {' '.join(str(c['host_bound']) for c in sized)}" if sized else "")
+    why = "; ".join(w for w in (last["depth_why"], sized[-1]["host_bound_why"] if sized else None)
+                    if w)
+    out.append(f"{run.mode} round {run.round + 1} chose, step by step: depth {depths}{bounds}; "
+               f"the last step: {why}")
+  return out
+
+
 def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
                   checks: list[Criterion]) -> str:
   o, c = result.options, result.calibration
@@ -461,7 +479,9 @@ def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
       f"tunix-stage bench on the {o.host} host: {o.microbatches} micro-batches/step of "
       f"{c.payload_bytes / data_lib.MIB:.1f} MiB; per micro-batch compute {c.compute_s:.3f} s, "
       f"{links}device bound {o.max_device_batches}, "
-      f"host bound {o.max_host_batches}; scenario {o.scenario}",
+      f"host bound {o.max_host_batches}"
+      + (" (auto: sized in the auto mode)" if o.size_host_bound and "auto" in o.modes else "")
+      + f"; scenario {o.scenario}",
       f"medians over {o.rounds} round(s) x {o.steps} timed step(s) per mode (each run after "
       f"{results.WARMUP_STEPS} warm-up step); "
       "hidden = (T_inline - T_mode) / (T_inline - T_resident); "
@@ -532,6 +552,7 @@ def format_report(result: results.BenchResult, summary: dict[str, ModeSummary],
             f"{_fmt(p['place_s'], '.3f')} s place{_of_compute(p, c)})" for m, p in paths)
         + f"; one memcpy of a micro-batch here: {c.memcpy_fresh_bytes_per_s / GIB:.2f} GiB/s "
         f"into fresh memory, {c.memcpy_warm_bytes_per_s / GIB:.2f} GiB/s warm")
+  lines += choices_lines(result)
   split = job_side_split(result)
   if split:
     lines.append("where the trainer's step went, by its own records (medians per step): " + "; ".join(
@@ -621,7 +642,7 @@ def to_json(result: results.BenchResult, summary: dict[str, ModeSummary],
                 "other_processes_cores": r.step_foreign_cores, "step_quiet": r.step_quiet,
                 "wire": r.wire,
                 "job_side": None if r.job_side is None else metrics.job_side_agreement(
-                    r.timings, r.job_side),
+                    r.timings, r.job_side), "choices": r.choices,
                 "job_side_steps": None if r.job_side is None else [
                     {"step": rec["step"], "compute_s": rec["compute_s"],
                      "input_wait_s": rec["input_wait_s"], "bound_by": rec["bound_by"],

@@ -44,7 +44,10 @@ class BenchOptions:
   h2d_ratio: float = 0.4
   sync_ratio: float = 0.5
   max_device_batches: int = 1
-  max_host_batches: int = 1
+  max_host_batches: int = 1  # the fixed modes' host bound
+  # The auto mode sizes the trainer's host bound too (TUNIX_STAGE_MAX_HOST_BATCHES=auto, the
+  # default), from max_host_batches; False: it runs at max_host_batches, as the fixed modes do.
+  size_host_bound: bool = False
   scenario: str = "steady"
   modes: tuple[str, ...] = modes_lib.DEFAULT_MODES
   seed: int = 0
@@ -144,6 +147,10 @@ class ModeRun:
   # steps: checked against `timings` (metrics.job_side_agreement). None: the trainer of this run
   # has no plugin (tunix's own node).
   job_side: list[dict] | None = None
+  # An auto run's choices, each step's (the warm-up's too): the orchestrator's depth and the
+  # trainer's host bound in force and why ({"step", "depth", "depth_why", "host_bound",
+  # "host_bound_why"}; a why None where that side was not sized); [] for a fixed mode.
+  choices: list[dict] = dataclasses.field(default_factory=list)
 
   @property
   def step_quiet(self) -> list[bool]:

@@ -14,7 +14,10 @@ from typing import Callable
 import numpy as np
 
 from tunix_stage_plugin.lab.bench import trace as trace_lib
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import process as telemetry_lib
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import host as host_lib
@@ -60,6 +63,11 @@ def transfer_slowdown(scenario: str, seed: int, microbatches: int
   return slowdown
 
 
+def sized_host(options: results.BenchOptions, mode: str) -> bool:
+  """Whether `mode`'s run sizes the trainer's host bound (the auto mode, at the setting's auto)."""
+  return options.size_host_bound and bool(modes_lib.BY_NAME[mode].plan.get("auto"))
+
+
 def receive_buffers(options: results.BenchOptions, mode: str) -> int:
   """The receive buffers a mode's steady state reuses (measured): inline the one arriving (the
   pool gets the last one back from JAX, core/buffers.py); staged also the device and host bounds'
@@ -88,7 +96,8 @@ class BenchHost:
     # '' lets JAX choose: an accelerator when there is one (--h2d auto and real).
     self.trainer = process_lib.TrainerProcess(
         max_device_batches=self.options.max_device_batches,
-        max_host_batches=self.options.max_host_batches,
+        max_host_batches=(config_lib.AUTO if self.options.size_host_bound
+                          else self.options.max_host_batches),
         extra_args=["--stage_log_every", str(self.options.log_every)],
         jax_platforms="cpu" if self.options.h2d == "emulated" else "")
 
@@ -118,7 +127,8 @@ class BenchHost:
     offset, uncertainty = await self.client.clock_offset()
     load = cpu.ForeignLoad([os.getpid(), self.trainer.pid])
     for steps in (1, results.CALIBRATION_STEPS - 1):
-      await self.client.call("setup", sizes=sizes.as_dict(), seed=self.options.seed)
+      await self.client.call("setup", sizes=sizes.as_dict(), seed=self.options.seed,
+                             max_host_batches=self.options.max_host_batches)
       plan = job_lib.JobPlan(steps, self.options.microbatches, kind="resident")
       load.start()
       await job_lib.run_job(self.engine, plan, lambda s, i: data_lib.Batch(s, i, {}))
@@ -146,9 +156,15 @@ class BenchHost:
     await self.client.call("setup", sizes=self.options.sizes().as_dict(), seed=self.options.seed,
                       h2d_mbps=(None if calibration.h2d_bytes_per_s is None
                                 else calibration.h2d_bytes_per_s / 1e6),
-                      receive_buffers=receive_buffers(self.options, mode))
+                      receive_buffers=receive_buffers(self.options, mode),
+                      max_host_batches=None if sized_host(self.options, mode)
+                      else self.options.max_host_batches)
     plan = plan_for(mode, self.options.total_steps, self.options.microbatches, calibration.sync_s,
                     self.options.memory_budget)
+    # An auto run says its choices as a job does: the orchestrator's line each step.
+    telemetry = (telemetry_lib.Telemetry(telemetry_lib.Settings("embedded",
+                                                                log_every=self.options.log_every))
+                 if plan.auto else None)
     recorder = trace_lib.Kept()
     load = cpu.ForeignLoad([os.getpid(), self.trainer.pid])
     step_loads: list[float | None] = []
@@ -163,6 +179,7 @@ class BenchHost:
     origin = time.perf_counter()
     load.start()
     outcomes = await job_lib.run_job(self.engine, plan, batch_for, timeline=recorder,
+                                     telemetry=telemetry,
                                      on_step=lambda _: step_loads.append(load.lap()))
     finish = await self.client.call("finish")
     trainer_spans = await self.client.call("timeline")
@@ -188,4 +205,6 @@ class BenchHost:
         h2d_s=metrics.median([s.duration for s in trainer_spans if s.track == tracks.TRAINER_H2D
                               and dict(s.args)["step"] >= results.WARMUP_STEPS]),
         h2d_overlap=metrics.placement_overlap(trainer_spans, since=metrics.warmed_up(trainer_spans, results.WARMUP_STEPS)),
-        job_side=records[results.WARMUP_STEPS:] if records else None)
+        job_side=records[results.WARMUP_STEPS:] if records else None,
+        choices=[] if telemetry is None else metrics.choices(
+            telemetry.history[record_lib.ORCHESTRATOR], records))

@@ -313,7 +313,10 @@ class TrainerWorker:
     step from then on (within TUNIX_STAGE_MEMORY_BUDGET)."""
     self._sized = given is None and config_lib.is_auto(self.cfg.max_host_batches)
     if not self._sized:
-      return self.cfg.max_host_batches if given is None else given
+      fixed = self.cfg.max_host_batches if given is None else given
+      if self.telemetry is not None and self.host_bound is not None:  # this run's bound is given
+        self.telemetry.sized(record_lib.TRAINER, "max_host_batches", fixed, None)
+      return fixed
     device = self.cfg.max_device_batches if device is None else device
     if self.host_bound is None:
       self.host_bound = sizing.HostBound(budget_bytes=self.cfg.memory_budget, host="embedded",

@@ -42,6 +42,7 @@ from tunix.experimental.worker import remote_execution
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.lab import rss
@@ -272,8 +273,13 @@ class BenchHost:
     o = self.options
     node_name = self.node_for(mode)
     node = self.nodes[node_name]
-    await node.handle.asubmit("bench_setup")
+    # The plugin's node sizes its host bound in an auto run where the setting is auto (from its
+    # start), and holds the fixed one in every other run.
+    sized = o.size_host_bound and bool(modes_lib.BY_NAME[mode].plan.get("auto"))
+    await node.handle.asubmit("bench_setup", **({} if node_name != PLUGIN else {
+        "max_host_batches": config_lib.AUTO if sized else o.max_host_batches}))
     recorder = trace_lib.Kept()
+    choices: list[dict] = []
     load = cpu.ForeignLoad([os.getpid(), *self.pids])
     step_loads: list[float | None] = []
     gc.collect()  # the previous run's garbage is not this run's memory
@@ -281,7 +287,7 @@ class BenchHost:
     origin = time.perf_counter()
     load.start()
     reports = await self._job(node, mode, o.total_steps, make, recorder=recorder,
-                              on_step=lambda: step_loads.append(load.lap()))
+                              on_step=lambda: step_loads.append(load.lap()), choices=choices)
     finish = await node.handle.asubmit("bench_finish")
     trainer_spans = await node.handle.asubmit("bench_timeline")
     records = await node.handle.asubmit("bench_records")
@@ -310,13 +316,16 @@ class BenchHost:
         h2d_s=metrics.median([s.duration for s in trainer_spans if s.track == tracks.TRAINER_H2D
                               and dict(s.args)["step"] >= results.WARMUP_STEPS]),
         h2d_overlap=metrics.placement_overlap(trainer_spans, since=warm),
-        job_side=records[results.WARMUP_STEPS:] if node_name == PLUGIN else None)
+        job_side=records[results.WARMUP_STEPS:] if node_name == PLUGIN else None,
+        choices=metrics.choices(choices, records) if choices else [])
 
   async def _job(self, node: _Node, mode: str, steps: int, make: data_lib.BatchMaker | None, *,
                  recorder: trace_lib.Kept | None = None,
-                 on_step: Callable[[], None] = lambda: None) -> list[dict[str, int]]:
+                 on_step: Callable[[], None] = lambda: None,
+                 choices: list[dict] | None = None) -> list[dict[str, int]]:
     """`steps` steps of tunix's train loop on `node`, as `mode` runs it; each step's staging
-    metrics (empty where the plugin is not installed here)."""
+    metrics (empty where the plugin is not installed here). An auto run's orchestrator records
+    (its depth each step, and why) go in `choices`."""
     o = self.options
     plan = modes_lib.BY_NAME[mode].plan
     if plan["kind"] == "resident":
@@ -356,6 +365,9 @@ class BenchHost:
           item.payload = _payload(make, step, index, resident=plan["kind"] == "resident")
           await program.scored_q.put(item)
       await program.train_stage(engine, num_steps=steps)
+      if staged and plan.get("auto") and choices is not None:
+        from tunix_stage_plugin.hosts.tunix import adapter  # pylint: disable=import-outside-toplevel
+        choices.extend(adapter.ADAPTER.installation.telemetry.history[record_lib.ORCHESTRATOR])
     finally:
       if staged:
         manager.uninstall("tunix", quiet=True)

@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -257,11 +258,14 @@ class BenchWorker(trainer_worker.TrainerWorker):
   def bench_clock(self) -> float:
     return time.perf_counter()
 
-  def bench_setup(self, sizes: dict[str, Any] | None = None) -> int | None:
+  def bench_setup(self, sizes: dict[str, Any] | None = None,
+                  max_host_batches: int | str | None = None) -> int | None:
     """The initial parameters, optimizer state and accumulator again (compiled functions kept),
     an empty timeline and resident set, the staging store's peaks and this process's peak RSS
     from now; `sizes` (data.Sizes fields), when given, the micro-batches' from now (the model
-    does not depend on the payload's size, so one node serves runs of several)."""
+    does not depend on the payload's size, so one node serves runs of several);
+    `max_host_batches`, when given, the plugin's host bound from now (auto: sized, from its
+    start, as a job's first run)."""
     if sizes is not None:
       self.spec = {**self.spec, "sizes": sizes}
     trainer = self._trainer
@@ -280,6 +284,8 @@ class BenchWorker(trainer_worker.TrainerWorker):
       self.listening = True
     self.clocked.reset()  # the last run's computations recorded (by the plugin's watcher too)
     if store is not None:
+      if max_host_batches is not None:
+        _host_bound(max_host_batches)
       store.stats.peak = store.stats.peak_host = 0
       _installation().telemetry.restart()  # its step figures start again with this run
     self.baseline = rss.reset_peak()
@@ -340,6 +346,17 @@ def _installation() -> Any:
   # pylint: disable-next=import-outside-toplevel
   from tunix_stage_plugin.hosts.tunix import adapter
   return adapter.ADAPTER.installation
+
+
+def _host_bound(value: int | str) -> None:
+  """The plugin's host bound from now: a fixed one, or auto sized from its start."""
+  # pylint: disable-next=import-outside-toplevel
+  import tunix_stage_plugin
+  installation = _installation()
+  config = installation.live.config
+  if installation.host_bound is not None:  # a new run sizes from the start, as a job's first
+    installation.host_bound.restart(config.max_device_batches)
+  tunix_stage_plugin.install(dataclasses.replace(config, max_host_batches=value), quiet=True)
 
 
 def _store(worker: BenchWorker) -> Any:
