@@ -479,9 +479,10 @@ def test_dry_run_staging_off_carries_off_and_no_flags(tmp_path: Path, fake_bin: 
 
 
 def test_dry_run_forwards_the_plugins_normalised_values(tmp_path: Path, fake_bin: Path):
-  roles = by_role(dry_run(tmp_path, fake_bin, TUNIX_STAGE_BATCH=" stage ",
-                          TUNIX_MAX_STAGED_BATCHES="03", TUNIX_STAGE_MAX_DEVICE_BATCHES=" 2",
-                          TUNIX_STAGE_ACCEPT_TRAIN_STAGE=" 0123456789abcdef"))
+  # (whitespace at either end is refused, never trimmed: tests/core/test_setting_values.py)
+  roles = by_role(dry_run(tmp_path, fake_bin, TUNIX_STAGE_BATCH="stage",
+                          TUNIX_MAX_STAGED_BATCHES="03", TUNIX_STAGE_MAX_DEVICE_BATCHES="002",
+                          TUNIX_STAGE_ACCEPT_TRAIN_STAGE="0123456789abcdef"))
   (orch,), (trainer,) = roles["orchestrator"], roles["trainer"]
   accepted = ("TUNIX_STAGE_ACCEPT_TRAIN_STAGE", "0123456789abcdef")  # both run the probes
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", "3"),
