@@ -325,7 +325,7 @@ def test_base_says_so_when_the_plugin_is_not_installed(tmp_path: Path):
 
 @pytest.mark.parametrize("var, value", [
     ("MODEL_ID", "org/model\n--evil_flag=1"), ("TRAINER_MAIN", "a\tb"), ("MAX_STEPS", "10\r"),
-    ("ROLLOUT_EXTRA_ARGS", "--a\x1b[2J"), ("TUNIX_STAGE_BATCH", "stage\n"), ("PYTHON", "py\n")])
+    ("ROLLOUT_EXTRA_ARGS", "--a\x1b[2J"), ("PYTHON", "py\n")])
 def test_base_refuses_control_characters_in_every_knob(tmp_path: Path, var: str, value: str):
   for script, args in ((BASE, ()), (LOCAL, ("--host", "tunix")),
                        (K8S, ("--command", "start", "--image", IMAGE, "--dry_run"))):
