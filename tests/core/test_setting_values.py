@@ -48,6 +48,7 @@ from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import flags as flags_lib
 from tunix_stage_plugin.core import inputs
+from tunix_stage_plugin.hosts import triggers
 
 SETTINGS = config_lib.SETTINGS
 ROLES = config_lib.ROLES
@@ -236,7 +237,7 @@ def _consumers(values: dict[str, str], folder: pathlib.Path) -> None:
     args = parser.parse_args(flag_argv(values, fields, joined))
     check_lines(problems_of(lambda: flags_lib.config_from_argparse(args), values, fields),
                 values, fields, origin=lambda s: f"--{s.flag}")
-  driver = drivers.find("tunix_stage_plugin.lab.embedded.orchestrator_main")
+  driver = triggers.find("tunix_stage_plugin.lab.embedded.orchestrator_main")
   orchestrator = config_lib.fields_for(config_lib.ORCHESTRATOR)
   err = io.StringIO()
   configured = []
