@@ -143,7 +143,9 @@ fi
 
 # --- YAML rendering ----------------------------------------------------------------------------
 
-# A YAML double-quoted scalar. Values with control characters never get here (checked above).
+# A YAML double-quoted scalar, which a YAML reader takes back byte for byte: no value with a control
+# character, a line separator or an invisible character gets here (the knobs: mlperf_check_knobs;
+# the staging values: the plugin's rule for every setting), so only \ and " need escaping.
 yaml_str() {
   local s="$1"
   s="${s//\\/\\\\}"
@@ -298,11 +300,7 @@ if ((DRY_RUN)); then
       mapfile -t args < <(delete_args "${role}")
       printf 'kubectl'
       for arg in ${KUBECTL_FLAG_ARGS[@]+"${KUBECTL_FLAG_ARGS[@]}"} "${args[@]}"; do
-        if [[ "${arg}" =~ ^[-A-Za-z0-9_./=:,]+$ ]]; then
-          printf ' %s' "${arg}"
-        else
-          printf ' %q' "${arg}"
-        fi
+        printf ' %s' "$(mlperf_shell_word "${arg}")"
       done
       printf '\n'
     fi

@@ -314,7 +314,7 @@ start_process() {
   shift 2
   mapfile -t prefix < <(role_env_prefix "${role}")
   for var in $(mlperf_stage_env_names "${role}"); do
-    staged+=" ${var}=${!var}"
+    staged+=" $(mlperf_shell_word "${var}=${!var}")" # one shell word per variable
   done
   local log="${LOG_DIR}/${name}.log"
   defer_signals # a signal here would otherwise exit before the new PID is recorded

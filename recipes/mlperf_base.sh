@@ -77,10 +77,10 @@ export ROLLOUT_TPU_HOSTS="${ROLLOUT_TPU_HOSTS:-1}"
 export ROLLOUT_TPU_CHIPS_PER_HOST="${ROLLOUT_TPU_CHIPS_PER_HOST:-4}"
 export ROLLOUT_REPLICAS="${ROLLOUT_REPLICAS:-1}"
 
-# Every knob above, and the staging variables: none may hold a control character.
-MLPERF_KNOBS=(TUNIX_STAGE_BATCH TUNIX_STAGE_MAX_DEVICE_BATCHES TUNIX_STAGE_MAX_HOST_BATCHES
-  TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_CODEC PYTHON
-  CONTAINER_PYTHON JOB_NAME ORCHESTRATOR_ID TRAINER_ID ROLLOUT_ID ORCHESTRATOR_PORT ROLLOUT_PORT
+# Every knob above: none may hold a control character. (The staging variables are judged by the
+# plugin's one rule for every setting, which refuses a control character naming it, with the
+# setting's own line: mlperf_check_staging.)
+MLPERF_KNOBS=(PYTHON CONTAINER_PYTHON JOB_NAME ORCHESTRATOR_ID TRAINER_ID ROLLOUT_ID ORCHESTRATOR_PORT ROLLOUT_PORT
   TRAINER_PORT RUNTIME_MAIN RUNTIME_EXECUTOR ORCHESTRATOR_MAIN TRAINER_MAIN ROLLOUT_MAIN MODEL_ID
   TOKENIZER_PATH BATCH_SIZE NUM_GENERATIONS MAX_STEPS MAX_PROMPT_LENGTH MAX_RESPONSE_LENGTH
   TRAIN_MICRO_BATCH_SIZE LEARNING_RATE ORCHESTRATOR_EXTRA_ARGS TRAINER_EXTRA_ARGS
@@ -98,6 +98,18 @@ mlperf_error() {
 # Prints a warning prefixed with the recipe's name to stderr.
 mlperf_warning() {
   echo "mlperf_base.sh: warning: $*" >&2
+}
+
+# Prints $1 as one shell word, which a shell reads back byte for byte: as it is where every
+# character is one a shell takes literally (ASCII letters, digits, - _ . / = : , @ % +; "" too),
+# else quoted by printf %q (a path with a space or a quote: /tmp/a\ b). For the lines that show
+# what a process gets (NAME=value, a flag), one word per entry.
+mlperf_shell_word() {
+  if [[ "$1" =~ ^[-A-Za-z0-9_./=:,@%+]*$ ]]; then
+    printf '%s' "$1"
+  else
+    printf '%q' "$1"
+  fi
 }
 
 # This checkout (the recipes' parent folder): where the install hints point.
@@ -241,7 +253,7 @@ mlperf_stage_env_names() {
 # node rejects flags it does not define).
 mlperf_stage_flags() {
   case "$1" in
-    orchestrator) [[ -z "${MLPERF_ORCHESTRATOR_FLAGS}" ]] || echo "${MLPERF_ORCHESTRATOR_FLAGS}" ;;
+    orchestrator) [[ -z "${MLPERF_ORCHESTRATOR_FLAGS}" ]] || printf '%s\n' "${MLPERF_ORCHESTRATOR_FLAGS}" ;;
     trainer | rollout) ;;
     *)
       mlperf_error "unknown role '$1'; accepted: orchestrator | trainer | rollout"
@@ -331,7 +343,11 @@ if ((MLPERF_BASE_RUN_DIRECTLY)); then
   echo "orchestrator driver: $("${PYTHON}" -m tunix_stage_plugin.cli.main config --driver \
     "${ORCHESTRATOR_MAIN}")"
   for role in orchestrator trainer rollout; do
-    echo "${role}: env [$(mlperf_stage_env_names "${role}")]" \
-      "flags [$(mlperf_stage_flags "${role}" | tr '\n' ' ' | sed 's/ $//')]"
+    mapfile -t flags < <(mlperf_stage_flags "${role}")
+    words=""
+    for flag in ${flags[@]+"${flags[@]}"}; do
+      words+="${words:+ }$(mlperf_shell_word "${flag}")" # one shell word per flag
+    done
+    echo "${role}: env [$(mlperf_stage_env_names "${role}")] flags [${words}]"
   done
 fi

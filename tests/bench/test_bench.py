@@ -184,6 +184,22 @@ def test_the_job_side_figures_must_agree_with_the_bench_s():
   assert check.passed is True and "no record where the trainer has no plugin: inline" in check.detail
 
 
+def test_where_the_trainer_s_step_went_is_taken_over_the_table_s_steps():
+  """The job-side split (the reading layer's medians of the trainer's own records) takes the
+  steps the table takes: a mode's quiet steps where there are any, never a noisy re-run's."""
+  quiet = _run("depth2", 7.0, job_side=((0.1, 0.2, 0.0),))
+  noisy = _run("depth2", 9.0, foreign=1.0, round_=1, job_side=((0.9, 0.2, 0.0),))
+  result = _result()
+  result.runs = [r for r in result.runs if r.mode != "depth2"] + [quiet, noisy]
+  summary = report.summarize(result)
+  assert summary["depth2"].median_step_s == 7.0  # the table: the quiet step only
+  split = report.job_side_split(result)["depth2"]
+  assert split["steps"] == 1 and split["mid_step_s"] == pytest.approx(0.1)
+  # Every step noisy: the table and the split both take them all.
+  result.runs = [r for r in result.runs if r is not quiet]
+  assert report.job_side_split(result)["depth2"]["mid_step_s"] == pytest.approx(0.9)
+
+
 def test_the_report_states_the_stage_calls_against_compute():
   result = _result(depth2_prestage=_run("depth2_prestage", 4.1, stage_call_s=[0.8, 0.8]))
   summary = report.summarize(result)

@@ -68,3 +68,44 @@ def test_an_unknown_flag_is_reported_by_the_subcommand_that_got_it():
   assert proc.returncode == 2
   assert "tunix-stage simulate: error: unrecognized arguments: --no_such_flag" in proc.stderr
   assert "usage: tunix-stage simulate" in proc.stderr
+
+
+# A staging flag's value that begins with '-' is the flag's value in either spelling, so the
+# setting's own check judges it (argparse alone says "expected one argument"); a word after a bare
+# --stage_train_batches is the next option, and nothing after a bare `--` is touched.
+JOINED = [
+    (["config", "--stage_memory_budget", "-1GiB"], {"stage_memory_budget": "-1GiB"}),
+    (["config", "--stage-memory-budget", "-1GiB"], {"stage_memory_budget": "-1GiB"}),
+    (["config", "--stage_memory", "-1GiB"], {"stage_memory_budget": "-1GiB"}),  # abbreviated
+    (["config", "--stage_metrics", "-x", "--max_staged_batches", "-2"],
+     {"stage_metrics": "-x", "max_staged_batches": "-2"}),
+    (["bench", "--stage_codec", "-on", "--stage_max_host_batches", "-1"],
+     {"stage_codec": "-on", "max_host_batches": "-1"}),
+    (["run", "--stage_log_every", "-5", "--", "job", "--stage_log_every", "-5"],
+     {"stage_log_every": "-5", "command": ["--", "job", "--stage_log_every", "-5"]}),
+]
+
+
+@pytest.mark.parametrize("argv, expected", JOINED, ids=[" ".join(a) for a, _ in JOINED])
+def test_a_staging_value_that_begins_with_a_dash_reaches_its_flag(argv, expected):
+  args = cli_main.build_parser().parse_args(argv)
+  assert {name: getattr(args, name) for name in expected} == expected
+
+
+def test_a_word_after_a_bare_stage_train_batches_is_the_next_option():
+  args, unknown = cli_main.build_parser().parse_known_args(
+      ["config", "--stage_train_batches", "--max_staged_batches", "-3"])
+  assert (args.stage_train_batches, args.max_staged_batches, unknown) == ("stage", "-3", [])
+
+
+def test_a_driver_s_own_parser_joins_a_staging_value_too():
+  from tunix_stage_plugin.core import flags as flags_lib  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser(prog="driver")
+  parser.add_argument("--model_id")
+  flags_lib.add_argparse_flags(parser)
+  args = parser.parse_args(["--model_id", "m", "--stage_memory_budget", "-1GiB"])
+  assert (args.model_id, args.stage_memory_budget) == ("m", "-1GiB")
+  from tunix_stage_plugin.core import config as config_lib  # pylint: disable=import-outside-toplevel
+  with pytest.raises(config_lib.ConfigError) as e:
+    flags_lib.config_from_argparse(args)
+  assert str(e.value).startswith("--stage_memory_budget='-1GiB' is invalid; accepted: a size")

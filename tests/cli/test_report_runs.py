@@ -222,25 +222,45 @@ def test_a_trainer_that_served_one_orchestrator_after_another_is_split_between_t
   assert [[p.pid for p in r.processes] for r in found] == [[4, 5], [4]]
 
 
+def _numbered(folder, role, pid, times, host_steps, step_s):
+  """A tunix process's records at `times`, each step `step_s` long and numbered `host_steps`
+  (tunix's train step), through the record's own Writer."""
+  figures = {"trainer": TRAINER, "orchestrator": ORCHESTRATOR}[role]
+  ident = {"id": f"{role[0]}{pid}", "started": times[0] - 1.0}
+  writer = record_lib.Writer(str(folder), role, ident["id"])
+  for step, (t, host_step) in enumerate(zip(times, host_steps)):
+    rec = record_lib.make(role, "tunix", {**figures, "step_s": step_s, "step": step,
+                                          "host_step": host_step}, {}, ident)
+    rec["time"], rec["process"]["pid"] = t, pid
+    writer.write(rec)
+  writer.close()
+
+
 def test_tunix_s_train_step_pairs_a_trainer_step_with_the_orchestrator_that_ran_it(tmp_path):
   """A staged job, then at once an inline one whose orchestrator ran without the plugin (as the
   tunix-marked observability test runs them): the trainer's steps 2 and 3 fall within a second
   of the first orchestrator's, but tunix's train step (`host_step`, on both sides) says the
   first orchestrator ran steps 1 and 2 only."""
-  def write(role, pid, times, host_steps):
-    figures = {"trainer": TRAINER, "orchestrator": ORCHESTRATOR}[role]
-    ident = {"id": f"{role[0]}{pid}", "started": times[0] - 1.0}
-    writer = record_lib.Writer(str(tmp_path), role, ident["id"])
-    for step, (t, host_step) in enumerate(zip(times, host_steps)):
-      rec = record_lib.make(role, "tunix", {**figures, "step_s": 0.25, "step": step,
-                                            "host_step": host_step}, {}, ident)
-      rec["time"], rec["process"]["pid"] = t, pid
-      writer.write(rec)
-    writer.close()
-
-  write("trainer", 1, [100.0, 100.25, 101.3, 102.5], [1, 2, 3, 4])
-  write("orchestrator", 2, [100.01, 100.26], [1, 2])
+  _numbered(tmp_path, "trainer", 1, [100.0, 100.25, 101.3, 102.5], [1, 2, 3, 4], 0.25)
+  _numbered(tmp_path, "orchestrator", 2, [100.01, 100.26], [1, 2], 0.25)
   found, _ = runs_lib.runs([str(tmp_path)])
   assert [[p.pid for p in r.processes] for r in found] == [[1, 2], [1]]
   assert [run.trainer_steps["host_step"].astype(int).tolist() for run in found] == \
       [[1, 2], [3, 4]]
+
+
+def test_a_trainer_step_that_ran_the_orchestrator_s_step_joins_it_however_late_its_record(
+    tmp_path):
+  """On a busy machine a trainer's record of a step (made when its update's computation ends)
+  may come more than SLACK_S after its orchestrator's step ended: where both number the step
+  (tunix's train step), it joins the orchestrator that ran it within that orchestrator's longest
+  step; an unnumbered one so late is a run of its own."""
+  _numbered(tmp_path, "orchestrator", 2, [100.0, 103.0, 106.0], [1, 2, 3], 3.0)
+  _numbered(tmp_path, "trainer", 1, [100.05, 103.05, 108.5], [1, 2, 3], 3.0)  # 2.5 s late
+  (run,), _ = runs_lib.runs([str(tmp_path)])
+  assert [p.pid for p in run.processes] == [1, 2] and len(run.trainer_steps) == 3
+  late = tmp_path / "unnumbered"
+  _numbered(late, "orchestrator", 2, [100.0, 103.0, 106.0], [None] * 3, 3.0)
+  _numbered(late, "trainer", 1, [100.05, 103.05, 108.5], [None] * 3, 3.0)
+  found, _ = runs_lib.runs([str(late)])
+  assert [[p.pid for p in r.processes] for r in found] == [[1, 2], [1]]

@@ -43,9 +43,14 @@ def test_env_beats_default_and_explicit_beats_env():
   assert cfg.mode == "stage" and cfg.sources["mode"] == "env"  # None means "not given"
 
 
-def test_empty_env_value_counts_as_unset():
-  cfg = config_lib.resolve(env={"TUNIX_STAGE_BATCH": "  ", "TUNIX_MAX_STAGED_BATCHES": ""})
+def test_empty_env_value_counts_as_unset_and_whitespace_alone_is_refused():
+  cfg = config_lib.resolve(env={"TUNIX_STAGE_BATCH": "", "TUNIX_MAX_STAGED_BATCHES": ""})
   assert cfg.mode == "off" and cfg.max_staged_batches == "auto"
+  with pytest.raises(config_lib.ConfigError) as e:  # not `unset`: judged, as every value
+    config_lib.resolve(env={"TUNIX_STAGE_BATCH": "  "})
+  assert e.value.problems == [
+      "TUNIX_STAGE_BATCH='  ' is invalid: it begins with a space, and no setting's value may "
+      "begin or end with whitespace (none is trimmed); accepted: off | stage"]
 
 
 @pytest.mark.parametrize("name,value,accepted", [
@@ -257,7 +262,8 @@ def test_a_missing_codec_library_is_named_with_the_extra(monkeypatch):
       f"); accepted: {codec_lib.ACCEPTED}"]
 
 
-@pytest.mark.parametrize("value, expected", [("/tmp/m", "/tmp/m"), (" off ", ""), ("", "")])
+@pytest.mark.parametrize("value, expected", [("/tmp/m", "/tmp/m"), ("off", ""), ("", ""),
+                                             ("/tmp/a b/c", "/tmp/a b/c")])
 def test_the_metrics_folder_is_a_path_or_off(value, expected):
   assert config_lib.resolve(env={"TUNIX_STAGE_METRICS": value}).metrics == expected
 
@@ -287,7 +293,7 @@ def test_the_device_bound_is_never_auto():
 
 
 @pytest.mark.parametrize("text,value", [("6GiB", 6 << 30), ("512MiB", 512 << 20),
-                                        ("1073741824", 1 << 30), (" 2 TiB ", 2 << 40)])
+                                        ("1073741824", 1 << 30), ("2TiB", 2 << 40)])
 def test_the_memory_budget_takes_a_size_with_a_unit(text, value):
   cfg = config_lib.resolve(env={"TUNIX_STAGE_MEMORY_BUDGET": text})
   assert cfg.memory_budget == value and cfg.sources["memory_budget"] == "env"
@@ -295,7 +301,8 @@ def test_the_memory_budget_takes_a_size_with_a_unit(text, value):
                                     2 << 40: "2TiB"}[value]
 
 
-@pytest.mark.parametrize("text", ["6GB", "6 gib", "0", "1KiB", "-1GiB", "1.5GiB", "2048TiB"])
+@pytest.mark.parametrize("text", ["6GB", "6 gib", "0", "1KiB", "-1GiB", "1.5GiB", "2048TiB",
+                                  "10 GiB"])
 def test_a_bad_memory_budget_is_one_line_naming_what_is_accepted(text):
   with pytest.raises(config_lib.ConfigError) as e:
     config_lib.resolve({"memory_budget": text}, env={})

@@ -85,6 +85,15 @@ def _chosen(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # a command that handles none of its own (SIGINT: 128 + 2)
+    chosen = _chosen(argv)
+    print(f"tunix-stage{' ' + chosen if chosen else ''}: interrupted by SIGINT", file=sys.stderr)
+    return 130
+
+
+def _main(argv: list[str]) -> int:
   chosen = _chosen(argv)
   try:
     parser = build_parser(lab=[chosen] if chosen in LAZY_COMMANDS else [])

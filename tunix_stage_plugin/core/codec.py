@@ -71,10 +71,9 @@ def parse(text: str, *, require_installed: bool = True) -> Codec | None:
   if name not in CODECS or (sep and not level_text):
     raise ValueError(value)
   if level_text:
-    try:
-      level = int(level_text)
-    except ValueError:
-      raise ValueError(value) from None
+    if not (level_text.isascii() and level_text.isdigit() and len(level_text) <= 3):
+      raise ValueError(value)  # plain decimal digits, as every number of the settings
+    level = int(level_text)
     low, high = LEVELS[name]
     if not low <= level <= high:
       raise ValueError(value)

@@ -1,10 +1,14 @@
 """Staging configuration: one table of settings, resolved as explicit > env > default.
 
 Every consumer (the CLI, the bench and simulator flags, the driver flags, `tunix-stage config
---check`) goes through `parse_value`/`resolve`, so a value is validated by one set of rules, with
-one range; `resolve` reports every bad setting at once in one ConfigError (lines from
-inputs.invalid), and `unknown_variables` names a likely misspelled variable and the closest
-setting. docs/configuration.md.
+--check`, and through it the launch recipes) goes through `parse_value`/`resolve`, so a value is
+validated by one set of rules, with one range; `resolve` reports every bad setting at once in one
+ConfigError (lines from inputs.invalid), and `unknown_variables` names a likely misspelled
+variable and the closest setting. Before its own parser, every setting's value meets one rule
+(`value_problem`): no control or invisible character, no byte that is not UTF-8, and no
+whitespace at either end (refused by name, never trimmed), so that whatever carries an accepted
+value to another process (an `env` list, a `NAME=value` line, a command line) carries it as one
+entry, unchanged. docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import dataclasses
 import os
 import re
 import threading
+import unicodedata
 from typing import Any, Callable, Mapping
 
 from tunix_stage_plugin.core import codec_spec
@@ -58,11 +63,80 @@ class ConfigError(ValueError):
     self.problems = list(problems)
 
 
+# --- the one rule for every setting's value ---------------------------------------------------
+
+# The characters value_problem names in words; any other it refuses is named by category and code.
+CHARACTER_NAMES = {
+    "\n": "a newline", "\r": "a carriage return", "\t": "a tab", "\v": "a vertical tab",
+    "\f": "a form feed", "\b": "a backspace", "\0": "NUL (0x00)", "\x1b": "ESC (0x1b)",
+    "\x7f": "DEL (0x7f)", "\x85": "a next-line character (U+0085)",
+    "\u2028": "a line separator (U+2028)", "\u2029": "a paragraph separator (U+2029)",
+    "\ufeff": "a byte-order mark (U+FEFF)", " ": "a space",
+}
+# What no value may hold (Unicode categories): control characters (C0, DEL, C1: a newline or a CR
+# would start a second NAME=value line or split a manifest's entry, ESC reach a terminal), format
+# characters (invisible: a bidi override shows a value as something else), surrogates (how Python
+# reads a byte that is not UTF-8 from the environment or a command line), and the line and
+# paragraph separators (a line break to YAML and to Python's str.splitlines).
+REFUSED_CATEGORIES = {"Cc": "a control character", "Cf": "an invisible format character",
+                      "Cs": "a byte that is not UTF-8", "Zl": "a line separator",
+                      "Zp": "a paragraph separator"}
+
+
+def character_name(char: str) -> str:
+  """`char` in the words an error names it with: "a newline", "ESC (0x1b)", "a no-break space
+  (U+00A0)", "a byte that is not UTF-8 (0xff)"."""
+  if char in CHARACTER_NAMES:
+    return CHARACTER_NAMES[char]
+  code = ord(char)
+  category = unicodedata.category(char)
+  if category == "Cs" and 0xDC80 <= code <= 0xDCFF:  # surrogateescape: the byte it stands for
+    return f"{REFUSED_CATEGORIES['Cs']} (0x{code - 0xDC00:02x})"
+  hex_code = f"0x{code:02x}" if code < 0x80 else f"U+{code:04X}"
+  if category in REFUSED_CATEGORIES:
+    return f"{REFUSED_CATEGORIES[category]} ({hex_code})"
+  if _noncharacter(code):
+    return f"a noncharacter ({hex_code})"
+  name = unicodedata.name(char, "character").lower()
+  return f"{'an' if name[0] in 'aeiou' else 'a'} {name} ({hex_code})"
+
+
+def _noncharacter(code: int) -> bool:
+  """Unicode's noncharacters (U+FDD0..U+FDEF, U+xFFFE, U+xFFFF): not text; YAML readers refuse
+  U+FFFE and U+FFFF."""
+  return 0xFDD0 <= code <= 0xFDEF or code & 0xFFFE == 0xFFFE
+
+
+def value_problem(text: str) -> str | None:
+  """Why `text` can be no setting's value (None: the setting's own parser judges it): the first
+  character no value may hold, by name, or whitespace at either end (never trimmed: `' 2'` is
+  refused, not read as 2, as a folder's trailing space would otherwise be silently dropped or
+  kept)."""
+  for char in text:
+    if unicodedata.category(char) in REFUSED_CATEGORIES or _noncharacter(ord(char)):
+      return f"it holds {character_name(char)}, which no setting's value may hold"
+  for end, char in (("begins", text[:1]), ("ends", text[-1:])):
+    if char.isspace():
+      return (f"it {end} with {character_name(char)}, and no setting's value may begin or end "
+              "with whitespace (none is trimmed)")
+  return None
+
+
+def assignment(name: str, text: str) -> str:
+  """`NAME=value` as a note shows a variable it does not read (so never judged): the value as
+  given where the rule holds and it is short, else as an error repeats it (inputs.echo), so that
+  an ESC or a newline in it never reaches the terminal."""
+  if value_problem(text) is None and len(text) <= inputs.MAX_ECHO:
+    return f"{name}={text}"
+  return f"{name}={inputs.echo(text)}"
+
+
+# --- each setting's parser (after the rule) ------------------------------------------------------
+
 def _parse_mode(text: str) -> str:
-  value = text.strip()
-  if value not in MODES:
-    raise ValueError(value)
-  return value
+  if text not in MODES:
+    raise ValueError(text)
+  return text
 
 
 def _parse_count(text: str) -> int:
@@ -78,7 +152,7 @@ SIZED_ACCEPTED = f"{AUTO}, or {COUNT_ACCEPTED}"
 
 
 def _parse_sized(text: str) -> int | str:
-  return AUTO if text.strip() == AUTO else _parse_count(text)
+  return AUTO if text == AUTO else _parse_count(text)
 
 
 def is_auto(value: Any) -> bool:
@@ -105,12 +179,12 @@ class Bytes(int):
 
 UNITS = (("", 1), ("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("TiB", 1 << 40))
 BUDGET_ACCEPTED = "a size in bytes >= 1MiB and <= 1024TiB: a whole number with an optional unit " \
-                  "(KiB, MiB, GiB, TiB), e.g. 6GiB, 512MiB, 1073741824"
+                  "right after it (KiB, MiB, GiB, TiB), e.g. 6GiB, 512MiB, 1073741824"
 MIN_BUDGET, MAX_BUDGET = 1 << 20, 1 << 50
 
 
 def _parse_budget(text: str) -> Bytes:
-  match = re.fullmatch(r"([0-9]{1,20})\s*([KMGT]iB)?", text.strip())
+  match = re.fullmatch(r"([0-9]{1,20})([KMGT]iB)?", text)
   if match is None:
     raise ValueError(text)
   value = int(match[1]) * dict(UNITS)[match[2] or ""]
@@ -143,19 +217,17 @@ def _parse_log_every(text: str) -> int:
 
 
 def _parse_metrics(text: str) -> str:
-  value = text.strip()
-  if value.lower() == "off":
+  if text.lower() == "off":
     return ""
-  if not value or "\0" in value:
-    raise ValueError(value)
-  return value
+  if not text:
+    raise ValueError(text)
+  return text  # any other text (the rule above holds): the folder, byte for byte
 
 
 def _parse_fingerprint(text: str) -> str:
-  value = text.strip()
-  if not re.fullmatch(r"[0-9a-f]{16}", value):
-    raise ValueError(value)
-  return value
+  if not re.fullmatch(r"[0-9a-f]{16}", text):
+    raise ValueError(text)
+  return text
 
 
 UNSET = "none"  # how help and tables show a setting with no value (a folder or fingerprint unset)
@@ -370,6 +442,9 @@ def parse_value(setting: Setting, raw: Any, origin: str) -> Any:
   if isinstance(raw, bool):  # bool is an int: True must not mean a depth of 1.
     raw = {True: MODE_STAGE, False: MODE_OFF}[raw] if setting.field == "mode" else str(raw)
   text = str(raw)
+  problem = value_problem(text)
+  if problem is not None:
+    raise ConfigError(inputs.invalid(origin, text, setting.accepted, problem))
   if len(text) > setting.max_chars:
     raise ConfigError(inputs.invalid(origin, text, setting.accepted,
                                      f"longer than {setting.max_chars} characters"))
@@ -394,7 +469,8 @@ def resolve(
     env: the environment to read; os.environ when None.
     explicit_source: how explicit values are reported ("argument", "flag", SOURCE_INSTALL).
 
-  An empty env variable counts as unset, as `${VAR:-default}` in the launch recipes does.
+  An empty env variable counts as unset, as `${VAR:-default}` in the launch recipes does; any
+  other value, whitespace alone included, is judged whole (value_problem).
   """
   env = os.environ if env is None else env
   explicit = dict(explicit or {})
@@ -410,7 +486,7 @@ def resolve(
         name = f"install({s.field})" if explicit_source == SOURCE_INSTALL else f"--{s.flag}"
         values[s.field] = parse_value(s, explicit[s.field], name)
         sources[s.field] = explicit_source
-      elif env.get(s.env, "").strip():
+      elif env.get(s.env, ""):
         values[s.field] = parse_value(s, env[s.env], s.env)
         sources[s.field] = SOURCE_ENV
       else:

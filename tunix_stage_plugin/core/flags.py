@@ -29,9 +29,72 @@ def _flag_help(setting: config_lib.Setting) -> str:
                  f"default {setting.default_note or config_lib.shown(setting.default)}.")
 
 
+SETTING_FLAGS = frozenset(f"--{s.flag}" for s in config_lib.SETTINGS)
+
+
+def _value_flag(parser: argparse.ArgumentParser, token: str) -> str | None:
+  """The staging flag that `token` names on `parser` and that always takes one value (every one
+  but --stage_train_batches, whose value is optional), or None. An abbreviation counts where the
+  parser takes them and it names one option only, as argparse reads it."""
+  options = parser._option_string_actions  # pylint: disable=protected-access  (no public map)
+  if token in options:
+    found = [token]
+  elif parser.allow_abbrev and token.startswith("--") and len(token) > 2:
+    found = [o for o in options if o.startswith(token)]
+  else:
+    return None
+  if len(found) != 1 or found[0] not in SETTING_FLAGS or options[found[0]].nargs is not None:
+    return None
+  return found[0]
+
+
+def join_values(parser: argparse.ArgumentParser, tokens: list[str]) -> list[str]:
+  """`tokens` with each `--flag VALUE` of a staging flag that takes a value as `--flag=VALUE`
+  where VALUE begins with '-': argparse takes such a word for an option and says only "expected
+  one argument", so `--stage_memory_budget -1GiB` would never reach the setting's own check (as
+  `--stage_memory_budget=-1GiB` does). `tokens` ends before a bare `--`. --stage_train_batches is
+  left alone: bare, it means stage (as a boolean driver flag), so a word after it that begins with
+  '-' is the next option; its value goes after '='."""
+  joined: list[str] = []
+  i = 0
+  while i < len(tokens):
+    token = tokens[i]
+    if i + 1 < len(tokens) and tokens[i + 1].startswith("-") and _value_flag(parser, token):
+      joined.append(f"{token}={tokens[i + 1]}")
+      i += 2
+    else:
+      joined.append(token)
+      i += 1
+  return joined
+
+
+def _split(args: Iterable[str] | None) -> tuple[list[str], list[str]]:
+  """The command line's words before a bare `--`, and the rest (from `--` on)."""
+  tokens = list(sys.argv[1:] if args is None else args)
+  cut = tokens.index("--") if "--" in tokens else len(tokens)
+  return tokens[:cut], tokens[cut:]
+
+
+def _join_on(parser: argparse.ArgumentParser) -> None:
+  """A parser of the driver's own (not a Parser) joins the staging flags' values too: its
+  parse_known_args, which parse_args calls, is wrapped on this instance only."""
+  if isinstance(parser, Parser) or getattr(parser, "_tunix_stage_joins", False):
+    return
+  parse_known_args = parser.parse_known_args
+
+  def joining(args=None, namespace=None):
+    head, rest = _split(args)
+    return parse_known_args(join_values(parser, head) + rest, namespace)
+
+  parser.parse_known_args = joining  # type: ignore[method-assign]
+  parser._tunix_stage_joins = True  # pylint: disable=protected-access
+
+
 def add_argparse_flags(parser: argparse.ArgumentParser,
                        fields: Iterable[str] = ALL_FIELDS) -> argparse.ArgumentParser:
-  """Adds --stage_train_batches[=off|stage], --max_staged_batches N, ... to `parser`."""
+  """Adds --stage_train_batches[=off|stage], --max_staged_batches N, ... to `parser`; a value
+  that begins with '-' reaches the setting's own check in either spelling (join_values)."""
+  _join_on(parser)
   group = parser.add_argument_group("staging (tunix-stage-plugin)")
   for field in fields:
     s = config_lib.SETTINGS_BY_FIELD[field]
@@ -61,7 +124,8 @@ class Parser(argparse.ArgumentParser):
   (tunix's argparse drivers: --stage_train_batches sits on their command lines next to ours).
 
   Only this parser's own long options are rewritten, and nothing after a bare `--` (a command
-  given to `tunix-stage run` keeps its flags as written). Subcommand parsers are Parsers too.
+  given to `tunix-stage run` keeps its flags as written). Subcommand parsers are Parsers too. A
+  staging flag's value that begins with '-' is joined to its flag (join_values).
   """
 
   def _canonical(self, token: str) -> str:
@@ -74,13 +138,12 @@ class Parser(argparse.ArgumentParser):
     return f"--{spelled}{sep}{value}"
 
   def parse_known_args(self, args=None, namespace=None):
-    tokens = list(sys.argv[1:] if args is None else args)
-    cut = tokens.index("--") if "--" in tokens else len(tokens)
-    tokens = [self._canonical(t) for t in tokens[:cut]] + tokens[cut:]
-    for token in tokens[:cut]:
+    head, rest = _split(args)
+    head = join_values(self, [self._canonical(t) for t in head])
+    for token in head:
       name, _, value = token.partition("=")
       if value == "--" and name in self._option_string_actions:
         # argparse drops a value of exactly "--" (it ends the options) and hands the option an
         # empty list: refused here, in the settings' error shape.
         self.error(inputs.invalid(name, value, "a value other than '--', which ends the options"))
-    return super().parse_known_args(tokens, namespace)
+    return super().parse_known_args(head + rest, namespace)

@@ -26,6 +26,7 @@ WINDOW = 3  # the last steps a choice reads
 QUIET_STEPS = 3  # steps without a transfer waiting for a buffer before the host bound shrinks
 DEFAULT_DEPTH = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].fixed  # where auto starts
 MIB = figures_lib.MIB
+RECEIVED = (("received_bytes", "received"), ("placed_bytes", "placed"))  # a trainer's bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +37,17 @@ class Choice:
   asked: tuple[int, str] | None = None  # the depth the rule asked and why, before the budget
 
 
-def _table(role: str, steps: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
-  """Steps' figures (as their aggregator made them) by name, a value per step: what
-  advice.Window.of reads."""
-  rows = [figures_lib.row(role, step) for step in steps]
+def _table(role: str, rows: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
+  """Steps' figures by name (figures.row's), a value per step: what advice.Window.of reads."""
+  rows = list(rows)
   return {name: [r[name] for r in rows] for name in figures_lib.BY_ROLE[role]}
+
+
+def _per_microbatch(rows: Iterable[dict[str, Any]], *pairs: tuple[str, str]) -> int | None:
+  """A micro-batch's bytes as the steps moved it (the largest seen): each pair's bytes figure
+  over its count figure, in the steps that counted any."""
+  sizes = [r[nbytes] / r[count] for r in rows for nbytes, count in pairs if r[count]]
+  return max(1, int(max(sizes))) if sizes else None
 
 
 class Sizer:
@@ -81,20 +88,19 @@ class Sizer:
   def _microbatch_bytes(self) -> int | None:
     if self.microbatch_bytes is not None:
       return self.microbatch_bytes
-    sizes = [f["place"]["bytes"] / f["place"]["count"] for f in self._trainer
-             if f["place"]["count"]] + [self.sent]
-    return max(1, int(max(sizes))) if max(sizes) else None
+    placed = _per_microbatch(self._trainer, ("placed_bytes", "placed")) or 0
+    return max(placed, self.sent) or None
 
   def observe(self, trainer: outcome.TrainerStep | None,
               orchestrator: dict[str, Any] | None) -> None:
     """One step's figures (either side may be missing in a step): the trainer's newest step
     with its bounds, the orchestrator's own step."""
     if trainer is not None:
-      self._trainer.append(trainer.figures)
+      self._trainer.append(figures_lib.row(TRAINER, trainer.figures))
       self._bounds = (trainer.max_device_batches, trainer.max_host_batches)
       self._holds = trainer.holds
     if orchestrator is not None:
-      self._orchestrator.append(orchestrator)
+      self._orchestrator.append(figures_lib.row(ORCHESTRATOR, orchestrator))
 
   def window(self) -> advice.Window | None:
     """The rule's window over the last steps observed."""
@@ -272,7 +278,8 @@ class HostBound:
                    f"{figures_lib.size(self.budget_bytes)}")
 
   def step(self, figures: dict[str, Any]) -> None:
-    nbytes = _received_bytes([figures, *self._steps])
+    row = figures_lib.row(TRAINER, figures)
+    nbytes = _per_microbatch([row, *self._steps], *RECEIVED)
     least = self.device_bound + 1  # the micro-batches a host bound of 1 lets the trainer hold
     if nbytes is not None and least * nbytes > self.budget_bytes:
       alone = nbytes > self.budget_bytes
@@ -280,15 +287,15 @@ class HostBound:
                                "host bound 1", 1 if alone else least), nbytes)
       self._over |= alone
       return
-    if figures["step_s"] is None:  # a first step (it compiles; no step before it): not judged
+    if not figures_lib.known(row["step_s"]):  # a first step (it compiles; none before it)
       return
-    self._steps.append(figures)
-    self._quiet = 0 if figures["pool"]["waits"] else self._quiet + 1
+    self._steps.append(row)
+    self._quiet = 0 if row["pool_waits"] else self._quiet + 1
     settings = advice.Settings(host=self.host, depth=1, prestage=None,
                                max_device_batches=self.device_bound, max_host_batches=self.bound)
     window = advice.Window.of(settings, _table(TRAINER, self._steps), _table(ORCHESTRATOR, ()))
     found = {a.kind: a for a in advice.advise(window)}
-    nbytes = _received_bytes(self._steps)
+    nbytes = _per_microbatch(self._steps, *RECEIVED)
     fits = nbytes is not None and (self.device_bound + self.bound + 1) * nbytes <= self.budget_bytes
     if advice.HOST_BOUND in found and fits:
       self._set(self.bound + 1, f"{found[advice.HOST_BOUND].figure}", nbytes)
@@ -315,10 +322,3 @@ class HostBound:
     held = "" if nbytes is None else (
         f", {figures_lib.size((self.device_bound + self.bound) * nbytes)} used")
     return f"budget {figures_lib.size(self.budget_bytes)}{held}"
-
-
-def _received_bytes(steps: Iterable[dict[str, Any]]) -> int | None:
-  """A micro-batch's bytes as the trainer received or placed them (the largest seen)."""
-  sizes = [f["receive"]["bytes"] / f["receive"]["calls"] for f in steps if f["receive"]["calls"]]
-  sizes += [f["place"]["bytes"] / f["place"]["count"] for f in steps if f["place"]["count"]]
-  return max(1, int(max(sizes))) if sizes else None

@@ -92,14 +92,20 @@ def _role_shape(role: str) -> dict[str, Any]:
   return shape
 
 
+def _carried(setting: config_lib.Setting) -> str:
+  """What a record's setting holds: a count (a depth or bound; `auto` for one sized each step,
+  before its first choice), else a text."""
+  if config_lib.COUNT_ACCEPTED not in setting.accepted:
+    return TEXT
+  return SIZED if config_lib.AUTO in setting.accepted else COUNT
+
+
 # The record's fields and what each holds (core/telemetry/record.py writes them): the common ones,
 # then each role's from the figures' table. A depth or bound may be carried as `auto`.
 SHAPES = {
     "common": {"host": TEXT, "process": {"pid": COUNT, "hostname": TEXT},
                "run": {"id": TEXT, "started": NUMBER}, "time": NUMBER, "step": COUNT,
-               "settings": {f"?{s.field}": (SIZED if config_lib.AUTO in s.accepted else COUNT)
-                            if isinstance(s.fixed or s.default, int) else TEXT
-                            for s in record_lib.CARRIED}},
+               "settings": {f"?{s.field}": _carried(s) for s in record_lib.CARRIED}},
     **{role: _role_shape(role) for role in record_lib.ROLES},
 }
 # Per version, the fields its records lack.

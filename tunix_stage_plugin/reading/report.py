@@ -148,7 +148,8 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
   if t is not None:
     bound = [f"{b} in {n}" for b, n in t["bound_by"].items() if n]
     first = t["first_steps"]
-    bound.append(f"{first} {summary_lib.FIRST}{'' if first == 1 else 's'} not judged")
+    if first:
+      bound.append(f"{first} {summary_lib.FIRST if first == 1 else summary_lib.FIRSTS} not judged")
     estimate = t["inline_wait_estimate_s"]
     share = f" ({t['hidden_s'] / estimate:.0%})" if estimate > 0 else ""
     slowdown = lines_slowdown(t["slowdown_s"])

@@ -190,17 +190,22 @@ def _job_of(times: np.ndarray, host_step: np.ndarray, orchestrators: list[Proces
             host_steps: list[set[int]]) -> np.ndarray:
   """Per trainer step, the orchestrator run its record is of (an index), or -1. Where the host
   numbers its steps on both sides (tunix's train step, `host_step`), among the orchestrators that
-  ran that step only; then the one whose steps its time falls among (the nearest, within
-  SLACK_S; of two at once, the one begun last)."""
+  ran that step only, and within that orchestrator's longest step of its steps (a trainer closes
+  its step when the update's computation ends, which a busy machine may hold back after the
+  orchestrator's step ended); else the one whose steps its time falls among, within SLACK_S. Of
+  several, the nearest (of two at once, the one begun last)."""
   best = np.full(len(times), -1)
-  nearest = np.full(len(times), SLACK_S)
+  nearest = np.full(len(times), np.inf)
   numbered = any(host_steps)
   for index, o in enumerate(orchestrators):
     distance = np.maximum(np.maximum(o.stepping - times, times - o.ended), 0.0)
-    closer = distance <= nearest
+    allowed = np.full(len(times), SLACK_S)
     if numbered:
       ran = np.isin(host_step, np.fromiter(host_steps[index], dtype=np.float64))
-      closer &= ran | np.isnan(host_step)
+      longest = o.steps["step_s"].max()
+      allowed = np.where(ran, max(SLACK_S, 0.0 if pd.isna(longest) else float(longest)),
+                         np.where(np.isnan(host_step), SLACK_S, -1.0))
+    closer = (distance <= allowed) & (distance <= nearest)
     best = np.where(closer, index, best)
     nearest = np.where(closer, distance, nearest)
   return best

@@ -19,6 +19,7 @@ from tunix_stage_plugin.reading import runs as runs_lib
 RULE = ("medians per step leave a first step out (a process's compile) where there are others; "
         "totals are over every step")
 FIRST = "first step (compile)"  # how a process's first step is said in place of its bound
+FIRSTS = "first steps (compile)"
 
 
 def first_steps(steps: pd.DataFrame) -> np.ndarray:

@@ -1,7 +1,8 @@
 """What a tunix job loads of the plugin (staging on, c7d8950's tunix): its activation, then the
 modules of tunix's trainer worker and RL program, counted as ../shared/tools/job_lines.py counts
-them. No module of the reading layer or the lab among them, and what only a setting asks for (the
-depth or host bound sized each step, a codec, a tracer) loaded only where it is on.
+them. No module of the reading layer or the lab among them; what only a setting asks for (the
+depth or host bound sized each step, a codec, a tracer, a known driver's flags) loaded only where
+it is on, and the orchestrator's staged loop only where a program trains staged.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def test_a_job_loads_no_reader_and_only_what_its_settings_ask_for():
   assert sum(default.values()) <= MOST["default"] and sum(auto.values()) <= MOST["auto"]
   only = {"tunix_stage_plugin.core.sizing", "tunix_stage_plugin.core.advice",
           "tunix_stage_plugin.core.codec", "tunix_stage_plugin.hosts.tunix.compression",
-          "tunix_stage_plugin.hosts.tunix.tracing", "tunix_stage_plugin.activation.drivers"}
+          "tunix_stage_plugin.hosts.tunix.tracing", "tunix_stage_plugin.activation.drivers",
+          "tunix_stage_plugin.core.flags", "tunix_stage_plugin.core.pipeline",
+          "tunix_stage_plugin.hosts.tunix.run", "tunix_stage_plugin.hosts.tunix.seam_run",
+          "tunix_stage_plugin.hosts.tunix.loop_seam"}
   assert not only & set(default), sorted(only & set(default))
   assert {"tunix_stage_plugin.core.sizing", "tunix_stage_plugin.core.advice"} <= set(auto)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core import tracks
 
 TRAINER, ORCHESTRATOR = "trainer", "orchestrator"
 ROLES = (TRAINER, ORCHESTRATOR)
@@ -41,6 +42,12 @@ TRANSPORTS = {"side": "side channel", "stream": "chunked stream", "unary": "gRPC
 FALLBACK_KINDS = tuple(s.value for s in outcome.StageStatus if s is not outcome.StageStatus.STAGED)
 
 Get = Callable[[str], Any]
+
+# The spans these figures are measured from, as a trainer's tunix PerfTracer shows them (its own
+# timelines, tunix-style names: hosts/tunix/tracing.py): the received, placed and pool figures'
+# spans, and a placement that fell back.
+SPANS = {tracks.TRAINER_RECEIVE: "stage_receive", tracks.TRAINER_H2D: "stage_place",
+         tracks.TRAINER_POOL_WAIT: "stage_pool_wait", tracks.TRAINER_FALLBACK: "stage_fallback"}
 
 
 @dataclasses.dataclass(frozen=True)

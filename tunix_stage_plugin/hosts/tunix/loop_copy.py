@@ -7,7 +7,9 @@ groups leave the scored queue during this step's boundary, before `on_step_end(s
 `on_step_begin(step + 1)` run (not at all with `max_staleness=0`); and a step with no
 optimizer-applying micro-batch (the scored queue cleared, `mini_batch_size` 0, a last group that
 packs into nothing) raises where tunix's loop ends the step without an update (micro-batches
-pulled ahead stay untrained, staged ones are released). docs/tunix.md "The train loop, two ways".
+pulled ahead stay untrained, staged ones are released). The staged run (run.py, over
+core/pipeline.py's step loop) loads when a program first trains staged: a process that never
+orchestrates (a trainer) never loads the loop. docs/tunix.md "The train loop, two ways".
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import numpy as np
 from tunix.experimental.common import datatypes
 from tunix.experimental.orchestrator import rl_program
 
 from tunix_stage_plugin.core import patching
-from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
-from tunix_stage_plugin.hosts.tunix import run as run_lib
+
+if TYPE_CHECKING:  # the staged loop's own types: loaded where a program trains staged
+  from tunix_stage_plugin.core import pipeline as pipeline_lib
+  from tunix_stage_plugin.hosts.tunix import run as run_lib
 
 log = logging.getLogger("tunix_stage_plugin")
 ACTOR = datatypes.Role.ACTOR
@@ -44,6 +48,7 @@ class _StepFeed:
 
 async def _microbatches(program: Any, engine: Any, feed: _StepFeed
                         ) -> AsyncIterator[pipeline_lib.MicroBatch]:
+  from tunix_stage_plugin.core import pipeline  # pylint: disable=import-outside-toplevel
   for group_idx in range(program.mini_batch_size):
     items = await program.scored_q.get_batch(num_groups=1)
     if not items:
@@ -63,7 +68,7 @@ async def _microbatches(program: Any, engine: Any, feed: _StepFeed
     feed.num_microbatches += len(batches)
     closing_group = group_idx == program.mini_batch_size - 1
     for i, batch in enumerate(batches):
-      yield pipeline_lib.MicroBatch(batch, closes_step=closing_group and i == len(batches) - 1)
+      yield pipeline.MicroBatch(batch, closes_step=closing_group and i == len(batches) - 1)
 
 
 async def _with_reference_logps(engine: Any, batch: Any) -> Any:
@@ -132,7 +137,8 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
     # stage_train_batch with a mock; the host's loop is the right one for it.
     if not issubclass(type(engine), engine_cls):
       return await original_train_stage(self, engine, num_steps)
-    run = run_lib.Run(inst, self, engine, num_steps, open_ended=False)
+    from tunix_stage_plugin.hosts.tunix import run as staged  # pylint: disable=import-outside-toplevel
+    run = staged.Run(inst, self, engine, num_steps, open_ended=False)
     try:
       return await _copy_train_stage(run)
     finally:

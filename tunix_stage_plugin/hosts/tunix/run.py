@@ -18,6 +18,7 @@ from tunix_stage_plugin.core import codec_spec
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.core.telemetry import figures
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import engine as engine_lib
@@ -25,7 +26,6 @@ from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import metrics
 from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import sessions
-from tunix_stage_plugin.transport import request as request_lib
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -144,6 +144,5 @@ def _codec_note(calls: StagingCalls) -> str:
   """The compressed stages so far, for the step's log line ("" without a codec)."""
   if calls.codec is None or not calls.sent_bytes:
     return ""
-  mib = request_lib.MIB
-  return (f"; codec {calls.codec}: staged arrays {calls.raw_bytes / mib:.1f} MiB sent as "
-          f"{calls.sent_bytes / mib:.1f} MiB (ratio {calls.raw_bytes / calls.sent_bytes:.2f})")
+  return (f"; codec {calls.codec}: staged arrays {figures.size(calls.raw_bytes)} sent as "
+          f"{figures.size(calls.sent_bytes)} (ratio {calls.raw_bytes / calls.sent_bytes:.2f})")

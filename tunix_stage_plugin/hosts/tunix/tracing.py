@@ -17,16 +17,8 @@ from typing import Any, Callable, Iterator
 from tunix.perf.experimental import constants as perf_constants
 from tunix.perf.experimental import tracer as tracer_lib
 
+from tunix_stage_plugin.core.telemetry import figures
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core import tracks
-
-# The staging tracks tunix's timelines show, under tunix-style span names.
-SPAN_NAMES = {
-    tracks.TRAINER_RECEIVE: "stage_receive",
-    tracks.TRAINER_H2D: "stage_place",
-    tracks.TRAINER_POOL_WAIT: "stage_pool_wait",
-    tracks.TRAINER_FALLBACK: "stage_fallback",
-}
 
 
 class TracerSink:
@@ -42,7 +34,7 @@ class TracerSink:
     self.tracer = tracer
 
   def record(self, span: recorder_lib.Span) -> None:
-    name = SPAN_NAMES.get(span.track)
+    name = figures.SPANS.get(span.track)
     if name is None:
       return
     timeline = self.tracer._get_or_create_host_timeline(f"tunix-stage/{name}")  # pylint: disable=protected-access

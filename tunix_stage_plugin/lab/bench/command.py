@@ -289,8 +289,8 @@ def _settings(p: inputs.Problems, args: argparse.Namespace) -> dict[str, Any]:
 def unread_note() -> str | None:
   """One line naming the staging variables set here that the bench does not read (its modes set
   staging, the depth and the loop), or None."""
-  unread = [f"{s.env}={os.environ[s.env]}" for s in config_lib.SETTINGS
-            if s.field in SET_BY_MODE and os.environ.get(s.env, "").strip()]
+  unread = [config_lib.assignment(s.env, os.environ[s.env]) for s in config_lib.SETTINGS
+            if s.field in SET_BY_MODE and os.environ.get(s.env, "")]
   if not unread:
     return None
   return (f"tunix-stage bench: note: {', '.join(unread)} not read: each mode sets staging and its "

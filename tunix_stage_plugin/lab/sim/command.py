@@ -117,12 +117,12 @@ def _bound(p: inputs.Problems, field: str, flag: str | None, check: bool) -> int
   if flag is not None:
     value = p.setting(field, flag)
     return _fixed(setting, value)
-  text = os.environ.get(setting.env, "").strip()
-  if not text:
+  text = os.environ.get(setting.env, "")
+  if not text:  # empty: unset, as everywhere (config.resolve); any other value is judged whole
     return None
   if check:
-    print(f"tunix-stage simulate: note: {setting.env}={text} is not read with --check (each "
-          "mode runs with the bounds the bench ran with)", file=sys.stderr)
+    print(f"tunix-stage simulate: note: {config_lib.assignment(setting.env, text)} is not read "
+          "with --check (each mode runs with the bounds the bench ran with)", file=sys.stderr)
     return None
   try:
     return _fixed(setting, config_lib.parse_value(setting, text, setting.env))

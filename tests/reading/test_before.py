@@ -1,0 +1,74 @@
+"""The report on real jobs' records says the figures the reader before the reading layer (main at
+3984bab: its column store and generated check) printed for the same records, kept as it printed
+them beside each record (`report DIR --json --steps 100`, tests/data/<job>.before.json): a
+two-process tunix job through the local recipe (tunix c7d8950, `--host tunix --steps 8`) and an
+embedded job (a trainer process and orchestrator_main, 6 steps of 3 micro-batches). What the
+reading layer changed on purpose, and only that, differs: a process's first step, its compile,
+is counted apart from the bounds; a field a record may lack is said null in `--json`; a size in
+the advice's cost is said as every size is (one decimal).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+DATA = pathlib.Path(__file__).parent.parent / "data"
+JOBS = sorted(p.name for p in DATA.iterdir() if p.is_dir())
+OPTIONAL = {"trainer": ("host_step", "sizing"), "orchestrator": ("host_step", "sizing")}
+
+
+def report_json(folder):
+  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder),
+                         "--json", "--steps", "100"], capture_output=True, text=True,
+                        timeout=120, check=True)
+  return json.loads(proc.stdout)
+
+
+def said_null(role, record):
+  return {**{k: None for k in OPTIONAL[role]}, **record}
+
+
+@pytest.mark.parametrize("job", JOBS)
+def test_the_report_says_the_figures_the_reader_before_it_said(job):
+  before = json.loads((DATA / f"{job}.before.json").read_text(encoding="utf-8"))
+  now = report_json(DATA / job)
+  assert [r["label"] for r in now["runs"]] == [r["label"] for r in before["runs"]]
+  assert now["notes"] == before["notes"] == []
+  for run, old in zip(now["runs"], before["runs"]):
+    records_of = {}
+    for process, was in zip(run["processes"], old["processes"]):
+      records = records_of[process["process"]] = process.pop("records")
+      assert records == [said_null(was["role"], r) for r in was.pop("records")]
+      assert process == was
+    summary, was = run["summary"], old["summary"]
+    trainer, trainer_was = summary.pop("trainer"), was.pop("trainer")
+    # The first steps' bounds counted apart: what each was bound by, taken out of its count.
+    firsts = [r["bound_by"] for p in run["processes"] if p["role"] == "trainer"
+              for r in records_of[p["process"]] if r["step_s"] is None]
+    bound, bound_was = trainer.pop("bound_by"), trainer_was.pop("bound_by")
+    assert trainer.pop("first_steps") == len(firsts) == 1 and not trainer.pop("only_first")
+    assert {c: bound_was[c] - bound[c] for c in bound} == {c: firsts.count(c) for c in bound}
+    assert _same(trainer, trainer_was)
+    for a, b in zip(summary.pop("advice"), was.pop("advice")):
+      for key in ("cost", "line"):
+        a.pop(key), b.pop(key)
+      assert a == b
+    recommendations = [r.replace(".0 MiB", " MiB") for r in summary.pop("recommendations")]
+    assert recommendations == was.pop("recommendations")
+    assert _same(summary, was)
+
+
+def _same(a, b):
+  """Equal, numbers to 1e-12 of each other."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+  if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+    return len(a) == len(b) and all(map(_same, a, b))
+  if isinstance(a, float) or isinstance(b, float):
+    return a == pytest.approx(b, rel=1e-12, abs=1e-12)
+  return a == b
