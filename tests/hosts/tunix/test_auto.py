@@ -10,6 +10,9 @@ bound.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("tunix.experimental.orchestrator.rl_program",
@@ -49,10 +52,51 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
   for r in orchestrator:  # the depth in force, carried as a setting, and why
     assert r["sizing"].startswith(f"depth {r['depth']}: ") and "budget 1.00 GiB" in r["sizing"]
     assert r["settings"]["max_staged_batches"] == r["depth"] >= 1
-  assert orchestrator[0]["sizing"] == ("depth 1: no step measured yet; budget 1.00 GiB, a "
-                                       "micro-batch's size not known yet")
+  assert orchestrator[0]["sizing"] == ("depth 2: the default (no step measured yet); budget "
+                                       "1.00 GiB, a micro-batch's size not known yet")
   # The trainer's figures reached the orchestrator's choice (stage_figures after each step).
   assert any("no step measured yet" not in r["sizing"] for r in orchestrator[2:]), orchestrator
   for r in trainer:
     bound = r["settings"]["max_host_batches"]
     assert isinstance(bound, int) and r["sizing"].startswith(f"host bound {bound}: ")
+
+
+@pytest.mark.loop_way
+def test_a_job_at_the_default_settings_trains_as_inline_and_report_reads_both_records(tmp_path):
+  """The one variable a user sets, and a metrics folder, in one environment both processes are
+  given: the trainer node activated by it as a job's is, this process the orchestrator reading
+  it; the depth and the host bound at their default, auto. The parameters are bitwise those of
+  tunix alone, and `tunix-stage report` and `simulate` read both processes' records."""
+  folder = tmp_path / "metrics"
+  env = {"TUNIX_STAGE_BATCH": "stage", "TUNIX_STAGE_METRICS": str(folder)}
+  nodes = [test_grpc._start_node("environment", **env),  # pylint: disable=protected-access
+           test_grpc._start_node("bare")]  # pylint: disable=protected-access
+  job = [test_grpc.batch(n) for n in range(STEPS * test_grpc.MICRO)]
+  try:
+    staged, inputs, reports = test_grpc.run_program(
+        nodes[0][1]["environment"], staged=True, payloads=job, steps=STEPS, env=env)
+    inline, _, _ = test_grpc.run_program(nodes[1][1]["bare"], staged=False, payloads=job,
+                                         steps=STEPS)
+  finally:
+    for proc, _ in nodes:
+      test_grpc._stop_node(proc)  # pylint: disable=protected-access
+  assert len(inputs) == STEPS * test_grpc.MICRO  # every micro-batch trained once
+  assert sum(r.stage_metrics["stage/staged"] for r in reports) == inputs.count("P('fsdp',)") > 0
+  assert staged.keys() == inline.keys() and staged == inline  # byte for byte
+
+  by_role = job_records(folder)  # the reading layer reads every record (raises otherwise)
+  orchestrator, trainer = by_role["orchestrator"], by_role["trainer"]
+  assert orchestrator[0]["sizing"].startswith("depth 2: the default (no step measured yet)")
+  assert set(orchestrator[0]["settings"]) == {"max_staged_batches", "codec"}
+  assert set(trainer[0]["settings"]) == {"max_device_batches", "max_host_batches"}
+  assert all(r["sizing"].startswith("host bound ") for r in trainer)
+  cli = [sys.executable, "-m", "tunix_stage_plugin"]
+  out = subprocess.run([*cli, "report", str(folder)], capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr
+  (label,) = [line for line in out.stdout.splitlines() if line.startswith("run:")]
+  assert "trainer " in label and "orchestrator " in label, label
+  assert "max_staged_batches=auto" in label and "max_host_batches=auto" in label, label
+  out = subprocess.run([*cli, "simulate", str(folder), "--modes", "depth2_prestage,auto"],
+                       capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr

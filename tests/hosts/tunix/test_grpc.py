@@ -112,6 +112,9 @@ def serve(kind: str) -> None:
     assert tunix_stage_plugin.install(config_lib.resolve(
         {"mode": "stage", "max_device_batches": 2, "metrics": os.environ[NODE_METRICS]},
         env=host_bound)).installed
+  elif kind == "environment":  # a job's trainer: whatever its environment activated, as a job's
+    from tunix_stage_plugin.activation import manager  # pylint: disable=import-outside-toplevel
+    assert manager.is_installed("tunix")
   elif kind == "plain":
     remote_execution._MAX_MESSAGE_BYTES = TEST_CAP  # pylint: disable=protected-access
   # "bare": tunix alone, one worker, nothing of the plugin (test_observability.py).
@@ -276,7 +279,8 @@ def serve(kind: str) -> None:
   async def main():
     servers, ports = [], {}
     for name in {"plugin": PLUGIN_WORKERS, "plain": PLAIN_WORKERS, "runtime": ("runtime",),
-                 "observed": ("observed",), "bare": ("bare",)}[kind]:
+                 "observed": ("observed",), "bare": ("bare",),
+                 "environment": ("environment",)}[kind]:
       trainer_cls = OwnPreparingTrainer if name in OWN_PREPARE else ShiftingTrainer
       worker = NodeWorker(functools.partial(make_trainer, trainer_cls), worker_id=name)
       worker.initialize()
@@ -437,13 +441,16 @@ class OnePerItem:
 
 
 def run_program(port, staged, *, codec="off", payloads=None, steps=STEPS, cap=None,
-                program_cls=rl_program.StandardRLProgram, settings=None):
+                program_cls=rl_program.StandardRLProgram, settings=None, env=None):
   """Trains `payloads` (default: STEPS x MICRO small micro-batches) through a real
   StandardRLProgram (or `program_cls`, a subclass) and engine; `cap` raises this process's
-  message cap for the run; `settings` adds to the orchestrator's staging settings."""
+  message cap for the run; `settings` adds to the orchestrator's staging settings; `env`, where
+  given, is the environment they are read from alone (as a job's process reads its own)."""
   payloads = [batch(n) for n in range(steps * MICRO)] if payloads is None else payloads
   manager.uninstall("tunix", quiet=True)
-  if staged:
+  if staged and env is not None:
+    manager.install(config_lib.resolve(env=env), quiet=True)
+  elif staged:
     manager.install(config_lib.resolve({"mode": "stage", "codec": codec, **(settings or {})},
                                        env={}), quiet=True)
   upstream_cap = remote_execution._MAX_MESSAGE_BYTES  # pylint: disable=protected-access
