@@ -44,9 +44,9 @@ options:
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)
-  TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, 1..1024 or auto (default 2)
+  TUNIX_MAX_STAGED_BATCHES        orchestrator's stage-ahead depth, 1..1024 or auto (default auto, from 2)
   TUNIX_STAGE_MAX_DEVICE_BATCHES  trainer's device-memory bound, 1..1024 (default 1)
-  TUNIX_STAGE_MAX_HOST_BATCHES    trainer's received-batch host bound, 1..1024 or auto (default 1)
+  TUNIX_STAGE_MAX_HOST_BATCHES    trainer's received-batch host bound, 1..1024 or auto (default auto, from 1)
   TUNIX_STAGE_CODEC               orchestrator's stage payload codec, off | on | NAME[:LEVEL] (default off)
   TUNIX_STAGE_ACCEPT_TRAIN_STAGE  the fingerprint of a changed tunix train loop to stage anyway,
                                   as its refusal line prints it (default none; docs/tunix.md)

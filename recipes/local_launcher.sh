@@ -66,9 +66,9 @@ launcher checks before starting anything, and prints the command).
 
 staging (validated by 'tunix-stage config --check'; a bad value stops the launcher):
   TUNIX_STAGE_BATCH               off | stage (default off)            orchestrator, trainer
-  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, 1..1024 or auto (default 2) orchestrator
+  TUNIX_MAX_STAGED_BATCHES        stage-ahead depth, 1..1024 or auto (default auto, from 2) orchestrator
   TUNIX_STAGE_MAX_DEVICE_BATCHES  device-memory bound, 1..1024 (default 1) trainer
-  TUNIX_STAGE_MAX_HOST_BATCHES    received-batch host bound, 1..1024 or auto (default 1) trainer
+  TUNIX_STAGE_MAX_HOST_BATCHES    received-batch host bound, 1..1024 or auto (default auto, from 1) trainer
   TUNIX_STAGE_CODEC               stage payload codec, off | on | NAME[:LEVEL] (default off) orchestrator
   TUNIX_STAGE_ACCEPT_TRAIN_STAGE  a changed tunix train loop's fingerprint (default none) both
   TUNIX_STAGE_METRICS             a folder for each process's metrics record (default none) both

@@ -20,10 +20,12 @@ set -euo pipefail
 export TUNIX_STAGE_BATCH="${TUNIX_STAGE_BATCH:-off}"
 # trainer: how many staged batches may sit in device memory at once.
 export TUNIX_STAGE_MAX_DEVICE_BATCHES="${TUNIX_STAGE_MAX_DEVICE_BATCHES:-1}"
-# trainer: how many received micro-batches may wait in host memory for a device slot.
-export TUNIX_STAGE_MAX_HOST_BATCHES="${TUNIX_STAGE_MAX_HOST_BATCHES:-1}"
-# orchestrator: how many micro-batches to keep staged ahead of the pending train call.
-export TUNIX_MAX_STAGED_BATCHES="${TUNIX_MAX_STAGED_BATCHES:-2}"
+# trainer: how many received micro-batches may wait in host memory for a device slot (auto:
+# sized each step from 1, within TUNIX_STAGE_MEMORY_BUDGET; 1 fixes it).
+export TUNIX_STAGE_MAX_HOST_BATCHES="${TUNIX_STAGE_MAX_HOST_BATCHES:-auto}"
+# orchestrator: how many micro-batches to keep staged ahead of the pending train call (auto:
+# sized each step from 2, within TUNIX_STAGE_MEMORY_BUDGET; 2 fixes it).
+export TUNIX_MAX_STAGED_BATCHES="${TUNIX_MAX_STAGED_BATCHES:-auto}"
 # orchestrator: compress staged payloads (off | NAME[:LEVEL]; needs the codec extra).
 export TUNIX_STAGE_CODEC="${TUNIX_STAGE_CODEC:-off}"
 

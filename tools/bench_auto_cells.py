@@ -15,7 +15,8 @@ left out of its cell (a cell with none judges nothing).
   tools/bench_auto_cells.py --hosts embedded --payloads 1 --invocations 1 --quick  # a try
 
 The embedded host runs with this checkout's .venv (or $PYTHON); tunix's with $TUNIX_VENV's python
-(tools/host_venvs.sh --print-paths says where it is), this checkout first on its PYTHONPATH.
+(`eval "$(tools/host_venvs.sh --print-paths ../shared/hosts/tunix-c7d8950.tar.gz)"` sets it),
+this checkout first on its PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def python_for(host: str) -> str:
     venv = os.environ.get("TUNIX_VENV")
     if not venv:
       sys.exit("bench_auto_cells: error: TUNIX_VENV is not set: the tunix host runs in the venv "
-               "tools/host_venvs.sh builds (eval \"$(tools/host_venvs.sh --print-paths)\")")
+               "tools/host_venvs.sh builds (eval \"$(tools/host_venvs.sh --print-paths "
+               "../shared/hosts/tunix-c7d8950.tar.gz)\")")
     return str(Path(venv) / "bin" / "python")
   if os.environ.get("PYTHON"):
     return os.environ["PYTHON"]

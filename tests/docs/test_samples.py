@@ -1,6 +1,7 @@
 """The per-step lines README.md and docs/*.md show are what the plugin prints: each sample line is
 the line core/telemetry/lines.py makes of the figures below (one trainer step, one orchestrator
-step of a 16 MiB job), character for character. A change to the line changes the pages with it.
+step of a 16 MiB job at the default settings, each ending with its step's choice), character for
+character. A change to the line changes the pages with it.
 
 The other samples (the commands' output in console blocks) are run for real:
 test_documented_commands.py.
@@ -27,12 +28,16 @@ TRAINER = {
                                           "seconds": 64 * MIB / (2.10 * (1 << 30))}}},
     "place": {"count": 4, "seconds": 0.02}, "pool": {"waits": 0, "wait_s": 0.0},
     "bound_by": "compute",
+    # At the default (auto) the line ends with the step's choice and why.
+    "sizing": "host bound 1: no transfer waited for a buffer in 3 step(s); budget 6.00 GiB, 32.0 MiB used",
 }
 ORCHESTRATOR = {
     "step": 3, "microbatches": 4, "staged": 3, "prestaged": 1, "inline": 1,
     "fallbacks": {"count": 0, "by_kind": {}},
     "sent": {"side": {"calls": 4, "bytes": 64 * MIB, "seconds": 4 * 0.012}},
     "stage_calls": {"count": 3, "median_s": 0.01},
+    "sizing": ("depth 1: a micro-batch's stage 0.02 s against 0.60 s of compute, 2x spikes "
+               "included, over the last 3 step(s); budget 6.00 GiB, 16.0 MiB used"),
 }
 PRINTED = {"tunix-stage: trainer step ": lines.trainer_line(TRAINER),
            "tunix-stage: step ": lines.orchestrator_line(ORCHESTRATOR)}

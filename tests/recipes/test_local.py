@@ -163,7 +163,7 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
           f"env: TUNIX_STAGE_BATCH={mode} TUNIX_STAGE_MAX_DEVICE_BATCHES=1") in out
   assert (f"started orchestrator pid={reported_pids(out)['orchestrator']} "
           f"log={logs}/orchestrator.log env: TUNIX_STAGE_BATCH={mode} "
-          f"TUNIX_MAX_STAGED_BATCHES=2") in out
+          f"TUNIX_MAX_STAGED_BATCHES=auto") in out
   assert re.search(r"trainer ready on 127\.0\.0\.1:\d+\n", out)
   assert f"job succeeded; logs in {logs}" in out
   assert re.search(r"^READY 127\.0\.0\.1:\d+$", (logs / "trainer.log").read_text(), re.M)
@@ -173,7 +173,7 @@ def test_local_tiny_job_end_to_end_leaves_nothing_behind(launch, tmp_path: Path,
   assert "trained once in order: yes" in summary
   # Both processes run in the mode the launcher set.
   if mode == "stage":
-    assert "staging stage depth=2" in summary and "trainer staging stage" in summary
+    assert "staging stage depth=auto (per step [2, 2])" in summary and "trainer staging stage" in summary
   else:
     assert "staging off (inline)" in summary and "trainer staging off" in summary
   assert_nothing_left(launch, out)

@@ -250,13 +250,13 @@ def test_base_defaults_when_unset_and_when_empty(tmp_path: Path):
   show = 'source "$1"; for v in TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES ' \
          'TUNIX_STAGE_MAX_DEVICE_BATCHES; do printf "%s=%s\\n" "$v" "${!v}"; done; ' \
          'env | grep -cE "^(TUNIX_STAGE_BATCH|TUNIX_MAX_STAGED_BATCHES|TUNIX_STAGE_MAX_DEVICE_BATCHES)="'
-  expected = "TUNIX_STAGE_BATCH=off\nTUNIX_MAX_STAGED_BATCHES=2\nTUNIX_STAGE_MAX_DEVICE_BATCHES=1\n3\n"
+  expected = "TUNIX_STAGE_BATCH=off\nTUNIX_MAX_STAGED_BATCHES=auto\nTUNIX_STAGE_MAX_DEVICE_BATCHES=1\n3\n"
   for overrides in ({}, {v: "" for v in STAGING_VARS}):
     proc = subprocess.run(["bash", "-c", show, "show", str(BASE)],
                           env=base_env(tmp_path, **overrides), text=True, capture_output=True,
                           check=False)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == expected  # three exported variables, the upstream defaults
+    assert proc.stdout == expected  # three exported variables, the plugin's defaults
 
 
 def test_base_run_directly_prints_the_effective_settings(tmp_path: Path):
@@ -279,7 +279,7 @@ def test_base_gives_the_staging_flags_only_to_a_known_driver(tmp_path: Path, mai
                                                               takes_flags: bool):
   proc = run(BASE, env=base_env(tmp_path, TUNIX_STAGE_BATCH="stage", ORCHESTRATOR_MAIN=main))
   assert proc.returncode == 0, proc.stderr
-  flags = "--stage_train_batches=stage --max_staged_batches=2" if takes_flags else ""
+  flags = "--stage_train_batches=stage --max_staged_batches=auto" if takes_flags else ""
   assert ("orchestrator: env [TUNIX_STAGE_BATCH TUNIX_MAX_STAGED_BATCHES TUNIX_STAGE_CODEC "
           f"TUNIX_STAGE_ACCEPT_TRAIN_STAGE TUNIX_STAGE_METRICS TUNIX_STAGE_LOG_EVERY] flags [{flags}]") in proc.stdout
   verdict = ("takes the staging flags" if takes_flags else
@@ -354,7 +354,8 @@ def test_base_warns_once_about_a_misspelled_staging_variable_and_goes_on(tmp_pat
       "mlperf_base.sh: warning: TUNIX_STAGE_MAX_STAGED_BATCHES is not a staging variable, so "
       "nothing reads it; did you mean TUNIX_MAX_STAGED_BATCHES? (the settings: "
       "docs/configuration.md)"]
-  assert "TUNIX_MAX_STAGED_BATCHES         2        (env)" in proc.stdout  # the default, exported
+  assert ("TUNIX_MAX_STAGED_BATCHES         auto     (env: sized each step from 2; "
+          "TUNIX_MAX_STAGED_BATCHES=2 fixes it)") in proc.stdout  # the default, exported
 
 
 def _fake_checkout(tmp_path: Path, with_venv: bool) -> Path:
@@ -424,10 +425,10 @@ def test_dry_run_defaults_when_the_variables_are_unset(tmp_path: Path, fake_bin:
   roles = by_role(dry_run(tmp_path, fake_bin))
   assert {r: len(c) for r, c in roles.items()} == {"orchestrator": 1, "trainer": 1, "rollout": 1}
   (orch,), (trainer,), (rollout,) = roles["orchestrator"], roles["trainer"], roles["rollout"]
-  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "2"),
+  assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "auto"),
                           ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1"),
-                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT, *TELEMETRY]
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "auto"), NO_ACCEPT, *TELEMETRY]
   assert env_of(rollout) == []
   for container in (orch, trainer, rollout):
     assert staging_flags(container) == []  # off means off
@@ -442,7 +443,7 @@ def test_dry_run_staging_on(tmp_path: Path, fake_bin: Path, depth: str, bound: s
                           ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"),
                              ("TUNIX_STAGE_MAX_DEVICE_BATCHES", bound),
-                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT, *TELEMETRY]
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "auto"), NO_ACCEPT, *TELEMETRY]
   assert env_of(rollout) == []
   # The orchestrator's driver gets the flags; the trainer reads its bound from the env only.
   assert staging_flags(orch) == ["--stage_train_batches=stage", f"--max_staged_batches={depth}"]
@@ -474,7 +475,7 @@ def test_dry_run_staging_off_carries_off_and_no_flags(tmp_path: Path, fake_bin: 
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_MAX_STAGED_BATCHES", "5"),
                           ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "off"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "3"),
-                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT, *TELEMETRY]
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "auto"), NO_ACCEPT, *TELEMETRY]
   assert all(staging_flags(c) == [] for cs in roles.values() for c in cs)
 
 
@@ -488,7 +489,7 @@ def test_dry_run_forwards_the_plugins_normalised_values(tmp_path: Path, fake_bin
   assert env_of(orch) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_MAX_STAGED_BATCHES", "3"),
                           ("TUNIX_STAGE_CODEC", "off"), accepted, *TELEMETRY]
   assert env_of(trainer) == [("TUNIX_STAGE_BATCH", "stage"), ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "2"),
-                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), accepted, *TELEMETRY]
+                             ("TUNIX_STAGE_MAX_HOST_BATCHES", "auto"), accepted, *TELEMETRY]
   assert staging_flags(orch) == ["--stage_train_batches=stage", "--max_staged_batches=3",
                                  "--stage_accept_train_stage=0123456789abcdef"]
 
@@ -572,11 +573,11 @@ def test_k8s_start_deletes_then_applies_each_role(tmp_path: Path, fake_bin: Path
   applied = [by_role(list(yaml.safe_load_all(c["stdin"]))) for c in calls[3:]]
   assert [list(a) for a in applied] == [[r] for r in roles]
   assert env_of(applied[0]["orchestrator"][0]) == [("TUNIX_STAGE_BATCH", "stage"),
-                                                   ("TUNIX_MAX_STAGED_BATCHES", "2"),
+                                                   ("TUNIX_MAX_STAGED_BATCHES", "auto"),
                                                    ("TUNIX_STAGE_CODEC", "off"), NO_ACCEPT, *TELEMETRY]
   assert env_of(applied[1]["trainer"][0]) == [("TUNIX_STAGE_BATCH", "stage"),
                                               ("TUNIX_STAGE_MAX_DEVICE_BATCHES", "1"),
-                                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "1"), NO_ACCEPT, *TELEMETRY]
+                                              ("TUNIX_STAGE_MAX_HOST_BATCHES", "auto"), NO_ACCEPT, *TELEMETRY]
 
 
 def test_k8s_stop_one_role_only_deletes(tmp_path: Path, fake_bin: Path):

@@ -74,7 +74,7 @@ def test_tunixs_gsm8k_driver_takes_the_staging_flags_with_staging_on(gsm8k):
   assert "staging on for tunix" in installed and " hooks (server: " in installed
   assert "max_staged_batches=5 (TUNIX_MAX_STAGED_BATCHES)" in installed
   assert now == ("tunix-stage: staging settings now in force for tunix: max_staged_batches=2 "
-                 "(--max_staged_batches), max_device_batches=1, max_host_batches=1, codec=off "
+                 "(--max_staged_batches), max_device_batches=1, max_host_batches=auto, codec=off "
                  "[--stage_train_batches=stage]")
 
 
@@ -106,12 +106,12 @@ def test_the_deepswe_shaped_driver_takes_the_flags_next_to_real_tunix(tmp_path):
   args = report["args"]
   assert (args["batch_size"], args["max_staleness"]) == (8, 1)
   assert (args["stage_train_batches"], args["max_staged_batches"]) == ("stage", 3)
-  # The hooks installed when the driver imported tunix (the environment's depth, 2); its flags
-  # then set 3, and one line says what is in force and where each value came from.
+  # The hooks installed when the driver imported tunix (the default depth, auto); its flags then
+  # set 3, and one line says what is in force and where each value came from.
   installed, now = plugin_lines(proc)
-  assert "staging on for tunix" in installed and "max_staged_batches=2," in installed
+  assert "staging on for tunix" in installed and "max_staged_batches=auto," in installed
   assert now == ("tunix-stage: staging settings now in force for tunix: max_staged_batches=3 "
-                 "(--max_staged_batches), max_device_batches=1, max_host_batches=1, codec=off "
+                 "(--max_staged_batches), max_device_batches=1, max_host_batches=auto, codec=off "
                  "[--stage_train_batches=stage]")
   off = run_fresh(RUN_STAND_IN, "--batch_size=8", pythonpath=[shim])
   report = drivers.report(off.stdout)
