@@ -31,7 +31,9 @@ from tunix_stage_plugin.lab.bench import runner
 from tunix_stage_plugin.lab.bench import command as bench_cmd
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry.figures import size as figures_size
 from tunix_stage_plugin.core.telemetry.recorder import Span
 from tunix_stage_plugin.lab.bench.trace import lane_track
 from tunix_stage_plugin.lab.embedded import bench as embedded_bench
@@ -895,3 +897,34 @@ def test_the_auto_mode_sizes_the_depth_only_when_named():
   assert (plan.kind, plan.auto, plan.prestage, plan.budget_bytes) == ("staged", True, True,
                                                                      64 << 20)
   assert sim_run.plan_of("auto").kind == "auto"
+
+
+def test_the_auto_mode_says_what_it_chose_as_a_job_does(tmp_path):
+  """An auto run (the default settings: the depth and the host bound sized) says each step's
+  choice and why in the orchestrator's per-step line, one line per auto run in the report, and
+  each step's depth and host bound with why in bench.json; the fixed mode beside it says none.
+  A real bench: the embedded trainer process and its orchestrator."""
+  out = tmp_path / "out"
+  cmd = [sys.executable, "-m", "tunix_stage_plugin.cli.main", "bench", "--tiny", "--quick",
+         "--steps", "2", "--microbatches", "3", "--payload_mib", "1",
+         "--modes", "depth2_prestage,auto", "--png", "", "--trace", "", "--out", str(out)]
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TUNIX_")}
+  result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+  assert result.returncode == 0, result.stdout + result.stderr
+  lines = [line for line in result.stderr.splitlines() if line.startswith("tunix-stage: step ")]
+  assert len(lines) == 3  # the auto run's steps (the fixed run has no orchestrator line)
+  assert lines[0].endswith("; depth 2: the default (no step measured yet); budget "
+                           f"{figures_size(config_lib.SETTINGS_BY_FIELD['memory_budget'].default)}"
+                           ", a micro-batch's size not known yet")
+  report_json = json.loads((out / "bench.json").read_text())
+  assert report_json["options"]["size_host_bound"] is True
+  runs = {r["mode"]: r for r in report_json["runs"]}
+  assert runs["depth2_prestage"]["choices"] == []
+  choices = runs["auto"]["choices"]
+  assert [c["step"] for c in choices] == [0, 1, 2]
+  for c in choices:
+    assert c["depth_why"].startswith(f"depth {c['depth']}: ")
+    assert c["host_bound_why"].startswith(f"host bound {c['host_bound']}: ")
+  (said,) = [line for line in result.stdout.splitlines() if line.startswith("auto round 1 chose")]
+  assert said.startswith("auto round 1 chose, step by step: depth "
+                         + " ".join(str(c["depth"]) for c in choices) + ", host bound ")
