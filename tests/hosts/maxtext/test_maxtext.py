@@ -256,7 +256,10 @@ def test_staged_one_or_two_ahead_is_bitwise_inline(devices):
 
 @pytest.fixture
 def staging():
-  cfg = config_lib.resolve({"mode": "stage", "max_device_batches": 2}, env={})
+  # The host bound fixed: the tests set the store's bounds themselves (one sized each step, the
+  # default, would set them again after each step).
+  cfg = config_lib.resolve({"mode": "stage", "max_device_batches": 2, "max_host_batches": 1},
+                           env={})
   for host in ("tunix", "maxtext"):
     manager.uninstall(host, quiet=True)
     assert manager.install(cfg, host=host, quiet=True).installed
