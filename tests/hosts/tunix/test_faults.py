@@ -336,7 +336,8 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   step with 0 fallbacks (its first stage drops the dead one's two), and nothing is left staged."""
   port = node.ports["staged"]
   # The first micro-batch's train holds the step (tunix trains it inline: nothing is staged
-  # yet) while the pipeline stages the next two, one per device slot.
+  # yet) while the pipeline stages the next two, one per device slot; at most 8 s, released once
+  # the orchestrator is dead.
   _call(port, "set_fwd_bwd_delay", 8.0)
   first = subprocess.Popen([sys.executable, __file__, "orchestrate", str(port)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
@@ -352,6 +353,7 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
     assert first.wait(30) == -signal.SIGKILL
   finally:
     _reap(first)
+  _call(port, "release_delayed_fwd_bwd")  # the dead orchestrator's train ends now (it is done)
   held = _staging_state(port)
   assert sorted(held["keys"]) == sorted(staged), held  # the dead orchestrator's, both slots
   _call(port, "set_fwd_bwd_delay", 0.0)  # after the dead orchestrator's train (FIFO lane)

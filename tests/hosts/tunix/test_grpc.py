@@ -7,7 +7,7 @@ trains a worker of its own from the same initial parameters. Each worker wraps a
 a tiny flax nnx language model and a non-idempotent `_prepare_inputs` (it shifts the tokens, so
 preparing twice trains other numbers), bound to the mesh the way tunix's trainer node binds it (a
 small wrapper of our own, which also adds an optional delay before fwd_bwd so a call can be kept
-running). Two workers' trainers (OWN_PREPARE) also override `_prepare_payload` itself,
+running, and a call that ends that delay early). Two workers' trainers (OWN_PREPARE) also override `_prepare_payload` itself,
 non-idempotently (it shifts the tokens again before PeftTrainer's own). A micro-batch also carries routed-expert ids (int16, -1 past each sequence's length)
 that weight the loss, so a compressed payload decoded wrongly trains other numbers. The node
 without the plugin raises tunix's message cap (its private `_MAX_MESSAGE_BYTES`, as the
@@ -145,6 +145,7 @@ def serve(kind: str) -> None:
       self._trainer = trainer
       self.delay = 0.0
       self.delaying = threading.Event()  # a delayed fwd_bwd has started
+      self.released = threading.Event()  # a delayed fwd_bwd may go on before its delay ends
       self.inputs = []
       self.trained = []  # each fwd_bwd's micro-batch, by fingerprint
 
@@ -154,7 +155,7 @@ def serve(kind: str) -> None:
     def fwd_bwd(self, payload, **kwargs):
       if self.delay:
         self.delaying.set()
-        time.sleep(self.delay)
+        self.released.wait(self.delay)  # the whole delay, unless released first
       leaf = payload["tokens"]
       self.inputs.append(str(leaf.sharding.spec) if isinstance(leaf, jax.Array) else "host")
       self.trained.append(fingerprint(payload["experts"]))
@@ -174,11 +175,17 @@ def serve(kind: str) -> None:
 
     def set_fwd_bwd_delay(self, seconds):
       self._trainer.delaying.clear()
+      self._trainer.released.clear()
       self._trainer.delay = seconds
 
     async def wait_delayed_fwd_bwd(self):
       """Answers once a delayed fwd_bwd is running (async: served on the loop, off the lanes)."""
       return await asyncio.to_thread(self._trainer.delaying.wait, 60)
+
+    async def release_delayed_fwd_bwd(self):
+      """Ends a delayed fwd_bwd's delay now, once the test has seen what the delay was for
+      (async: served on the loop, not queued behind that fwd_bwd on the lanes)."""
+      self._trainer.released.set()
 
     def inputs_seen(self):
       return list(self._trainer.inputs)

@@ -134,12 +134,14 @@ async def serve(port: int, cfg: config_lib.StageConfig, fail_stage: frozenset[st
       stopping.set()
 
   def on_signal(sig: signal.Signals) -> None:
-    stop(f"{sig.name} received", logging.INFO)  # the usual way to stop: not a warning
     # The next signal exits at once, even while this thread waits for the lanes. Only signals
     # count: a parent's death is noticed twice (stdin closes, PR_SET_PDEATHSIG) and is one stop.
+    # In place before the stop is logged: a signal sent once the log says "stopping" exits (sent
+    # between the line and the handlers, it reached the loop's handler just removed and was lost).
     for s in STOP_SIGNALS:
       loop.remove_signal_handler(s)
       signal.signal(s, _exit_now)
+    stop(f"{sig.name} received", logging.INFO)  # the usual way to stop: not a warning
 
   for sig in STOP_SIGNALS:
     loop.add_signal_handler(sig, on_signal, sig)
