@@ -136,10 +136,16 @@ def test_the_depth_chosen_is_the_stages_a_compute_spans_with_a_cushion_for_spike
   assert advice.choose_depth(fast, 4)[0] == 1  # 2 x 1.5 s fits in one compute
   assert advice.choose_depth(fast, 4, 2)[0] == 1  # shallower: the trainer did not wait
   near = window(transfer_s=5.5, stage_s=9.4, compute_s=10.35)
-  depth, why, needed = advice.choose_depth(near, 4)
+  depth, why, needed = advice.choose_depth(near, 4, 2)
   assert (depth, needed) == (2, False) and why.startswith("a micro-batch's stage 9.40 s against "
                                                           "10.35 s of compute, 2x spikes included")
-  assert advice.choose_depth(near, 1)[0] == 1  # the budget holds one
+  assert advice.choose_depth(near, 1, 2)[0] == 1  # the budget holds one
+  # Deeper only on a measured wait: from depth 1, where no step waited, the cushion's 2 is said
+  # and not taken (a climb costs a micro-batch's transfer and memory that bought nothing yet).
+  depth, why, needed = advice.choose_depth(near, 4)
+  assert (depth, needed) == (1, False) and why.startswith(
+      "kept: no mid-step wait with the depth used up (a micro-batch's stage 9.40 s against "
+      "10.35 s of compute, 2x spikes included")
   waited = window(mid=0.3, bound_by="wire", transfer_s=0.4, compute_s=0.5)
   assert advice.choose_depth(waited, 4) == (3, "input wait mid-step 0.30 s a step (in 4 of 4 "
                                             "steps)", True)

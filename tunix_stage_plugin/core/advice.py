@@ -272,10 +272,11 @@ def choose_depth(window: Window | None, most: int, depth: int = 1) -> tuple[int,
   (a memory budget's), why, and whether the trainer was seen to need it. It moves only on a
   measured step's evidence: one deeper where the trainer waited mid-step with the window's depth
   used up (where the wire is the bound too: a deeper cushion rides out its spikes, and a depth
-  the wire cannot fill is never used up, which ends the climb); else the stages a compute spans,
-  with a cushion for a stage SPIKE times the longest step's mean (where the wire is the bound,
-  the depth that keeps it busy, `Window.wire_depth`), shallower than `depth` only where the
-  trainer did not wait mid-step (a micro-batch staged ahead that sits unused)."""
+  the wire cannot fill is never used up, which ends the climb), and deeper only so; else the
+  stages a compute spans, with a cushion for a stage SPIKE times the longest step's mean (where
+  the wire is the bound, the depth that keeps it busy, `Window.wire_depth`), where that is
+  shallower than `depth` and the trainer did not wait mid-step (a micro-batch staged ahead that
+  sits unused); `depth` kept otherwise."""
   if window is None or window.stage_s is None or not window.compute_s:
     return min(most, depth), "no step measured yet", False
   mid = window.figure("input wait mid-step", window.mid_step_s)
@@ -289,11 +290,13 @@ def choose_depth(window: Window | None, most: int, depth: int = 1) -> tuple[int,
            f"compute, {SPIKE:g}x spikes included, over the last {len(window.step_s)} step(s)")
   if want < depth and window.counts(mid):
     return min(most, depth), f"kept: {mid}, with the depth not used up", False
+  if want > depth:  # deeper only on a measured wait (above)
+    return min(most, depth), f"kept: no mid-step wait with the depth used up ({why})", False
   return min(most, want), why, False
 
 
 def _spans(ratio: float) -> int:
-  """How many of one thing a time `ratio` of it spans, a part under analysis.SHARE of one not
+  """How many of one thing a time `ratio` of it spans, a part under figures.SHARE of one not
   counted (a placement of 2 % of a crossing does not ask for a second staged micro-batch)."""
   return max(1, math.ceil(ratio - figures_lib.SHARE))
 
