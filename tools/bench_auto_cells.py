@@ -6,8 +6,8 @@ per cell, each mode's median over the invocations of their median step and its r
 (the invocations' lowest to highest), and whether auto's median is within the best fixed mode's
 spread and never above the fixed default's (depth2_prestage: depth 2, prestaging, host bound 1).
 
-Run it alone on the machine (the timings are the point); it takes about an hour on a 2-core
-machine. Each invocation's bench JSON is kept in OUT (default bench-auto-cells/), and the table
+Run it alone on the machine (the timings are the point); it takes about 30 minutes on a
+2-core machine. Each invocation's bench JSON is kept in OUT (default bench-auto-cells/), and the table
 (markdown) and verdicts go to stdout and OUT/cells.json. An invocation that fails is said and
 left out of its cell (a cell with none judges nothing).
 
