@@ -1,7 +1,8 @@
 """The report on real jobs' records says the figures the reader before the reading layer (main at
 3984bab: its column store and generated check) printed for the same records, kept as it printed
 them beside each record (`report DIR --json --steps 100`, tests/data/<job>.before.json): a
-two-process tunix job through the local recipe (tunix c7d8950, `--host tunix --steps 8`) and an
+two-process tunix job through the local recipe (tunix c7d8950, `--host tunix --steps 8`, at the
+fixed depth 2 and host bound 1: the reader before read no `auto` in a record) and an
 embedded job (a trainer process and orchestrator_main, 6 steps of 3 micro-batches). What the
 reading layer changed on purpose, and only that, differs: a process's first step, its compile,
 is counted apart from the bounds; a field a record may lack is said null in `--json`; a size in
