@@ -150,15 +150,15 @@ class Window:
     o = {name: np.asarray(orchestrator[name], dtype=np.float64) for name in (
         "depth", "peak_staged", "stage_call_median_s", "stage_call_max_s",
         f"fallbacks_{outcome.StageStatus.REFUSED.value}")}
-    receives = _per(f["received_s"], f["received"])
-    places = _per(f["placed_s"], f["placed"])
+    receives = figures_lib.each(f["received_s"], f["received"])
+    places = figures_lib.each(f["placed_s"], f["placed"])
     # A micro-batch's crossing: its receive on the trainer; where the trainer timed none (tunix's
     # own unary call is received before any hook sees it), the orchestrator's stage call.
     if (f["received"] > 0).any():
-      transfer_s = _median(receives[f["received"] > 0])
+      transfer_s = figures_lib.median(receives[f["received"] > 0])
       stage_s = float(np.max(receives + places))
     else:
-      transfer_s = _median(o["stage_call_median_s"])
+      transfer_s = figures_lib.median(o["stage_call_median_s"])
       stage_s = _max(o["stage_call_max_s"])
     depth, peak = o["depth"], o["peak_staged"]
     return cls(
@@ -173,11 +173,11 @@ class Window:
         refused=tuple(int(n) for n in o[f"fallbacks_{outcome.StageStatus.REFUSED.value}"]),
         depth_full=bool(len(depth)) and bool(np.all((peak >= depth) | (depth == 0))),
         transfer_s=transfer_s,
-        place_s=_median(places[f["placed"] > 0]),
+        place_s=figures_lib.median(places[f["placed"] > 0]),
         stage_s=stage_s,
-        compute_s=_median(f["fwd_bwd_median_s"]),
-        microbatch_bytes=_median((f["placed_bytes"] / np.where(f["placed"] > 0, f["placed"], 1))
-                                 [f["placed"] > 0]))
+        compute_s=figures_lib.median(f["fwd_bwd_median_s"]),
+        microbatch_bytes=figures_lib.median(
+            figures_lib.each(f["placed_bytes"], f["placed"])[f["placed"] > 0]))
 
   def figure(self, name: str, values: Sequence[float]) -> Figure:
     """`values`' mean over the window, and the steps where it was a significant part."""
@@ -301,20 +301,9 @@ def _spans(ratio: float) -> int:
   return max(1, math.ceil(ratio - figures_lib.SHARE))
 
 
-def _median(values: np.ndarray) -> float | None:
-  """The median of the known values (NaN: not known), or None."""
-  values = values[~np.isnan(values)]
-  return float(np.median(values)) if len(values) else None
-
-
 def _max(values: np.ndarray) -> float | None:
   values = values[~np.isnan(values)]
   return float(np.max(values)) if len(values) else None
-
-
-def _per(seconds: np.ndarray, count: np.ndarray) -> np.ndarray:
-  """Each step's receives' or placements' mean time (0 where it had none)."""
-  return np.where(count > 0, seconds / np.where(count > 0, count, 1), 0.0)
 
 
 def _size(nbytes: float | None) -> str:

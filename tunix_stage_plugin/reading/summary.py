@@ -20,6 +20,7 @@ RULE = ("medians per step leave a first step out (a process's compile) where the
         "totals are over every step")
 FIRST = "first step (compile)"  # how a process's first step is said in place of its bound
 FIRSTS = "first steps (compile)"
+median = figures_lib.median  # the one median of a figure over steps (the advice rule's too)
 
 
 def first_steps(steps: pd.DataFrame) -> np.ndarray:
@@ -33,20 +34,13 @@ def judged(steps: pd.DataFrame) -> np.ndarray:
   return ~first if (~first).any() else np.ones(len(first), dtype=bool)
 
 
-def median(values: Any) -> float | None:
-  """The median of the known values (NaN: not known), or None where none is."""
-  values = np.asarray(values, dtype=np.float64)
-  values = values[~np.isnan(values)]
-  return float(np.median(values)) if len(values) else None
-
-
 def estimated(steps: pd.DataFrame) -> np.ndarray:
   """Per trainer step, the input wait it would have had inline: each micro-batch staged in it
   would have received and been placed between two computations. An upper bound (tunix answers a
   call once its computation is queued, so its own loop overlaps part of the next call's
   transfer)."""
   received, placed = steps["received"].to_numpy(), steps["placed"].to_numpy()
-  per_receive = np.where(received > 0, steps["received_s"] / np.maximum(received, 1), 0.0)
+  per_receive = figures_lib.each(steps["received_s"].to_numpy(), received)
   per_place = steps["placed_s"] / np.maximum(placed, 1)
   staged = steps["staged"].to_numpy()
   return np.where(staged > 0, steps["input_wait_s"] + staged * (per_receive + per_place),

@@ -80,6 +80,21 @@ class Figure:
     return self.over == TOTAL
 
 
+def median(values: Any) -> float | None:
+  """The median of the known values (NaN: not known), or None where none is: how the report, the
+  advice rule and the sizer take a figure's median over steps."""
+  values = np.asarray(values, dtype=np.float64)
+  values = values[~np.isnan(values)]
+  return float(np.median(values)) if len(values) else None
+
+
+def each(total: Any, count: Any) -> np.ndarray:
+  """Per step, a total's share of one of its `count` items (seconds of its receives, bytes of
+  its placements): total / count where count > 0, else 0."""
+  count = np.asarray(count)
+  return np.where(count > 0, total / np.where(count > 0, count, 1), 0.0)
+
+
 def _per(a: Any, b: Any, scale: float = 1.0) -> Any:
   """a / (b x scale) where b > 0, else NaN (numbers or arrays alike)."""
   with np.errstate(divide="ignore", invalid="ignore"):
