@@ -33,7 +33,6 @@ from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
 
 WARMUP = 20
 # The 16 MiB step the bench measured on tunix's host (docs/bench.md "Hosts": depth2_prestage,
@@ -53,7 +52,7 @@ class _Report:
 def trainer_steps(m: int, steps: int, folder: str) -> list[float]:
   tel = process.Telemetry(process.Settings(host="tunix", metrics_dir=folder, log_every=0))
   tel.trainer(lambda: (1, 1))
-  watcher = trainer_lib.ComputeWatcher(tel.recorder, lambda output: None)
+  watcher = recorder_lib.ComputeWatcher(tel.recorder, lambda output: None)
   ready = np.zeros(1)
   said = []
   times = []

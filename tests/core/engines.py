@@ -1,8 +1,9 @@
 """An in-process StageEngine over the real core parts, for the core's tests.
 
 It uses the real StagedBatchStore and MethodExecutor (real threads: stage on the staging lane,
-train on the compute lane), so only the RPC hop is missing; the embedded host adds real gRPC.
-Failures are scripted per payload so tests can say exactly which fallbacks they expect.
+train on the compute lane, placement on a placer thread, as the hosts' trainers do), so only the
+RPC hop is missing; the embedded host adds real gRPC. Failures are scripted per payload so tests
+can say exactly which fallbacks they expect.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import time
 from typing import Any
 
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core.outcome import StageOutcome, StageStatus, StagedPayloadUnreadable
+from tunix_stage_plugin.core.outcome import StageOutcome, StagedPayloadUnreadable
 from tunix_stage_plugin.core.outcome import Trained
 from tunix_stage_plugin.core import store as store_lib
-from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
+from tunix_stage_plugin.hosts.tunix import contract
 
 OK, PREPARE_FAILS, LOST_REPLY = "ok", "prepare_fails", "lost_reply"
 # Staged, but its train call finds the staged bytes unreadable (a damaged compressed payload):
@@ -28,10 +29,10 @@ class LostReply(ConnectionError):
   """The stage happened on the trainer, but its answer never reached the orchestrator."""
 
 
-def trainer_executor(name: str = "trainer") -> executor_lib.MethodExecutor:
-  """A MethodExecutor with tunix's trainer lane table (hosts/tunix/lanes.py)."""
-  return executor_lib.MethodExecutor(staging_methods=lanes_lib.STAGING_METHODS,
-                                     light_methods=lanes_lib.LIGHT_METHODS, name=name)
+def trainer_executor(name: str = "trainer", **kwargs: Any) -> executor_lib.MethodExecutor:
+  """A MethodExecutor with tunix's trainer lane table (hosts/tunix/contract.py)."""
+  return executor_lib.MethodExecutor(staging_methods=contract.STAGING_METHODS,
+                                     light_methods=contract.LIGHT_METHODS, name=name, **kwargs)
 
 
 class TrainFailed(RuntimeError):
@@ -45,11 +46,13 @@ class ThreadedEngine:
                stage_gate: dict[Any, threading.Event] | None = None,
                train_gate: dict[Any, threading.Event] | None = None,
                slot_wait_s: float = 30.0, fail_train_before_take: set[Any] = frozenset(),
-               on_event: Any = None, split: bool = False, max_host_batches: int = 1) -> None:
+               on_event: Any = None, max_host_batches: int = 1) -> None:
     self.store = store_lib.StagedBatchStore(max_device_batches, max_host_batches=max_host_batches,
                                             slot_wait_s=slot_wait_s)
-    # split: a stage is answered once received; its placement runs next on the staging lane.
-    self.split = split
+    # A stage is answered once received (stage_gate and stage_delay_s hold the call on its way
+    # in); the placer thread places it (PREPARE_FAILS fails the placement).
+    self.placer = threading.Thread(target=self._placing, daemon=True, name="test-placer")
+    self.placer.start()
     self.executor = trainer_executor(name="test")
     self.stage_outcomes = stage_outcomes or {}
     self.stage_delay_s = stage_delay_s or {}
@@ -74,23 +77,27 @@ class ThreadedEngine:
       self.on_event(event)
 
   def _prepare(self, payload: Any) -> Any:
-    gate = self.stage_gate.get(payload)
-    if gate is not None and not gate.wait(timeout=30):
-      raise TimeoutError(f"stage gate for {payload!r} never opened")
-    time.sleep(self.stage_delay_s.get(payload, 0.0))  # emulated host-to-device time
     if self.stage_outcomes.get(payload) == PREPARE_FAILS:
       raise RuntimeError(f"injected prepare failure for {payload!r}")
     return ("placed", payload)
 
+  def _placing(self) -> None:
+    for job in self.store.placements():
+      with job:
+        job.done(self._prepare(job.payload))
+
   def _stage(self, payload: Any, key: str) -> StageOutcome:
     self.log(f"stage-start {payload}")
     self.key_payload[key] = payload
-    defer = executor_lib.defer_on_current_lane() if self.split else None
-    result = self.store.stage(key, payload, self._prepare, defer=defer)
+    gate = self.stage_gate.get(payload)  # the call held on its way in
+    if gate is not None and not gate.wait(timeout=30):
+      raise TimeoutError(f"stage gate for {payload!r} never opened")
+    time.sleep(self.stage_delay_s.get(payload, 0.0))  # emulated wire time
+    result = self.store.receive(key, payload)
     if result.staged:
       attempt = LOST_REPLY if self.stage_outcomes.get(payload) == LOST_REPLY else OK
     else:
-      attempt = PREPARE_FAILS if result.status is StageStatus.FAILED else "refused"
+      attempt = "refused"
     self.attempts.append((payload, attempt))
     self.log(f"stage-end {payload}")
     if attempt == LOST_REPLY:
@@ -140,6 +147,8 @@ class ThreadedEngine:
 
   def close(self) -> None:
     self.executor.close()
+    self.store.close()
+    self.placer.join(10)
 
 
 async def source_of(payloads: list[Any], pull_delay_s: float = 0.0):

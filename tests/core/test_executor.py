@@ -8,8 +8,7 @@ import threading
 import pytest
 
 from tests.core.engines import trainer_executor
-from tunix_stage_plugin.core.executor import (ExecutorClosedError, Lane, MethodExecutor,
-                                              defer_on_current_lane)
+from tunix_stage_plugin.core.executor import ExecutorClosedError, Lane, MethodExecutor
 
 
 def test_lanes():
@@ -134,22 +133,42 @@ def test_close_from_one_of_its_own_lanes_does_not_join_itself():
   assert ex.close() == []
 
 
-def test_a_job_deferred_on_a_lane_runs_before_the_calls_already_queued():
-  ex = trainer_executor()
-  order, go = [], threading.Event()
+def test_a_compute_lane_call_is_timed_on_the_lane_unless_its_host_observes_it():
+  """The lane's own calls (a weight sync, a checkpoint) are spans of the lane (their queueing not
+  counted); fwd_bwd and update, which the host's hooks observe, are not recorded twice."""
+  from tunix_stage_plugin.core import tracks  # pylint: disable=import-outside-toplevel
+  from tunix_stage_plugin.core.telemetry import recorder as recorder_lib  # pylint: disable=import-outside-toplevel
 
-  def first():
-    assert go.wait(10)
-    order.append("first")
-    defer = defer_on_current_lane()
-    defer(lambda: order.append("deferred 1"))
-    defer(lambda: order.append("deferred 2"))  # deferred jobs keep their own order
+  class Kept:
+    def __init__(self):
+      self.spans = []
 
-  futures = [ex.submit("stage_batch", first)]
-  futures += [ex.submit("stage_batch", order.append, f"queued {i}") for i in range(3)]
-  go.set()
-  for f in futures:
-    f.result(10)
-  ex.close()
-  assert order == ["first", "deferred 1", "deferred 2", "queued 0", "queued 1", "queued 2"]
-  assert defer_on_current_lane() is None  # off a lane
+    def record(self, span):
+      self.spans.append(span)
+
+  recorder, kept = recorder_lib.Recorder(), Kept()
+  recorder.add_sink(kept)
+  ex = trainer_executor(recorder=recorder, observed={"fwd_bwd"})
+  gate, entered = threading.Event(), threading.Event()
+
+  def held():
+    entered.set()
+    assert gate.wait(10)
+
+  async def calls():
+    first = asyncio.ensure_future(ex.run("sync_weights", held))
+    assert await asyncio.to_thread(entered.wait, 10)
+    queued = asyncio.ensure_future(ex.run("save", lambda: "saved"))  # waits behind the first
+    await asyncio.sleep(0)
+    gate.set()
+    return await first, await queued, await ex.run("fwd_bwd", lambda: "trained")
+
+  try:
+    assert asyncio.run(calls()) == (None, "saved", "trained")
+  finally:
+    ex.close()
+  assert [(s.track, s.name, dict(s.args)) for s in kept.spans] == [
+      (tracks.TRAINER_LANE, "sync_weights", {"method": "sync_weights"}),
+      (tracks.TRAINER_LANE, "save", {"method": "save"})]
+  # The queued call's span starts on the lane, after the call ahead of it ended.
+  assert kept.spans[1].start >= kept.spans[0].end

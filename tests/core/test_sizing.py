@@ -9,14 +9,14 @@ from __future__ import annotations
 import asyncio
 
 from tests.core.engines import ThreadedEngine, source_of
-from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.pipeline import StagePipeline
-from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
+from tunix_stage_plugin.core.telemetry import recorder as trainer_lib
 from tunix_stage_plugin.core.telemetry.recorder import Recorder, Span
 
 MIB = 1 << 20

@@ -31,7 +31,6 @@ from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import process
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
 from tunix_stage_plugin.core.telemetry.recorder import Span
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.reading import records as records_lib
@@ -75,7 +74,7 @@ def test_the_watcher_records_each_computation_when_its_output_is_ready():
   rec = recorder_lib.Recorder()
   kept = trace_lib.Kept()
   rec.add_sink(kept)
-  watcher = trainer_lib.ComputeWatcher(rec, jax.block_until_ready)
+  watcher = recorder_lib.ComputeWatcher(rec, jax.block_until_ready)
   work = jax.jit(lambda x: jnp.tanh(x @ x).sum())
   x = jnp.ones((512, 512))
   work(x).block_until_ready()  # compiled
@@ -105,7 +104,7 @@ def test_a_failed_computation_is_not_recorded_and_the_watcher_goes_on():
     if output == "broken":
       raise RuntimeError("XLA error")
 
-  watcher = trainer_lib.ComputeWatcher(rec, wait)
+  watcher = recorder_lib.ComputeWatcher(rec, wait)
   watcher.dispatched("fwd_bwd", 0.0, 0.0, "broken")
   watcher.dispatched("update", 0.0, 0.0, "fine")
   assert watcher.drain(10)
@@ -124,7 +123,7 @@ def test_the_watcher_waits_once_and_then_tells_what_needs_the_end(caplog):
   def broken():
     raise KeyError("no timeline")
 
-  watcher = trainer_lib.ComputeWatcher(rec, waited.append)
+  watcher = recorder_lib.ComputeWatcher(rec, waited.append)
   watcher.dispatched("fwd_bwd", 0.0, 0.0, "a", on_ready=lambda: told.append(len(kept.spans())))
   watcher.dispatched("fwd_bwd", 0.0, 0.0, "b")
   with caplog.at_level(logging.WARNING, logger="tunix_stage_plugin"):
@@ -148,7 +147,7 @@ def test_a_trainer_step_splits_into_compute_input_wait_and_other_calls():
   it, a 0.3 s gap mid-step, a 0.1 s gap covered by an eval call on the lane, and one fwd_bwd
   running beside a receive (slower than the two that ran alone)."""
   steps = []
-  agg = trainer_lib.TrainerSteps(steps.append, peaks=lambda: (2, 1))
+  agg = recorder_lib.TrainerSteps(steps.append, peaks=lambda: (2, 1))
   feed = [
       compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.2),
       Span(tracks.TRAINER_LANE, "prepare_weight_sync", 1.2, 1.5, (("method", "sync"),)),
@@ -397,7 +396,7 @@ def test_the_step_s_scalars_are_named_under_stage_from_the_one_table():
   every name under `stage/`, read from the figures the aggregator made; an unknown figure (the
   first step's boundary wait, a slowdown without a baseline) is left out, not logged as 0."""
   steps = []
-  agg = trainer_lib.TrainerSteps(steps.append, peaks=lambda: (2, 1))
+  agg = recorder_lib.TrainerSteps(steps.append, peaks=lambda: (2, 1))
   for span in (compute("fwd_bwd", 0.0, 1.0), compute("update", 1.0, 1.2, host_step=7),
                Span(tracks.TRAINER_RECEIVE, "stage_batch", 1.2, 1.7,
                     (("bytes", 1 << 30), ("transport", "side"))),

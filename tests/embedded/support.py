@@ -19,8 +19,7 @@ from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import engine as engine_lib
 from tunix_stage_plugin.lab.embedded import job as job_lib
 from tunix_stage_plugin.lab.embedded import server as server_lib
-from tunix_stage_plugin.transport import frames
-from tunix_stage_plugin.transport import request as request_lib
+from tunix_stage_plugin.transport import wire
 
 TINY = data_lib.TINY_SIZES
 
@@ -111,13 +110,13 @@ def process_state(pid: int) -> str:
 
 def bulk_header(method: str, sizes: list[int], transfer: bytes) -> bytes:
   """A bulk call's gRPC header for `method()` (no arguments) announcing `sizes`."""
-  body = request_lib.encode(None, method, (), {}).body
+  body = wire.encode(None, method, (), {}).body
   return pickle.dumps({"method": method, "body": body, "sizes": sizes, "transfer": transfer},
                       protocol=5)
 
 
 def bulk_frame(transfer: bytes, sizes: list[int], payload: bytes = b"") -> bytes:
-  return (frames.FRAME_HEADER.pack(frames.MAGIC, transfer, len(sizes))
+  return (wire.FRAME_HEADER.pack(wire.MAGIC, transfer, len(sizes))
           + struct.pack(f"<{len(sizes)}Q", *sizes) + payload)
 
 
@@ -125,7 +124,7 @@ def bulk_connection(port: int) -> socket.socket:
   """A raw connection to a bulk listener, its greeting read (as a sender does)."""
   sock = socket.create_connection(("127.0.0.1", port))
   sock.settimeout(10)
-  assert sock.recv(1) == frames.ACCEPTED
+  assert sock.recv(1) == wire.ACCEPTED
   return sock
 
 
@@ -145,7 +144,7 @@ def closed_by_peer(sock: socket.socket, timeout_s: float) -> bool:
 
 async def bulk_port(channel: grpc.aio.Channel) -> int:
   announced = await channel.unary_unary(server_lib.BULK_PORT)(b"", timeout=10)
-  port, _ = frames.read_announcement(announced)
+  port, _ = wire.read_announcement(announced)
   return port
 
 
@@ -156,7 +155,7 @@ async def bulk_connect(port: int) -> socket.socket:
   sock.setblocking(False)
   try:
     await loop.sock_connect(sock, ("127.0.0.1", port))
-    assert await loop.sock_recv(sock, 1) == frames.ACCEPTED
+    assert await loop.sock_recv(sock, 1) == wire.ACCEPTED
   except BaseException:
     sock.close()
     raise

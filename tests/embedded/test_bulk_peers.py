@@ -23,10 +23,10 @@ from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 from tunix_stage_plugin.lab.embedded import server as server_lib
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import wire
 
 MIB = 1 << 20
-LIMITS = frames.BulkLimits()  # what trainer_main enforces
+LIMITS = wire.BulkLimits()  # what trainer_main enforces
 SIZES = data_lib.TINY_SIZES.with_payload_mib(2)  # a micro-batch travels on the bulk channel
 DEPTH = 64  # every call of a test below may stay staged at once
 GUARD_S = 60  # a hang guard, not a timing assertion: the base code waited forever here
@@ -92,7 +92,7 @@ def test_a_call_whose_bytes_never_come_or_stall_ends_on_the_trainers_own_bound(t
   frame's connection is dropped and its pooled buffer goes back to the pool. Before: both calls
   waited forever, the stalled frame holding its thread and buffer."""
   in_use = _pool_in_use(trainer.address)
-  never, stalled = (secrets.token_bytes(frames.TRANSFER_ID_BYTES) for _ in range(2))
+  never, stalled = (secrets.token_bytes(wire.TRANSFER_ID_BYTES) for _ in range(2))
 
   async def go() -> tuple[list[bytes], bool]:
     async with grpc.aio.insecure_channel(trainer.address,
@@ -125,24 +125,24 @@ def test_a_call_whose_bytes_never_come_or_stall_ends_on_the_trainers_own_bound(t
   assert _pool_in_use(trainer.address) <= in_use
 
 
-MAX = frames.MAX_BUFFERS
+MAX = wire.MAX_BUFFERS
 
 
 @pytest.mark.parametrize("header_sizes,frame,error", [
     ([0] * (MAX + 1), lambda t: bulk_frame(t, [0] * (MAX + 1)),
      rf"heartbeat announces {MAX + 1} buffers, above the {MAX} one call may carry; refused "
      "before reading any of its bytes"),
-    ([MIB], lambda t: frames.FRAME_HEADER.pack(frames.MAGIC, t, MAX + 1),
+    ([MIB], lambda t: wire.FRAME_HEADER.pack(wire.MAGIC, t, MAX + 1),
      rf"its bulk frame was refused: it announced {MAX + 1} buffers; a frame carries at most "
      rf"{MAX}"),
-    ([MIB], lambda t: frames.FRAME_HEADER.pack(b"XXXX", t, 1) + bytes(8 + MIB),
+    ([MIB], lambda t: wire.FRAME_HEADER.pack(b"XXXX", t, 1) + bytes(8 + MIB),
      r"its bulk frame was refused: not a bulk frame header \(magic b'XXXX'\)"),
 ], ids=["header_buffers", "frame_buffers", "frame_magic"])
 def test_a_refused_header_or_frame_is_answered_on_its_own_call(trainer, header_sizes, frame,
                                                                error):
   """Before: each of these waited its call's whole deadline (the frame was dropped as "not a frame
   header", the call never heard of it)."""
-  transfer = secrets.token_bytes(frames.TRANSFER_ID_BYTES)
+  transfer = secrets.token_bytes(wire.TRANSFER_ID_BYTES)
   with pytest.raises(contract.RemoteError, match=rf"\[WireError\]: {error}"):
     asyncio.run(raw_bulk_call(trainer.address, bulk_header("heartbeat", header_sizes, transfer),
                               frame(transfer), timeout=GUARD_S))
@@ -152,7 +152,7 @@ def test_a_refused_header_or_frame_is_answered_on_its_own_call(trainer, header_s
 def test_a_header_reusing_an_id_in_flight_is_refused_and_leaves_the_other_call_alone(trainer):
   """Before: the refused header's cleanup ended the other call's transfer, which then got no reply
   at all and waited its deadline."""
-  transfer = secrets.token_bytes(frames.TRANSFER_ID_BYTES)
+  transfer = secrets.token_bytes(wire.TRANSFER_ID_BYTES)
   header = bulk_header("heartbeat", [MIB], transfer)
 
   async def go() -> tuple[bytes, Any]:
@@ -187,7 +187,7 @@ def test_a_client_refused_at_the_connection_cap_is_told_at_once_and_the_trainer_
   finally:
     for sock in holders:
       sock.close()
-  assert isinstance(refused, frames.WireError), refused
+  assert isinstance(refused, wire.WireError), refused
   assert re.fullmatch(
       rf"the trainer's bulk listener at 127.0.0.1:{port} refused a connection: \d+ bulk "
       r"connections are open, this trainer's cap \(BulkLimits.max_connections\); one client "
@@ -205,14 +205,14 @@ def test_idle_and_half_sent_connections_are_dropped_and_an_honest_call_then_pass
   idle = [bulk_connection(port) for _ in range(LIMITS.max_connections)]
   try:
     for sock in idle[::2]:
-      sock.sendall(frames.MAGIC + bytes(6))  # 10 bytes of a frame header
+      sock.sendall(wire.MAGIC + bytes(6))  # 10 bytes of a frame header
     dropped = [closed_by_peer(sock, LIMITS.header_wait_s + 20) for sock in idle]
   finally:
     for sock in idle:
       sock.close()
   assert all(dropped), dropped.count(False)
   for sent in (0, 10):
-    assert (f"closed a bulk connection: {sent} of the {frames.FRAME_HEADER.size} bytes of a frame "
+    assert (f"closed a bulk connection: {sent} of the {wire.FRAME_HEADER.size} bytes of a frame "
             f"header, due within {LIMITS.header_wait_s:g} s") in trainer.log()
   (answer,), _ = asyncio.run(_stage_all(trainer.address, _batches(1, 1), "after-idle"))
   assert isinstance(answer, dict) and answer["status"] == "staged", answer

@@ -15,15 +15,14 @@ import numpy as np
 import pytest
 
 from tests.embedded.support import no_new_threads
-from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import server as server_lib
-from tunix_stage_plugin.transport import frames
-from tunix_stage_plugin.transport import request as request_lib
+from tunix_stage_plugin.transport import wire
 
 MIB = 1 << 20
 
@@ -31,16 +30,16 @@ MIB = 1 << 20
 def _roundtrip(args, kwargs):
   """A call as the client encodes it and the trainer decodes it: whole when small, else its bulk
   header and its parts received into pooled buffers (as the bulk channel does)."""
-  encoded = request_lib.encode(None, "m", args, kwargs)
+  encoded = wire.encode(None, "m", args, kwargs)
   if not client_lib._bulk(encoded):  # pylint: disable=protected-access
-    return encoded, None, request_lib.decode(request_lib.encode_whole(None, "m", args, kwargs))[2:]
-  transfer = frames.new_transfer_id()
+    return encoded, None, wire.decode(wire.encode_whole(None, "m", args, kwargs))[2:]
+  transfer = wire.new_transfer_id()
   message = encoded.header(transfer)
-  header = frames.decode_header(message)
+  header = wire.decode_header(message)
   received = buffers_lib.HostBufferPool().take_all(header.sizes)
   for buffer, view in zip(received, encoded.parts):
     buffer[:] = np.frombuffer(view, np.uint8)
-  return encoded, (message, transfer), request_lib.decode_received(header, received)[2:]
+  return encoded, (message, transfer), wire.decode_received(header, received)[2:]
 
 
 def test_small_call_is_one_unary_message():
@@ -56,14 +55,14 @@ def test_large_arrays_travel_out_of_band_and_come_back_aligned():
   odd = rng.integers(0, 100, 5 * MIB + 3, dtype=np.uint8)  # a short last chunk
   encoded, (header, transfer), (args, kwargs) = _roundtrip((big,), {"odd": odd, "tag": "x"})
   assert len(header) < 4096  # the pickle holds no array bytes
-  sizes = [c.nbytes for c in frames.iter_chunks(encoded.parts)]
-  assert sizes == [frames.CHUNK_BYTES] * 3 + [frames.CHUNK_BYTES, MIB + 3]
+  sizes = [c.nbytes for c in wire.iter_chunks(encoded.parts)]
+  assert sizes == [wire.CHUNK_BYTES] * 3 + [wire.CHUNK_BYTES, MIB + 3]
   np.testing.assert_array_equal(args[0], big)
   np.testing.assert_array_equal(kwargs["odd"], odd)
   for array in (args[0], kwargs["odd"]):
     assert array.ctypes.data % buffers_lib.ALIGNMENT == 0
     assert array.flags.writeable
-  assert len(transfer) == frames.TRANSFER_ID_BYTES
+  assert len(transfer) == wire.TRANSFER_ID_BYTES
   assert _roundtrip((big,), {})[1][1] != transfer  # fresh for every call
 
 
@@ -283,9 +282,9 @@ def test_a_calls_deadline_is_its_expected_time_plus_the_liveness_bound():
   async def go():
     async with client_lib.WorkerClient("127.0.0.1:9", wire_bytes_per_s=10e6,
                                        liveness_s=30) as client:
-      small = request_lib.encode(None, "fwd_bwd", (), {"stage_key": "k"})
+      small = wire.encode(None, "fwd_bwd", (), {"stage_key": "k"})
       assert client.expected_s(small) == client_lib.CALL_BASE_S
-      big = request_lib.encode(None, "fwd_bwd", (np.zeros(20_000_000, np.uint8),), {})
+      big = wire.encode(None, "fwd_bwd", (np.zeros(20_000_000, np.uint8),), {})
       assert client.expected_s(big) == pytest.approx(client_lib.CALL_BASE_S + 2.0, abs=0.01)
       # Bytes already queued on the link come first: 50 MB sent, none of it across yet.
       async def no_time_passes(_):
@@ -294,7 +293,7 @@ def test_a_calls_deadline_is_its_expected_time_plus_the_liveness_bound():
       client.pacer = pacing.LinkPacer(10e6, clock=lambda: 100.0, sleep=no_time_passes)
       await client.pacer.transmit(50_000_000)
       assert client.expected_s(big) == pytest.approx(client_lib.CALL_BASE_S + 7.0, abs=0.01)
-      sync = request_lib.encode(None, "weight_sync", (45.0,), {})
+      sync = wire.encode(None, "weight_sync", (45.0,), {})
       assert client.expected_s(sync, (45.0,)) == client_lib.CALL_BASE_S + 45.0
       assert ("grpc.keepalive_time_ms", 7500) in client_lib.keepalive_options(30)
       assert ("grpc.keepalive_time_ms", 1000) in client_lib.keepalive_options(1)
@@ -305,21 +304,21 @@ def test_a_calls_deadline_is_its_expected_time_plus_the_liveness_bound():
 
 
 def test_a_header_with_bad_sizes_or_transfer_id_is_refused():
-  transfer = bytes(frames.TRANSFER_ID_BYTES)
+  transfer = bytes(wire.TRANSFER_ID_BYTES)
   header = pickle.dumps({"method": "m", "body": b"", "sizes": [4, -1], "transfer": transfer})
-  with pytest.raises(frames.WireError, match="list of integers >= 0"):
-    frames.decode_header(header)
-  with pytest.raises(frames.WireError, match="16-byte transfer id"):
-    frames.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4],
+  with pytest.raises(wire.WireError, match="list of integers >= 0"):
+    wire.decode_header(header)
+  with pytest.raises(wire.WireError, match="16-byte transfer id"):
+    wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4],
                                        "transfer": b"x"}))
-  with pytest.raises(frames.WireError, match="must be its header"):
-    frames.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4]}))
-  ok = frames.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4, 8],
+  with pytest.raises(wire.WireError, match="must be its header"):
+    wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4]}))
+  ok = wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4, 8],
                                           "transfer": transfer}))
-  assert frames.announced_bytes(ok, 12, server_lib.CAP_SETTING) == 12
-  with pytest.raises(frames.WireError, match=r"m announces 12 bytes \(0.0 MiB\), above this "
+  assert wire.announced_bytes(ok, 12, server_lib.CAP_SETTING) == 12
+  with pytest.raises(wire.WireError, match=r"m announces 12 bytes \(0.0 MiB\), above this "
                      r"trainer's 11-byte cap on one call \(trainer_main --max_call_mib\)"):
-    frames.announced_bytes(ok, 11, server_lib.CAP_SETTING)
+    wire.announced_bytes(ok, 11, server_lib.CAP_SETTING)
 
 
 def test_one_shared_link_queues_overlapping_copies():

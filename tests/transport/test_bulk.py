@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from tests.embedded.support import bulk_connection, bulk_frame, closed_by_peer, wait_for
-from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import listener as buffers_lib
+from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport import listener as listener_lib
 from tunix_stage_plugin.transport import sender as sender_lib
 
@@ -22,7 +22,7 @@ MIB = 1 << 20
 
 @pytest.fixture
 def limits():
-  return frames.BulkLimits()
+  return wire.BulkLimits()
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_a_frame_reaches_its_call_whichever_arrives_first(listener):
   assert pool.made == 2  # the 9 MiB buffer was pooled, once per transfer alive at once
 
 
-@pytest.mark.parametrize("limits", [frames.BulkLimits(pair_wait_s=0.2)])
+@pytest.mark.parametrize("limits", [wire.BulkLimits(pair_wait_s=0.2)])
 def test_frames_that_no_call_wants_are_dropped_before_anything_is_allocated(listener):
   server, transfers, pool = listener
   ended = secrets.token_bytes(16)
@@ -98,7 +98,7 @@ def test_a_frame_whose_sizes_differ_from_its_header_fails_its_call(listener):
   future = transfers.expect(transfer_id, [MIB])
   with bulk_connection(server.port) as sock:
     sock.sendall(bulk_frame(transfer_id, [64 * MIB]))
-    with pytest.raises(frames.WireError, match=r"announced buffer sizes \[67108864\] where the "
+    with pytest.raises(wire.WireError, match=r"announced buffer sizes \[67108864\] where the "
                        r"call's header announced \[1048576\]"):
       future.result(10)
   assert pool.made == 0
@@ -110,7 +110,7 @@ def test_a_connection_that_breaks_mid_transfer_fails_its_call(listener):
   future = transfers.expect(transfer_id, [4 * MIB])
   with bulk_connection(server.port) as sock:
     sock.sendall(bulk_frame(transfer_id, [4 * MIB]) + bytes(MIB))
-  with pytest.raises(frames.WireError, match=r"broke mid-transfer: the connection closed after "
+  with pytest.raises(wire.WireError, match=r"broke mid-transfer: the connection closed after "
                      r"1048576 of 4194304 bytes"):
     future.result(10)
 
@@ -119,11 +119,11 @@ def test_an_id_is_single_use_and_an_ended_call_drops_its_bytes(listener):
   server, transfers, _ = listener
   transfer_id = secrets.token_bytes(16)
   future = transfers.expect(transfer_id, [MIB])
-  with pytest.raises(frames.WireError, match="used twice"):
+  with pytest.raises(wire.WireError, match="used twice"):
     transfers.expect(transfer_id, [MIB])
   transfers.end(transfer_id)
   assert future.cancelled()
-  with pytest.raises(frames.WireError, match="used twice"):
+  with pytest.raises(wire.WireError, match="used twice"):
     transfers.expect(transfer_id, [MIB])
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from tests.transport.test_bulk import limits, listener  # pylint: disable=unused-import  (fixtures)
-from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import listener as buffers_lib
+from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport import listener as listener_lib
 from tunix_stage_plugin.transport import sender as sender_lib
 
@@ -24,30 +24,30 @@ def views(*arrays):
 
 
 def test_a_header_round_trips_and_its_cap_names_the_setting():
-  transfer = frames.new_transfer_id()
-  assert len(transfer) == frames.TRANSFER_ID_BYTES and transfer != frames.new_transfer_id()
-  message = frames.encode_header("fwd_bwd", b"body", views(np.zeros(3, np.int16),
+  transfer = wire.new_transfer_id()
+  assert len(transfer) == wire.TRANSFER_ID_BYTES and transfer != wire.new_transfer_id()
+  message = wire.encode_header("fwd_bwd", b"body", views(np.zeros(3, np.int16),
                                                            np.zeros(5, np.uint8)), transfer)
-  header = frames.decode_header(message)
-  assert header == frames.Header("fwd_bwd", b"body", [6, 5], transfer)
-  assert frames.announced_bytes(header, 11, "the setting") == 11
-  with pytest.raises(frames.WireError, match=r"fwd_bwd announces 11 bytes \(0.0 MiB\), above "
+  header = wire.decode_header(message)
+  assert header == wire.Header("fwd_bwd", b"body", [6, 5], transfer)
+  assert wire.announced_bytes(header, 11, "the setting") == 11
+  with pytest.raises(wire.WireError, match=r"fwd_bwd announces 11 bytes \(0.0 MiB\), above "
                      r"this trainer's 10-byte cap on one call \(the setting\); refused before "
                      r"reading any"):
-    frames.announced_bytes(header, 10, "the setting")
-  with pytest.raises(frames.WireError, match="must be its header"):
-    frames.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4]}))
+    wire.announced_bytes(header, 10, "the setting")
+  with pytest.raises(wire.WireError, match="must be its header"):
+    wire.decode_header(pickle.dumps({"method": "m", "body": b"", "sizes": [4]}))
 
 
 def test_chunks_are_at_most_the_chunk_size_and_never_span_two_buffers():
-  chunks = list(frames.iter_chunks(views(np.zeros(10, np.uint8), np.zeros(3, np.uint8)), 4))
+  chunks = list(wire.iter_chunks(views(np.zeros(10, np.uint8), np.zeros(3, np.uint8)), 4))
   assert [c.nbytes for c in chunks] == [4, 4, 2, 3]
 
 
 def test_a_call_and_its_bytes_arrive_together(listener):
   server, transfers, _ = listener
   data = np.random.default_rng(0).integers(0, 255, 3 * MIB + 7, np.uint8)
-  transfer = frames.new_transfer_id()
+  transfer = wire.new_transfer_id()
 
   async def go():
     sender = sender_lib.BulkSender("127.0.0.1", server.port)
@@ -71,16 +71,16 @@ def test_a_refused_header_ends_its_send_and_closes_the_connection(listener):
   cancelled, its connection closed (never reused half-sent), and the refusal is the answer."""
   server, transfers, _ = listener
   data = np.zeros(64 * MIB, np.uint8)
-  transfer = frames.new_transfer_id()
+  transfer = wire.new_transfer_id()
 
   async def go():
     sender = sender_lib.BulkSender("127.0.0.1", server.port)
 
     async def refused():
-      raise frames.WireError("refused by its header")
+      raise wire.WireError("refused by its header")
 
     try:
-      with pytest.raises(frames.WireError, match="refused by its header"):
+      with pytest.raises(wire.WireError, match="refused by its header"):
         await sender_lib.call_with_bytes(refused(), sender, transfer, views(data), 1.0)
       return list(sender._idle)  # pylint: disable=protected-access
     finally:
@@ -101,7 +101,7 @@ def test_a_refused_connection_is_the_calls_error_and_no_header_goes_out():
       sender = sender_lib.BulkSender("127.0.0.1", port)
       never = asyncio.get_running_loop().create_future()
       with pytest.raises(ConnectionRefusedError):
-        await sender_lib.call_with_bytes(never, sender, frames.new_transfer_id(),
+        await sender_lib.call_with_bytes(never, sender, wire.new_transfer_id(),
                                     views(np.zeros(8, np.uint8)), 0.05)
       return never.cancelled()
 
@@ -119,7 +119,7 @@ def test_a_dual_stack_listener_takes_ipv4_connections():
     pytest.skip(f"cannot bind '::' here: {e}")
   try:
     data = np.arange(1000, dtype=np.int32)
-    transfer = frames.new_transfer_id()
+    transfer = wire.new_transfer_id()
     received = transfers.expect(transfer, [data.nbytes])
 
     async def go():

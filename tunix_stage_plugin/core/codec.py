@@ -4,29 +4,32 @@
 dtype, shape and crc32 of its raw bytes); `unpack_array` decompresses into a fresh 64-byte-aligned
 buffer and checks size and crc32, so a corrupted payload raises CodecError and never yields a wrong
 array. A spec naming a library that is not installed is refused with the pip command that fits
-(core.install_hint). The hosts map these over a payload (hosts/tunix/compression.py,
-lab/embedded/data.py); the chunks are numpy uint8 arrays, so they travel out of band in the
-plugin's encoding (transport/request.py) and in band in tunix's own cloudpickle.
+(core.install_hint). `compress_payload` maps `pack_array` over a payload's pytree (tunix's
+host, on a worker thread of the orchestrator), `decompress_payload` back (on the trainer's placer
+thread); the embedded host packs its own batches (lab/embedded/data.py). The chunks are numpy
+uint8 arrays, so they travel out of band in the plugin's encoding (transport/wire.py) and in band
+in tunix's own cloudpickle.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib.util
 import os
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.transport import wire
 
 # The spec's grammar (names, levels, defaults, what is accepted) lives in codec_spec, without
 # numpy, so core.config can say what it accepts; re-exported here (codec.LEVELS is that table).
 # pylint: disable-next=unused-import
 from tunix_stage_plugin.core import install_hint
 from tunix_stage_plugin.core.codec_spec import ACCEPTED, CODECS, DEFAULT_CODEC, DEFAULT_LEVELS
-from tunix_stage_plugin.core.codec_spec import CodecUnavailable
+from tunix_stage_plugin.core.codec_spec import CodecUnavailable, CompressedPayload
 from tunix_stage_plugin.core.codec_spec import EXTRA, EXTRA_NAME, LEVELS, MODULES, OFF, ON
 
 MIN_PACK_BYTES = 64 << 10  # smaller arrays travel raw: their bytes are not worth a codec call
@@ -145,11 +148,11 @@ def check_decodable(codec_name: str) -> None:
 
 
 def unpack_array(p: PackedArray, *, threads: int = 0, name: str = "array",
-                 pool: buffers_lib.HostBufferPool | None = None) -> np.ndarray:
+                 pool: Any = None) -> np.ndarray:
   """The array, decoded into an aligned buffer (from `pool` when given) and checked; raises
   CodecError otherwise."""
   check_decodable(p.codec)
-  buf = buffers_lib.aligned_empty(p.nbytes) if pool is None else pool.take(p.nbytes)
+  buf = wire.aligned_empty(p.nbytes) if pool is None else pool.take(p.nbytes)
   starts = range(0, p.nbytes, CHUNK_BYTES)
   if len(p.chunks) != len(starts):
     raise CodecError(f"{name}: {len(p.chunks)} chunk(s) where {len(starts)} were expected")
@@ -159,3 +162,57 @@ def unpack_array(p: PackedArray, *, threads: int = 0, name: str = "array",
     raise CodecError(f"{name}: crc32 of the decoded bytes differs from the sender's")
   return buf.view(p.dtype).reshape(p.shape)
 
+
+# ---------------------------------------------------------------- a payload's pytree
+
+
+def _map_leaves(fn: Callable[[Any], Any], tree: Any) -> Any:
+  """`fn` over every leaf of `tree`, looking inside dataclass leaves: tunix's TrainerPayload
+  types (e.g. RLTrainerPayload, what MaxText's engine trains on) are dataclasses but not
+  pytrees, so each is copied with its fields mapped. JAX is imported here: a payload is a JAX
+  host's, and the rest of the codec needs none."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def leaf(x: Any) -> Any:
+    if (dataclasses.is_dataclass(x) and not isinstance(x, (type, PackedArray))):
+      out = copy.copy(x)
+      for field in dataclasses.fields(x):
+        object.__setattr__(out, field.name, _map_leaves(fn, getattr(x, field.name)))
+      return out
+    return fn(x)
+
+  return jax.tree.map(leaf, tree)
+
+
+def compress_payload(codec: Codec, payload: Any) -> CompressedPayload:
+  """Runs off the event loop: it copies device arrays to host and compresses them."""
+  import jax  # pylint: disable=import-outside-toplevel  (see _map_leaves)
+  sizes = [0, 0]
+
+  def leaf(x: Any) -> Any:
+    if not isinstance(x, (np.ndarray, jax.Array)):
+      return x
+    sizes[0] += x.nbytes
+    if x.nbytes < MIN_PACK_BYTES:
+      sizes[1] += x.nbytes
+      return x
+    packed = pack_array(codec, np.asarray(x))
+    sizes[1] += packed.wire_bytes
+    return packed
+
+  tree = _map_leaves(leaf, payload)
+  return CompressedPayload(codec.name, tree, *sizes)
+
+
+def check_payload(payload: CompressedPayload) -> Any:
+  """Raises codec.CodecError when this process cannot decode it; answers the tree to check."""
+  check_decodable(payload.codec)
+  return payload.tree
+
+
+def decompress_payload(payload: CompressedPayload) -> Any:
+  """The payload's pytree with numpy arrays again; raises codec.CodecError for damaged bytes."""
+  check_payload(payload)
+  return _map_leaves(
+      lambda x: unpack_array(x) if isinstance(x, PackedArray) else x,
+      payload.tree)

@@ -1,12 +1,15 @@
-"""What a codec spec (TUNIX_STAGE_CODEC's value) may name: the codecs, their levels and defaults.
+"""What a codec spec (TUNIX_STAGE_CODEC's value) may name, and what a compressed payload is.
 
 A module of its own, without numpy, so that core.config (read by every `tunix-stage` command and
-by the bootstrap) can say what it accepts, levels included, without importing core/codec.py's
-numpy. core/codec.py re-exports every name here (`codec.LEVELS` is this table). docs/codec.md
-and docs/configuration.md.
+by the bootstrap) can say what it accepts, levels included, and a trainer can tell a compressed
+payload, without importing core/codec.py: the codec loads only where one is set or such a
+payload arrives. core/codec.py re-exports every name here. docs/codec.md.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 OFF = "off"
 ON = "on"  # the default codec at its default level (docs/codec.md)
@@ -27,3 +30,13 @@ ACCEPTED = (f"{OFF} | {ON} (= {DEFAULT_CODEC}:{DEFAULT_LEVELS[DEFAULT_CODEC]}) |
 
 class CodecUnavailable(ValueError):
   """The spec is well formed but its library is not installed (the message names the extra)."""
+
+
+@dataclasses.dataclass
+class CompressedPayload:
+  """A staged payload's pytree with its large array leaves as core.codec.PackedArray."""
+
+  codec: str  # codec.Codec.name
+  tree: Any
+  nbytes: int  # the array leaves' bytes once decoded
+  wire_bytes: int  # the array leaves' bytes as they travel

@@ -12,7 +12,6 @@ gives up on a stuck lane (`close(timeout=...)` returns the busy ones) can exit: 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import enum
 import functools
@@ -20,6 +19,9 @@ import queue
 import threading
 import time
 from typing import Any, Callable, Iterable
+
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
 
 class Lane(enum.Enum):
@@ -32,31 +34,8 @@ class ExecutorClosedError(RuntimeError):
   pass
 
 
-class _Current(threading.local):
-  lane: "_LaneThread | None" = None
-
-
-_current = _Current()
-
-
-def defer_on_current_lane() -> Callable[[Callable[[], None]], None] | None:
-  """For code running on a lane: a `defer(job)` that runs `job` next on that same lane, before
-  the calls already queued there (the store's two-phase stage places there: a stage queued
-  ahead of its placement would wait for the host buffer the unplaced batch holds); None off a
-  lane, or once the lane is shutting down."""
-  lane = _current.lane
-  if lane is None or lane.shut:
-    return None
-  return lane.submit_next
-
-
-_WAKE = object()  # queued with a submit_next job: the thread looks at the front slot again
-
-
 class _LaneThread(concurrent.futures.Executor):
   """One daemon thread running its calls in arrival order (a 1-thread pool that can be abandoned).
-
-  Jobs given to `submit_next` run before every call already queued, in their own arrival order.
 
   concurrent.futures.ThreadPoolExecutor joins its threads at interpreter exit, so one call stuck
   in a 60 s weight sync would hold a stopping process for its whole length.
@@ -64,7 +43,6 @@ class _LaneThread(concurrent.futures.Executor):
 
   def __init__(self, name: str) -> None:
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
-    self._next: collections.deque = collections.deque()  # submit_next's jobs, taken first
     self._lock = threading.Lock()
     self._shut = False
     self._pending = 0  # calls queued or running
@@ -72,24 +50,11 @@ class _LaneThread(concurrent.futures.Executor):
 
   def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
              ) -> concurrent.futures.Future:
-    return self._submit(False, fn, args, kwargs)
-
-  def submit_next(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
-                  ) -> concurrent.futures.Future:
-    """Like submit, but `fn` runs before the calls already queued (after earlier such jobs)."""
-    return self._submit(True, fn, args, kwargs)
-
-  def _submit(self, first: bool, fn: Callable[..., Any], args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> concurrent.futures.Future:
     with self._lock:
       if self._shut:
         raise ExecutorClosedError(f"lane {self._thread.name} is shut down")
       future: concurrent.futures.Future = concurrent.futures.Future()
-      if first:
-        self._next.append((future, fn, args, kwargs))
-        self._queue.put(_WAKE)  # a thread waiting for a call wakes and takes it first
-      else:
-        self._queue.put((future, fn, args, kwargs))
+      self._queue.put((future, fn, args, kwargs))
       self._pending += 1
       if self._thread.ident is None:
         # Started with its first call queued, as ThreadPoolExecutor does: the new thread takes
@@ -102,13 +67,8 @@ class _LaneThread(concurrent.futures.Executor):
     return self._shut
 
   def _work(self) -> None:
-    _current.lane = self
     while True:
-      # The front slot first. A stop marker (None) is only reached once every submit_next
-      # job is taken: each is in the slot before its _WAKE is queued, and both before the stop.
-      item = self._next.popleft() if self._next else self._queue.get()
-      if item is _WAKE:
-        continue
+      item = self._queue.get()
       if item is None:
         return
       future, fn, args, kwargs = item
@@ -151,12 +111,17 @@ class _LaneThread(concurrent.futures.Executor):
 
 class MethodExecutor:
   """Routes method calls to the compute, staging or inline lane: `staging_methods` and
-  `light_methods` are the host's lane table; any other method runs on the compute lane."""
+  `light_methods` are the host's lane table; any other method runs on the compute lane. With a
+  `recorder`, a compute-lane call of a method not in `observed` (the host times those itself) is
+  recorded as the lane's own call (tracks.TRAINER_LANE), on the lane."""
 
   def __init__(self, *, staging_methods: Iterable[str] = (), light_methods: Iterable[str] = (),
-               name: str = "trainer") -> None:
+               name: str = "trainer", recorder: recorder_lib.Recorder | None = None,
+               observed: Iterable[str] = ()) -> None:
     self.staging_methods = frozenset(staging_methods)
     self.light_methods = frozenset(light_methods)
+    self._recorder = recorder
+    self._observed = frozenset(observed)
     overlap = self.staging_methods & self.light_methods
     if overlap:
       raise ValueError(f"methods {sorted(overlap)} are both staging and light; pick one lane")
@@ -203,7 +168,15 @@ class MethodExecutor:
     if lane is Lane.INLINE:
       return self.submit(method_name, fn, *args, **kwargs).result()
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(self._pool(lane), functools.partial(fn, *args, **kwargs))
+    call = functools.partial(fn, *args, **kwargs)
+    if lane is Lane.COMPUTE and self._recorder is not None and method_name not in self._observed:
+      call = functools.partial(self._timed, self._recorder, method_name, call)
+    return await loop.run_in_executor(self._pool(lane), call)
+
+  @staticmethod
+  def _timed(recorder: recorder_lib.Recorder, method_name: str, call: Callable[[], Any]) -> Any:
+    with recorder.span(tracks.TRAINER_LANE, method_name, method=method_name):
+      return call()
 
   def close(self, timeout: float | None = None) -> list[Lane]:
     """Refuses new calls, waits for queued and running work, joins the lane threads. Idempotent.

@@ -1,14 +1,16 @@
 """Stage keys: the one name a staged micro-batch goes by between orchestrator and trainer, built,
 checked and parsed here and nowhere else.
 
-A pipeline's key is `<prefix>-s<step>-m<index>`, the prefix per run (`st<8 hex>`, or
-`ts<session>.<n>`, whose rule is hosts/tunix/sessions.py's); the trainer's store takes any key of
-the charset and length below (a key staged by hand carries no step). docs/design.md "Core
-semantics".
+A pipeline's key is `<prefix>-s<step>-m<index>`, the prefix per run: `st<8 hex>`, or
+`ts<session>.<n>` where a host tells orchestrator processes apart (tunix's: a trainer that sees a
+new session drops the older sessions' batches, docs/tunix.md "One orchestrator per trainer"). The
+trainer's store takes any key of the charset and length below (a key staged by hand carries no
+step). docs/design.md "Core semantics".
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import secrets
 from typing import Any, NamedTuple
@@ -85,6 +87,18 @@ def new_session() -> str:
 def session_prefix(session: str, loop: int) -> str:
   """The prefix of loop `loop` of the orchestrator process whose session is `session`."""
   return f"ts{session}.{loop}"
+
+
+# This orchestrator process's session, and its loops so far. Per process, not per installation:
+# a loop's prefix must never come back while a trainer remembers its keys (an uninstall and
+# install in one process keep counting).
+SESSION = new_session()
+_loops = itertools.count()
+
+
+def next_loop_prefix() -> str:
+  """The key prefix of this process's next staged loop (its session, then the loop's number)."""
+  return session_prefix(SESSION, next(_loops))
 
 
 def session_of(key: Any) -> str | None:

@@ -19,7 +19,6 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
@@ -221,7 +220,7 @@ class _Window:
         outcome = outcome_lib.failed(entry.key, "stage cancelled")
       elif task.exception() is not None:
         error = task.exception()
-        if isinstance(error, store_lib.StageKeyError):
+        if isinstance(error, keys_lib.StageKeyError):
           raise error  # the caller's bug (a malformed or reused key), not a staging failure
         outcome = outcome_lib.failed(entry.key,
                                      f"stage call failed: {type(error).__name__}: {error}")

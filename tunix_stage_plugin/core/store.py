@@ -1,10 +1,17 @@
-"""Trainer-side store of staged micro-batches: keyed, bounded in device and host memory, consumed
-once. A stage is one call (receive and place) or two phases (receive now, place next on the
-staging lane). Why the slot waits, the tombstones and the phases: docs/design.md, "Core semantics".
-Contract breaks (a malformed, reused or unknown key) raise; a stage that fails or is refused
-returns a typed `StageOutcome`, because a failed stage degrades to the inline path. `track` and
-`discard`: which stores hold batches staged through a trainer, for a host event that makes them
-wrong.
+"""The trainer's staged micro-batches: keyed, bounded in host and device memory, consumed once.
+
+A stage has two phases, as grain's `device_put` has two bounded stages. `receive` takes the
+payload into one of `max_host_batches` host buffers and answers at once, so the next payload can
+cross the wire. The placer (one thread of the host's) then pulls each received batch in arrival
+order from `placements`, once one of `max_device_batches` device slots is free, places it and hands
+the result back through the job. `take` hands a placed batch out exactly once; a batch whose
+placement failed hands its payload back (`PlacementFailed`), so the trainer trains it inline: no
+second transfer. Every call goes down into the store; the store calls nothing of its host's.
+
+Contract breaks (a malformed, reused or unknown key) raise. A stage that cannot be held returns a
+typed `StageOutcome`, because a failed stage degrades to the inline path. `track` and `discard`
+say which stores hold batches placed through a trainer, for a host event that makes them wrong.
+docs/design.md "A micro-batch's way".
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ import math
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable, Iterator
 
 from tunix_stage_plugin.core import keys as keys_lib
 from tunix_stage_plugin.core import outcome as outcome_lib
@@ -24,12 +31,12 @@ from tunix_stage_plugin.core.keys import StageKeyError
 
 # How many keys the store remembers, each kind in its own FIFO: keys reset before their stage
 # arrived (that stage is then refused), and keys already used (staging one again is an error).
-# Beyond these many, the oldest are forgotten; keys carry a per-orchestrator prefix and the step.
+# Older ones are forgotten; keys carry a per-orchestrator prefix and the step, so none comes back.
 REMEMBERED_KEYS = 4096
 
 
 class PlacementFailed(Exception):
-  """A received batch could not be placed: train it inline from `payload` (no second transfer)."""
+  """A received batch was not placed: train it inline from `payload` (no second transfer)."""
 
   def __init__(self, key: str, payload: Any, reason: str) -> None:
     super().__init__(f"stage key {key!r} could not be placed: {reason}")
@@ -39,23 +46,23 @@ class PlacementFailed(Exception):
 
 
 class _State(enum.Enum):
-  RECEIVED = "received"  # the payload is here, waiting for a device slot (holds a host buffer)
-  PLACING = "placing"  # prepare runs (holds a device slot)
-  PLACED = "placed"  # ready for take (holds a device slot)
-  UNPLACED = "unplaced"  # placement failed: take hands the payload back (holds a host buffer)
+  RECEIVED = "received"  # holds a host buffer, waits for a device slot
+  PLACING = "placing"  # holds a device slot while the placer places it
+  PLACED = "placed"  # holds a device slot until taken
+  UNPLACED = "unplaced"  # its placement failed: take hands the payload back
 
 
 class _Entry:
-  __slots__ = ("state", "split", "done", "payload", "value", "reason", "dropped")
+  __slots__ = ("key", "state", "done", "payload", "value", "reason", "dropped")
 
-  def __init__(self, state: _State, payload: Any, split: bool) -> None:
-    self.state = state
-    self.split = split  # received now, placed later (deferred)
+  def __init__(self, key: str, payload: Any) -> None:
+    self.key = key
+    self.state = _State.RECEIVED
     self.done = threading.Event()  # set once PLACED or UNPLACED (or dropped), for take()
     self.payload = payload  # kept until placed
     self.value: Any = None
     self.reason: str | None = None  # why it is UNPLACED
-    self.dropped = False  # reset: gone from the store; a running prepare still holds its buffers
+    self.dropped = False  # reset: gone from the store; a running placement still holds buffers
 
 
 @dataclasses.dataclass
@@ -63,15 +70,12 @@ class StoreStats:
   staged: int = 0  # placed
   consumed: int = 0  # taken after placement
   refused: int = 0
-  failed: int = 0  # prepare raised
+  failed: int = 0  # placements that raised
   unplaced: int = 0  # taken after a failed placement (trained inline from the held payload)
   dropped: int = 0
-  slot_waits: int = 0  # stages (or placements) that had to wait for a slot
+  slot_waits: int = 0  # receives (or placements) that had to wait for a buffer (or a slot)
   peak: int = 0  # most device slots (placed or being placed) held at once
   peak_host: int = 0  # most received-but-unplaced host buffers held at once
-
-
-Defer = Callable[[Callable[[], None]], None]
 
 
 def _check_bound(name: str, value: Any) -> None:
@@ -79,9 +83,36 @@ def _check_bound(name: str, value: Any) -> None:
     raise ValueError(f"{name} must be an int >= 1; got {value!r}")
 
 
+class Placing:
+  """One placement the placer runs: `with job: job.done(place(job.payload))`. Leaving the block
+  on an exception marks the batch failed (its payload trains inline); an interrupt propagates."""
+
+  def __init__(self, store: "StagedBatchStore", entry: _Entry) -> None:
+    self._store = store
+    self._entry = entry
+    self.key = entry.key
+    self.payload = entry.payload
+
+  def done(self, value: Any) -> None:
+    self._store._placed(self._entry, value)  # pylint: disable=protected-access
+
+  def __enter__(self) -> "Placing":
+    return self
+
+  def __exit__(self, kind: Any, error: Any, tb: Any) -> bool:
+    del tb
+    self.payload = None
+    if error is not None:
+      self._store._failed(self._entry, f"prepare failed: {kind.__name__}: {error}")  # pylint: disable=protected-access
+      return isinstance(error, Exception)  # the placer goes on; an interrupt propagates
+    if self._entry.state is _State.PLACING and not self._entry.dropped:
+      self._store._failed(self._entry, "the placer returned no placed batch")  # pylint: disable=protected-access
+    return False
+
+
 class StagedBatchStore:
   """At most `max_device_batches` placed (or placing) micro-batches and `max_host_batches`
-  received-but-unplaced ones, each consumed exactly once."""
+  received ones waiting for a slot, each consumed exactly once."""
 
   def __init__(self, max_device_batches: int, *, max_host_batches: int = 1,
                slot_wait_s: float = 30.0) -> None:
@@ -95,12 +126,14 @@ class StagedBatchStore:
     self.slot_wait_s = slot_wait_s
     self._cond = threading.Condition()
     self._entries: dict[str, _Entry] = {}
-    self._pending: set[str] = set()  # stages checking their payload or waiting for a slot
+    self._queue: collections.deque[_Entry] = collections.deque()  # received, in arrival order
+    self._pending: set[str] = set()  # receives waiting for a host buffer
     self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
     self._used: collections.OrderedDict[str, None] = collections.OrderedDict()
-    # Entries reset while their prepare still runs: their buffers exist until it returns, so
-    # they keep holding a device slot until then.
+    # Entries reset while being placed: their buffers exist until the placement returns, so they
+    # keep holding a device slot until then.
     self._draining = 0
+    self._closed = False
     self.stats = StoreStats()
     self._window_peaks = (0, 0)  # (device, host) since take_peaks last ran
 
@@ -135,6 +168,12 @@ class StagedBatchStore:
   def _held_host(self) -> int:
     return sum(e.state in (_State.RECEIVED, _State.UNPLACED) for e in self._entries.values())
 
+  def _note_peaks(self) -> None:
+    held, held_host = self._held(), self._held_host()
+    self.stats.peak = max(self.stats.peak, held)
+    self.stats.peak_host = max(self.stats.peak_host, held_host)
+    self._window_peaks = (max(self._window_peaks[0], held), max(self._window_peaks[1], held_host))
+
   def _refuse(self, key: str, reason: str) -> outcome_lib.StageOutcome:
     self.stats.refused += 1
     return outcome_lib.refused(key, reason)
@@ -145,7 +184,7 @@ class StagedBatchStore:
     while len(fifo) > REMEMBERED_KEYS:
       fifo.popitem(last=False)
 
-  def _wait_for(self, room: Callable[[], bool], cancelled: Callable[[], bool]) -> bool:
+  def _wait_for(self, room: Any, cancelled: Any) -> bool:
     """Under the lock: waits at most slot_wait_s for `room()`; False on timeout or cancel."""
     if room():
       return not cancelled()
@@ -162,18 +201,13 @@ class StagedBatchStore:
     return (f"device bound reached: {self._held()} of {self.max_device_batches} staged batches "
             f"held for {self.slot_wait_s} s (TUNIX_STAGE_MAX_DEVICE_BATCHES)")
 
-  def stage(self, key: str, payload: Any, prepare: Callable[[Any], Any], *,
-            check: Callable[[Any], None] | None = None,
-            defer: Defer | None = None) -> outcome_lib.StageOutcome:
-    """Stages `payload` under `key`.
+  def receive(self, key: str, payload: Any, *, refuse: str | None = None
+              ) -> outcome_lib.StageOutcome:
+    """Holds `payload` under `key` in a host buffer for the placer; STAGED at once.
 
-    `check(payload)`, when given, runs first and raises for a payload that can never be staged:
-    it is refused at once, before waiting for any slot. Without `defer`, `prepare(payload)` runs
-    here into a reserved device slot (refused after `slot_wait_s` without one). With `defer`,
-    the payload is received into a host buffer (refused after `slot_wait_s` without one), the
-    answer is STAGED at once, and `defer(job)` schedules the placement (e.g. next on the staging
-    lane); `take` waits for it and raises PlacementFailed when it failed.
-    """
+    `refuse`: why this payload can never be staged (the host's check of it, done first): refused
+    now, before any wait. Refused too after `slot_wait_s` without a host buffer, or when its key
+    was reset first."""
     keys_lib.check(key)
     with self._cond:
       if key in self._entries or key in self._pending or key in self._used:
@@ -181,62 +215,54 @@ class StagedBatchStore:
       self._remember(self._used, key)
       if self._cancelled.pop(key, 0) is None:
         return self._refuse(key, "reset before it was staged")
-      self._pending.add(key)  # until it holds a slot or is refused; a reset now tombstones it
-    try:
-      if check is not None:
-        try:
-          check(payload)
-        except Exception as e:  # pylint: disable=broad-except  (the reason travels back)
-          with self._cond:
-            return self._refuse(key, f"not stageable: {type(e).__name__}: {e}")
-      with self._cond:
-        cancelled = lambda: key in self._cancelled
-        if defer is None:
-          room = lambda: self._held() < self.max_device_batches
-        else:
-          room = lambda: self._held_host() < self.max_host_batches
-        if not self._wait_for(room, cancelled):
-          if self._cancelled.pop(key, 0) is None:
-            return self._refuse(key, "reset while waiting for a "
-                                + ("device slot" if defer is None else "host buffer"))
-          if defer is None:
-            return self._refuse(key, self._device_bound())
+      if refuse is not None:
+        return self._refuse(key, f"not stageable: {refuse}")
+      self._pending.add(key)  # until it holds a buffer or is refused; a reset now tombstones it
+      try:
+        if not self._wait_for(lambda: self._held_host() < self.max_host_batches,
+                              lambda: key in self._cancelled or self._closed):
+          if self._cancelled.pop(key, 0) is None or self._closed:
+            return self._refuse(key, "reset while waiting for a host buffer")
           return self._refuse(
               key, f"host bound reached: {self._held_host()} of {self.max_host_batches} received "
               f"batches held for {self.slot_wait_s} s (TUNIX_STAGE_MAX_HOST_BATCHES)")
-        entry = self._entries[key] = _Entry(
-            _State.PLACING if defer is None else _State.RECEIVED, payload, defer is not None)
+        entry = self._entries[key] = _Entry(key, payload)
+        self._queue.append(entry)
         self._note_peaks()
-    finally:
-      with self._cond:
+        self._cond.notify_all()  # the placer may be waiting for it
+      finally:
         self._pending.discard(key)
-    if defer is None:
-      return self._place(key, entry, prepare)
-    job = lambda: self._place_received(key, entry, prepare)
-    try:
-      defer(job)
-    except Exception:  # pylint: disable=broad-except  (the lane is closing: place it here)
-      job()
     return outcome_lib.staged(key)
 
-  def _note_peaks(self) -> None:
-    held, held_host = self._held(), self._held_host()
-    self.stats.peak = max(self.stats.peak, held)
-    self.stats.peak_host = max(self.stats.peak_host, held_host)
-    self._window_peaks = (max(self._window_peaks[0], held), max(self._window_peaks[1], held_host))
+  def placements(self) -> Iterator[Placing]:
+    """The placer's loop: each received batch, in arrival order, once a device slot is free for
+    it (a batch that waits `slot_wait_s` for one becomes an inline train instead). Blocks while
+    nothing is received; ends once the store is closed."""
+    while True:
+      with self._cond:
+        entry = self._next_received()
+        if entry is None:
+          return
+        if not self._wait_for(lambda: self._held() < self.max_device_batches,
+                              lambda: (entry.dropped or entry.state is not _State.RECEIVED
+                                       or self._closed)):
+          if entry.state is _State.RECEIVED and not entry.dropped and not self._closed:
+            self._unplaced(entry, self._device_bound())
+          continue
+        entry.state = _State.PLACING
+        self._note_peaks()
+        self._cond.notify_all()  # its host buffer is free for the next receive
+      yield Placing(self, entry)
 
-  def _place_received(self, key: str, entry: _Entry, prepare: Callable[[Any], Any]) -> None:
-    """The deferred phase: waits for a device slot, then places (on the caller's thread)."""
-    with self._cond:
-      room = lambda: self._held() < self.max_device_batches
-      if not self._wait_for(room, lambda: entry.dropped or entry.state is not _State.RECEIVED):
-        if not entry.dropped and entry.state is _State.RECEIVED:
-          self._unplaced(entry, self._device_bound())
-        return
-      entry.state = _State.PLACING
-      self._note_peaks()
-      self._cond.notify_all()  # its host buffer is free for the next receive
-    self._place(key, entry, prepare)
+  def _next_received(self) -> _Entry | None:
+    """Under the lock: the oldest batch still waiting to be placed; None once closed."""
+    while not self._closed:
+      while self._queue:
+        entry = self._queue.popleft()
+        if entry.state is _State.RECEIVED and not entry.dropped:
+          return entry
+      self._cond.wait()
+    return None
 
   def _unplaced(self, entry: _Entry, reason: str) -> None:
     """Under the lock: the entry keeps its payload for an inline train."""
@@ -244,42 +270,32 @@ class StagedBatchStore:
     entry.done.set()
     self._cond.notify_all()
 
-  def _place(self, key: str, entry: _Entry, prepare: Callable[[Any], Any]
-             ) -> outcome_lib.StageOutcome:
-    try:
-      value = prepare(entry.payload)
-    except BaseException as e:  # pylint: disable=broad-except  (any failure degrades to inline)
-      reason = f"prepare failed: {type(e).__name__}: {e}"
-      with self._cond:
-        self.stats.failed += 1
-        entry.reason = reason
-        if entry.dropped:
-          self._draining -= 1
-        elif entry.split:  # its stage was answered STAGED: the payload trains inline instead
-          self._unplaced(entry, reason)
-        else:
-          del self._entries[key]
-        entry.done.set()
-        self._cond.notify_all()
-      if not isinstance(e, Exception):
-        raise  # KeyboardInterrupt, SystemExit: the slot is free, the interrupt goes on
-      return outcome_lib.failed(key, reason)
+  def _placed(self, entry: _Entry, value: Any) -> None:
     with self._cond:
       if entry.dropped:  # reset while it was being placed: let the buffers go now
         self._draining -= 1
-        entry.done.set()
-        self._cond.notify_all()
-        return outcome_lib.refused(key, "reset while staging")
-      entry.state, entry.value, entry.payload = _State.PLACED, value, None
-      self.stats.staged += 1
+        entry.value = None
+      else:
+        entry.state, entry.value, entry.payload = _State.PLACED, value, None
+        self.stats.staged += 1
       entry.done.set()
       self._cond.notify_all()
-    return outcome_lib.staged(key)
+
+  def _failed(self, entry: _Entry, reason: str) -> None:
+    with self._cond:
+      self.stats.failed += 1
+      entry.reason = reason
+      if entry.dropped:
+        self._draining -= 1
+        entry.done.set()
+        self._cond.notify_all()
+      else:  # its stage was answered STAGED: the payload trains inline instead
+        self._unplaced(entry, reason)
 
   def take(self, key: str, timeout: float | None = 60.0) -> Any:
     """Removes and returns the placed batch; waits (bounded) while it is received or placing.
 
-    Raises PlacementFailed (carrying the payload) when a deferred placement failed.
+    Raises PlacementFailed (carrying the payload) when its placement failed or cannot happen.
     """
     keys_lib.check(key)
     with self._cond:
@@ -335,13 +351,22 @@ class StagedBatchStore:
         if entry.state is _State.PLACING:
           self._draining += 1
         entry.value = entry.payload = None
+        entry.done.set()
         dropped.append(k)
       self.stats.dropped += len(dropped)
       self._cond.notify_all()
     return dropped
 
+  def close(self) -> list[str]:
+    """Drops every batch and ends `placements` (the placer's loop); returns the dropped keys."""
+    dropped = self.reset()
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+    return dropped
 
-# Which stores hold batches staged through which target (the trainer object whose preparation
+
+# Which stores hold batches placed through which target (the trainer object whose preparation
 # placed them), so a host event that makes them wrong (MaxText's restore_checkpoint or close) can
 # drop them. The process's, as the hosts' placements registry is.
 _holders_lock = threading.Lock()
@@ -349,13 +374,13 @@ _holders: "weakref.WeakKeyDictionary[Any, weakref.WeakSet]" = weakref.WeakKeyDic
 
 
 def track(target: Any, store: StagedBatchStore) -> None:
-  """`store` holds batches staged through `target`."""
+  """`store` holds batches placed through `target`."""
   with _holders_lock:
     _holders.setdefault(target, weakref.WeakSet()).add(store)
 
 
 def discard(target: Any) -> list[str]:
-  """Drops every batch staged through `target` (their device buffers go); returns their keys."""
+  """Drops every batch placed through `target` (their device buffers go); returns their keys."""
   with _holders_lock:
     stores = list(_holders.get(target, ()))
   return [key for store in stores for key in store.reset()]

@@ -1,19 +1,25 @@
-"""How each kind of trainer is staged behind tunix's TrainerWorker: the registry of Placements (one
-per kind) and the seam they stage through.
+"""How each kind of trainer behind tunix's TrainerWorker is staged: the registry of placements (one
+per kind), the seam a staged batch is handed through, and the payload transforms users register.
 
-A Placement prepares and places a payload on the staging thread through the trainer's own
-preparation step, and at consume time that step (its "seam") hands the staged batch through, so a
-staged micro-batch is prepared exactly once, as inline (tunix's PeftTrainer: hosts/tunix/peft.py;
-MaxText's engine: hosts/maxtext/). The registry is the process's, not one installation's: two
-adapters' hooks meet here. docs/maxtext.md.
+A placement prepares and places a payload on the trainer's placer thread through the trainer's
+own preparation step. When that batch is trained, the same step (its "seam") hands the placed
+batch through instead of preparing again, so a staged micro-batch is prepared exactly once, as
+inline (tunix's PeftTrainer: hosts/tunix/peft.py; MaxText's engine: hosts/maxtext/). The seam
+knows a batch to hand through, or an inline payload whose preparation a call times, by the
+object itself (`handing`, `timing`): the placer's payloads, prepared on another thread meanwhile,
+are other objects.
+
+The registry and the handing table are the process's, not one installation's: two adapters' hooks
+meet here. docs/design.md "A micro-batch's way"; docs/maxtext.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 from tunix_stage_plugin.core import patching
 
@@ -21,36 +27,40 @@ from tunix_stage_plugin.core import patching
 class Placement(Protocol):
   name: str
   host: str  # the host the telemetry names for this kind's computations
+  seam: str  # the name of the trainer's preparation method staging goes through
   # Raises for a payload this kind of trainer can never stage (refused before any wait); None
   # where no payload can be told unstageable before its preparation runs (a failure there is a
   # failed stage, trained inline).
   check: Callable[[Any], None] | None
 
-  def find(self, trainer: Any) -> tuple[Any, str | None]:
-    """(target, None): stage through `target`; (None, reason): this kind, but it can never
-    stage; (None, None): not this kind of trainer."""
+  def find(self, owner: Any) -> tuple[Any, str | None]:
+    """For `owner`, the object whose seam a trainer's calls reach: (target, None) to stage
+    through it; (None, reason) when this kind can never stage it; (None, None): not this kind."""
 
   def place(self, target: Any, payload: Any) -> Any:
-    """On the staging thread: prepare and place `payload`; blocks until the copy is done."""
+    """On the placer thread: prepare and place `payload`; blocks until the copy is done."""
 
-  def resolve(self, target: Any, staged: Any) -> Any:
-    """In the seam, consuming `staged` (what `place` returned): what the preparation returns."""
+  def resolve(self, target: Any, staged: Any) -> tuple[Any, str | None]:
+    """In the seam, consuming `staged` (what `place` returned): what the preparation returns, and
+    why it was prepared from the payload instead (None: the placed batch as it is)."""
 
   def computation(self, target: Any, kind: str) -> Any:
-    """Right after `target`'s fwd_bwd or update (`kind`, contract.FWD_BWD or UPDATE) returned, on
-    the same thread: an output of the computation it queued, ready once that computation ended
-    (the telemetry's watcher waits for it, off the compute lane); None where there is none."""
+    """Right after `target`'s fwd_bwd or update (`kind`) returned, on the same thread: an output
+    of the computation it queued, ready once that computation ended; None where there is none."""
 
   def tracer(self, target: Any) -> Any:
-    """`target`'s tunix PerfTracer, where it has one (hosts/tunix/tracing.py); else None."""
+    """`target`'s tunix PerfTracer, where it has one; else None."""
+
+  def computation_span(self, tracer: Any, target: Any) -> ContextManager[Callable[[], None]]:
+    """Around one fwd_bwd or update where `tracer` (what `tracer` answered) is one: its span on
+    the tracer; yields what ends its device span once the computation's output is ready."""
 
   def metrics_logger(self, target: Any) -> Any:
-    """What `target` logs its metrics with, where it has one (a tunix MetricsLogger:
-    hosts/tunix/metrics.py; MaxText's engine's: hosts/maxtext/metrics.py); else None."""
+    """What `target` logs its metrics with, where it has one; else None."""
 
   def step_sink(self, target: Any, logger: Any) -> Any:
-    """The step sink (core.telemetry.process.StepSink) that logs each trainer step's scalars
-    through `logger` (what metrics_logger answered) at the step `target` logs its loss at."""
+    """The step sink that logs each trainer step's scalars through `logger` at the step
+    `target` logs its loss at."""
 
 
 _lock = threading.Lock()
@@ -76,10 +86,12 @@ def registered() -> tuple[Placement, ...]:
 
 
 def choose(trainer: Any) -> tuple[Placement | None, Any, str | None]:
-  """(placement, target, None) for the first placement that takes `trainer`, else
-  (None, None, why it cannot stage)."""
+  """(placement, target, None) for the first placement that takes `trainer` (or the trainer a
+  mesh-binding proxy such as tunix's _MeshBoundTrainer forwards to), else (None, None, why it
+  cannot stage)."""
   for placement in registered():
-    target, reason = placement.find(trainer)
+    owner = getattr(getattr(trainer, placement.seam, None), "__self__", None)
+    target, reason = (None, None) if owner is None else placement.find(owner)
     if target is not None:
       return placement, target, None
     if reason is not None:
@@ -89,97 +101,115 @@ def choose(trainer: Any) -> tuple[Placement | None, Any, str | None]:
                       f"{kinds} (or a proxy forwarding to one)")
 
 
-def owner(trainer: Any, seam_name: str, cls: type) -> Any:
-  """The `cls` instance that owns the `seam_name` method `trainer`'s calls reach: the trainer
-  itself, or the one a mesh-binding proxy (tunix's _MeshBoundTrainer) forwards to; else None."""
-  found = getattr(getattr(trainer, seam_name, None), "__self__", None)
-  return found if isinstance(found, cls) else None
+# ---------------------------------------------------------------- the seam
 
 
-def set_seam(registry: patching.PatchRegistry, placement: Placement, cls: type, seam_name: str,
-             said: str) -> None:
-  """`cls`'s own `seam_name` becomes a seam resolving through `placement`, undone on uninstall
-  (`said`: the method as a refusal names it)."""
-  registry.set(cls, seam_name, seam(vars(cls)[seam_name], placement.resolve, said))
+class Handed:
+  """What a seam did with the staged batch it was to hand through: `passed` whether it did,
+  `fallback` why it prepared the payload instead (None: it handed the placed batch)."""
 
-
-class _Seam(threading.local):
-  """What the seam on this thread is doing: handing a staged batch through (a Consume is active)
-  or, while a Prepared is active, timing the host's own preparation."""
-
-  consuming = False
-  staged: Any = None
-  passed = False
-  fallback: str | None = None
-  timing = False
-  prepared: tuple[float, float] | None = None
-
-
-_seam = _Seam()
-
-
-class Consume:
-  """`with Consume(staged) as c:` around the host's fwd_bwd(staged): the seam on this thread
-  hands `staged` through once; afterwards `c.passed` says whether it did and `c.fallback` why
-  the seam trained it from its payload instead (None: it used the staged placement)."""
-
-  def __init__(self, staged: Any) -> None:
+  def __init__(self, placement: Placement, staged: Any) -> None:
+    self.placement = placement
     self.staged = staged
     self.passed = False
     self.fallback: str | None = None
 
-  def __enter__(self) -> "Consume":
-    _seam.consuming, _seam.staged = True, self.staged
-    _seam.passed, _seam.fallback = False, None
-    return self
-
-  def __exit__(self, *exc: Any) -> None:
-    self.passed, self.fallback = _seam.passed, _seam.fallback
-    _seam.consuming, _seam.staged, _seam.fallback = False, None, None
-
 
 class Prepared:
-  """`with Prepared() as p:` around a trainer call that may prepare its payload inline (the
-  host's own preparation, through the seam on this thread): afterwards `p.span` says when that
-  preparation ran, (start, end) in perf_counter (None: the call prepared nothing)."""
+  """When a trainer's own preparation ran inside one call (`span`: perf_counter start and end;
+  None: the call prepared nothing)."""
 
-  def __init__(self) -> None:
-    self.span: tuple[float, float] | None = None
-
-  def __enter__(self) -> "Prepared":
-    _seam.timing, _seam.prepared = True, None
-    return self
-
-  def __exit__(self, *exc: Any) -> None:
-    self.span = _seam.prepared
-    _seam.timing, _seam.prepared = False, None
+  span: tuple[float, float] | None = None
 
 
-def note_fallback(reason: str) -> None:
-  """Called by a `resolve` that trains the staged micro-batch from its payload instead."""
-  _seam.fallback = reason
+_seams_lock = threading.Lock()
+_handing: dict[int, Handed] = {}  # by id(staged): a placed batch a seam hands through once
+_timing: dict[int, Prepared] = {}  # by id(payload): an inline payload whose preparation is timed
 
 
-def seam(original: Callable[[Any, Any], Any], resolve: Callable[[Any, Any], Any],
-         name: str) -> Callable[[Any, Any], Any]:
-  """Wraps a trainer's preparation method: the host's own unless a Consume on this thread is
-  handing a staged batch through, then `resolve(trainer, staged)` (once)."""
+@contextlib.contextmanager
+def handing(placement: Placement, staged: Any) -> Iterator[Handed]:
+  """Around the host's fwd_bwd(staged): the seam that meets `staged` hands it through once."""
+  handed = Handed(placement, staged)
+  with _seams_lock:
+    _handing[id(staged)] = handed
+  try:
+    yield handed
+  finally:
+    with _seams_lock:
+      _handing.pop(id(staged), None)
+
+
+@contextlib.contextmanager
+def timing(payload: Any) -> Iterator[Prepared]:
+  """Around a host call that may prepare `payload` inline: when a seam prepared it."""
+  prepared = Prepared()
+  with _seams_lock:
+    _timing[id(payload)] = prepared
+  try:
+    yield prepared
+  finally:
+    with _seams_lock:
+      _timing.pop(id(payload), None)
+
+
+def set_seam(registry: patching.PatchRegistry, cls: type, name: str) -> None:
+  """`cls`'s own `name` method becomes a seam, undone on uninstall."""
+  registry.set(cls, name, _seam(vars(cls)[name]))
+
+
+def _seam(original: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+  """A trainer's preparation method, wrapped: a staged batch being handed through is resolved
+  (once); any other payload is the host's own, timed where a call asked."""
 
   @functools.wraps(original)
   def wrapper(self: Any, payload: Any) -> Any:
-    if not _seam.consuming:
-      if not _seam.timing:
+    with _seams_lock:
+      handed = _handing.get(id(payload))
+      if handed is not None and handed.staged is payload and not handed.passed:
+        handed.passed = True
+      else:
+        handed = None
+      prepared = _timing.get(id(payload))
+    if handed is None:
+      if prepared is None or prepared.span is not None:
         return original(self, payload)
       start = time.perf_counter()
       try:
         return original(self, payload)
       finally:
-        _seam.prepared = (start, time.perf_counter())
-    _seam.consuming = False
-    if payload is not _seam.staged:
-      raise RuntimeError(f"the staged batch was replaced on its way from fwd_bwd to {name}; "
-                         "staging cannot keep its one-preparation promise with this trainer")
-    _seam.passed = True
-    return resolve(self, payload)
+        prepared.span = (start, time.perf_counter())
+    batch, handed.fallback = handed.placement.resolve(self, payload)
+    return batch
 
   return wrapper
+
+
+# ---------------------------------------------------------------- payload transforms
+
+PayloadTransform = Callable[[Any], Any]
+_transforms: list[PayloadTransform] = []
+
+
+def register_payload_transform(fn: PayloadTransform) -> PayloadTransform:
+  """Adds `fn(payload) -> payload`, run on the placer thread before a staged payload is placed,
+  in the order registered (an inline fwd_bwd is the host's own code, untouched); usable as a
+  decorator. The upstream change densified a compact MoE routing record here. Registering twice
+  is an error."""
+  if not callable(fn):
+    raise TypeError(f"a payload transform must be callable; got {type(fn).__name__}")
+  with _lock:
+    if fn in _transforms:
+      raise ValueError(f"payload transform {fn!r} is already registered")
+    _transforms.append(fn)
+  return fn
+
+
+def unregister_payload_transform(fn: PayloadTransform) -> None:
+  with _lock:
+    _transforms.remove(fn)
+
+
+def payload_transforms() -> tuple[PayloadTransform, ...]:
+  with _lock:
+    return tuple(_transforms)

@@ -1,33 +1,263 @@
-"""The trainer's end of the bulk channel: a listener that receives each call's bytes into pooled
-aligned buffers and hands them to the call that announced them (its host binds it: 127.0.0.1 for
-the embedded trainer, where tunix's server listens for tunix's). It never unpickles anything,
-fills buffers only for a transfer whose header passed its cap, and bounds every wait on a peer by
-`frames.BulkLimits`. docs/embedded.md "The bulk channel" and "Limits of the bulk channel".
+"""The trainer's end of the bulk transport: where a call's bytes are received, into pooled aligned
+buffers, from the bulk channel (a listener beside the host's server) or a chunked stream.
+
+Why pooled aligned buffers: numpy arrays unpickled over a 64-byte-aligned buffer are writable and
+aligned, and on CPU `jax.device_put` of one is zero-copy; a fresh large buffer costs its page
+faults on first touch (docs/performance.md "Throughput of the host path"). A buffer goes back to
+its `HostBufferPool` only when no array, view or JAX alias references it (CPython's reference
+count of its owner). A pool can be bounded in transfers (`set_bound`), counting on CPU the buffers
+whose computation has not ended.
+
+The listener never unpickles anything, fills buffers only for a transfer whose header passed its
+cap, and bounds every wait on a peer by `wire.BulkLimits` (its host binds it: 127.0.0.1 for the
+embedded trainer, where tunix's server listens for tunix's). docs/embedded.md "The bulk channel"
+and "Limits of the bulk channel"; docs/tunix.md "Where the trainer's memory goes".
 """
+
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
+import gc
 import logging
 import socket
 import struct
+import sys
 import threading
 import time
-from typing import Sequence
+from typing import AsyncIterator, Sequence
 
 import numpy as np
 
-from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.transport import frames
-from tunix_stage_plugin.transport.frames import WireError
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
+from tunix_stage_plugin.transport import wire
+from tunix_stage_plugin.transport.wire import WireError
 
 log = logging.getLogger("tunix_stage_plugin.transport")
 
 RECV_BYTES = 16 << 20  # one recv_into asks for at most this much
 REMEMBERED = 4096  # ended transfer ids remembered, so a late frame for one is dropped at once
 STOPPING = "the trainer is stopping: its bulk listener closed before this call's bytes arrived"
+
+
+POOL_MIN_BYTES = 1 << 20  # smaller buffers are allocated fresh: their faults cost nothing
+# A take that finds every buffer of its size in use waits this long at most (and no longer than
+# a fresh buffer's faults at FAULT_BYTES_PER_S would take) for one to come back from JAX.
+RELEASE_WAIT_S = 0.05
+FAULT_BYTES_PER_S = 4 << 30
+# A bounded pool's transfer waits this long at most for in-use buffers to come back (computations
+# that end); then it makes its buffers as an unbounded pool would, and counts it (`over_bound`).
+BOUND_WAIT_S = 2.0
+
+
+class _Slot:
+  __slots__ = ("raw", "nbytes")
+
+  def __init__(self, nbytes: int) -> None:
+    self.raw = wire.aligned_empty(nbytes).base  # the owner: every view handed out refers to it
+    self.nbytes = nbytes
+
+  def free(self) -> bool:
+    # References: this slot's attribute and getrefcount's own argument. Any view, any array
+    # unpickled over one, any JAX array aliasing one holds one more.
+    return sys.getrefcount(self.raw) <= 2
+
+  def view(self) -> np.ndarray:
+    offset = (-self.raw.ctypes.data) % wire.ALIGNMENT
+    return self.raw[offset:offset + self.nbytes]
+
+
+class HostBufferPool:
+  """Aligned buffers by exact size; `take` reuses a buffer nothing references, else makes one.
+
+  The pool holds at most the buffers that were in use at once (a run's peak), and `trim()` gives
+  back the idle ones (between jobs). Thread-safe.
+  """
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._admit = threading.Lock()  # bounded transfers take their buffers one at a time
+    self._slots: list[_Slot] = []
+    self.made = 0  # buffers allocated (each paid its page faults once)
+    self.reused = 0
+    self.bound: int | None = None  # transfers whose pooled buffers may be in use at once
+    self.bound_wait_s = BOUND_WAIT_S
+    self.bound_waits = 0  # transfers that waited for buffers to come back (the bound reached)
+    self.over_bound = 0  # of those, the ones that found none back in time and made more
+    # Each such wait is a span (tracks.TRAINER_POOL_WAIT: the transfer's pooled bytes, whether
+    # it ran out): the trainer's telemetry counts it in its step.
+    self.recorder: recorder_lib.Recorder = recorder_lib.DISABLED
+
+  def set_bound(self, transfers: int | None, wait_s: float = BOUND_WAIT_S) -> None:
+    """At most `transfers` transfers' worth of pooled bytes in use at once (None: unbounded); a
+    transfer beyond it waits at most `wait_s` for a release, then goes ahead anyway."""
+    if transfers is not None and (not isinstance(transfers, int) or isinstance(transfers, bool)
+                                  or transfers < 1):
+      raise ValueError(f"a pool bound must be an int >= 1 (transfers) or None; got {transfers!r}")
+    if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not 0 <= wait_s < 3600:
+      raise ValueError(f"a pool bound's wait must be 0-3600 seconds; got {wait_s!r}")
+    with self._lock:
+      self.bound, self.bound_wait_s = transfers, float(wait_s)
+
+  def take(self, nbytes: int) -> np.ndarray:
+    if not isinstance(nbytes, int) or nbytes < 0:
+      raise ValueError(f"buffer size must be an int >= 0; got {nbytes!r}")
+    if nbytes < POOL_MIN_BYTES:
+      return wire.aligned_empty(nbytes)
+    view = self._reuse(nbytes)
+    if view is None and self._holds(nbytes):
+      view = self._await_release(nbytes)
+    if view is not None:
+      return view
+    with self._lock:
+      slot = _Slot(nbytes)
+      self._slots.append(slot)
+      self.made += 1
+      return slot.view()
+
+  def _await_release(self, nbytes: int) -> np.ndarray | None:
+    # JAX drops its alias of a placed host buffer (the batch trained last) from one of its own
+    # threads once the computation is done, and that release waits for the next collection (JAX
+    # runs its deferred releases in a gc callback): a young-generation collection (~0.1 ms) gives
+    # the buffer back, within a millisecond of the compute measured at 1 GiB. Waiting is bounded
+    # by a fraction of what a fresh buffer's page faults would cost.
+    deadline = time.monotonic() + min(RELEASE_WAIT_S, nbytes / FAULT_BYTES_PER_S)
+    while True:
+      gc.collect(0)
+      view = self._reuse(nbytes)
+      if view is not None or time.monotonic() >= deadline:
+        return view
+      time.sleep(0.0005)
+
+  def _reuse(self, nbytes: int) -> np.ndarray | None:
+    with self._lock:
+      for slot in self._slots:
+        if slot.nbytes == nbytes and slot.free():
+          self.reused += 1
+          return slot.view()
+    return None
+
+  def _holds(self, nbytes: int) -> bool:
+    with self._lock:
+      return any(slot.nbytes == nbytes for slot in self._slots)
+
+  def reserve(self, nbytes: int, count: int) -> int:
+    """Makes sure `count` buffers of `nbytes` exist, each written once (its pages faulted now,
+    not on the first receive into it); returns how many were made. A long job reaches this on
+    its own after a few micro-batches; a short one (a benchmark run) starts from it."""
+    if nbytes < POOL_MIN_BYTES:
+      return 0
+    with self._lock:
+      missing = count - sum(s.nbytes == nbytes for s in self._slots)
+      for _ in range(max(0, missing)):
+        slot = _Slot(nbytes)
+        slot.view().fill(0)
+        self._slots.append(slot)
+        self.made += 1
+    return max(0, missing)
+
+  def take_all(self, sizes: Sequence[int]) -> list[np.ndarray]:
+    """One transfer's buffers, within the pool's bound (see `set_bound`)."""
+    pooled = sum(n for n in sizes if isinstance(n, int) and n >= POOL_MIN_BYTES)
+    with self._lock:
+      bound, wait_s = self.bound, self.bound_wait_s
+    if bound is None or pooled == 0:
+      return [self.take(n) for n in sizes]
+    with self._admit:  # one bounded transfer at a time: the next one counts this one's buffers
+      self._within_bound(pooled, bound, wait_s)
+      return [self.take(n) for n in sizes]
+
+  def _within_bound(self, nbytes: int, bound: int, wait_s: float) -> None:
+    """Waits (at most `wait_s`) while `bound` transfers of `nbytes` would be in use with this
+    one."""
+    if self._in_use() <= (bound - 1) * nbytes:
+      return
+    with self._lock:
+      self.bound_waits += 1
+    with self.recorder.span(tracks.TRAINER_POOL_WAIT, "pool wait", bytes=nbytes) as args:
+      deadline, pause, back = time.monotonic() + wait_s, 0.0005, False
+      while not back and time.monotonic() < deadline:
+        time.sleep(pause)  # a polling interval: JAX gives buffers back from its own threads
+        pause = min(2 * pause, 0.005)
+        gc.collect(0)  # JAX's deferred releases run in a gc callback (see _await_release)
+        back = self._in_use() <= (bound - 1) * nbytes
+      args["over"] = not back
+    if not back:
+      with self._lock:
+        self.over_bound += 1
+
+  def _in_use(self) -> int:
+    with self._lock:
+      return sum(s.nbytes for s in self._slots if not s.free())
+
+  def held_bytes(self) -> int:
+    """Bytes of every pooled buffer, in use or idle."""
+    with self._lock:
+      return sum(s.nbytes for s in self._slots)
+
+  def idle_bytes(self) -> int:
+    with self._lock:
+      return sum(s.nbytes for s in self._slots if s.free())
+
+  def trim(self) -> int:
+    """Gives back the idle buffers; returns their bytes. Buffers in use stay until reused."""
+    with self._lock:
+      kept, idle = [], 0
+      for slot in self._slots:
+        if slot.free():
+          idle += slot.nbytes
+        else:
+          kept.append(slot)
+      self._slots = kept
+    return idle
+
+
+class ChunkSink:
+  """Receives a stream of chunks into aligned buffers of announced sizes, one copy per byte.
+
+  For transports that hand over their bytes in messages (a gRPC client stream): each chunk is
+  copied into the buffer it belongs to as it arrives, so nothing payload-sized is held but the
+  buffers themselves; a chunk never spans two buffers. A stream that carries more than it
+  announced is refused at the first chunk past the total, one that ends early at `finish`.
+  """
+
+  def __init__(self, sizes: Sequence[int], pool: HostBufferPool) -> None:
+    self.sizes = list(sizes)
+    self.announced = sum(self.sizes)
+    self.buffers = pool.take_all(self.sizes)
+    self.received = 0
+    self._index = 0
+    self._filled = 0
+
+  def write(self, chunk: bytes | memoryview) -> None:
+    data = memoryview(chunk).cast("B")
+    if self.received + data.nbytes > self.announced:
+      raise ValueError(f"the stream carried more than the {self.announced} bytes it announced "
+                       f"(refused at {self.received + data.nbytes} bytes)")
+    while self._index < len(self.sizes) and self._filled == self.sizes[self._index]:
+      self._index, self._filled = self._index + 1, 0
+    room = self.sizes[self._index] - self._filled
+    if data.nbytes > room:
+      raise ValueError(f"a chunk of {data.nbytes} bytes overruns buffer {self._index} "
+                       f"({self._filled} of {self.sizes[self._index]} bytes filled); chunks never "
+                       "span buffers")
+    target = self.buffers[self._index]
+    target[self._filled:self._filled + data.nbytes] = np.frombuffer(data, np.uint8)
+    self._filled += data.nbytes
+    self.received += data.nbytes
+
+  def finish(self) -> list[np.ndarray]:
+    if self.received != self.announced:
+      raise ValueError(f"the stream ended after {self.received} of the {self.announced} bytes "
+                       "it announced")
+    buffers, self.buffers = self.buffers, []
+    return buffers
+
+
+# ---------------------------------------------------------------- the bulk channel's listener
 
 
 class _Transfer:
@@ -47,7 +277,7 @@ class Transfers:
   id nobody holds as ended (`refuse`), so its frame is dropped at once, and never touches an id
   another call holds."""
 
-  def __init__(self, limits: frames.BulkLimits = frames.BulkLimits()) -> None:
+  def __init__(self, limits: wire.BulkLimits = wire.BulkLimits()) -> None:
     self.limits = limits
     self._cond = threading.Condition()
     self._open: dict[bytes, _Transfer] = {}
@@ -84,7 +314,7 @@ class Transfers:
     if transfer is not None:
       transfer.future.cancel()  # no-op once received
       if transfer.connection is not None and transfer.future.cancelled():
-        frames.shutdown(transfer.connection)  # its bytes were still coming: their buffers go back
+        wire.shutdown(transfer.connection)  # its bytes were still coming: their buffers go back
 
   def refuse(self, transfer_id: bytes) -> None:
     """A header refused before it announced its id: a frame for it is dropped at once. An id
@@ -94,7 +324,7 @@ class Transfers:
         self._remember(transfer_id)
         self._cond.notify_all()
 
-  async def receive(self, transfer_id: bytes, sizes: list[int]) -> frames.Received:
+  async def receive(self, transfer_id: bytes, sizes: list[int]) -> wire.Received:
     """The bytes a call's header announced. Its frame must begin within `pair_wait_s`; the
     listener bounds the rest. The transfer is ended on every path."""
     future = self.expect(transfer_id, sizes)  # an id in use is refused here, untouched
@@ -205,7 +435,7 @@ class BulkListener:
   each frame into buffers from `pool`, delivered to the call that announced it; `transfers`
   carries the limits it enforces."""
 
-  def __init__(self, pool: buffers_lib.HostBufferPool, transfers: Transfers, *,
+  def __init__(self, pool: HostBufferPool, transfers: Transfers, *,
                host: str = "127.0.0.1") -> None:
     self._pool = pool
     self._transfers = transfers
@@ -219,7 +449,7 @@ class BulkListener:
     self.port: int | None = None
 
   def start(self) -> int:
-    sock = socket.socket(frames.family(self._host), socket.SOCK_STREAM)
+    sock = socket.socket(wire.family(self._host), socket.SOCK_STREAM)
     try:
       if sock.family == socket.AF_INET6:  # "::" takes IPv4 connections too, as tunix's "[::]"
         sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
@@ -247,7 +477,7 @@ class BulkListener:
         if held >= self.limits.max_connections:
           # A connection whose peer closed it is on its way out (its thread, reading, sees the
           # end at once): it does not count, unless its thread waits for a call instead.
-          held = sum(c in self._claiming or not frames.hung_up(c) for c in self._connections)
+          held = sum(c in self._claiming or not wire.hung_up(c) for c in self._connections)
         if not stopping and held < self.limits.max_connections:
           self._connections.add(conn)
           self._threads = [t for t in self._threads if t.is_alive()]
@@ -268,7 +498,7 @@ class BulkListener:
     try:
       conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
       conn.settimeout(self.limits.header_wait_s)
-      conn.sendall(frames.ACCEPTED)
+      conn.sendall(wire.ACCEPTED)
       while self._receive_frame(conn):
         pass
     except _Late as e:
@@ -286,13 +516,13 @@ class BulkListener:
     what = f"a frame header, due within {wait:g} s of the connection's last frame or its " \
            "opening (BulkLimits.header_wait_s)"
     deadline = time.monotonic() + wait
-    head = _recv_exact(conn, frames.FRAME_HEADER.size, deadline, what)
+    head = _recv_exact(conn, wire.FRAME_HEADER.size, deadline, what)
     if head is None:
       return False
-    magic, transfer_id, count = frames.FRAME_HEADER.unpack(head)
-    refused = (f"not a bulk frame header (magic {magic!r})" if magic != frames.MAGIC else
-               f"it announced {count} buffers; a frame carries at most {frames.MAX_BUFFERS}"
-               if count > frames.MAX_BUFFERS else None)
+    magic, transfer_id, count = wire.FRAME_HEADER.unpack(head)
+    refused = (f"not a bulk frame header (magic {magic!r})" if magic != wire.MAGIC else
+               f"it announced {count} buffers; a frame carries at most {wire.MAX_BUFFERS}"
+               if count > wire.MAX_BUFFERS else None)
     sizes: list[int] = []
     if refused is None and count:
       raw_sizes = _recv_exact(conn, 8 * count, deadline, what)
@@ -328,7 +558,7 @@ class BulkListener:
       _fail(claimed, WireError(failure))
       return False
     try:
-      claimed.future.set_result(frames.Received(buffers, started, time.perf_counter()))
+      claimed.future.set_result(wire.Received(buffers, started, time.perf_counter()))
     except concurrent.futures.InvalidStateError:  # the call ended meanwhile: drop the bytes
       pass
     return True
@@ -341,10 +571,10 @@ class BulkListener:
       threads = list(self._threads)
     self._transfers.close()
     if sock is not None:
-      frames.shutdown(sock)  # wakes the accept() blocked in its thread (Linux)
+      wire.shutdown(sock)  # wakes the accept() blocked in its thread (Linux)
       sock.close()
     for conn in connections:
-      frames.shutdown(conn)
+      wire.shutdown(conn)
     deadline = time.monotonic() + timeout
     for thread in threads:
       thread.join(max(0.0, deadline - time.monotonic()))
@@ -354,7 +584,7 @@ def _refuse(conn: socket.socket, why: str) -> None:
   """Tells a connection why it is refused, never blocking the accepting thread."""
   try:
     conn.setblocking(False)
-    conn.send(frames.REFUSED + why.encode()[:frames.MAX_REFUSAL_BYTES - 1])
+    conn.send(wire.REFUSED + why.encode()[:wire.MAX_REFUSAL_BYTES - 1])
     conn.shutdown(socket.SHUT_WR)
   except OSError:
     pass
@@ -365,3 +595,43 @@ def _fail(transfer: _Transfer, error: BaseException) -> None:
     transfer.future.set_exception(error)
   except concurrent.futures.InvalidStateError:
     pass
+
+
+# ---------------------------------------------------------------- a chunked stream's receive
+
+
+async def receive_header(messages: AsyncIterator[bytes], max_bytes: int, setting: str
+                         ) -> wire.Header:
+  """A chunked call's header, its first message, checked against `max_bytes` (set by `setting`)
+  before any of its bytes is read; WireError naming the rule it breaks."""
+  try:
+    first = await anext(messages)
+  except StopAsyncIteration:
+    raise WireError("a chunked call ended before its header") from None
+  header = wire.decode_header(first)
+  wire.announced_bytes(header, max_bytes, setting)
+  return header
+
+
+async def receive_chunks(messages: AsyncIterator[bytes], header: wire.Header,
+                         pool: HostBufferPool) -> wire.Received:
+  """The rest of a chunked call (its parts' chunks, one message each) into buffers from `pool`.
+
+  Runs on the server's event loop: each chunk costs one copy of at most CHUNK_BYTES there; the
+  buffers are taken on a worker thread (a bounded pool may wait for a computation to give
+  buffers back)."""
+  sink = await asyncio.to_thread(ChunkSink, header.sizes, pool)
+  started = time.perf_counter()
+  async for chunk in messages:
+    if len(chunk) > wire.CHUNK_BYTES:
+      raise WireError(f"{header.method}: a chunk of {len(chunk)} bytes is larger than the "
+                      f"{wire.CHUNK_BYTES}-byte chunks a bulk call sends")
+    try:
+      sink.write(chunk)
+    except ValueError as e:
+      raise WireError(f"{header.method}: {e}") from None
+  try:
+    buffers = sink.finish()
+  except ValueError as e:
+    raise WireError(f"{header.method}: {e}") from None
+  return wire.Received(buffers, started, time.perf_counter())

@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import wire
 
 IDLE_KEPT = 4  # a sender keeps at most this many idle connections for reuse
 
@@ -26,7 +26,7 @@ Chunks = Callable[[Sequence[memoryview]], AsyncIterator[memoryview]]
 
 
 async def frame_chunks(buffers: Sequence[memoryview]) -> AsyncIterator[memoryview]:
-  for chunk in frames.iter_chunks(buffers):
+  for chunk in wire.iter_chunks(buffers):
     yield chunk
 
 
@@ -71,7 +71,7 @@ class BulkSender:
   when all are in use), from the arrays' own memory. A connection is reused only after a whole
   frame went out."""
 
-  def __init__(self, host: str, port: int, limits: frames.BulkLimits = frames.BulkLimits()
+  def __init__(self, host: str, port: int, limits: wire.BulkLimits = wire.BulkLimits()
                ) -> None:
     self._address = (host, port)
     self.limits = limits
@@ -101,7 +101,7 @@ class BulkSender:
     closed ones are closed."""
     now, fresh = time.monotonic(), []
     for sock, since in self._idle:
-      if now - since < self.limits.header_wait_s / 2 and not frames.hung_up(sock):
+      if now - since < self.limits.header_wait_s / 2 and not wire.hung_up(sock):
         fresh.append((sock, since))
       else:
         sock.close()
@@ -110,21 +110,21 @@ class BulkSender:
 
   async def _connect(self) -> socket.socket:
     loop = asyncio.get_running_loop()
-    sock = socket.socket(frames.family(self._address[0]), socket.SOCK_STREAM)
+    sock = socket.socket(wire.family(self._address[0]), socket.SOCK_STREAM)
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
       await loop.sock_connect(sock, self._address)
-      answer = await loop.sock_recv(sock, frames.MAX_REFUSAL_BYTES)
-      if answer != frames.ACCEPTED:
-        while answer[:1] == frames.REFUSED and len(answer) < frames.MAX_REFUSAL_BYTES:
-          more = await loop.sock_recv(sock, frames.MAX_REFUSAL_BYTES - len(answer))
+      answer = await loop.sock_recv(sock, wire.MAX_REFUSAL_BYTES)
+      if answer != wire.ACCEPTED:
+        while answer[:1] == wire.REFUSED and len(answer) < wire.MAX_REFUSAL_BYTES:
+          more = await loop.sock_recv(sock, wire.MAX_REFUSAL_BYTES - len(answer))
           if not more:
             break
           answer += more
-        why = (answer[1:].decode(errors="replace") if answer[:1] == frames.REFUSED else
-               f"it answered {answer[:16]!r} where {frames.ACCEPTED!r} accepts")
-        raise frames.WireError(f"the trainer's bulk listener at {self._address[0]}:"
+        why = (answer[1:].decode(errors="replace") if answer[:1] == wire.REFUSED else
+               f"it answered {answer[:16]!r} where {wire.ACCEPTED!r} accepts")
+        raise wire.WireError(f"the trainer's bulk listener at {self._address[0]}:"
                                f"{self._address[1]} refused a connection: {why}")
     except BaseException:
       sock.close()
@@ -148,7 +148,7 @@ class BulkSender:
     loop = asyncio.get_running_loop()
     whole = False
     try:
-      await loop.sock_sendall(lease.sock, frames.frame_header(transfer_id,
+      await loop.sock_sendall(lease.sock, wire.frame_header(transfer_id,
                                                               [b.nbytes for b in buffers]))
       async for chunk in (chunks or frame_chunks)(buffers):
         await loop.sock_sendall(lease.sock, chunk)
@@ -190,3 +190,17 @@ async def call_with_bytes(rpc: Awaitable[Any], sender: BulkSender, transfer: byt
       task.cancel()
     await asyncio.gather(call, send, return_exceptions=True)
     lease.end()
+
+
+# ---------------------------------------------------------------- a chunked stream's send
+
+
+def messages(encoded: wire.EncodedRequest) -> Iterator[bytes]:
+  """The stream: the header, then every part in chunks.
+
+  grpcio takes each message as bytes (a memoryview is not sent), so each chunk is copied once
+  into the message, a chunk at a time; nothing payload-sized is made.
+  """
+  yield encoded.header(wire.new_transfer_id())
+  for chunk in wire.iter_chunks(encoded.parts):  # PickleBuffer.raw() and the body: flat views
+    yield bytes(chunk)

@@ -143,7 +143,7 @@ class At:
 
   async def __call__(self, buffers):
     from tunix_stage_plugin.transport import frames  # pylint: disable=import-outside-toplevel
-    for chunk in frames.iter_chunks(buffers):
+    for chunk in wire.iter_chunks(buffers):
       if self.fired is None and self.sent >= self.nbytes:
         self.fired = self.sent
         await self.act(self.sent)
@@ -183,7 +183,7 @@ from tunix_stage_plugin.hosts.tunix import sessions
 from tunix_stage_plugin.hosts.tunix import side as side_lib
 from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport import sender as sender_lib
 
 pytestmark = pytest.mark.tunix
@@ -404,8 +404,8 @@ def _in_use(state):
 
 
 # The trainer's own bound on a transfer whose bytes stop coming: its listener's stall bound, plus
-# the pairing wait for one whose frame never began (transport.frames.BulkLimits).
-BIG_WAIT_BOUND_S = frames.BulkLimits().stall_s + frames.BulkLimits().pair_wait_s
+# the pairing wait for one whose frame never began (transport.wire.BulkLimits).
+BIG_WAIT_BOUND_S = wire.BulkLimits().stall_s + wire.BulkLimits().pair_wait_s
 
 
 def _await_dropped(port):

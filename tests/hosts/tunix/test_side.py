@@ -34,8 +34,7 @@ from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import run as run_lib
 from tunix_stage_plugin.hosts.tunix import side
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
-from tunix_stage_plugin.transport import frames
-from tunix_stage_plugin.transport import request as request_lib
+from tunix_stage_plugin.transport import wire
 
 pytestmark = pytest.mark.tunix
 
@@ -164,23 +163,23 @@ def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_i
     staging):
   """The frame's header and its first MiB come on a raw socket, then nothing: the listener's
   stall bound ends the call, the connection is dropped and the 4 MiB buffer is idle again."""
-  staging.bulk_limits = frames.BulkLimits(stall_s=0.5)  # read when the server starts
+  staging.bulk_limits = wire.BulkLimits(stall_s=0.5)  # read when the server starts
   worker = new_worker()
   payload = big(mib=4)
 
   async def main():
     server, handle, engine = await serve(worker)
-    port, _ = frames.read_announcement(await handle.asubmit(contract.SIDE_PORT))
-    encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": payload, "skip_jit": False})
-    transfer = frames.new_transfer_id()
+    port, _ = wire.read_announcement(await handle.asubmit(contract.SIDE_PORT))
+    encoded = wire.encode(None, "fwd_bwd", (), {"payload": payload, "skip_jit": False})
+    transfer = wire.new_transfer_id()
     sizes = [b.nbytes for b in encoded.buffers]
     raw = socket.create_connection(("127.0.0.1", port))
     try:
-      assert raw.recv(1) == frames.ACCEPTED  # the listener's greeting
-      raw.sendall(frames.FRAME_HEADER.pack(frames.MAGIC, transfer, len(sizes))
+      assert raw.recv(1) == wire.ACCEPTED  # the listener's greeting
+      raw.sendall(wire.FRAME_HEADER.pack(wire.MAGIC, transfer, len(sizes))
                   + struct.pack(f"<{len(sizes)}Q", *sizes) + bytes(encoded.buffers[0][:MIB]))
       with pytest.raises(RuntimeError) as refused:
-        await handle.asubmit(contract.SIDE_CALL, header=frames.encode_header(
+        await handle.asubmit(contract.SIDE_CALL, header=wire.encode_header(
             "fwd_bwd", encoded.body, encoded.buffers, transfer))
       raw.settimeout(10)
       ended = raw.recv(1) == b""  # the trainer dropped the connection

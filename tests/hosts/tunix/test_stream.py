@@ -40,7 +40,7 @@ from tunix_stage_plugin.hosts.tunix import route
 from tunix_stage_plugin.hosts.tunix import run as run_lib
 from tunix_stage_plugin.hosts.tunix import stream
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
-from tunix_stage_plugin.transport import request as request_lib
+from tunix_stage_plugin.transport import wire
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -144,7 +144,7 @@ def test_an_inline_train_call_over_the_cap_goes_in_chunks_and_runs_on_the_comput
   assert result["updated"] is True and result["train_step"] == 1 and result["accumulated"]
   assert result["fwd_bwd"].metadata["queued"] is True
   assert staging.chunked_calls == {"fwd_bwd": 1} and trainer.updates == 1
-  sent_bytes = request_lib.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False}).nbytes
+  sent_bytes = wire.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False}).nbytes
   assert (router.calls[contract.STREAM], router.bytes[contract.STREAM]) == (1, sent_bytes)
 
 

@@ -15,10 +15,8 @@ from typing import Any, Protocol
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core.telemetry import lines
-from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core.telemetry import trainer as trainer_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +54,8 @@ class Telemetry:
     self.settings = settings
     self.recorder = recorder_lib.Recorder()
     self._lock = threading.Lock()
-    self._trainer: trainer_lib.TrainerSteps | None = None
-    self._orchestrator: orchestrator_lib.OrchestratorSteps | None = None
+    self._trainer: recorder_lib.TrainerSteps | None = None
+    self._orchestrator: recorder_lib.OrchestratorSteps | None = None
     self._trainer_host = settings.host
     self._writers: dict[str, record_lib.Writer] = {}
     self.run = record_lib.new_run()  # what tells this run's records apart from another's
@@ -109,13 +107,13 @@ class Telemetry:
         self._writers = {}
       self.settings = settings
 
-  def trainer(self, peaks: trainer_lib.Peaks | None = None,
-              host: str | None = None) -> trainer_lib.TrainerSteps:
+  def trainer(self, peaks: recorder_lib.Peaks | None = None,
+              host: str | None = None) -> recorder_lib.TrainerSteps:
     """The trainer side's aggregator, made (and listening) on first use; `host`, when given,
     names the trainer's kind in its records from now on (the settings' host by default)."""
     with self._lock:
       if self._trainer is None:
-        self._trainer = trainer_lib.TrainerSteps(self._trainer_step, peaks)
+        self._trainer = recorder_lib.TrainerSteps(self._trainer_step, peaks)
         self.recorder.add_sink(self._trainer)
       if host is not None:
         self._trainer_host = host
@@ -128,12 +126,12 @@ class Telemetry:
     fwd_bwd has a transfer beside it still has one."""
     with self._lock:
       if self._trainer is not None:
-        old, self._trainer = self._trainer, trainer_lib.TrainerSteps(
+        old, self._trainer = self._trainer, recorder_lib.TrainerSteps(
             self._trainer_step, self._trainer.peaks, alone=self._trainer.alone())
         self.recorder.remove_sink(old)
         self.recorder.add_sink(self._trainer)
       if self._orchestrator is not None:
-        old, self._orchestrator = self._orchestrator, orchestrator_lib.OrchestratorSteps()
+        old, self._orchestrator = self._orchestrator, recorder_lib.OrchestratorSteps()
         self.recorder.remove_sink(old)
         self.recorder.add_sink(self._orchestrator)
       for history in self.history.values():
@@ -144,10 +142,10 @@ class Telemetry:
     for writer in writers:
       writer.close()
 
-  def orchestrator(self) -> orchestrator_lib.OrchestratorSteps:
+  def orchestrator(self) -> recorder_lib.OrchestratorSteps:
     with self._lock:
       if self._orchestrator is None:
-        self._orchestrator = orchestrator_lib.OrchestratorSteps()
+        self._orchestrator = recorder_lib.OrchestratorSteps()
         self.recorder.add_sink(self._orchestrator)
       return self._orchestrator
 

@@ -20,9 +20,9 @@ import numpy as np
 
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts.maxtext import metrics
-from tunix_stage_plugin.hosts.tunix import contract
 
 SEAM = "_prepare_batch"
 
@@ -55,6 +55,7 @@ class MaxTextPlacement:
 
   name = "MaxText MaxTextTrainingEngine"
   host = "maxtext"
+  seam = SEAM
   check = None  # the engine's _prepare_batch takes any payload; a failure there fails the stage
 
   def __init__(self, module: ModuleType) -> None:
@@ -73,9 +74,8 @@ class MaxTextPlacement:
     with self._lock:
       self._generations[engine] = self._generations.get(engine, 0) + 1
 
-  def find(self, trainer: Any) -> tuple[Any, str | None]:
-    owner = placements.owner(trainer, SEAM, self.engine_cls)
-    if owner is None:
+  def find(self, owner: Any) -> tuple[Any, str | None]:
+    if not isinstance(owner, self.engine_cls):
       return None, None
     if getattr(type(owner), SEAM) is not self.engine_cls.__dict__[SEAM]:
       return None, (f"{type(owner).__qualname__} overrides {SEAM}; staging prepares through "
@@ -105,20 +105,20 @@ class MaxTextPlacement:
         return f"a staged leaf is on {leaf.sharding}, the engine's batch sharding is {sharding}"
     return None
 
-  def resolve(self, engine: Any, staged: Staged) -> Any:
-    """In the seam, consuming `staged`: the placed batch, or the payload prepared as inline."""
+  def resolve(self, engine: Any, staged: Staged) -> tuple[Any, str | None]:
+    """In the seam, consuming `staged`: the placed batch, or the payload prepared as inline (and
+    why)."""
     stale = self._stale(engine, staged)
     if stale is not None:
-      placements.note_fallback(stale)
-      return self.original(engine, staged.payload)
+      return self.original(engine, staged.payload), stale
     if isinstance(staged.dynamic, dict):
-      return {**staged.dynamic, **staged.static}
-    return staged.dynamic
+      return {**staged.dynamic, **staged.static}, None
+    return staged.dynamic, None
 
   def computation(self, engine: Any, kind: str) -> Any:
     # What the engine's own throttler waits on: fwd_bwd's loss (also kept in _cached_losses),
     # the last computation update queued there (its gradient norm).
-    if kind == contract.FWD_BWD:
+    if kind == tracks.FWD_BWD:
       return engine._cached_losses[-1]  # pylint: disable=protected-access
     return engine._throttler._inflight_queue.queue[-1][0]  # pylint: disable=protected-access
 
@@ -158,5 +158,5 @@ class MaxTextPlacement:
       fn.__wrapped__ = cls.__dict__[name]
       fn.__doc__ = cls.__dict__[name].__doc__
       registry.set(cls, name, fn)
-    placements.set_seam(registry, self, cls, SEAM, SEAM)
+    placements.set_seam(registry, cls, SEAM)
     registry.on_undo(placements.register(self))

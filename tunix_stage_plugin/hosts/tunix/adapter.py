@@ -93,16 +93,11 @@ class TunixAdapter:
     return probes.run(self.modules, config)
 
   def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
-    # pylint: disable=import-outside-toplevel
-    from tunix_stage_plugin.hosts.tunix import engine, installation, program, server, worker
-    m = self.modules
-    inst = self._installation = installation.Installation(live)
+    # pylint: disable-next=import-outside-toplevel
+    from tunix_stage_plugin.hosts.tunix import hooks, installation
+    inst = self._installation = installation.Installation(live, self.modules, registry)
     registry.on_undo(self._uninstalled)  # lanes closed, staged batches dropped, channels closed
-    server.apply(registry, inst, m.remote_execution.RemoteExecutionServer,
-                 m.remote_execution.GrpcRemoteExecutionServer, m.trainer_worker.TrainerWorker)
-    worker.apply(registry, inst, m.trainer_worker.TrainerWorker, m.peft_trainer.PeftTrainer)
-    engine.apply(registry, inst, m.engine.DistributedRLEngine)
-    program.apply(registry, inst, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
+    hooks.apply(registry, inst)
 
   def _uninstalled(self) -> None:
     inst, self._installation = self._installation, None

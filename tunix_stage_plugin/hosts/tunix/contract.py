@@ -30,10 +30,19 @@ PER_TOKEN_LOGPS = "per_token_logps"  # tunix's (the reference worker's)
 HEARTBEAT, INFO = "heartbeat", "info"  # tunix's
 STAGE_KEY = "stage_key"  # fwd_bwd(stage_key=k): train the batch staged under k
 
+# A TrainerWorker's lane table (core.executor): stage_batch on the staging thread; heartbeat, info,
+# stage_figures and reset_staged answered at once (a reset only drops references, and must not
+# queue behind a stage waiting for a host buffer: the reset is often what frees it); any other
+# method on the compute thread, the computations (OBSERVED) timed by the worker's hooks and every
+# other call as the lane's own.
+STAGING_METHODS = frozenset({STAGE_BATCH})
+LIGHT_METHODS = frozenset({HEARTBEAT, INFO, RESET_STAGED, STAGE_FIGURES})
+OBSERVED = frozenset({FWD_BWD, UPDATE})
+
 # ---------------------------------------------------------------- the trainer server's own methods
 
 # The side channel's two methods, answered by the trainer's server before tunix's dispatch.
-SIDE_PORT = "tunix_stage_bulk_port"  # () -> transport.frames.announcement(port, limits)
+SIDE_PORT = "tunix_stage_bulk_port"  # () -> transport.wire.announcement(port, limits)
 SIDE_CALL = "tunix_stage_bulk_call"  # (header=bytes) -> the call's response, its bytes beside it
 SIDE_METHODS = frozenset({SIDE_PORT, SIDE_CALL})
 SIDE_HEADER = "header"  # SIDE_CALL's one keyword

@@ -1,145 +1,74 @@
-"""The state of one tunix installation, kept outside tunix's objects and closed with it: the
-trainer's staged batches, method lanes, side channels, chunked streams and receive buffers; the
-orchestrator's routers. A re-install with new depths applies them to live workers; uninstall
-closes every lane, listener and side channel, drops every staged batch and gives back the idle
-receive buffers (docs/design.md "Layout").
+"""The state of one tunix installation, kept outside tunix's objects and closed with it.
+
+Every process gets the hooks (hooks.py); each role's machinery is made on its first call, so a
+process loads only the role it plays. A process that serves tunix's workers makes the trainer's
+side (trainer.py: the lanes, receive pool, side channels and each worker's staged batches); one
+that drives a DistributedRLEngine makes the orchestrator's (orchestrator.py: each trainer's
+connection). Uninstall closes both: every lane, listener and connection, every staged batch
+dropped. docs/design.md "Layout".
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import threading
-import weakref
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from tunix_stage_plugin.core import buffers as buffers_lib
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import store as store_lib
+from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
-from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
-from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
-from tunix_stage_plugin.hosts.tunix import sessions as sessions_lib
-from tunix_stage_plugin.transport import frames
-from tunix_stage_plugin.transport import listener as listener_lib
 
-# How long uninstall waits for a lane's running call before leaving its daemon thread behind.
-CLOSE_TIMEOUT_S = 10.0
+if TYPE_CHECKING:
+  from tunix_stage_plugin.hosts.tunix import orchestrator as orchestrator_lib
+  from tunix_stage_plugin.hosts.tunix import trainer as trainer_lib
+
 # The most one chunked or side-channel call may announce; a header announcing more is refused
 # before any of its bytes is read. Far above a production micro-batch (5 GB), far below what a
 # corrupt header could claim.
 MAX_STREAM_BYTES = 64 << 30
+# Where that cap is set, for the line that refuses a header over it.
+CAP_SETTING = f"{__name__}.MAX_STREAM_BYTES"
 HOST = "tunix"  # the host the records name (a trainer's own kind, e.g. maxtext, where it has one)
 
 
-class WorkerStaging:
-  """One TrainerWorker's staging state."""
-
-  def __init__(self, config: config_lib.StageConfig, host_bound: int) -> None:
-    self.store = store_lib.StagedBatchStore(config.max_device_batches,
-                                            max_host_batches=host_bound)
-    self.placement: Any = None  # how this worker's trainer stages (hosts.placements.Placement)
-    self.target: Any = None  # the object whose preparation seam stages
-    self.unsupported: str | None = None  # why this worker's trainer can never stage
-    self.sessions = sessions_lib.Sessions()  # a new orchestrator drops its predecessors' batches
-
-
-@dataclasses.dataclass
-class SideChannel:
-  """One server's bulk side channel (side.py): its listener and the transfers its calls
-  announced."""
-
-  listener: listener_lib.BulkListener
-  transfers: listener_lib.Transfers
-
-
 class Installation:
+  """What the hooks of one installation share: the settings, the process's telemetry, and each
+  role's side, made on its first call (`trainer_side`, `orchestrator_side`)."""
 
-  def __init__(self, live: config_lib.LiveConfig) -> None:
+  def __init__(self, live: config_lib.LiveConfig, modules: Any,
+               registry: patching.PatchRegistry) -> None:
     self.live = live
+    self.modules = modules  # the tunix modules the hooks patch (adapter.Modules)
+    self.registry = registry  # where a trainer's own seam is set on first use (undone with it)
+    self.host_execute: Any = None  # tunix's own execute_request, for calls off the lanes
     self._lock = threading.Lock()
-    self._workers: "weakref.WeakKeyDictionary[Any, WorkerStaging]" = weakref.WeakKeyDictionary()
-    # Trainer side. The lanes every received call is handed to (set by server.apply, with
-    # tunix's own dispatch); where large calls are received (buffers reused once nothing
-    # references them); the servers serving the chunked stream and each server's side channel
-    # (whether servers started from now on get one, the bounds its listener holds a peer to);
-    # the calls each carried, per method.
-    self.lanes: lanes_lib.Lanes | None = None
-    self.pool = buffers_lib.HostBufferPool()
-    self.max_stream_bytes = MAX_STREAM_BYTES
-    self.streaming_servers: "weakref.WeakSet[Any]" = weakref.WeakSet()
-    self.chunked_calls: collections.Counter[str] = collections.Counter()
-    self.side_channels: "weakref.WeakKeyDictionary[Any, SideChannel]" = (
-        weakref.WeakKeyDictionary())
-    self.serve_side_channel = True
-    self.bulk_limits = frames.BulkLimits()
-    self.bulk_calls: collections.Counter[str] = collections.Counter()
-    # Orchestrator side: each engine's router (route.Router; made there, since it needs tunix).
-    self.routers: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
     self._said: set[str] = set()  # the once-per-installation log lines already said
-    # Both sides: what staging does in this process, step by step (core.telemetry): every span
-    # the staging path records (the receive pool's waits included), the watcher of each
-    # computation (made on the first), tunix's PerfTracers told of the staging spans.
     self.telemetry = telemetry_lib.Telemetry(telemetry_lib.Settings.of(HOST, live.config))
-    self.pool.recorder = self.telemetry.recorder
-    # A trainer's step figures listen from the start (its first stages arrive before its first
-    # computation); in a process that only orchestrates they see no span of theirs.
-    self.telemetry.trainer(self._take_peaks)
-    self._watcher: trainer_telemetry.ComputeWatcher | None = None
-    self._tracers: list[Any] = []
-    self._logger: Any = None  # the metrics logger told of each trainer step (the first met)
-    # The host bound in force: the setting's, or at auto the trainer's own choice each step
-    # (core.sizing.HostBound, loaded only then).
-    self.host_bound: Any = None
-    self._host = self._host_bound_of(live.config)
-    self._bound_pool()
+    self.recorder = self.telemetry.recorder
+    # Whether servers started from now on get a bulk side channel (tests serve without one), and
+    # the cap on one bulk call.
+    self.serve_side_channel = True
+    self.max_stream_bytes = MAX_STREAM_BYTES
+    self.trainer: trainer_lib.TrainerSide | None = None
+    self.orchestrator: orchestrator_lib.OrchestratorSide | None = None
     live.on_update(self._reconfigure)
 
-  @property
-  def recorder(self) -> recorder_lib.Recorder:
-    return self.telemetry.recorder
-
-  def watcher(self, wait: Callable[[Any], None], host: str) -> trainer_telemetry.ComputeWatcher:
-    """The computations' watcher (`wait` blocks until an output is ready), made with this
-    process's trainer-side step figures on the first computation of a `host` trainer."""
+  def trainer_side(self) -> trainer_lib.TrainerSide:
+    """The trainer's side, made on the first call a server of this process serves."""
     with self._lock:
-      if self._watcher is None:
-        self.telemetry.trainer(host=host)
-        self._watcher = trainer_telemetry.ComputeWatcher(self.telemetry.recorder, wait)
-      return self._watcher
+      if self.trainer is None:
+        # pylint: disable-next=import-outside-toplevel  (a process that only orchestrates: never)
+        from tunix_stage_plugin.hosts.tunix import trainer
+        self.trainer = trainer.TrainerSide(self)
+      return self.trainer
 
-  def drain(self, timeout: float | None = None) -> bool:
-    """Waits until every computation dispatched so far is recorded (a bench between its runs)."""
+  def orchestrator_side(self) -> orchestrator_lib.OrchestratorSide:
+    """The orchestrator's side, made on the first call an engine of this process sends."""
     with self._lock:
-      watcher = self._watcher
-    return watcher is None or watcher.drain(timeout)
-
-  def trace_into(self, tracer: Any, make_sink: Callable[[Any], recorder_lib.Sink]) -> None:
-    """Tells `tracer` (a trainer's tunix PerfTracer) of the staging spans from now on (once)."""
-    with self._lock:
-      if any(t is tracer for t in self._tracers):
-        return
-      self._tracers.append(tracer)
-    self.telemetry.recorder.add_sink(make_sink(tracer))
-
-  def log_into(self, logger: Any, make_sink: Callable[[], telemetry_lib.StepSink]) -> None:
-    """Tells `logger` (a trainer's own metrics logger) each trainer step's figures from now on,
-    where no logger is told yet: the figures are this process's, and a logger's backends listen
-    process-wide (jax.monitoring), so one logger gets them to every backend once."""
-    with self._lock:
-      if self._logger is not None:
-        return
-      self._logger = logger
-    self.telemetry.add_step_sink(make_sink())
-
-  def _take_peaks(self) -> tuple[int, int]:
-    """The most staged micro-batches held at once, over this node's workers, since last asked."""
-    with self._lock:
-      states = list(self._workers.values())
-    peaks = [state.store.take_peaks() for state in states]
-    return (sum(p[0] for p in peaks), sum(p[1] for p in peaks))
+      if self.orchestrator is None:
+        # pylint: disable-next=import-outside-toplevel  (a process that only trains: never)
+        from tunix_stage_plugin.hosts.tunix import orchestrator
+        self.orchestrator = orchestrator.OrchestratorSide(self)
+      return self.orchestrator
 
   def first_time(self, what: str) -> bool:
     """True the first time `what` is asked about in this installation (a line said once)."""
@@ -149,92 +78,43 @@ class Installation:
       self._said.add(what)
       return True
 
-  def staging_of(self, worker: Any) -> WorkerStaging:
-    with self._lock:
-      state = self._workers.get(worker)
-      if state is not None:
-        return state
-      state = self._workers[worker] = WorkerStaging(self.live.config, self._host)
-    self._bound_pool()  # one more worker: room for its staged batches too
-    return state
+  # What tests and the bench read of the trainer's side (made here if no call made it yet).
 
-  def drop_staged(self, worker: Any) -> None:
-    """Drops `worker`'s staged batches (its server stopped), waking any placement waiting for a
-    slot they held."""
-    with self._lock:
-      state = self._workers.get(worker)
-    if state is not None:
-      state.store.reset()
+  def staging_of(self, worker: Any) -> trainer_lib.WorkerStaging:
+    return self.trainer_side().staging_of(worker)
 
-  def router_of(self, engine: Any, make: Callable[[], Any]) -> Any:
-    """`engine`'s router, made by `make` on first use."""
-    with self._lock:
-      router = self.routers.get(engine)
-      if router is None:
-        router = self.routers[engine] = make()
-      return router
+  @property
+  def pool(self) -> Any:
+    return self.trainer_side().pool
 
-  def _bound_pool(self) -> None:
-    """The receive buffers in use at once: at most the micro-batches this node's workers may hold
-    staged (their device and host bounds), counting those whose computation has not ended."""
-    config = self.live.config
-    with self._lock:
-      workers = max(1, len(self._workers))
-    self.pool.set_bound(workers * (config.max_device_batches + self._host))
+  @property
+  def host_bound(self) -> Any:
+    return self.trainer_side().host_bound
 
-  def _host_bound_of(self, config: config_lib.StageConfig) -> int:
-    """The host bound `config` puts in force; at auto, a sizer of it (a trainer step sink, made
-    once) and the bound it holds (1 to start with)."""
-    if not config_lib.is_auto(config.max_host_batches):
-      return config.max_host_batches
-    if self.host_bound is None:
-      from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
-      self.host_bound = sizing.HostBound(budget_bytes=config.memory_budget,
-                                         device_bound=config.max_device_batches, host=HOST,
-                                         apply=self._apply_host_bound)
-      self.telemetry.add_step_sink(self.host_bound, record_lib.TRAINER)
-    self.host_bound.budget_bytes = config.memory_budget
-    self.host_bound.device_bound = config.max_device_batches
-    self.telemetry.sized(record_lib.TRAINER, "max_host_batches",
-                         self.host_bound.bound, self.host_bound.reason)
-    return self.host_bound.bound
+  @property
+  def bulk_calls(self) -> Any:
+    return self.trainer_side().bulk_calls
 
-  def _apply_host_bound(self, bound: int, reason: str) -> None:
-    """The host bound sized at auto: for later arrivals (what is held stays held)."""
-    config = self.live.config
-    if not config_lib.is_auto(config.max_host_batches):
-      return  # a re-install fixed it since
-    self.telemetry.sized(record_lib.TRAINER, "max_host_batches", bound, reason)
-    self._set_bounds(config, bound)
+  @property
+  def chunked_calls(self) -> Any:
+    return self.trainer_side().chunked_calls
 
-  def _set_bounds(self, config: config_lib.StageConfig, host: int) -> None:
-    with self._lock:
-      self._host = host
-      states = list(self._workers.values())
-    for state in states:
-      state.store.set_bounds(config.max_device_batches, host)
-    self._bound_pool()
+  def drain(self, timeout: float | None = None) -> bool:
+    """Waits until every computation dispatched so far is recorded (a bench between its runs)."""
+    return self.trainer is None or self.trainer.drain(timeout)
 
   def _reconfigure(self, config: config_lib.StageConfig) -> None:
     self.telemetry.configure(telemetry_lib.Settings.of(HOST, config))
-    self._set_bounds(config, self._host_bound_of(config))
+    if self.trainer is not None:
+      self.trainer.reconfigure(config)
 
   def close(self) -> None:
-    """Drops every staged batch, closes every lane (bounded), listener and side channel and gives
-    back the idle receive buffers; the hooks are going away."""
+    """Closes both sides (the hooks are going away) and the telemetry."""
     with self._lock:
-      states, self._workers = list(self._workers.values()), weakref.WeakKeyDictionary()
-      sides, self.side_channels = list(self.side_channels.values()), weakref.WeakKeyDictionary()
-      routers, self.routers = list(self.routers.values()), weakref.WeakKeyDictionary()
-    for side in sides:
-      side.listener.close()
-    for router in routers:
-      router.close_sides()  # sockets; the grpc.aio channels close with their event loop
-    for state in states:
-      state.store.reset()
-    if self.lanes is not None:
-      self.lanes.close(CLOSE_TIMEOUT_S)
-    if self._watcher is not None:
-      self._watcher.close()
+      trainer, self.trainer = self.trainer, None
+      orchestrator, self.orchestrator = self.orchestrator, None
+    if orchestrator is not None:
+      orchestrator.close()
+    if trainer is not None:
+      trainer.close()
     self.telemetry.close()
-    self.pool.trim()

@@ -1,5 +1,5 @@
-"""The COPY way of the staged loop (program.py), for tunix c7d8950, which has no seam: the plugin's
-copy of its StandardRLProgram.train_stage replaces it.
+"""The COPY way of the staged loop, for tunix c7d8950, which has no seam: the plugin's copy of its
+StandardRLProgram.train_stage, which replaces it (hooks.py).
 
 It reproduces tunix's loop and bookkeeping (probes.py pins the body by its fingerprint, with
 tunix's defaults where it reads one) and differs from it in two ways only: the next step's first
@@ -7,32 +7,23 @@ groups leave the scored queue during this step's boundary, before `on_step_end(s
 `on_step_begin(step + 1)` run (not at all with `max_staleness=0`); and a step with no
 optimizer-applying micro-batch (the scored queue cleared, `mini_batch_size` 0, a last group that
 packs into nothing) raises where tunix's loop ends the step without an update (micro-batches
-pulled ahead stay untrained, staged ones are released). The staged run (run.py, over
-core/pipeline.py's step loop) loads when a program first trains staged: a process that never
-orchestrates (a trainer) never loads the loop. docs/tunix.md "The train loop, two ways".
+pulled ahead stay untrained, staged ones are released). Loaded where a program first trains
+staged: a process that never orchestrates (a trainer) never loads the loop. docs/tunix.md "The
+train loop, two ways".
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 import numpy as np
 from tunix.experimental.common import datatypes
 from tunix.experimental.orchestrator import rl_program
 
-from tunix_stage_plugin.core import patching
-from tunix_stage_plugin.hosts import probing
-from tunix_stage_plugin.hosts.tunix import installation as installation_lib
-from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.core import pipeline as pipeline_lib
+from tunix_stage_plugin.hosts.tunix import run as run_lib
 
-if TYPE_CHECKING:  # the staged loop's own types: loaded where a program trains staged
-  from tunix_stage_plugin.core import pipeline as pipeline_lib
-  from tunix_stage_plugin.hosts.tunix import run as run_lib
-
-log = logging.getLogger("tunix_stage_plugin")
 ACTOR = datatypes.Role.ACTOR
 
 
@@ -48,7 +39,6 @@ class _StepFeed:
 
 async def _microbatches(program: Any, engine: Any, feed: _StepFeed
                         ) -> AsyncIterator[pipeline_lib.MicroBatch]:
-  from tunix_stage_plugin.core import pipeline  # pylint: disable=import-outside-toplevel
   for group_idx in range(program.mini_batch_size):
     items = await program.scored_q.get_batch(num_groups=1)
     if not items:
@@ -68,7 +58,7 @@ async def _microbatches(program: Any, engine: Any, feed: _StepFeed
     feed.num_microbatches += len(batches)
     closing_group = group_idx == program.mini_batch_size - 1
     for i, batch in enumerate(batches):
-      yield pipeline.MicroBatch(batch, closes_step=closing_group and i == len(batches) - 1)
+      yield pipeline_lib.MicroBatch(batch, closes_step=closing_group and i == len(batches) - 1)
 
 
 async def _with_reference_logps(engine: Any, batch: Any) -> Any:
@@ -83,7 +73,8 @@ async def _with_reference_logps(engine: Any, batch: Any) -> Any:
   return batch_assembly.with_ref_per_token_logps(batch, logps)
 
 
-async def _copy_train_stage(run: run_lib.Run) -> None:
+async def train_stage(run: run_lib.Run) -> None:
+  """c7d8950's train_stage over `run`'s pipeline: the same steps and bookkeeping, staged."""
   program, engine = run.program, run.engine
   feeds: dict[int, _StepFeed] = {}  # a prestaged step keeps its own feed
 
@@ -120,28 +111,3 @@ async def _copy_train_stage(run: run_lib.Run) -> None:
   await run.pipeline.run_steps(source_for, steps=run.num_steps,
                                prestage_next=program._prestage_across_boundary,  # pylint: disable=protected-access
                                before_step=before_step, after_step=after_step)
-
-
-def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
-                program_cls: type, engine_cls: type) -> None:
-  original_train_stage = program_cls.__dict__["train_stage"]
-  found = probing.fingerprint(original_train_stage)
-  if found != probes.TRAIN_STAGE_FINGERPRINT:  # passed the probe: the setting accepts it
-    log.warning("tunix-stage: the staged loop replaces a StandardRLProgram.train_stage whose body "
-                "(fingerprint %s) is not tunix %s's (%s): accepted by %s", found,
-                probes.TRAIN_STAGE_COMMIT, probes.TRAIN_STAGE_FINGERPRINT, probes.ACCEPT.env)
-
-  @functools.wraps(original_train_stage)
-  async def train_stage(self: Any, engine: Any, num_steps: int | None = None) -> None:
-    # The real type: a MagicMock(spec=DistributedRLEngine) passes isinstance, and would answer
-    # stage_train_batch with a mock; the host's loop is the right one for it.
-    if not issubclass(type(engine), engine_cls):
-      return await original_train_stage(self, engine, num_steps)
-    from tunix_stage_plugin.hosts.tunix import run as staged  # pylint: disable=import-outside-toplevel
-    run = staged.Run(inst, self, engine, num_steps, open_ended=False)
-    try:
-      return await _copy_train_stage(run)
-    finally:
-      await run.close()
-
-  registry.set(program_cls, "train_stage", train_stage)

@@ -1,26 +1,39 @@
-"""tunix's PeftTrainer's placement (hosts/placements.py): stage through its `_prepare_payload`.
+"""tunix's PeftTrainer as a placement (hosts/placements.py): stage through its `_prepare_payload`;
+its PerfTracer told of staging; its MetricsLogger told each step's `stage/...` scalars.
 
 A PeftTrainer subclass that overrides `_prepare_payload` is staged through its own override: the
 first time such a trainer stages, the override becomes a seam too (through the installation's
 patch registry, so uninstall restores it), so the override runs once per micro-batch, on the
-staging thread. Which step is hooked, per trainer: docs/tunix.md, "What it hooks".
+placer thread. Loaded by the trainer's side (trainer.py) on its first worker.
+
+Where a PeftTrainer was given a `PerfTracer`, tunix's own export shows staging beside the
+training it feeds: each staging span on a host timeline of its own, and a `peft_train` device
+span per fwd_bwd and update, ended when the compute watcher sees the output ready (no second
+wait). Where it logs its loss with a tunix `MetricsLogger`, its backends (TensorBoard, W&B,
+OpenTelemetry) show `stage/...` beside the loss, at the step the loss is logged at.
+docs/tunix.md "What it hooks"; docs/observability.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 import types
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import jax
 from flax import nnx
 from tunix.experimental.common import datatypes
+from tunix.perf.experimental import constants as perf_constants
 from tunix.perf.experimental import tracer as tracer_lib
+from tunix.sft import metrics_logger as metrics_logger_lib
 
 from tunix_stage_plugin.core import patching
+from tunix_stage_plugin.core import tracks
+from tunix_stage_plugin.core.telemetry import figures as figures_lib
+from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.hosts import placements
-from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import metrics
 
 SEAM = "_prepare_payload"
 
@@ -39,6 +52,7 @@ class PeftPlacement:
 
   name = "tunix PeftTrainer"
   host = "tunix"
+  seam = SEAM
 
   def __init__(self, peft_cls: type, registry: patching.PatchRegistry) -> None:
     self.peft_cls = peft_cls
@@ -46,10 +60,8 @@ class PeftPlacement:
     self._lock = threading.Lock()  # stages of several workers may find the same class at once
     self._seams: set[type] = {peft_cls}  # the classes whose own _prepare_payload is a seam
 
-  def find(self, trainer: Any) -> tuple[Any, str | None]:
-    # The owner of the seam the trainer's fwd_bwd reaches.
-    owner = placements.owner(trainer, SEAM, self.peft_cls)
-    if owner is None:
+  def find(self, owner: Any) -> tuple[Any, str | None]:
+    if not isinstance(owner, self.peft_cls):
       return None, None
     reason = self._seam_for(owner)
     return (None, reason) if reason is not None else (owner, None)
@@ -70,7 +82,7 @@ class PeftPlacement:
         return (f"{cls.__qualname__}.{SEAM} is a {type(override).__name__}, not a method "
                 "defined in the class; staging prepares through the trainer's own method once "
                 "per micro-batch and cannot keep that promise here")
-      placements.set_seam(self._registry, self, cls, SEAM, f"{cls.__qualname__}.{SEAM}")
+      placements.set_seam(self._registry, cls, SEAM)
       self._seams.add(cls)
     return None
 
@@ -85,18 +97,18 @@ class PeftPlacement:
     # legacy thread-local mesh it sets; jax.set_mesh does not set that one.
     with mesh:
       placed = getattr(target, SEAM)(payload)
-    # Finish the host-to-device copy here, on the staging thread, never in fwd_bwd.
+    # Finish the host-to-device copy here, on the placer thread, never in fwd_bwd.
     return jax.block_until_ready(placed)
 
-  def resolve(self, target: Any, staged: Any) -> Any:
+  def resolve(self, target: Any, staged: Any) -> tuple[Any, str | None]:
     """At consume time the seam returns the batch prepared at stage time, as it is."""
     del target
-    return staged
+    return staged, None
 
   def computation(self, target: Any, kind: str) -> Any:
     # What PeftTrainer's own train() waits on for its perf span: the loss fwd_bwd just recorded
     # (_record_fwd_bwd), the gradient norm of the update (_record_update).
-    if kind == contract.FWD_BWD:
+    if kind == tracks.FWD_BWD:
       return target._buffered_train_metrics.losses[-1]  # pylint: disable=protected-access
     return target._last_update_grad_norm  # pylint: disable=protected-access
 
@@ -105,12 +117,75 @@ class PeftPlacement:
     tracer = target._perf_tracer_v2  # pylint: disable=protected-access
     return tracer if isinstance(tracer, tracer_lib.PerfTracer) else None
 
-  def metrics_logger(self, target: Any) -> Any:
-    return metrics.logger_of(target)
+  def metrics_logger(self, target: Any) -> metrics_logger_lib.MetricsLogger | None:
+    """The MetricsLogger a PeftTrainer logs its loss with, or None (a logger of another kind)."""
+    logger = target.metrics_logger
+    return logger if isinstance(logger, metrics_logger_lib.MetricsLogger) else None
 
-  def step_sink(self, target: Any, logger: Any) -> metrics.MetricsSink:
-    return metrics.MetricsSink(logger, target.metrics_prefix)
+  def step_sink(self, target: Any, logger: Any) -> "MetricsSink":
+    return MetricsSink(logger, target.metrics_prefix)
 
-  def apply(self) -> None:
-    placements.set_seam(self._registry, self, self.peft_cls, SEAM, SEAM)
-    self._registry.on_undo(placements.register(self))
+  @contextlib.contextmanager
+  def computation_span(self, tracer: tracer_lib.PerfTracer, target: Any
+                       ) -> Iterator[Callable[[], None]]:
+    """A `peft_train` span of one fwd_bwd or update call on `target` (its step, as its own train()
+    tags it): its host span around the block (tunix's `tracer.span`, on no device); yields what
+    adds its device span, from the block's start to when it is called, on the devices tunix's
+    `tracer.span` would pick. The compute watcher calls it once the computation's output is
+    ready (so no thread of tunix's waits for the same output again)."""
+    tags = {perf_constants.STEP: target._train_steps, perf_constants.ROLE: "actor"}  # pylint: disable=protected-access
+    devices = model_mesh(target.model).devices
+    if tracer._collect_on_first_device_per_mesh:  # pylint: disable=protected-access
+      devices = devices.flat[:1]
+    begin = time.perf_counter()
+
+    def ended() -> None:
+      timelines = tracer._get_or_create_device_timelines(devices)  # pylint: disable=protected-access
+      timelines.span(perf_constants.PEFT_TRAIN, begin, [], tags=tags)  # no waitlist: ended now
+
+    with tracer.span(perf_constants.PEFT_TRAIN, tags=tags):
+      yield ended
+
+  def apply(self) -> Callable[[], None]:
+    """Registers this kind (its seam is set at install, hooks.py); returns the call that removes
+    it."""
+    return placements.register(self)
+
+
+class TracerSink:
+  """A recorder sink: the staging spans on a tunix PerfTracer's timelines.
+
+  tunix's PerfTracer opens host spans only around a block on the thread running it; a staging
+  span is known once it ended (a receive ends on a listener's thread or the event loop), so it is
+  added with its own times to a host timeline of the tracer's that only this sink writes, one per
+  kind of span (`PerfTracer._get_or_create_host_timeline`), as a span started and stopped at
+  once. Both clocks are perf_counter, so a span keeps its own times."""
+
+  def __init__(self, tracer: tracer_lib.PerfTracer) -> None:
+    self.tracer = tracer
+
+  def record(self, span: recorder_lib.Span) -> None:
+    name = figures_lib.SPANS.get(span.track)
+    if name is None:
+      return
+    timeline = self.tracer._get_or_create_host_timeline(f"tunix-stage/{name}")  # pylint: disable=protected-access
+    timeline.start_span(name, span.start, tags={perf_constants.NAME: span.name, **dict(span.args)})
+    timeline.stop_span(span.end)
+
+
+class MetricsSink:
+  """A step sink: each trainer step's scalars through `logger.log`, under the trainer's metrics
+  prefix and in train mode (tags `<prefix>/train/stage/...`), at the step the host's update
+  answered: tunix's `train_steps` after it, where PeftTrainer logs the loss of that update's
+  micro-batches."""
+
+  def __init__(self, logger: metrics_logger_lib.MetricsLogger, prefix: str) -> None:
+    self.logger = logger
+    self.prefix = prefix
+
+  def step(self, figures: dict[str, Any]) -> None:
+    step = figures["host_step"]
+    if step is None:  # the update answered no step: no step of the loss's to sit at
+      return
+    for name, value in figures_lib.scalars(figures_lib.TRAINER, figures).items():
+      self.logger.log(self.prefix, name, value, metrics_logger_lib.Mode.TRAIN, step)

@@ -23,7 +23,6 @@ from typing import Any, Iterable, Sequence
 
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +46,7 @@ def step_timings(spans: Iterable[recorder_lib.Span], steps: Iterable[int]) -> li
   """Timings of `steps` (each needs the step before it; steps count from the spans' first), as
   the trainer's own step split makes them from the spans, fed in the order they ended."""
   figures: list[dict] = []
-  split = trainer_telemetry.TrainerSteps(figures.append)
+  split = recorder_lib.TrainerSteps(figures.append)
   for span in sorted((s for s in spans if s.track in SPLIT_TRACKS), key=lambda s: s.end):
     split.record(span)
   by_step = {f["step"]: f for f in figures}

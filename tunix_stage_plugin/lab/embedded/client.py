@@ -9,7 +9,7 @@ Concurrent calls share one HTTP/2 connection and one emulated link (`LinkPacer`)
 and an inline train's bytes on the bulk channel (transport/) queue for the same bandwidth, as on a
 real NIC. Only payload bytes are paced (the bulk bytes); headers and small unary calls are not.
 A bulk call holds a connection for its bytes before its header goes out: the client's one
-`BulkSender` sends on at most the trainer's cap of connections (frames.BulkLimits, announced by
+`BulkSender` sends on at most the trainer's cap of connections (wire.BulkLimits, announced by
 BulkPort), further calls wait for one, and a connection the trainer refuses (other clients hold
 the cap) fails the call at once with the trainer's reason (docs/embedded.md "Limits of the bulk
 channel").
@@ -40,8 +40,7 @@ from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import server as server_lib
-from tunix_stage_plugin.transport import frames
-from tunix_stage_plugin.transport import request as request_lib
+from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport import sender as sender_lib
 
 _ADDRESS_RE = re.compile(r"(?P<host>[A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(?P<port>[0-9]{1,5})")
@@ -70,7 +69,7 @@ MIN_PROBE_S = 0.5
 SEND_FAILURE_GRACE_S = 1.0
 
 
-def _bulk(encoded: request_lib.EncodedRequest) -> bool:
+def _bulk(encoded: wire.EncodedRequest) -> bool:
   return encoded.out_of_band_bytes > UNARY_MAX_BYTES
 
 
@@ -93,11 +92,11 @@ def _unanswered(e: grpc.aio.AioRpcError) -> bool:
   return e.code() is grpc.StatusCode.DEADLINE_EXCEEDED or _timed_out(e)
 
 
-_HEARTBEAT = request_lib.encode_whole(None, "heartbeat", (), {})  # one small message, made once
+_HEARTBEAT = wire.encode_whole(None, "heartbeat", (), {})  # one small message, made once
 
 
 # What a call to the trainer can fail with; a command reports each in one line and exits 1.
-CALL_ERRORS = (ConnectionError, contract.RemoteError, frames.WireError, grpc.aio.AioRpcError)
+CALL_ERRORS = (ConnectionError, contract.RemoteError, wire.WireError, grpc.aio.AioRpcError)
 
 
 def describe_call_error(e: BaseException, trainer: str) -> str:
@@ -223,7 +222,7 @@ class WorkerClient:
     raise ConnectionError(f"trainer at {self.address} did not answer within {timeout_s:.0f} s: "
                           f"{detail}")
 
-  def expected_s(self, encoded: request_lib.EncodedRequest, args: tuple[Any, ...] = ()) -> float:
+  def expected_s(self, encoded: wire.EncodedRequest, args: tuple[Any, ...] = ()) -> float:
     """What a call is expected to take: its bytes over the link (behind the bytes queued on it),
     plus the seconds a weight sync announces, plus CALL_BASE_S."""
     expected = CALL_BASE_S
@@ -247,7 +246,7 @@ class WorkerClient:
     """
     if not 1.0 <= _pace < float("inf"):
       raise ValueError(f"_pace must be a finite slowdown >= 1; got {_pace!r}")
-    encoded = request_lib.encode(None, method, args, kwargs)
+    encoded = wire.encode(None, method, args, kwargs)
     if _carried is not None:
       _carried["transport"] = contract.SIDE_CHANNEL if _bulk(encoded) else contract.UNARY
     expected = self.expected_s(encoded, args) * _pace
@@ -292,12 +291,12 @@ class WorkerClient:
     self._heard_from()
     return decode_reply(reply)
 
-  async def _send(self, encoded: request_lib.EncodedRequest, args: tuple[Any, ...],
+  async def _send(self, encoded: wire.EncodedRequest, args: tuple[Any, ...],
                   kwargs: dict[str, Any], timeout: float, pace: float) -> bytes:
     if not _bulk(encoded):
       # Small messages are not paced: a train-by-key call never queues behind a stage's
       # payload on the emulated link.
-      whole = request_lib.encode_whole(None, encoded.method, args, kwargs)
+      whole = wire.encode_whole(None, encoded.method, args, kwargs)
       return await self._unary(whole, timeout=timeout)
     return await self._call_bulk(encoded, timeout, pace)
 
@@ -342,16 +341,16 @@ class WorkerClient:
     """The client's one sender, made by its first bulk call (the others wait for it)."""
     async with self._sender_made:
       if self._sender is None:
-        port, limits = frames.read_announcement(await self._bulk_port(b"", timeout=timeout))
+        port, limits = wire.read_announcement(await self._bulk_port(b"", timeout=timeout))
         self._sender = sender_lib.BulkSender(self._host, port, limits)
     return self._sender
 
-  async def _call_bulk(self, encoded: request_lib.EncodedRequest, timeout: float,
+  async def _call_bulk(self, encoded: wire.EncodedRequest, timeout: float,
                        pace: float) -> bytes:
     """The header on gRPC and the bytes on the bulk channel, at once, once a connection for the
     bytes is held (within the trainer's cap: this client's sends queue for one, each ending
     within the bulk channel's bounds); the call's answer wins."""
-    transfer = frames.new_transfer_id()
+    transfer = wire.new_transfer_id()
     return await sender_lib.call_with_bytes(
         self._bulk_header(encoded.header(transfer), timeout=timeout),
         await self._bulk_sender(timeout), transfer, encoded.parts, SEND_FAILURE_GRACE_S,
@@ -378,7 +377,7 @@ class WorkerClient:
   async def _diagnose_bulk(self, e: OSError, method: str, waited: float) -> BaseException:
     """A broken bulk connection: the trainer went away, stopped answering, or only the
     connection failed (a WireError naming it)."""
-    return await self._probe(method, waited, f"its bytes' connection: {e}") or frames.WireError(
+    return await self._probe(method, waited, f"its bytes' connection: {e}") or wire.WireError(
         f"{method}: the connection carrying its bytes to {self.address} failed: "
         f"{type(e).__name__}: {e}")
 

@@ -8,12 +8,15 @@ pure function of (seed, step, index, sizes).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.transport import wire
+
+if TYPE_CHECKING:  # the codec loads where a codec is set
+  from tunix_stage_plugin.core import codec as codec_lib
+  from tunix_stage_plugin.transport import listener as listener_lib
 
 MIB = 1 << 20
 
@@ -141,7 +144,7 @@ def rl_lengths(sizes: Sizes, rng: np.random.Generator) -> np.ndarray:
 
 
 def _aligned_copy(array: np.ndarray) -> np.ndarray:
-  out = buffers_lib.aligned_empty(array.nbytes).view(array.dtype).reshape(array.shape)
+  out = wire.aligned_empty(array.nbytes).view(array.dtype).reshape(array.shape)
   np.copyto(out, array)
   return out
 
@@ -160,7 +163,7 @@ def _bulk(sizes: Sizes, seed: int, index: int) -> dict[str, np.ndarray]:
     del draws
     routed[~live] = -1
     return {"live": live, "routed_experts": _aligned_copy(routed)}
-  ballast = buffers_lib.aligned_empty(b * t * sizes.ballast * 4).view(np.float32)
+  ballast = wire.aligned_empty(b * t * sizes.ballast * 4).view(np.float32)
   rng.random(dtype=np.float32, out=ballast)
   return {"ballast": ballast.reshape(b, t, sizes.ballast)}
 
@@ -226,12 +229,18 @@ class PackedArrays:
   @property
   def wire_bytes(self) -> int:
     """The arrays' bytes as they travel."""
-    return sum(a.wire_bytes if isinstance(a, codec_lib.PackedArray) else a.nbytes
-               for a in self.arrays.values())
+    return sum(getattr(a, "wire_bytes", a.nbytes) for a in self.arrays.values())
+
+
+def _codec() -> Any:
+  """core/codec.py, loaded where a codec is set or a packed batch arrives."""
+  from tunix_stage_plugin.core import codec  # pylint: disable=import-outside-toplevel
+  return codec
 
 
 def pack_arrays(codec: codec_lib.Codec, arrays: dict[str, np.ndarray]) -> PackedArrays:
   """Each array of at least codec.MIN_PACK_BYTES compressed (codec.pack_array)."""
+  codec_lib = _codec()
   return PackedArrays(codec.name, {
       name: codec_lib.pack_array(codec, a)
       if isinstance(a, np.ndarray) and a.nbytes >= codec_lib.MIN_PACK_BYTES else a
@@ -239,8 +248,9 @@ def pack_arrays(codec: codec_lib.Codec, arrays: dict[str, np.ndarray]) -> Packed
 
 
 def unpack_arrays(packed: PackedArrays, *, threads: int = 0,
-                  pool: buffers_lib.HostBufferPool | None = None) -> dict[str, np.ndarray]:
+                  pool: listener_lib.HostBufferPool | None = None) -> dict[str, np.ndarray]:
   """The arrays, decoded and checked; raises codec.CodecError otherwise."""
+  codec_lib = _codec()
   codec_lib.check_decodable(packed.codec)
   return {name: codec_lib.unpack_array(a, threads=threads, name=name, pool=pool)
           if isinstance(a, codec_lib.PackedArray) else a for name, a in packed.arrays.items()}
@@ -273,7 +283,7 @@ def pack_batch(codec: codec_lib.Codec, batch: Batch) -> PackedBatch:
 
 
 def unpack_batch(packed: PackedBatch, pool: Any = None) -> Batch:
-  """Decoded into buffers from `pool` (a core.buffers.HostBufferPool) when given; raises
+  """Decoded into buffers from `pool` (a transport.listener.HostBufferPool) when given; raises
   core.codec.CodecError for a payload that does not decode to what it announced."""
   return Batch(packed.step, packed.index, unpack_arrays(packed.packed, pool=pool))
 

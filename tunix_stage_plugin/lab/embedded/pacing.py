@@ -13,7 +13,7 @@ import threading
 import time
 from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport import sender as sender_lib
 
 
@@ -28,7 +28,7 @@ MIN_SLEEP_S = 0.002
 CATCH_UP_S = 0.05
 # A paced chunk takes at most this much of its link's time, so even the cap's worth of calls
 # sharing a slow emulated link pause each frame far less than the listener's stall bound
-# (frames.BulkLimits.stall_s): at most 10 chunks a second a link, however slow.
+# (wire.BulkLimits.stall_s): at most 10 chunks a second a link, however slow.
 PACED_CHUNK_S = 0.1
 
 
@@ -77,10 +77,10 @@ class LinkPacer:
     once it crossed, `pace` times slower than the link's rate (the bench's bursty scenario)."""
 
     async def paced(buffers: Sequence[memoryview]) -> AsyncIterator[memoryview]:
-      chunk_bytes = frames.CHUNK_BYTES
+      chunk_bytes = wire.CHUNK_BYTES
       if self.bytes_per_s is not None:
         chunk_bytes = max(1, min(chunk_bytes, int(self.bytes_per_s / pace * PACED_CHUNK_S)))
-      for chunk in frames.iter_chunks(buffers, chunk_bytes):
+      for chunk in wire.iter_chunks(buffers, chunk_bytes):
         await self.transmit(round(chunk.nbytes * pace))
         yield chunk
 

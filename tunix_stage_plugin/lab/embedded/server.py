@@ -1,6 +1,6 @@
 """The trainer's gRPC service: a generic method call, as tunix's, on the production wire: a call is
 the request tunix's host sends (transport/request.py), a large one the bulk format
-(transport/frames.py) with its bytes on the bulk channel, and a failure answers in tunix's
+(transport/wire.py) with its bytes on the bulk channel, and a failure answers in tunix's
 error envelope, which the client reads with hosts/tunix/contract.py (`unwrap`, `RemoteError`).
 
 The server's event loop only moves messages: it never copies a payload, unpickles one, places it
@@ -28,13 +28,12 @@ from typing import Any, Protocol
 
 import grpc
 
-from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.transport import frames
+from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport import listener as listener_lib
-from tunix_stage_plugin.transport import request as request_lib
 
 log = logging.getLogger("tunix_stage_plugin.lab.embedded")
 
@@ -45,7 +44,7 @@ CAP_SETTING = "trainer_main --max_call_mib"
 SERVICE = "tunix_stage.EmbeddedWorker"
 CALL = f"/{SERVICE}/Call"  # a small call whole (request.encode_whole)
 CALL_BULK = f"/{SERVICE}/CallBulk"  # a bulk call's header; its bytes come on the bulk channel
-BULK_PORT = f"/{SERVICE}/BulkPort"  # () -> frames.announcement
+BULK_PORT = f"/{SERVICE}/BulkPort"  # () -> wire.announcement
 # One message is a header, a small call or a reply; the cap leaves room for a header but refuses
 # the multi-GB single messages the bulk channel exists to avoid.
 MAX_MESSAGE_BYTES = 16 << 20
@@ -79,7 +78,7 @@ class Reply:
 def encode_reply(result: Any) -> bytes:
   message = pickle.dumps(Reply(result), protocol=5)
   if len(message) > MAX_MESSAGE_BYTES:
-    raise frames.WireError(f"reply of {len(message)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte "
+    raise wire.WireError(f"reply of {len(message)} bytes exceeds the {MAX_MESSAGE_BYTES}-byte "
                            "message cap; methods return small results")
   return message
 
@@ -155,7 +154,7 @@ class WorkerServer:
   async def _call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     method = "?"
     try:
-      _, method, args, kwargs = request_lib.decode(request)  # small by construction: on the loop
+      _, method, args, kwargs = wire.decode(request)  # small by construction: on the loop
       fn = self._method(method)
       return encode_reply(await self._executor.run(method, fn, *args, **kwargs))
     except Exception as e:  # pylint: disable=broad-except  (travels back to the caller)
@@ -163,16 +162,16 @@ class WorkerServer:
       return encode_error(e)
 
   async def _bulk_port(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-    return frames.announcement(self._bulk.port, self._bulk.limits)
+    return wire.announcement(self._bulk.port, self._bulk.limits)
 
   async def _call_bulk(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
     method = "?"
     try:
-      header = frames.decode_header(request)  # a few hundred bytes: fine on the loop
+      header = wire.decode_header(request)  # a few hundred bytes: fine on the loop
       method = header.method
       try:
         fn = self._method(method)
-        announced = frames.announced_bytes(header, self.max_call_bytes, CAP_SETTING)
+        announced = wire.announced_bytes(header, self.max_call_bytes, CAP_SETTING)
       except Exception:
         self._transfers.refuse(header.transfer)  # its frame is dropped when it comes
         raise
@@ -183,7 +182,7 @@ class WorkerServer:
       del received
 
       def run() -> Any:
-        _, _, args, kwargs = request_lib.decode_received(header, buffers)
+        _, _, args, kwargs = wire.decode_received(header, buffers)
         buffers.clear()  # the arrays over them are all that is kept
         return fn(*args, **kwargs)
 

@@ -160,6 +160,7 @@ async def serve(port: int, cfg: config_lib.StageConfig, fail_stage: frozenset[st
     stopped = asyncio.ensure_future(server.stop(grace=shutdown_grace_s + 1.0))
     await asyncio.wait({stopped}, timeout=shutdown_grace_s)
     busy = executor.close(timeout=max(0.0, deadline - loop.time()))
+    worker.close()
     if busy:
       _abandon([lane.value for lane in busy], shutdown_grace_s)
     await stopped

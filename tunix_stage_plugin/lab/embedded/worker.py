@@ -3,8 +3,9 @@
 Lanes (core.executor): fwd_bwd / update / weight_sync / setup / place_resident / finish on the
 compute lane in arrival order; stage_batch on the staging lane, so a stage overlaps a running
 fwd_bwd; heartbeat / info / timeline / memory / records / stage_figures / reset_staged inline.
-With staging off, stage_batch runs on the compute lane and refuses, so an inline-only trainer
-never starts a staging thread.
+A received batch is placed by the placer thread (started with the first stage). With staging
+off, stage_batch runs on the compute lane and refuses, so an inline-only trainer never starts a
+staging or placer thread.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
@@ -32,15 +33,15 @@ from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import pacing
 
-LIGHT_METHODS = lanes_lib.LIGHT_METHODS | {"timeline", "memory", "records"}
+PLACER_CLOSE_S = 10.0  # how long close waits for a placement still running
+LIGHT_METHODS = contract.LIGHT_METHODS | {"timeline", "memory", "records"}
 
 
 def make_executor(cfg: config_lib.StageConfig) -> executor_lib.MethodExecutor:
-  staging = lanes_lib.STAGING_METHODS if cfg.enabled else frozenset()
+  staging = contract.STAGING_METHODS if cfg.enabled else frozenset()
   return executor_lib.MethodExecutor(staging_methods=staging, light_methods=LIGHT_METHODS)
 
 
@@ -84,6 +85,8 @@ class TrainerWorker:
     self._sized = False
     self.store = store_lib.StagedBatchStore(cfg.max_device_batches,
                                             max_host_batches=self._host_bound(None))
+    self._placer: tuple[store_lib.StagedBatchStore, threading.Thread] | None = None
+    self._placer_lock = threading.Lock()
     self.pool = buffers_lib.HostBufferPool()  # where the server receives large calls' bytes
     self._rss_baseline: int | None = None
     # Device memory since setup: at setup, and the most after any placement (None on CPU).
@@ -158,7 +161,7 @@ class TrainerWorker:
     from tunix_stage_plugin.lab.embedded import trainer as trainer_lib
 
     h2d = pacing.SharedLink(None if h2d_mbps is None else h2d_mbps * 1e6)  # checks the rate
-    self.store.reset()
+    self.store.close()  # its placer thread ends
     bound = self.cfg.max_device_batches if max_device_batches is None else max_device_batches
     host_bound = self._host_bound(max_host_batches, bound)
     self.store = store_lib.StagedBatchStore(bound, max_host_batches=host_bound)
@@ -275,36 +278,49 @@ class TrainerWorker:
   # --- staging lane -----------------------------------------------------------------------------
 
   def stage_batch(self, batch: data_lib.Batch, *, key: str) -> dict[str, Any]:
-    """Places `batch` under `key`; answers a StageOutcome as a dict (staged, refused, ...)."""
+    """Receives `batch` under `key`, answered at once (a StageOutcome as a dict); the placer
+    thread places it next, so the next stage's payload crosses the wire meanwhile."""
     if not self.cfg.enabled:
       return outcome_lib.unsupported(
           key, "staging is off on this trainer (TUNIX_STAGE_BATCH=off)").as_dict()
     self._require_trainer()
+    store = self.store
+    result = store.receive(key, batch, refuse=_unstageable(batch))
+    if result.staged:
+      with self._placer_lock:
+        if self._placer is None or self._placer[0] is not store:  # this store's first stage
+          placer = threading.Thread(target=self._placing, args=(store,), daemon=True,
+                                    name="embedded-placer")
+          self._placer = (store, placer)
+          placer.start()
+    return result.as_dict()
 
-    def prepare(b: data_lib.Batch | data_lib.PackedBatch) -> _Staged:
-      if b.mb_id in self._fail_stage:
-        raise InjectedStageFailure(f"injected stage failure for micro-batch {b.mb_id}")
-      if isinstance(b, data_lib.PackedBatch):  # decoded here, on the staging lane
-        start = time.perf_counter()
-        b, wire_bytes = data_lib.unpack_batch(b, self.pool), b.wire_bytes
-        self.recorder.add(tracks.TRAINER_DECODE, b.mb_id, start, time.perf_counter(),
-                          step=b.step, bytes=b.nbytes, wire_bytes=wire_bytes)
-      return _Staged(b.step, b.mb_id, self._place(b, "staging"))
+  def _placing(self, store: store_lib.StagedBatchStore) -> None:
+    """The placer thread: each received batch, in order, placed once a device slot is free."""
+    for job in store.placements():
+      with job:
+        job.done(self._prepare(job.payload))
 
-    # Two phases: answered once received (a host buffer held), placed next on this lane, so the
-    # next stage's payload crosses the wire while this one is placed.
-    return self.store.stage(key, batch, prepare, check=self._check_batch,
-                            defer=executor_lib.defer_on_current_lane()).as_dict()
-
-  def _check_batch(self, batch: Any) -> None:
-    if not isinstance(batch, (data_lib.Batch, data_lib.PackedBatch)):
-      raise TypeError(f"stage_batch takes a data.Batch or data.PackedBatch; "
-                      f"got {type(batch).__name__}")
-    if isinstance(batch, data_lib.PackedBatch):  # refused at once when this trainer cannot decode
-      codec_lib.check_decodable(batch.packed.codec)
+  def _prepare(self, batch: data_lib.Batch | data_lib.PackedBatch) -> _Staged:
+    if batch.mb_id in self._fail_stage:
+      raise InjectedStageFailure(f"injected stage failure for micro-batch {batch.mb_id}")
+    if isinstance(batch, data_lib.PackedBatch):  # decoded here, on the placer thread
+      start = time.perf_counter()
+      batch, wire_bytes = data_lib.unpack_batch(batch, self.pool), batch.wire_bytes
+      self.recorder.add(tracks.TRAINER_DECODE, batch.mb_id, start, time.perf_counter(),
+                        step=batch.step, bytes=batch.nbytes, wire_bytes=wire_bytes)
+    return _Staged(batch.step, batch.mb_id, self._place(batch, "staging"))
 
   def reset_staged(self, keys: list[str] | None = None) -> list[str]:
     return self.store.reset(keys)
+
+  def close(self) -> None:
+    """Drops what is staged and ends the placer thread (the process is stopping)."""
+    self.store.close()
+    with self._placer_lock:
+      placer, self._placer = self._placer, None
+    if placer is not None:
+      placer[1].join(PLACER_CLOSE_S)
 
   # --- helpers ----------------------------------------------------------------------------------
 
@@ -355,3 +371,16 @@ class TrainerWorker:
     self.recorder.add(tracks.TRAINER_H2D, batch.mb_id, start, time.perf_counter(), step=batch.step,
                       lane=lane, bytes=batch.nbytes)
     return placed
+
+
+def _unstageable(batch: Any) -> str | None:
+  """Why `batch` can never be staged here (None: it may be), asked before any wait."""
+  if not isinstance(batch, (data_lib.Batch, data_lib.PackedBatch)):
+    return (f"TypeError: stage_batch takes a data.Batch or data.PackedBatch; "
+            f"got {type(batch).__name__}")
+  if isinstance(batch, data_lib.PackedBatch):  # refused at once when this trainer cannot decode
+    try:
+      codec_lib.check_decodable(batch.packed.codec)
+    except Exception as e:  # pylint: disable=broad-except  (the reason travels back)
+      return f"{type(e).__name__}: {e}"
+  return None

@@ -19,9 +19,7 @@ from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.core import pipeline as pipeline_lib
-from tunix_stage_plugin.core.telemetry import orchestrator as orchestrator_telemetry
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
 from tunix_stage_plugin.lab.sim import model
 from tunix_stage_plugin.lab.sim import trace as trace_lib
 
@@ -117,8 +115,8 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
       depth_for=None if sizer is None else sizer.depth_for)
   # Each step's figures as the processes' telemetry makes them, for the sizer (auto).
   trainer_steps: list[dict] = []
-  trainer_telemetry_sink = trainer_telemetry.TrainerSteps(trainer_steps.append)
-  orchestrator_steps = orchestrator_telemetry.OrchestratorSteps()
+  trainer_telemetry_sink = recorder_lib.TrainerSteps(trainer_steps.append)
+  orchestrator_steps = recorder_lib.OrchestratorSteps()
   if auto:
     trainer.timeline.add_sink(trainer_telemetry_sink)
     trainer.timeline.add_sink(orchestrator_steps)

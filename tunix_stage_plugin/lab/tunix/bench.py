@@ -54,7 +54,7 @@ from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.tunix import node as node_lib
-from tunix_stage_plugin.transport import request as request_lib
+from tunix_stage_plugin.transport import wire
 
 ACTOR = datatypes.Role.ACTOR
 PLAIN, PLUGIN = "plain", "plugin"  # the two trainer nodes
@@ -137,7 +137,7 @@ class BenchHost:
   def over_cap(self, sizes: data_lib.Sizes) -> bool:
     """Whether a micro-batch is over tunix's message cap (its unary call would refuse it)."""
     cap = remote_execution._MAX_MESSAGE_BYTES  # pylint: disable=protected-access
-    return sizes.payload_bytes > cap - request_lib.CAP_MARGIN
+    return sizes.payload_bytes > cap - wire.CAP_MARGIN
 
   def start(self, say: host_lib.Say) -> None:
     say("starting two tunix trainer nodes (GrpcRemoteExecutionServer, TrainerWorker, PeftTrainer "

@@ -50,7 +50,6 @@ from tunix.sft import sharding_utils
 
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core.telemetry import trainer as trainer_telemetry
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.embedded import data as data_lib
@@ -122,7 +121,7 @@ class Clocked:
     self._named: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
     own = recorder_lib.Recorder()
     own.add_sink(self)
-    self._watcher: trainer_telemetry.ComputeWatcher | None = trainer_telemetry.ComputeWatcher(
+    self._watcher: recorder_lib.ComputeWatcher | None = recorder_lib.ComputeWatcher(
         own, jax.block_until_ready)
     self._drain: Callable[[float], bool] = self._watcher.drain
 

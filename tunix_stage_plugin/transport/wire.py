@@ -1,15 +1,20 @@
-"""The one bulk format: what both ends of a call too large for the host's own message agree on,
-whichever carrier takes its bytes.
+"""A call's bytes, both ends agree on them: its encoding and the one bulk format it travels in.
 
-A bulk call is its header (`encode_header`: the method, the call's out-of-band pickle or None when
-that pickle travels as the first part, the parts' sizes, a fresh transfer id) and its parts' bytes
-in chunks of at most CHUNK_BYTES, never spanning two parts. Two carriers take it: the bulk channel
-(a `frame_header`, then the chunks, on a plain TCP connection: listener.py, sender.py) and, on
-tunix's host, a gRPC client stream (hosts/tunix/chunked.py). Either way the trainer checks the
-header (`decode_header`) and its cap (`announced_bytes`) before any byte, fails a call with
-WireError, and hands on the buffers as `Received`. docs/embedded.md "The bulk channel" and "Limits
-of the bulk channel", docs/tunix.md "Which path a call takes".
+A call is the request tuple tunix pickles (request id, method, args, kwargs), pickled with
+protocol 5 and a `buffer_callback` (`encode`): every contiguous array stays out of band in its own
+memory, so the pickle is a few KiB and no array byte is copied. The orchestrator measures a call
+so before it picks a transport; the trainer decodes it over the buffers its bytes were received
+into (`decode_received`).
+
+A call too large for the host's own message travels in bulk: its header (`encode_header`: the
+method, the pickle or None when the pickle is the first part, the parts' sizes, a fresh transfer
+id), then its parts in chunks of at most CHUNK_BYTES, never spanning two parts. Two carriers take
+it: the bulk channel (a `frame_header`, then the chunks, on a plain TCP connection) and, on
+tunix's host, a gRPC client stream. Either way the trainer checks the header (`decode_header`) and
+its cap (`announced_bytes`) before any byte and fails a call with WireError. Imports no host.
+docs/design.md "A micro-batch's way".
 """
+
 
 from __future__ import annotations
 
@@ -19,10 +24,12 @@ import secrets
 import select
 import socket
 import struct
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
+import cloudpickle
 import numpy as np
 
+ALIGNMENT = 64  # a received buffer's data starts here: unpickled arrays over it are aligned
 TRANSFER_ID_BYTES = 16
 MAX_BUFFERS = 1 << 16  # the most parts one bulk call (its header and its frame) may carry
 CHUNK_BYTES = 4 << 20  # a chunk carries at most this much (one socket hand-over, one message)
@@ -74,6 +81,13 @@ def read_announcement(message: bytes) -> tuple[int, BulkLimits]:
 
 
 # ---------------------------------------------------------------- the call's header
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+  """A writable uint8 buffer of `nbytes` whose data starts on an ALIGNMENT-byte boundary."""
+  raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
+  offset = (-raw.ctypes.data) % ALIGNMENT
+  return raw[offset:offset + nbytes]
 
 
 def new_transfer_id() -> bytes:
@@ -195,3 +209,79 @@ def shutdown(sock: socket.socket) -> None:
     sock.shutdown(socket.SHUT_RDWR)
   except OSError:
     pass
+
+
+# ---------------------------------------------------------------- a call, encoded
+
+MIB = 1 << 20
+# What a call adds to its pickle on tunix's unary path beyond the out-of-band form (each in-band
+# buffer's opcode and length, the gRPC message's framing): a call this close to the cap is over it.
+CAP_MARGIN = 64 << 10
+
+
+@dataclasses.dataclass
+class EncodedRequest:
+  """A call pickled out of band: the small pickle and the buffers its arrays' bytes live in."""
+
+  method: str
+  body: bytes
+  buffers: list[memoryview]
+
+  @property
+  def nbytes(self) -> int:
+    """About what tunix's unary message would carry (the pickle plus every buffer's bytes)."""
+    return len(self.body) + sum(b.nbytes for b in self.buffers)
+
+  @property
+  def out_of_band_bytes(self) -> int:
+    return sum(b.nbytes for b in self.buffers)
+
+  def over(self, cap: int) -> bool:
+    """Whether tunix's unary path would refuse it (within CAP_MARGIN of `cap` counts as over)."""
+    return self.nbytes > cap - CAP_MARGIN
+
+  def header(self, transfer: bytes) -> bytes:
+    """Its bulk header (encode_header), its parts to travel under `transfer`."""
+    return encode_header(self.method, self.body, self.buffers, transfer)
+
+  @property
+  def parts(self) -> list[memoryview]:
+    """What its bulk chunks carry (parts)."""
+    return parts(self.body, self.buffers)
+
+
+def encode(request_id: str | None, method_name: str, args: tuple, kwargs: dict[str, Any]
+           ) -> EncodedRequest:
+  """The request tuple tunix's ExecutionRequest.serialize pickles, pickled out of band.
+
+  Cheap for any payload size: no array byte is copied (contiguous numpy arrays hand their memory
+  to `buffer_callback`)."""
+  buffers: list[pickle.PickleBuffer] = []
+  body = cloudpickle.dumps((request_id, method_name, tuple(args), dict(kwargs)), protocol=5,
+                           buffer_callback=buffers.append)
+  return EncodedRequest(method_name, body, [b.raw() for b in buffers])
+
+
+def encode_whole(request_id: str | None, method_name: str, args: tuple, kwargs: dict[str, Any]
+                 ) -> bytes:
+  """The same tuple with its arrays in band: one message (what tunix's own unary call sends)."""
+  return cloudpickle.dumps((request_id, method_name, tuple(args), dict(kwargs)), protocol=5)
+
+
+def decode(body: Any, buffers: Sequence[Any] = (), method: str | None = None) -> tuple[Any, ...]:
+  """The request tuple `body` pickles, its arrays over `buffers`; WireError unless it is a request
+  (for `method`, when a header named one)."""
+  request = pickle.loads(body, buffers=buffers)
+  if not (isinstance(request, tuple) and len(request) == 4
+          and (request[1] == method if method is not None else isinstance(request[1], str))):
+    raise WireError(f"{method}: the call's pickle is not a request for the method its "
+                           "header names" if method is not None else
+                           "a call's message is not a request (request_id, method, args, kwargs)")
+  return request
+
+
+def decode_received(header: Header, buffers: list[Any]) -> tuple[Any, ...]:
+  """The request a bulk call carried, over the buffers its parts were received into."""
+  if header.body is None:  # the pickle came as the first part
+    return decode(buffers[0], buffers[1:], header.method)
+  return decode(header.body, buffers, header.method)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.embedded.support import wait_for
-from tunix_stage_plugin.core import buffers as buffers_lib
+from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 

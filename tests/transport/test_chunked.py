@@ -1,4 +1,4 @@
-"""The bulk format carried as a gRPC client stream (hosts/tunix/chunked.py), without tunix: its
+"""The bulk format carried as a gRPC client stream (transport/sender.py and transport/listener.py), without tunix: its
 messages, refusals, and one payload far over a real grpc.aio channel's message cap crossing it."""
 
 from __future__ import annotations
@@ -10,15 +10,14 @@ import grpc
 import numpy as np
 import pytest
 
-from tunix_stage_plugin.core import buffers as buffers_lib
-from tunix_stage_plugin.hosts.tunix import chunked
+from tunix_stage_plugin.transport import listener as buffers_lib
+from tunix_stage_plugin.transport import sender
 from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.transport import frames
-from tunix_stage_plugin.transport import request as request_lib
+from tunix_stage_plugin.transport import wire
 
 MIB = 1 << 20
-CHUNK = frames.CHUNK_BYTES
-TRANSFER = bytes(frames.TRANSFER_ID_BYTES)
+CHUNK = wire.CHUNK_BYTES
+TRANSFER = bytes(wire.TRANSFER_ID_BYTES)
 
 
 class Messages:
@@ -39,9 +38,9 @@ class Messages:
 
 
 def receive(messages, pool=None, max_bytes=1 << 40):
-  header, received = asyncio.run(chunked.receive(messages, pool or buffers_lib.HostBufferPool(),
+  header, received = asyncio.run(buffers_lib.receive(messages, pool or buffers_lib.HostBufferPool(),
                                                  max_bytes, "the setting"))
-  return request_lib.decode_received(header, received.buffers)
+  return wire.decode_received(header, received.buffers)
 
 
 def payload():
@@ -52,10 +51,10 @@ def payload():
 
 def test_a_call_round_trips_in_chunks_into_aligned_pooled_buffers_without_a_copy():
   sent = payload()
-  encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False})
+  encoded = wire.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False})
   assert len(encoded.body) < 4096  # the arrays are out of band
   assert encoded.nbytes == len(encoded.body) + sent["experts"].nbytes + sent["tokens"].nbytes
-  messages = list(chunked.messages(encoded))
+  messages = list(sender.messages(encoded))
   # The header, then each buffer in chunks of at most CHUNK_BYTES, never spanning two buffers.
   sizes = [len(m) for m in messages[1:]]
   experts = sent["experts"].nbytes
@@ -77,20 +76,20 @@ def test_a_call_round_trips_in_chunks_into_aligned_pooled_buffers_without_a_copy
 
 def test_a_large_pickle_travels_as_the_streams_first_part():
   strided = np.arange(4 * MIB, dtype=np.uint8)[::2]  # not contiguous: numpy pickles it in band
-  encoded = request_lib.encode("r-1", "stage_batch", (), {"payload": {"a": strided}, "key": "k"})
-  assert len(encoded.body) > frames.HEADER_BODY_MAX and not encoded.buffers
-  header = frames.decode_header(next(chunked.messages(encoded)))
+  encoded = wire.encode("r-1", "stage_batch", (), {"payload": {"a": strided}, "key": "k"})
+  assert len(encoded.body) > wire.HEADER_BODY_MAX and not encoded.buffers
+  header = wire.decode_header(next(sender.messages(encoded)))
   assert header.body is None and header.sizes == [len(encoded.body)]
-  request_id, method, _, kwargs = receive(Messages(chunked.messages(encoded)))
+  request_id, method, _, kwargs = receive(Messages(sender.messages(encoded)))
   assert (request_id, method, kwargs["key"]) == ("r-1", "stage_batch", "k")
   np.testing.assert_array_equal(kwargs["payload"]["a"], strided)
 
 
 def test_over_measures_the_pickle_and_its_buffers_against_the_cap():
-  encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": np.zeros(8 * MIB, np.uint8)})
+  encoded = wire.encode(None, "fwd_bwd", (), {"payload": np.zeros(8 * MIB, np.uint8)})
   assert encoded.over(8 * MIB)
-  assert encoded.over(encoded.nbytes + request_lib.CAP_MARGIN - 1)
-  assert not encoded.over(encoded.nbytes + request_lib.CAP_MARGIN)
+  assert encoded.over(encoded.nbytes + wire.CAP_MARGIN - 1)
+  assert not encoded.over(encoded.nbytes + wire.CAP_MARGIN)
 
 
 def _messages(sizes, chunks, method="fwd_bwd", body=b"x"):
@@ -112,13 +111,13 @@ def _messages(sizes, chunks, method="fwd_bwd", body=b"x"):
     (_messages([4, 4], [b"\0" * 8]), "overruns buffer 0"),
 ])
 def test_a_stream_that_breaks_the_form_is_refused_naming_the_rule(messages, message):
-  with pytest.raises(frames.WireError, match=message):
+  with pytest.raises(wire.WireError, match=message):
     receive(Messages(messages))
 
 
 def test_a_header_announcing_more_than_the_cap_is_refused_before_any_chunk_is_read():
   stream = Messages(_messages([6 * MIB, 4 * MIB], [b"\0" * CHUNK] * 3))
-  with pytest.raises(frames.WireError,
+  with pytest.raises(wire.WireError,
                      match=r"fwd_bwd announces 10485760 bytes \(10.0 MiB\), above this trainer's "
                      r"8388608-byte cap .* refused before reading any of its bytes"):
     receive(stream, max_bytes=8 * MIB)
@@ -127,17 +126,17 @@ def test_a_header_announcing_more_than_the_cap_is_refused_before_any_chunk_is_re
 
 def test_a_stream_carrying_more_than_it_announced_is_refused_at_the_first_chunk_past_it():
   stream = Messages(_messages([2 * MIB], [b"\0" * MIB] * 2 + [b"\0"] + [b"\0" * MIB] * 5))
-  with pytest.raises(frames.WireError, match="carried more than the 2097152 bytes it "
+  with pytest.raises(wire.WireError, match="carried more than the 2097152 bytes it "
                      "announced"):
     receive(stream)
   assert stream.pulled == 4  # the header, two full chunks, and the one byte past the total
 
 
 def test_a_pickle_for_another_method_than_the_header_names_is_refused():
-  encoded = request_lib.encode(None, "update", (), {})
+  encoded = wire.encode(None, "update", (), {})
   header = pickle.dumps({"method": "fwd_bwd", "body": encoded.body, "sizes": [],
                          "transfer": TRANSFER})
-  with pytest.raises(frames.WireError, match="not a request for the method its header names"):
+  with pytest.raises(wire.WireError, match="not a request for the method its header names"):
     receive(Messages([header]))
 
 
@@ -145,7 +144,7 @@ class Sent:
   """What a client's stream yielded (header and chunks), counted as grpc pulls it."""
 
   def __init__(self, encoded, accepted):
-    self._stream = chunked.send(encoded, accepted)
+    self._stream = sender.send(encoded, accepted)
     self.messages = 0
 
   def __aiter__(self):
@@ -186,11 +185,11 @@ async def serve_and_send(payload, cap, max_bytes):
     async def accept():
       await context.send_initial_metadata(((contract.STREAM_READY_KEY, contract.STREAM_READY),))
     try:
-      header, received = await chunked.receive(request_iterator, pool, max_bytes, "the setting",
+      header, received = await buffers_lib.receive(request_iterator, pool, max_bytes, "the setting",
                                                accept)
-      _, method, _, kwargs = request_lib.decode_received(header, received.buffers)
+      _, method, _, kwargs = wire.decode_received(header, received.buffers)
       del received
-    except frames.WireError as e:
+    except wire.WireError as e:
       return pickle.dumps(("refused", str(e)))
     array = kwargs["payload"]
     return pickle.dumps((method, array.nbytes, int(array[::4096].astype(np.int64).sum()),
@@ -210,7 +209,7 @@ async def serve_and_send(payload, cap, max_bytes):
       with pytest.raises(grpc.aio.AioRpcError) as whole:
         await channel.unary_unary(f"/{contract.STREAM_SERVICE}/Unary")(pickle.dumps(payload),
                                                                         timeout=30)
-      encoded = request_lib.encode(None, "stage_batch", (), {"payload": payload})
+      encoded = wire.encode(None, "stage_batch", (), {"payload": payload})
       chunks = await send_chunked(channel.stream_unary(contract.STREAM_METHOD), encoded)
       missing = await send_chunked(
           channel.stream_unary(f"/{contract.STREAM_SERVICE}/Missing"), encoded)
@@ -240,8 +239,8 @@ def test_a_refused_header_is_answered_before_any_chunk_is_sent():
 
 
 def test_a_received_call_says_what_its_header_announced_and_when_its_bytes_came():
-  encoded = request_lib.encode(None, "fwd_bwd", (), {"payload": payload()})
-  header, received = asyncio.run(chunked.receive(Messages(chunked.messages(encoded)),
+  encoded = wire.encode(None, "fwd_bwd", (), {"payload": payload()})
+  header, received = asyncio.run(buffers_lib.receive(Messages(sender.messages(encoded)),
                                                  buffers_lib.HostBufferPool(), 1 << 40, "setting"))
   assert header.method == "fwd_bwd"
   assert header.announced == sum(b.nbytes for b in encoded.buffers)

@@ -1,0 +1,344 @@
+"""What tunix's classes get while staging is installed: every hook, in one place, each thin.
+
+A hook hands its call to its role's side (installation.py), made on the role's first call: the
+trainer's (trainer.py) for the servers and TrainerWorker, the orchestrator's (orchestrator.py) for
+DistributedRLEngine, a staged run (run.py, loop_copy.py) for StandardRLProgram's train loop. So
+every process gets every hook and loads only the role it plays. Which hooks and why:
+docs/tunix.md "What it hooks"; a micro-batch's way through them: docs/design.md.
+
+Traps specific to this code: grpc takes handlers only before start, so the stream's method is added
+when tunix assigns `_server` inside the wrapped `start_serving_async` (a property for that one
+moment; the value stays in the instance's `__dict__`). `stop_serving` stops the side channel first
+(no new bytes), then tunix's stop, then drops the worker's staged batches (nothing can train them)
+and joins the server's lanes. An engine whose type is not DistributedRLEngine (tunix's tests use
+spec'd MagicMocks, which pass isinstance) keeps tunix's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import logging
+from typing import Any
+
+from tunix.experimental.common import datatypes
+
+from tunix_stage_plugin.core import patching
+from tunix_stage_plugin.hosts import placements
+from tunix_stage_plugin.hosts import probing
+from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+from tunix_stage_plugin.hosts.tunix import probes
+
+log = logging.getLogger("tunix_stage_plugin")
+PEFT_SEAM = "_prepare_payload"  # PeftTrainer's preparation step (hosts/tunix/peft.py)
+ACTOR = datatypes.Role.ACTOR
+
+
+def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation) -> None:
+  m = inst.modules
+  _server_hooks(registry, inst, m.remote_execution.RemoteExecutionServer,
+                m.remote_execution.GrpcRemoteExecutionServer)
+  _worker_hooks(registry, inst, m.trainer_worker.TrainerWorker)
+  placements.set_seam(registry, m.peft_trainer.PeftTrainer, PEFT_SEAM)
+  _engine_hooks(registry, inst, m.engine.DistributedRLEngine)
+  _program_hooks(registry, inst, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
+
+
+# ---------------------------------------------------------------- the trainer's
+
+
+def _trainer(inst: installation_lib.Installation) -> Any:
+  return inst.trainer or inst.trainer_side()
+
+
+# The server whose start_serving_async is running in this context (its grpc server gets the
+# stream's handler when tunix assigns it).
+_starting: contextvars.ContextVar[Any] = contextvars.ContextVar("tunix_stage_starting_server",
+                                                                default=None)
+
+
+def _server_hooks(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+                  server_cls: type, grpc_server_cls: type) -> None:
+  """Every received call enters the trainer's side; the side channel and the chunked stream start
+  and stop with tunix's server."""
+  inst.host_execute = server_cls.__dict__["execute_request"]  # for calls off the lanes
+  original_start = grpc_server_cls.__dict__["start_serving_async"]
+  original_stop = grpc_server_cls.__dict__["stop_serving"]
+
+  @functools.wraps(inst.host_execute)
+  async def execute_request(self: Any, request: Any) -> Any:
+    return await _trainer(inst).execute(self, request)
+
+  def get_server(self: Any) -> Any:
+    return self.__dict__.get("_server")
+
+  def set_server(self: Any, value: Any) -> None:
+    self.__dict__["_server"] = value
+    if value is not None and _starting.get() is self:  # tunix made it and has not started it yet
+      value.add_generic_rpc_handlers((_trainer(inst).stream_handler(self),))
+
+  @functools.wraps(original_start)
+  async def start_serving_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+    token = _starting.set(self)
+    try:
+      result = await original_start(self, *args, **kwargs)
+    finally:
+      _starting.reset(token)
+    side = _trainer(inst)
+    if self in side.streaming_servers and inst.serve_side_channel:
+      side.listen(self)  # started with tunix's server; stop_serving closes it
+    return result
+
+  @functools.wraps(original_stop)
+  async def stop_serving(self: Any, *args: Any, **kwargs: Any) -> Any:
+    side = _trainer(inst)
+    # No new bytes (its threads joined off the loop); calls already received run on their lanes.
+    await asyncio.to_thread(side.stop_listening, self)
+    result = await original_stop(self, *args, **kwargs)
+    await side.stopped(self)
+    return result
+
+  registry.set(server_cls, "execute_request", execute_request)
+  registry.set(grpc_server_cls, "_server", property(get_server, set_server))
+  registry.set(grpc_server_cls, "start_serving_async", start_serving_async)
+  registry.set(grpc_server_cls, "stop_serving", stop_serving)
+
+
+def _worker_hooks(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+                  worker_cls: type) -> None:
+  """TrainerWorker: stage_batch / reset_staged / stage_figures, and fwd_bwd consuming a staged key
+  exactly once; fwd_bwd and update observed."""
+  original_fwd_bwd = vars(worker_cls)[contract.FWD_BWD]
+  original_update = vars(worker_cls)[contract.UPDATE]
+
+  def stage_batch(self: Any, payload: Any, key: str) -> Any:
+    """Stages `payload` under `key` for a later fwd_bwd(stage_key=key); answers a StageOutcome."""
+    outcome = _trainer(inst).stage(self, payload, key)
+    return self._response(**contract.stage_answer(outcome))  # pylint: disable=protected-access
+
+  def reset_staged(self: Any, keys: list[str] | None = None) -> Any:
+    """Drops staged batches (all when `keys` is None), freeing their device buffers."""
+    dropped = _trainer(inst).reset(self, keys)
+    return self._response(**contract.reset_answer(dropped))  # pylint: disable=protected-access
+
+  def stage_figures(self: Any) -> Any:
+    """The trainer's newest closed step, its figures and bounds (None before its first step):
+    what an orchestrator sizing its depth (auto) reads after each step."""
+    newest = inst.telemetry.trainer_step()
+    return self._response(**contract.figures_answer(newest))  # pylint: disable=protected-access
+
+  @functools.wraps(original_fwd_bwd)
+  def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _trainer(inst).fwd_bwd(self, original_fwd_bwd, args, kwargs)
+
+  @functools.wraps(original_update)
+  def update(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The host's update, its computation observed (it ends a step of the telemetry)."""
+    return _trainer(inst).update(self, original_update, args, kwargs)
+
+  registry.set(worker_cls, contract.STAGE_BATCH, stage_batch)
+  registry.set(worker_cls, contract.RESET_STAGED, reset_staged)
+  registry.set(worker_cls, contract.STAGE_FIGURES, stage_figures)
+  registry.set(worker_cls, contract.FWD_BWD, fwd_bwd)
+  registry.set(worker_cls, contract.UPDATE, update)
+
+
+# ---------------------------------------------------------------- the orchestrator's
+
+
+def _orchestrator(inst: installation_lib.Installation) -> Any:
+  return inst.orchestrator or inst.orchestrator_side()
+
+
+def _engine_hooks(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+                  engine_cls: type) -> None:
+  """DistributedRLEngine: stage_train_batch / reset_staged_batches, and per_token_logps routed
+  (a large one over the side channel or the stream)."""
+  original_logps = engine_cls.__dict__["per_token_logps"]
+
+  async def stage_train_batch(self: Any, payload: Any, *, key: str,
+                              role: Any = ACTOR) -> Any:
+    """Sends stage_batch to the trainer (over the side channel or the chunked stream when it is
+    large); the outcome says whether to train by key or inline."""
+    return await _orchestrator(inst).stage(self, payload, key=key, role=role)
+
+  async def reset_staged_batches(self: Any, keys: list[str] | None = None, *,
+                                 role: Any = ACTOR,
+                                 timeout_s: float | None = None) -> list[str]:
+    """Drops staged batches on the trainer (all when `keys` is None); returns the dropped keys.
+    `timeout_s` bounds the call (TimeoutError after it); None leaves the handle's own deadline."""
+    return await _orchestrator(inst).reset(self, keys, role=role, timeout_s=timeout_s)
+
+  @functools.wraps(original_logps)
+  async def per_token_logps(self: Any, role: Any, items: Any, **kwargs: Any) -> Any:
+    if kwargs:  # what the plugin's transports do not carry: tunix's own call
+      return await original_logps(self, role, items, **kwargs)
+    return await _orchestrator(inst).per_token_logps(self, role, items, original_logps)
+
+  registry.set(engine_cls, "stage_train_batch", stage_train_batch)
+  registry.set(engine_cls, "reset_staged_batches", reset_staged_batches)
+  registry.set(engine_cls, "per_token_logps", per_token_logps)
+
+
+def _stage_ahead_while_pending(self: Any, step: int, max_staged_batches: int) -> int:
+  """How many of step `step`'s micro-batches to keep staged ahead while a train call is pending.
+
+  Added by tunix-stage-plugin while staging is installed (the upstream change's name). Default:
+  `max_staged_batches` (TUNIX_MAX_STAGED_BATCHES / --max_staged_batches). Asked once per step, when
+  its staging starts (at the step's start, or at the previous boundary when it is prestaged). 0
+  stages none of the step (it trains inline); more than the trainer's device bound is refused
+  there and trained inline. Override in a subclass, e.g. a smaller depth while it evaluates.
+  """
+  del self, step
+  return max_staged_batches
+
+
+def _program_hooks(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+                   program_cls: type, engine_cls: type) -> None:
+  """StandardRLProgram: its train loop staged (by the way this tunix has, probes.loop_way), and
+  the upstream change's two seams as real methods a subclass can override."""
+
+  def _prestage_across_boundary(self: Any, next_step: int) -> bool:
+    """Whether to stage step `next_step`'s first micro-batches while this step's boundary
+    (update, weight sync) runs.
+
+    Added by tunix-stage-plugin while staging is installed (the upstream change's name). Default:
+    yes, unless `max_staleness=0` (the next step's rollouts then wait for the weight sync). Asked
+    once per step boundary that has a next step. Override in a subclass, e.g. to skip the
+    prestage at its own checkpoint boundaries.
+    """
+    del next_step
+    if self.max_staleness == 0:
+      if inst.first_time("no-prestage-at-max-staleness-0"):
+        log.info("tunix-stage: no cross-step prestage: max_staleness=0 holds the next step's "
+                 "rollouts until the weight sync ends; it needs max_staleness >= 1 (or None)")
+      return False
+    return True
+
+  if probes.loop_way(program_cls) == probes.SEAM:
+    _seam_way(registry, inst, program_cls, engine_cls)
+  else:
+    _copy_way(registry, inst, program_cls, engine_cls)
+  registry.set(program_cls, "_stage_ahead_while_pending", _stage_ahead_while_pending)
+  registry.set(program_cls, "_prestage_across_boundary", _prestage_across_boundary)
+
+
+def _copy_way(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+              program_cls: type, engine_cls: type) -> None:
+  """tunix c7d8950, which has no seam: the plugin's copy of its train_stage (loop_copy.py)."""
+  original_train_stage = program_cls.__dict__["train_stage"]
+  found = probing.fingerprint(original_train_stage)
+  if found != probes.TRAIN_STAGE_FINGERPRINT:  # passed the probe: the setting accepts it
+    log.warning("tunix-stage: the staged loop replaces a StandardRLProgram.train_stage whose body "
+                "(fingerprint %s) is not tunix %s's (%s): accepted by %s", found,
+                probes.TRAIN_STAGE_COMMIT, probes.TRAIN_STAGE_FINGERPRINT, probes.ACCEPT.env)
+
+  @functools.wraps(original_train_stage)
+  async def train_stage(self: Any, engine: Any, num_steps: int | None = None) -> None:
+    # The real type: a MagicMock(spec=DistributedRLEngine) passes isinstance, and would answer
+    # stage_train_batch with a mock; the host's loop is the right one for it.
+    if not issubclass(type(engine), engine_cls):
+      return await original_train_stage(self, engine, num_steps)
+    # pylint: disable-next=import-outside-toplevel  (the loop loads where a program trains staged)
+    from tunix_stage_plugin.hosts.tunix import loop_copy, run as run_lib
+    run = run_lib.Run(inst, self, engine, num_steps, open_ended=False)
+    try:
+      return await loop_copy.train_stage(run)
+    finally:
+      await run.close()
+
+  registry.set(program_cls, "train_stage", train_stage)
+
+
+def _seam_way(registry: patching.PatchRegistry, inst: installation_lib.Installation,
+              program_cls: type, engine_cls: type) -> None:
+  """A tunix with the train loop's seam (patches/tunix-plugins-entry-point.patch): tunix's
+  train_stage and the step's bookkeeping run as tunix wrote them; the hooks are the seam
+  (`_train_microbatches`, `_step_microbatches`, a wrapped `train_stage`, and `last_step_result`
+  as a property adding the step's `stage/*` metrics). A subclass overriding a seam method is not
+  staged across the boundary; one whose `_train_microbatches` never calls tunix's is not staged
+  at all (said at its first step that could have staged)."""
+  original_train_stage = program_cls.__dict__["train_stage"]
+  original_step = program_cls.__dict__["_step_microbatches"]
+  original_train = program_cls.__dict__["_train_microbatches"]
+  # The run of the train_stage whose task (context) is running.
+  current: contextvars.ContextVar[Any] = contextvars.ContextVar("tunix_stage_seam_run",
+                                                                default=None)
+
+  def run_of(program: Any) -> Any:
+    """The run.SeamRun of `program`'s train_stage in this task, or None."""
+    run = current.get()
+    return run if run is not None and run.program is program else None
+
+  @functools.wraps(original_train_stage)
+  async def train_stage(self: Any, engine: Any, num_steps: int | None = None) -> None:
+    # The real type: a MagicMock(spec=DistributedRLEngine) passes isinstance; tunix's loop,
+    # with nothing staged, is the right one for it.
+    if not issubclass(type(engine), engine_cls):
+      return await original_train_stage(self, engine, num_steps)
+    own = [m for m in probes.SEAM_METHODS if getattr(type(self), m) is not hooks[m]]
+    if own and inst.first_time(f"seam-overridden:{type(self).__qualname__}"):
+      log.info("tunix-stage: %s overrides %s: its steps are staged only where it calls tunix's "
+               "(super()), and never across the step boundary (micro-batches made early could "
+               "not reach its override)", type(self).__qualname__, ", ".join(own))
+    # pylint: disable-next=import-outside-toplevel  (the loop loads where a program trains staged)
+    from tunix_stage_plugin.core import pipeline as pipeline_lib
+    from tunix_stage_plugin.hosts.tunix import run as run_lib  # pylint: disable=import-outside-toplevel
+    run = run_lib.SeamRun(inst, self, engine, num_steps, original_step, early_ok=not own)
+    token = current.set(run)
+    try:
+      return await original_train_stage(self, engine, num_steps)  # tunix's, as it wrote it
+    finally:
+      current.reset(token)
+      await pipeline_lib.settle(run.close())
+
+  def _step_microbatches(self: Any, engine: Any) -> Any:
+    run = run_of(self)
+    early = None if run is None else run.early_microbatches()
+    return early if early is not None else original_step(self, engine)
+
+  async def _train_microbatches(self: Any, engine: Any, step: int, microbatches: Any) -> Any:
+    run = run_of(self)
+    if run is None or engine is not run.engine:
+      return await original_train(self, engine, step, microbatches)
+    return await run.train(step, microbatches)
+
+  def say_unstaged(program: Any, result: Any) -> None:
+    """A step that trained micro-batches without the seam: staged none of them. Said once per
+    program class, with why."""
+    cls = type(program)
+    if not inst.first_time(f"seam-never-called:{cls.__qualname__}"):
+      return
+    why = (f"{cls.__qualname__}._train_microbatches overrides tunix's without calling it (call "
+           "super()._train_microbatches(engine, step, microbatches) in it to stage)"
+           if cls._train_microbatches is not hooks["_train_microbatches"] else
+           "tunix's train_stage trained this step without it")
+    log.warning("tunix-stage: step %d staged 0 of %d micro-batches: the seam "
+                "StandardRLProgram._train_microbatches was never called; %s", result.step,
+                result.num_microbatches, why)
+
+  def get_last_step_result(self: Any) -> Any:
+    try:
+      return self.__dict__["last_step_result"]
+    except KeyError:
+      raise AttributeError(f"{type(self).__name__!r} object has no attribute "
+                           "'last_step_result'") from None
+
+  def set_last_step_result(self: Any, value: Any) -> None:
+    run = run_of(self)  # tunix records a step's result: add the step's staging metrics
+    if run is not None and type(value) is inst.modules.program.RLStepResult:
+      if value.step in run.reports:
+        value = run.step_result(value, run.reports.pop(value.step))
+      elif value.num_microbatches:
+        say_unstaged(self, value)
+    self.__dict__["last_step_result"] = value
+
+  hooks = {"_step_microbatches": _step_microbatches, "_train_microbatches": _train_microbatches}
+  registry.set(program_cls, "train_stage", train_stage)
+  for name, hook in hooks.items():
+    registry.set(program_cls, name, functools.wraps(program_cls.__dict__[name])(hook))
+    hooks[name] = program_cls.__dict__[name]  # what a subclass that does not override finds
+  registry.set(program_cls, "last_step_result",
+               property(get_last_step_result, set_last_step_result))
