@@ -136,14 +136,14 @@ class Window:
     with no such trainer step."""
     f = {name: np.asarray(trainer[name], dtype=np.float64) for name in (
         "step_s", "compute_s", "input_wait_mid_step_s", "input_wait_boundary_s", "other_s",
-        "received", "received_s", "placed", "placed_s", "placed_bytes", "staged",
+        "received", "received_s", "placed", "placed_s", "placed_bytes", "placed_staged",
         "pool_wait_s", "pool_over_bound", "fwd_bwd_median_s")}
     rows = ~np.isnan(f["step_s"])
     if not rows.any():
       if not first_alone or not len(rows):
         return None
       rows = np.ones(len(rows), dtype=bool)
-    staged = rows & (f["staged"] > 0)
+    staged = rows & (f["placed_staged"] > 0)
     rows = staged if staged.any() else rows
     f = {name: values[rows] for name, values in f.items()}
     bound = tuple(np.asarray(trainer["bound_by"], dtype=object)[rows])

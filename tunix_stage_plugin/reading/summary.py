@@ -42,7 +42,7 @@ def estimated(steps: pd.DataFrame) -> np.ndarray:
   received, placed = steps["received"].to_numpy(), steps["placed"].to_numpy()
   per_receive = figures_lib.each(steps["received_s"].to_numpy(), received)
   per_place = steps["placed_s"] / np.maximum(placed, 1)
-  staged = steps["staged"].to_numpy()
+  staged = steps["placed_staged"].to_numpy()
   return np.where(staged > 0, steps["input_wait_s"] + staged * (per_receive + per_place),
                   steps["input_wait_s"])
 
@@ -67,7 +67,7 @@ def summary(trainer: pd.DataFrame, orchestrator: pd.DataFrame) -> dict[str, Any]
   if len(trainer):
     rows = judged(trainer)
     t = trainer[rows]
-    staged = t["staged"].to_numpy() > 0
+    staged = t["placed_staged"].to_numpy() > 0
     wait = t["input_wait_s"].to_numpy()
     hid_in = staged if staged.any() else np.ones(len(t), dtype=bool)  # in the steps that staged
     estimate = estimated(t)[hid_in]

@@ -187,13 +187,13 @@ def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_
   assert loss_steps == list(range(1, test_grpc.STEPS + 1)), staged["train/loss"]
   stage = {tag: points for tag, points in staged.items() if tag.startswith("train/stage/")}
   print(f"\nstaged TensorBoard tags: {sorted(staged)}")
-  always = ("compute_s", "input_wait_mid_step_s", "other_s", "staged", "inline", "pool_waits",
-            "bound_by_compute", "bound_by_wire", "bound_by_shared_cores")
+  always = ("compute_s", "input_wait_mid_step_s", "other_s", "placed_staged", "placed_inline",
+            "pool_waits", "bound_by_compute", "bound_by_wire", "bound_by_shared_cores")
   for name in always:  # known every step: at every step of the loss, once
     assert [step for step, _ in stage[f"train/stage/{name}"]] == loss_steps, (name, stage)
   assert {tag.removeprefix("train/") for tag in stage} <= SCALARS[figures_lib.TRAINER]
   assert all(step in loss_steps for points in stage.values() for step, _ in points)
-  assert sum(v for _, v in stage["train/stage/staged"]) >= test_grpc.MICRO  # it staged
+  assert sum(v for _, v in stage["train/stage/placed_staged"]) >= test_grpc.MICRO  # it staged
   assert all(v > 0 for _, v in stage["train/stage/compute_s"])
   plain = tensorboard_scalars(off)
   assert [step for step, _ in plain["train/loss"]] == loss_steps

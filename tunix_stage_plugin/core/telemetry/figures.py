@@ -3,7 +3,8 @@ where a step's figures (and so its record) hold it, its unit, how a step sums it
 and a run sums its steps, and whether it is a metrics-logger scalar; what bounds a step; and the
 one formatter of seconds, sizes and speeds. The per-step line, the record's shape, the scalars,
 `tunix-stage report` (its DataFrame's columns are these names), `report A B` and the picture all
-read this table. docs/observability.md "The figures".
+read this table. A name means one thing in either role. docs/observability.md "The steps as a
+DataFrame" lists each column.
 """
 
 from __future__ import annotations
@@ -174,10 +175,10 @@ FIGURES: tuple[Figure, ...] = (
     _t("placed", "place.count", COUNT, SUM, TOTAL, "placements (staging and inline lanes)"),
     _t("placed_s", "place.seconds", SECONDS, SUM, TOTAL, "the placements' time"),
     _t("placed_bytes", "place.bytes", BYTES, SUM, TOTAL, "the placements' bytes"),
-    _t("staged", "place.staged", COUNT, SUM, TOTAL, "placements on the staging lane",
+    _t("placed_staged", "place.staged", COUNT, SUM, TOTAL, "placements on the staging lane",
        scalar=True, compared=True),
-    _t("inline", "place.inline", COUNT, SUM, TOTAL, "placements inline (in the train call)",
-       scalar=True, compared=True),
+    _t("placed_inline", "place.inline", COUNT, SUM, TOTAL, "placements inline (in the train "
+       "call)", scalar=True, compared=True),
     _t("pool_waits", "pool.waits", COUNT, SUM, TOTAL, "transfers that waited for a receive "
        "buffer", scalar=True, compared=True),
     _t("pool_wait_s", "pool.wait_s", SECONDS, SUM, TOTAL, "their waits' time"),
