@@ -1,9 +1,8 @@
 """The reading layer: what only a reader of a job's metrics records runs, apart from what a job
 loads (no job imports it: tests/test_layout.py). Records read into pandas DataFrames (records.py:
 pyarrow's JSON reader under the record's schema; each column's unit and meaning: columns.py),
-runs told apart (runs.py), the summary and the
-advice's window (summary.py), `tunix-stage report` (report.py), `report A B` (compare.py) and
-`--png` (picture.py). pandas and pyarrow come with tunix (its `datasets`); elsewhere the
+runs told apart (runs.py), the summary and the advice's window (summary.py), `tunix-stage
+report` (report.py), `report A B` (compare.py) and `--png` (picture.py). pandas and pyarrow come with tunix (its `datasets`); elsewhere the
 `report` extra installs them. docs/observability.md "The steps as a DataFrame".
 
     from tunix_stage_plugin import reading
