@@ -2,8 +2,8 @@
 loads (no job imports it: tests/test_layout.py). Records read into pandas DataFrames (records.py:
 pyarrow's JSON reader under the record's schema; each column's unit and meaning: columns.py),
 runs told apart (runs.py), the summary and the advice's window (summary.py), `tunix-stage
-report` (report.py), `report A B` (compare.py) and `--png` (picture.py). pandas and pyarrow come with tunix (its `datasets`); elsewhere the
-`report` extra installs them. docs/observability.md "The steps as a DataFrame".
+report` (report.py), `report A B` (compare.py) and `--png` (picture.py). pandas and pyarrow come
+with tunix (its `datasets`); elsewhere the `report` extra installs them. docs/observability.md "The steps as a DataFrame".
 
     from tunix_stage_plugin import reading
     steps = reading.steps("/tmp/job-metrics")  # a row per process and step

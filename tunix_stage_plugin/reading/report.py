@@ -4,11 +4,11 @@ Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) into tabl
 tells the runs in them apart (runs.py) and prints, run by run, per process and step, where the
 trainer's step went (compute, input wait mid-step and at the boundary, other calls, the compute's
 slowdown beside transfers) and what the orchestrator staged and sent; then the run's medians,
-what staging hid against an inline estimate, the transports' speeds (summary.py), and which
-setting held staging back (core/advice.py), checked against the simulator where the lab is
-installed. Two runs named apart are compared (compare.py); `--png` draws the job (picture.py,
-matplotlib). SIGINT or SIGTERM ends it with one line, exit 130 or 143. docs/observability.md
-"tunix-stage report".
+what staging hid against an inline estimate (or, for a run that did not stage, why and what
+turns it on), the transports' speeds (summary.py), and which setting held staging back
+(core/advice.py), checked against the simulator where the lab is installed. Two runs named apart
+are compared (compare.py); `--png` draws the job (picture.py, matplotlib). SIGINT or SIGTERM
+ends it with one line, exit 130 or 143. docs/observability.md "tunix-stage report".
 """
 
 from __future__ import annotations
@@ -432,7 +432,7 @@ def turn_on_advice(run_: runs_lib.Run, staging: dict[str, Any]
   steps, field = ((trainer, "placed_inline") if len(trainer) and not len(orchestrator)
                   else (orchestrator, "inline"))
   inline = steps[field].to_numpy()
-  said = "micro-batches placed inline" if field == "placed_inline" else "micro-batches trained inline"
+  said = f"micro-batches {'placed' if field == 'placed_inline' else 'trained'} inline"
   figure = advice_lib.Figure(said, float(inline.mean()), int((inline > 0).sum()), len(inline),
                              unit="")
   advice = advice_lib.Advice(

@@ -1,6 +1,7 @@
 """The report's advice checked against the simulator: the job's own record replayed in virtual time
 with the settings it ran with, then with each advised change, so that `tunix-stage report`
-recommends a change only where the simulator predicts it shortens the step, and says by how much.
+recommends a change only where the simulator predicts it shortens the step, and says by how much;
+a record of a run that did not stage, inline and then staged at the default.
 The report imports this module by name only where the lab is installed (the production path
 imports nothing from the lab). docs/observability.md "Reading the figures".
 """
