@@ -52,6 +52,9 @@ def _steps(text: str) -> int:
 # reading layer imports nothing from the lab: tests/test_layout.py).
 CHECKER = "tunix_stage_plugin.lab.sim.advice"
 NOTHING = "nothing to change: staging kept the trainer's input ready"
+NO_TRAINER_RECORD = ("nothing these records can tell: no trainer record says what held staging "
+                     "back (TUNIX_STAGE_METRICS on the trainer writes one)")
+NO_STEP_STAGED = "nothing the rule names: no step staged for it to judge"
 GIB = figures_lib.GIB
 
 
@@ -383,7 +386,7 @@ def _print_run(run_: runs_lib.Run, steps: int | None) -> None:
     print(f"checked by simulate: its replay of the record as {replay['mode']} takes "
           f"{replay['step_s']:.2f} s a step with the job's settings (the job measured "
           f"{_s(summary['trainer']['step_s'])} s, median)")
-  for line in advice_lines(summary["advice"]):
+  for line in advice_lines(summary["advice"], nothing_named(summary)):
     print(line)
 
 
@@ -465,12 +468,20 @@ def _entries(advice: list[advice_lib.Advice], checks: list[Any]) -> list[dict[st
   return sorted(out, key=lambda e: (e["recommended"], e["gain_s"]), reverse=True)
 
 
-def advice_lines(advice: list[dict[str, Any]]) -> list[str]:
+def advice_lines(advice: list[dict[str, Any]], nothing: str = NOTHING) -> list[str]:
   """Each change the simulator predicts no gain from, then each recommendation (the last line:
-  a recommendation, or that there is nothing to change)."""
+  a recommendation, or that there is nothing to change: `nothing` where the rule named none)."""
   out = [f"not recommended: {a['line']} (no shorter)" for a in advice if not a["recommended"]]
   out += [f"recommendation: {a['line']}" for a in advice if a["recommended"]]
   if not any(a["recommended"] for a in advice):
-    out.append("recommendation: " + (NOTHING if not advice else "nothing to change: simulate "
+    out.append("recommendation: " + (nothing if not advice else "nothing to change: simulate "
                                      "predicts none of the changes above shortens the step"))
   return out
+
+
+def nothing_named(summary: dict[str, Any]) -> str:
+  """What the report says where the rule named nothing: that staging kept the trainer's input
+  ready only where a trainer's record shows it, and its steps staged."""
+  if "trainer" not in summary:
+    return NO_TRAINER_RECORD
+  return NOTHING if summary["staging"]["staged"] else NO_STEP_STAGED
