@@ -58,9 +58,9 @@ def test_two_runs_compared_each_figure_s_median_the_change_and_the_verdict(runs)
   assert f["stage/step_s"]["verdict"] == report_compare.BEYOND
   assert f["stage/pool_waits"]["a"] == 1 and f["stage/pool_waits"]["b"] == 0
   # What did not change is within the noise: the same compute, the same placements.
-  for name in ("stage/compute_s", "stage/staged", "stage/inline"):
+  for name in ("stage/compute_s", "stage/placed_staged", "stage/placed_inline"):
     assert f[name]["verdict"] == report_compare.WITHIN, f[name]
-  assert f["stage/staged"]["a"] == f["stage/staged"]["b"] == 2
+  assert f["stage/placed_staged"]["a"] == f["stage/placed_staged"]["b"] == 2
   # Each run's own summary, as `report` judges one job.
   a, b = (r["summary"] for r in data["runs"])
   # counts over every step but a first (its compile, counted apart)
@@ -77,7 +77,7 @@ def test_the_text_says_the_same_table_and_how_noise_is_decided(runs):
   assert row[:6] == ["trainer", "stage/input_wait_boundary_s", "0.500", "0.000", "-0.500",
                      "(-100%)"]
   assert " ".join(row[6:]).startswith("beyond the noise (p=0.0")
-  row = next(line.split() for line in out if "stage/staged" in line)
+  row = next(line.split() for line in out if "stage/placed_staged" in line)
   assert row[2:5] == ["2", "2", "+0"] and " ".join(row[6:]).startswith("within the noise")
   assert f"noise: {report_compare.TEST}" in out
   assert out[-1] == "B: recommendation: nothing to change"

@@ -411,7 +411,7 @@ def test_the_step_s_scalars_are_named_under_stage_from_the_one_table():
                         if f.role == figures_lib.TRAINER and f.scalar}
   assert named["stage/input_wait_boundary_s"] == pytest.approx(0.8)
   assert named["stage/received_gib_s"] == pytest.approx(1 / 0.5)
-  assert named["stage/staged"] == 1 and named["stage/inline"] == 0
+  assert named["stage/placed_staged"] == 1 and named["stage/placed_inline"] == 0
   assert named["stage/peak_device_batches"] == 2
   assert named["stage/bound_by_wire"] == 1
   assert named["stage/bound_by_compute"] == named["stage/bound_by_shared_cores"] == 0

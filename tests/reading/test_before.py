@@ -2,11 +2,15 @@
 3984bab: its column store and generated check) printed for the same records, kept as it printed
 them beside each record (`report DIR --json --steps 100`, tests/data/<job>.before.json): a
 two-process tunix job through the local recipe (tunix c7d8950, `--host tunix --steps 8`, at the
-fixed depth 2 and host bound 1: the reader before read no `auto` in a record) and an
-embedded job (a trainer process and orchestrator_main, 6 steps of 3 micro-batches). What the
-reading layer changed on purpose, and only that, differs: a process's first step, its compile,
-is counted apart from the bounds; a field a record may lack is said null in `--json`; a size in
-the advice's cost is said as every size is (one decimal).
+fixed depth 2 and host bound 1: the reader before read no `auto` in a record), an embedded job
+(a trainer process and orchestrator_main, 6 steps of 3 micro-batches), and an embedded job
+bound by its wire, so that the advice is not empty (`--tiny --payload_mib 2 --wire_mbps 12
+--steps 6 --microbatches 4 --max_staged_batches 1`, the trainer's bounds 1 and 1; its expected
+file printed by 3984bab's own `report`). What the reading layer changed on purpose, and only
+that, differs: a process's first step, its compile, is counted apart from the bounds; a field a
+record may lack is said null in `--json`; a size in the advice's cost is said as every size is
+(one decimal); the summary says whether the run staged (`staging`) and which replay the
+predictions start from (`replay`).
 """
 
 from __future__ import annotations
@@ -55,13 +59,32 @@ def test_the_report_says_the_figures_the_reader_before_it_said(job):
     assert trainer.pop("first_steps") == len(firsts) == 1 and not trainer.pop("only_first")
     assert {c: bound_was[c] - bound[c] for c in bound} == {c: firsts.count(c) for c in bound}
     assert _same(trainer, trainer_was)
-    for a, b in zip(summary.pop("advice"), was.pop("advice")):
+    advice, advice_was = summary.pop("advice"), was.pop("advice")
+    assert len(advice) == len(advice_was)
+    replay = summary.pop("replay")  # the predictions' start: the job's settings replayed
+    assert replay == (None if not advice else {"mode": "depth" + _label_setting(
+        run["label"], "max_staged_batches"), "step_s": advice[0]["prediction"]["before_s"]})
+    assert summary.pop("staging") == {"staged": True, "said": None, "role": None,
+                                      "turn_on": None}
+    for a, b in zip(advice, advice_was):
       for key in ("cost", "line"):
         a.pop(key), b.pop(key)
       assert a == b
     recommendations = [r.replace(".0 MiB", " MiB") for r in summary.pop("recommendations")]
     assert recommendations == was.pop("recommendations")
     assert _same(summary, was)
+
+
+def test_a_record_whose_advice_is_not_empty_is_among_them():
+  advice = {job: [len(r["summary"]["advice"]) for r in json.loads(
+      (DATA / f"{job}.before.json").read_text(encoding="utf-8"))["runs"]] for job in JOBS}
+  assert advice == {"embedded_job": [0], "tunix_job": [0], "wire_bound_job": [2]}
+
+
+def _label_setting(label, field):
+  """A setting's value as a run's label says it (`field=value`)."""
+  return next(part.split("=")[1] for part in label.split("; ")[-1].split(", ")
+              if part.startswith(f"{field}="))
 
 
 def _same(a, b):

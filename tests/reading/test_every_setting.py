@@ -37,7 +37,16 @@ KINDS = {
                        "TUNIX_STAGE_MAX_HOST_BATCHES": "auto"}, {}),
     "auto from flags": ({"TUNIX_MAX_STAGED_BATCHES": "1", "TUNIX_STAGE_MAX_HOST_BATCHES": "1"},
                         {"max_staged_batches": "auto", "max_host_batches": "auto"}),
+    # Each sized apart from the other: one at auto, the other fixed.
+    "auto depth, fixed host bound": ({"TUNIX_MAX_STAGED_BATCHES": "auto",
+                                      "TUNIX_STAGE_MAX_HOST_BATCHES": "2"}, {}),
+    "fixed depth, auto host bound": ({}, {"max_staged_batches": 3, "max_host_batches": "auto"}),
 }
+# Per kind, whether the depth and the host bound are sized (auto: each one's default).
+AUTO = {"default": (True, True), "fixed from env": (False, False),
+        "fixed from flags": (False, False), "auto from env": (True, True),
+        "auto from flags": (True, True), "auto depth, fixed host bound": (True, False),
+        "fixed depth, auto host bound": (False, True)}
 # The hosts that write records: (the orchestrator's, the trainer's own kind).
 HOSTS = {"tunix": ("tunix", "tunix"), "embedded": ("embedded", "embedded"),
          "maxtext": ("tunix", "maxtext")}
@@ -134,17 +143,24 @@ def test_report_and_simulate_read_the_records_of_a_job_at_any_settings(tmp_path,
     records[json.loads(lines[0])["role"]] = [json.loads(line) for line in lines]
   assert {role: len(r) for role, r in records.items()} == {"trainer": STEPS,
                                                            "orchestrator": STEPS}
-  auto = config_lib.is_auto(cfg.max_staged_batches)
-  # Each record carries its own role's settings: the value in force, a sized one with its why.
+  sized = {f: config_lib.is_auto(getattr(cfg, f)) for f in SIZED}
+  assert tuple(sized.values()) == AUTO[kind], kind
+  # Each record carries its own role's settings: the value in force, and where its role's own
+  # setting is sized (the orchestrator's depth, the trainer's host bound), why.
   for role, field in record_lib.SIZED.items():
     for rec in records[role]:
       assert set(rec["settings"]) == {s.field for s in record_lib.CARRIED if role in s.roles}
       assert isinstance(rec["settings"][field], int)
-      assert ("sizing" in rec) == auto
+      assert ("sizing" in rec) == sized[field], (role, rec.get("sizing"))
   out = run_cli("report", str(tmp_path))
   (label,) = [line for line in out.splitlines() if line.startswith("run:")]
-  want = ["auto", "auto"] if auto else [str(getattr(cfg, f)) for f in SIZED]
+  want = ["auto" if sized[f] else str(getattr(cfg, f)) for f in SIZED]
   assert [f"{f}={v}" in label for f, v in zip(SIZED, want)] == [True, True], label
+  # The sizing lines each process's table is followed by: its own setting's, where it is auto.
+  for role, field in record_lib.SIZED.items():
+    said = "depth" if role == record_lib.ORCHESTRATOR else "host bound"
+    lines = [line for line in out.splitlines() if line.startswith(f"  step 0: {said} ")]
+    assert len(lines) == int(sized[field]), (role, lines)
   assert f"({trainer_host}, {STEPS} steps)" in out
   out = run_cli("simulate", str(tmp_path), "--modes", "depth2_prestage,auto")
   assert out.splitlines()[-1].startswith("auto ")

@@ -121,7 +121,8 @@ def test_each_bar_counts_its_step_s_own_micro_batches(tmp_path):
     t += 2.5
   tel.close()
   (run,), _ = runs_lib.runs([str(tmp_path)])
-  assert run.trainer_steps["staged"].tolist() == [5, 5, 5]  # placements in each step's window
+  # placements in each step's window
+  assert run.trainer_steps["placed_staged"].tolist() == [5, 5, 5]
   assert picture_lib.counts(run) == ["3s\n1i\ncompile", "3s\n1i", "3s\n1i"]
   alone = runs_lib.Run(run.label, tuple(p for p in run.processes if p.role == "trainer"),
                        run.started)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -101,6 +103,32 @@ def test_every_figure_is_a_column_and_every_other_column_a_record_field(tmp_path
   assert frame["role"].tolist() == ["trainer"] * 6 + ["orchestrator"] * 6
   assert frame.groupby(["role", "run"], observed=True).size().tolist() == [6, 6]
   assert frame["step_s"].isna().tolist() == [True] + [False] * 5 + [True] + [False] * 5
+
+
+def test_the_file_column_holds_each_row_s_path(tmp_path):
+  _, path = trainer_records(tmp_path / "t")
+  other = write(tmp_path / "o.jsonl", orchestrator_records())
+  frame = reading.steps(str(tmp_path / "t"), other)
+  assert frame["file"].tolist() == [path] * 6 + [other] * 6
+  assert frame[frame.file == other]["role"].unique().tolist() == ["orchestrator"]
+
+
+def test_a_cut_last_line_is_a_warning_saying_what_report_says(tmp_path):
+  """The notes `report` prints (its `note: ...` lines) are the DataFrame's warnings, word for
+  word; the whole records before the cut line are read."""
+  _, path = trainer_records(tmp_path)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write('{"schema": "tunix-stage-metr')
+  old = time.time() - 60  # left so a minute: a killed process's
+  os.utime(path, (old, old))
+  notes = [line.removeprefix("note: ") for line in report(path).stdout.splitlines()
+           if line.startswith("note: ")]
+  with pytest.warns(reading.RecordWarning) as caught:
+    frame = reading.steps(path)
+  assert [str(w.message) for w in caught] == notes
+  assert len(notes) == 1 and "its last line is cut short" in notes[0]
+  assert caught[0].filename == __file__  # said at the caller's line
+  assert frame["step"].tolist() == list(range(6))
 
 
 def test_report_a_b_compares_each_figure_the_table_marks_and_only_those():

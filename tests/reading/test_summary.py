@@ -1,11 +1,16 @@
 """The summary's one rule (summary.RULE, said in the report's header): medians per step leave a
 first step out where there are others; totals and counts are over every step, as the tables they
-sum."""
+sum. Whether a run staged, as its records say."""
 
 from __future__ import annotations
 
+import json
+
+from tests.cli.test_report import report
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.reading import records as records_lib
+from tunix_stage_plugin.reading import report as report_cmd
+from tunix_stage_plugin.reading import runs as runs_lib
 from tunix_stage_plugin.reading import summary as summary_lib
 
 MIB = 1 << 20
@@ -32,3 +37,26 @@ def test_medians_leave_the_first_step_out_and_totals_count_every_step():
   assert o["fallbacks_by_kind"] == {"refused": 3}
   assert o["sent"]["side"]["calls"] == 12 and o["sent"]["side"]["bytes"] == 12 * MIB
   assert "a first step out" in summary_lib.RULE and "totals are over every step" in summary_lib.RULE
+
+
+def test_an_orchestrator_whose_every_stage_fell_back_did_not_stage_and_the_rule_judges_it(
+    tmp_path):
+  """Staging on, every stage refused (a full bound) or failed: the run did not stage, said by
+  kind; no setting is named to turn it on (it was on), and with no trainer record the report
+  does not say that staging kept the trainer's input ready. The records are record.make's."""
+  run_id = record_lib.new_run()
+  steps = [record_lib.make(record_lib.ORCHESTRATOR, "tunix", {
+      **orchestrator_step(step, 0.1), "staged": 0, "inline": 4, "prestaged": 0,
+      "fallbacks": {"count": 4, "by_kind": {"refused": 3, "failed": 1}}}, {}, run_id)
+           for step in range(3)]
+  path = tmp_path / "orchestrator.jsonl"
+  path.write_text("".join(json.dumps(s) + "\n" for s in steps), encoding="utf-8")
+  (run,), _ = runs_lib.runs([str(path)])
+  (process,) = run.processes
+  assert summary_lib.staging(run) == {
+      "staged": False, "role": None, "turn_on": None,
+      "said": f"orchestrator {process.name}'s stages all fell back inline (9 refused, 3 "
+              "failed); 12 trained inline"}
+  out = report(str(path)).stdout
+  assert f"  did not stage: {summary_lib.staging(run)['said']}\n" in out
+  assert out.splitlines()[-1] == f"recommendation: {report_cmd.NO_TRAINER_RECORD}"

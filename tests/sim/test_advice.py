@@ -49,22 +49,27 @@ def simulated(folder, settings, wire=1.0):
   return check_lib.mean_step(trace, settings)
 
 
-@pytest.fixture(name="wire_bound_job", scope="module")
-def fixture_wire_bound_job(tmp_path_factory):
-  """A real embedded job (a trainer process and orchestrator_main over 127.0.0.1) at depth 1
-  whose wire (2 MiB micro-batches at 12 MB/s: 0.17 s each) is far slower than its tiny model's
-  compute (milliseconds): every step is bound by the wire. Its metrics folder."""
-  folder = tmp_path_factory.mktemp("wire12")
+def run_wire_bound_job(folder, *depth):
+  """A real embedded job (a trainer process and orchestrator_main over 127.0.0.1) whose wire
+  (2 MiB micro-batches at 12 MB/s: 0.17 s each) is far slower than its tiny model's compute
+  (milliseconds), writing its records into `folder`; `depth`: the orchestrator's depth flags
+  (none: auto, the default)."""
   with process_lib.TrainerProcess(extra_args=["--stage_metrics", str(folder),
                                               "--stage_log_every", "0"]) as trainer:
     orchestrator = subprocess.run(
         [sys.executable, "-m", "tunix_stage_plugin.lab.embedded.orchestrator_main",
          "--trainer", trainer.address, "--tiny", "--payload_mib", "2", "--wire_mbps", "12",
-         "--steps", "6", "--microbatches", "4", "--stage_train_batches", "stage",
-         "--max_staged_batches", "1", "--stage_metrics", str(folder), "--stage_log_every", "0"],
+         "--steps", "6", "--microbatches", "4", "--stage_train_batches", "stage", *depth,
+         "--stage_metrics", str(folder), "--stage_log_every", "0"],
         capture_output=True, text=True, timeout=300)
   assert orchestrator.returncode == 0, orchestrator.stderr[-3000:]
   return folder
+
+
+@pytest.fixture(name="wire_bound_job", scope="module")
+def fixture_wire_bound_job(tmp_path_factory):
+  """The wire-bound job at depth 1: every step is bound by the wire. Its metrics folder."""
+  return run_wire_bound_job(tmp_path_factory.mktemp("wire12"), "--max_staged_batches", "1")
 
 
 def test_a_job_bound_by_its_wire_is_told_the_codec_or_bandwidth_with_the_prediction(
@@ -92,11 +97,26 @@ def test_a_job_bound_by_its_wire_is_told_the_codec_or_bandwidth_with_the_predict
     assert advice[advice_lib.PRESTAGE]["setting"].startswith("TUNIX_MAX_STAGED_BATCHES=2 (the "
                                                              "embedded job prestages")
   text = report_text(wire_bound_job)
-  assert f"checked by simulate: its replay of the record takes {before:.2f} s a step with the " \
-      "job's settings (the job measured " in text
+  assert f"checked by simulate: its replay of the record as depth1 takes {before:.2f} s a step " \
+      "with the job's settings (the job measured " in text
   line = next(l for l in text.splitlines() if l.startswith("recommendation: compress"))
   assert f"simulate predicts {before:.2f} s -> {after:.2f} s a step (the wire x0.5)" in line
   assert "decided by input wait mid-step" in line and "(in 5 of 5 steps)" in line
+
+
+def test_at_auto_the_wire_bound_is_worded_as_what_a_deeper_depth_does(tmp_path):
+  """The same real job with its depth at auto (the default): the sizer climbs past the depth
+  that keeps the wire busy on each mid-step wait, so the advice says what that deeper depth does
+  rather than that no depth beyond it can hide the wire."""
+  run_wire_bound_job(tmp_path)
+  orchestrator_steps = records_lib.read([str(tmp_path)]).steps[record_lib.ORCHESTRATOR]
+  assert orchestrator_steps["sizing"].notna().all()  # its depth sized each step
+  wire = next(a for a in report_json(tmp_path)["advice"] if a["kind"] == advice_lib.WIRE)
+  assert wire["why"].startswith("the wire is the bound: a micro-batch takes ")
+  assert wire["why"].endswith("keeps the wire busy, and the deeper depths auto climbs to ride "
+                              "out its spikes but cannot hide it"), wire["why"]
+  assert "no depth beyond" not in wire["why"]
+  assert max(orchestrator_steps["depth"]) > int(wire["why"].split(" so depth ")[1].split()[0])
 
 
 def write_minority_job(folder, steps=7, slow=(2, 4, 6)):

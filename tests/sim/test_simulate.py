@@ -6,6 +6,7 @@ can be asserted; nothing here measures wall time.
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -193,6 +194,87 @@ def test_check_judges_the_same_figures_when_the_bench_is_not_tiny(tmp_path, caps
   assert "OFF by more than 5%" in out and simulate_cmd.TINY_NA not in out
 
 
+def with_a_rerun(bench, mode, factor=3.0):
+  """`bench` as the runner leaves it where `mode`'s run of round 0 had no quiet step: that run
+  (its recorded times `factor` times longer, as another process's load makes them) kept before
+  its re-run, and the mode's summary over both runs' steps, its median over the quiet ones."""
+  out = copy.deepcopy(bench)
+  at, run = next((i, r) for i, r in enumerate(out["runs"]) if r["mode"] == mode)
+  noisy = copy.deepcopy(run)
+  for key in ("step_s", "update_s"):
+    noisy[key] = [v * factor for v in noisy[key]]
+  noisy["fwd_bwd_s"] = [[v * factor for v in step] for step in noisy["fwd_bwd_s"]]
+  noisy["step_quiet"] = [False] * len(noisy["step_s"])
+  noisy["other_processes_cores"] = [1.5] * len(noisy["step_s"])
+  out["runs"].insert(at, noisy)
+  summary = out["modes"][mode]
+  summary["step_s"] = noisy["step_s"] + summary["step_s"]
+  summary["step_quiet"] = noisy["step_quiet"] + summary["step_quiet"]
+  return out, at
+
+
+def _check_json(capsys, path):
+  code = cli_main.main(["simulate", "--check", str(path), "--json", "-"])
+  return code, json.loads(capsys.readouterr().out)
+
+
+def test_check_measures_against_the_steps_the_bench_counted(tmp_path, capsys):
+  """A bench JSON holding a re-run: depth2's run of round 0 had no quiet step, so the bench ran
+  it again and took its median over the re-run's quiet steps. --check predicts from those same
+  steps: the busy run is left out, and said, and every prediction is the one on the JSON without
+  it. (The re-run is written into a real bench JSON as the runner leaves one: a busy machine
+  cannot be had on demand.)"""
+  bench = json.loads(TINY_BENCH.read_text())
+  rerun, at = with_a_rerun(bench, "depth2")
+  paths = {}
+  for name, data in (("bench", bench), ("rerun", rerun)):
+    paths[name] = tmp_path / f"{name}.json"
+    paths[name].write_text(json.dumps(data))
+  _, plain = _check_json(capsys, paths["bench"])
+  _, checked = _check_json(capsys, paths["rerun"])
+  for mode, figures in checked["modes"].items():
+    assert figures["predicted_median_step_s"] == plain["modes"][mode]["predicted_median_step_s"]
+    assert figures["measured_median_step_s"] == bench["modes"][mode]["median_step_s"]
+  assert checked["modes"]["depth2"]["counted"] == {"runs": [at + 1], "left_out": [at],
+                                                   "steps": [0], "over": "quiet steps"}
+  assert checked["modes"]["inline"]["counted"] == {"runs": [0], "left_out": [], "steps": [0],
+                                                   "over": "quiet steps"}
+  # Counted, the busy run would have moved the prediction: the selection is what keeps it.
+  rerun["runs"][at]["step_quiet"] = [True]
+  paths["rerun"].write_text(json.dumps(rerun))
+  _, counted = _check_json(capsys, paths["rerun"])
+  assert counted["modes"]["depth2"]["predicted_median_step_s"] > \
+      plain["modes"]["depth2"]["predicted_median_step_s"]
+  assert counted["modes"]["depth2"]["counted"]["left_out"] == []
+  # The table says which runs and steps it used where a run was left out, and only there.
+  rerun["runs"][at]["step_quiet"] = [False]
+  paths["rerun"].write_text(json.dumps(rerun))
+  assert cli_main.main(["simulate", "--check", str(paths["rerun"])]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith(f"tunix-stage simulate --check {paths['rerun']}: predicted vs "
+                           "measured median step, each over the steps the bench's median "
+                           "counted")
+  assert out[-1] == (f"depth2: quiet steps of runs[{at + 1}], timed steps 0; left out: "
+                     f"runs[{at}] (no quiet step: re-run)")
+  assert not [line for line in out if line.startswith(("inline:", "depth1:", "resident:"))]
+
+
+def test_with_no_quiet_step_check_counts_every_step_as_the_bench_did(tmp_path, capsys):
+  """The bench's re-runs spent and still no quiet step: its medians are over every step, and so
+  is --check's trace (the busy run's times among them), said."""
+  rerun, at = with_a_rerun(json.loads(TINY_BENCH.read_text()), "depth1")
+  rerun["runs"][at + 1]["step_quiet"] = [False]
+  path = tmp_path / "bench.json"
+  path.write_text(json.dumps(rerun))
+  _, checked = _check_json(capsys, path)
+  assert checked["modes"]["depth1"]["counted"] == {
+      "runs": [at, at + 1], "left_out": [], "steps": [0], "over": "every step (no quiet one)"}
+  busy, quiet = (trace_lib.bench_trace(rerun, "depth1", "b")[0].steps[1].microbatches,
+                 trace_lib.bench_trace(json.loads(TINY_BENCH.read_text()), "depth1",
+                                       "b")[0].steps[1].microbatches)
+  assert [m.compute_s for m in busy] == pytest.approx([2 * m.compute_s for m in quiet])
+
+
 def test_the_tiny_label_is_the_bench_s():
   from tunix_stage_plugin.lab.bench import report  # pylint: disable=import-outside-toplevel
   assert simulate_cmd.TINY_NA == report.TINY_NA
@@ -299,6 +381,8 @@ def _resident(bench):
      "JSON list"),
     (lambda b: b["calibration"].pop("wire_s"), "calibration.wire_s is invalid: missing"),
     (lambda b: b["runs"].insert(0, 3), "runs[0]='3' is invalid; accepted: a JSON object"),
+    (lambda b: _resident(b).update(step_quiet=["yes"]), "].step_quiet='[\"yes\"]' is invalid; "
+     "accepted: one true or false per timed step (1)"),
 ])
 def test_a_hand_edited_bench_json_is_one_line_naming_the_place(tmp_path, capsys, edit, message):
   bench = json.loads(TINY_BENCH.read_text())

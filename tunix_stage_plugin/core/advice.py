@@ -136,14 +136,14 @@ class Window:
     with no such trainer step."""
     f = {name: np.asarray(trainer[name], dtype=np.float64) for name in (
         "step_s", "compute_s", "input_wait_mid_step_s", "input_wait_boundary_s", "other_s",
-        "received", "received_s", "placed", "placed_s", "placed_bytes", "staged",
+        "received", "received_s", "placed", "placed_s", "placed_bytes", "placed_staged",
         "pool_wait_s", "pool_over_bound", "fwd_bwd_median_s")}
     rows = ~np.isnan(f["step_s"])
     if not rows.any():
       if not first_alone or not len(rows):
         return None
       rows = np.ones(len(rows), dtype=bool)
-    staged = rows & (f["staged"] > 0)
+    staged = rows & (f["placed_staged"] > 0)
     rows = staged if staged.any() else rows
     f = {name: values[rows] for name, values in f.items()}
     bound = tuple(np.asarray(trainer["bound_by"], dtype=object)[rows])
@@ -193,11 +193,15 @@ class Window:
     return (self.transfer_s is not None and self.compute_s is not None
             and self.transfer_s >= self.compute_s)
 
-  def wire_why(self) -> str:
-    """What the figures say where the wire is the bound."""
-    return (f"the wire is the bound: a micro-batch takes {self.transfer_s:.2f} s to cross "
-            f"against {self.compute_s:.2f} s of compute, so no depth beyond {self.wire_depth} "
-            "can hide it")
+  def wire_why(self, auto: bool = False) -> str:
+    """What the figures say where the wire is the bound. At `auto` (a depth sized each step,
+    which climbs past wire_depth on a mid-step wait), what a deeper depth does there."""
+    said = (f"the wire is the bound: a micro-batch takes {self.transfer_s:.2f} s to cross "
+            f"against {self.compute_s:.2f} s of compute, so ")
+    if auto:
+      return said + (f"depth {self.wire_depth} keeps the wire busy, and the deeper depths auto "
+                     "climbs to ride out its spikes but cannot hide it")
+    return said + f"no depth beyond {self.wire_depth} can hide it"
 
   @property
   def wire_depth(self) -> int:
@@ -208,9 +212,10 @@ class Window:
     return _spans((self.transfer_s + (self.place_s or 0.0)) / self.transfer_s)
 
 
-def advise(window: Window | None) -> list[Advice]:
+def advise(window: Window | None, *, auto: bool = False) -> list[Advice]:
   """The rule (docs/observability.md "Reading the figures"): which setting held staging back in
-  `window`, to what, the figure that decided it and its cost; [] when nothing did."""
+  `window`, to what, the figure that decided it and its cost; [] when nothing did. `auto`: the
+  window's depth was sized each step (its wording says so)."""
   if window is None:
     return []
   out = []
@@ -253,7 +258,7 @@ def advise(window: Window | None) -> list[Advice]:
     waits = mid if mid.value >= boundary.value else boundary
     why = "the trainer waited for its input: a faster wire shortens the wait"
     if window.wire_is_the_bound:
-      why = window.wire_why()
+      why = window.wire_why(auto)
     out.append(Advice(WIRE, "compress the payload (TUNIX_STAGE_CODEC=on, if its arrays "
                       "compress) or give the link more bandwidth", waits,
                       "no more memory (the codec's buffers aside)", why,

@@ -130,11 +130,17 @@ def text(result: dict[str, Any]) -> list[str]:
   out += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
   out.append(f"noise: {result['test']}")
   for name, run in zip("AB", result["runs"]):
-    trainer = run["summary"].get("trainer")
+    trainer, staging = run["summary"].get("trainer"), run["summary"]["staging"]
+    said = []
     if trainer is not None:
-      bound = ", ".join(f"{k} in {n}" for k, n in trainer["bound_by"].items() if n)
-      out.append(f"{name}: bound by {bound} (steps); staging hid {_n(trainer['hidden_s'])} s "
-                 "a step")
+      said.append("bound by " + ", ".join(f"{k} in {n}" for k, n in trainer["bound_by"].items()
+                                          if n) + " (steps)")
+    if not staging["staged"]:
+      said.append(f"did not stage: {staging['said']}")
+    elif trainer is not None:
+      said.append(f"staging hid {_n(trainer['hidden_s'])} s a step")
+    if said:
+      out.append(f"{name}: " + "; ".join(said))
     recommendations = run["summary"]["recommendations"]
     out.append(f"{name}: recommendation: " + ("; ".join(recommendations) if recommendations
                                                else "nothing to change"))

@@ -4,11 +4,11 @@ Reads the records TUNIX_STAGE_METRICS made (a folder, or record files) into tabl
 tells the runs in them apart (runs.py) and prints, run by run, per process and step, where the
 trainer's step went (compute, input wait mid-step and at the boundary, other calls, the compute's
 slowdown beside transfers) and what the orchestrator staged and sent; then the run's medians,
-what staging hid against an inline estimate, the transports' speeds (summary.py), and which
-setting held staging back (core/advice.py), checked against the simulator where the lab is
-installed. Two runs named apart are compared (compare.py); `--png` draws the job (picture.py,
-matplotlib). SIGINT or SIGTERM ends it with one line, exit 130 or 143. docs/observability.md
-"tunix-stage report".
+what staging hid against an inline estimate (or, for a run that did not stage, why and what
+turns it on), the transports' speeds (summary.py), and which setting held staging back
+(core/advice.py), checked against the simulator where the lab is installed. Two runs named apart
+are compared (compare.py); `--png` draws the job (picture.py, matplotlib). SIGINT or SIGTERM
+ends it with one line, exit 130 or 143. docs/observability.md "tunix-stage report".
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import signal
 import sys
 from typing import Any
@@ -51,6 +52,9 @@ def _steps(text: str) -> int:
 # reading layer imports nothing from the lab: tests/test_layout.py).
 CHECKER = "tunix_stage_plugin.lab.sim.advice"
 NOTHING = "nothing to change: staging kept the trainer's input ready"
+NO_TRAINER_RECORD = ("nothing these records can tell: no trainer record says what held staging "
+                     "back (TUNIX_STAGE_METRICS on the trainer writes one)")
+NO_STEP_STAGED = "nothing the rule names: no step staged for it to judge"
 GIB = figures_lib.GIB
 
 
@@ -98,6 +102,25 @@ def comparable(paths: list[str], found: list[runs_lib.Run]
   return None
 
 
+def given_twice(paths: list[str]) -> list[str]:
+  """A note per file or folder named more than once (read once); two paths that name one thing
+  are one run, and nothing is compared."""
+  named: dict[str, list[str]] = {}
+  for path in paths:
+    named.setdefault(os.path.realpath(path), []).append(path)
+  out = []
+  for real, same in named.items():
+    if len(same) > 1:
+      times = "twice" if len(same) == 2 else f"{len(same)} times"
+      kind = "folder" if os.path.isdir(real) else "file"
+      said = (f"{same[0]} was given {times}" if len(set(same)) == 1
+              else f"{' and '.join(dict.fromkeys(same))} name one {kind}, given {times}")
+      compared = ("; nothing compared (report A B compares two runs)" if len(paths) == 2
+                  else "")
+      out.append(f"{said}: read once{compared}")
+  return out
+
+
 _s = figures_lib.seconds
 
 
@@ -142,8 +165,28 @@ def sizing_lines(steps: pd.DataFrame) -> list[str]:
           if isinstance(why, str)]
 
 
+def staging_line(summary: dict[str, Any]) -> str | None:
+  """Where a run did not stage: which process says so and why, the setting that turns staging on
+  and what the simulator predicts of it (summarize's); None where it staged."""
+  staging = summary["staging"]
+  if staging["staged"]:
+    return None
+  line = f"did not stage: {staging['said']}"
+  turn_on = next((a for a in summary["advice"] if a["kind"] == TURN_ON), None)
+  if turn_on is not None:
+    p = turn_on["prediction"]
+    line += f"; turned on by {staging['turn_on']}" + (
+        f"; what it would give is {turn_on['checked']}" if p is None else f": at the default, "
+        f"simulate predicts {p['after_s']:.2f} s a step against {p['before_s']:.2f} s inline on "
+        "this record")
+  return line
+
+
 def overall_lines(summary: dict[str, Any]) -> list[str]:
   out = []
+  staging = staging_line(summary)
+  if staging is not None:
+    out.append(staging)
   t = summary.get("trainer")
   if t is not None:
     bound = [f"{b} in {n}" for b, n in t["bound_by"].items() if n]
@@ -151,7 +194,7 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
     if first:
       bound.append(f"{first} {summary_lib.FIRST if first == 1 else summary_lib.FIRSTS} not judged")
     estimate = t["inline_wait_estimate_s"]
-    share = f" ({t['hidden_s'] / estimate:.0%})" if estimate > 0 else ""
+    share = f" ({t['hidden_s'] / estimate:.0%})" if estimate else ""
     slowdown = lines_slowdown(t["slowdown_s"])
     which = ("trainer step (its first only, which compiles: shown, never advised on)"
              if t["only_first"] else "trainer step")
@@ -164,9 +207,10 @@ def overall_lines(summary: dict[str, Any]) -> list[str]:
       out.append("input wait a step: " + ", ".join(
           f"{_s(p['input_wait_s'])} s {path} ({p['steps']} step{'' if p['steps'] == 1 else 's'})"
           for path, p in paths.items()))
-    out.append(f"staging hid {_s(t['hidden_s'])} s a step of an inline estimate of "
-               f"{_s(estimate)} s of input wait{share}"
-               + (" (in the steps that staged)" if paths["inline"]["steps"] else ""))
+    if t["hidden_s"] is not None:  # some step staged
+      out.append(f"staging hid {_s(t['hidden_s'])} s a step of an inline estimate of "
+                 f"{_s(estimate)} s of input wait{share}"
+                 + (" (in the steps that staged)" if paths["inline"]["steps"] else ""))
     for name, tr in t["received"].items():
       rate = "" if tr["gib_s"] is None else f" at {figures_lib.speed(tr['gib_s'] * GIB)}"
       out.append(f"received by {figures_lib.TRANSPORTS[name]}: {tr['calls']} calls, "
@@ -277,6 +321,7 @@ def _run(args: argparse.Namespace) -> int:
     found, notes = runs_lib.runs(args.paths)
   except records_lib.RecordError as e:
     return error(str(e))
+  notes = given_twice(args.paths) + notes
   if args.png is not None and not any(len(r.trainer_steps) for r in found):
     return error(inputs.invalid("--png", args.png, "records holding a trainer's steps (the "
                                 "picture draws them)", "these records hold no trainer step"))
@@ -306,9 +351,16 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def summarize(run_: runs_lib.Run) -> dict[str, Any]:
-  """A run's figures (summary.py) and the rule's advice on it, checked."""
+  """A run's figures (summary.py), whether it staged, and what to change, checked: for a run that
+  did not stage, turning staging on; else the rule's advice. `replay`: the simulator's replay of
+  the record with the job's settings (`mode`, `step_s`: its mean step after the first), where
+  one was made."""
   summary = summary_lib.summary(run_.trainer_steps, run_.orchestrator_steps)
-  summary["advice"] = checked_advice(run_)
+  summary["staging"] = summary_lib.staging(run_)
+  if summary["staging"]["turn_on"] is not None:
+    summary["advice"], summary["replay"] = turn_on_advice(run_, summary["staging"])
+  else:
+    summary["advice"], summary["replay"] = checked_advice(run_)
   summary["recommendations"] = [a["line"] for a in summary["advice"] if a["recommended"]]
   return summary
 
@@ -329,33 +381,77 @@ def _print_run(run_: runs_lib.Run, steps: int | None) -> None:
   print(f"overall ({summary_lib.RULE}):")
   for line in overall_lines(summary):
     print(f"  {line}")
-  replay = next((a["prediction"]["before_s"] for a in summary["advice"] if a["prediction"]),
-                None)
+  replay = summary["replay"]
   if replay is not None:  # what the predictions start from, beside what the job measured
-    print(f"checked by simulate: its replay of the record takes {replay:.2f} s a step with the "
-          f"job's settings (the job measured {_s(summary['trainer']['step_s'])} s, median)")
-  for line in advice_lines(summary["advice"]):
+    print(f"checked by simulate: its replay of the record as {replay['mode']} takes "
+          f"{replay['step_s']:.2f} s a step with the job's settings (the job measured "
+          f"{_s(summary['trainer']['step_s'])} s, median)")
+  for line in advice_lines(summary["advice"], nothing_named(summary)):
     print(line)
 
 
-def checked_advice(run_: runs_lib.Run) -> list[dict[str, Any]]:
+def _checker() -> Any:
+  """The simulator's check (lab/sim/advice.py), or None where the lab is not installed."""
+  try:
+    return importlib.import_module(CHECKER)
+  except ImportError:  # the lab or its libraries are not installed
+    return None
+
+
+NO_LAB = f"not checked (simulate needs the [bench] extra: {install_hint.install_command('bench')})"
+NO_TRAINER = ("not checked (no trainer record to replay: the trainer writes one with the plugin, "
+              "staging on and TUNIX_STAGE_METRICS)")
+TURN_ON = "staging off"  # the advice's kind for a run that did not stage
+
+
+def checked_advice(run_: runs_lib.Run) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
   """The rule's advice on the job (core/advice.py), each with the simulator's prediction on the
   same record where the lab is installed: recommended where it predicts a shorter step (largest
-  gain first), or where it cannot say (marked not checked, and why)."""
+  gain first), or where it cannot say (marked not checked, and why); and the replay the
+  predictions start from."""
   window = summary_lib.window(run_)
-  advice = advice_lib.advise(window)
+  advice = advice_lib.advise(window, auto=_sized_depth(run_))
   if not advice:
-    return []
-  try:
-    checker = importlib.import_module(CHECKER)
-  except ImportError:  # the lab or its libraries are not installed
-    checker = None
-  if checker is None:
-    why = (f"not checked (simulate needs the [bench] extra: "
-           f"{install_hint.install_command('bench')})")
-    checks = [why] * len(advice)
-  else:
-    checks = checker.predict(run_.trainer_steps, window.settings, advice)
+    return [], None
+  checker = _checker()
+  checks = (checker.predict(run_.trainer_steps, window.settings, advice) if checker is not None
+            else [NO_LAB] * len(advice))
+  before = next((c.before_s for c in checks if not isinstance(c, str)), None)
+  return _entries(advice, checks), (None if before is None else
+                                    {"mode": window.settings.mode, "step_s": before})
+
+
+def _sized_depth(run_: runs_lib.Run) -> bool:
+  """Whether the run's orchestrator sized its depth each step (auto)."""
+  return bool(run_.orchestrator_steps["sizing"].notna().any())
+
+
+def turn_on_advice(run_: runs_lib.Run, staging: dict[str, Any]
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+  """A run that did not stage, told the setting that turns staging on (summary.staging's),
+  checked as the simulator replays its trainer's record inline and staged at the default; and
+  that inline replay."""
+  trainer, orchestrator = run_.trainer_steps, run_.orchestrator_steps
+  steps, field = ((trainer, "placed_inline") if len(trainer) and not len(orchestrator)
+                  else (orchestrator, "inline"))
+  inline = steps[field].to_numpy()
+  said = f"micro-batches {'placed' if field == 'placed_inline' else 'trained'} inline"
+  figure = advice_lib.Figure(said, float(inline.mean()), int((inline > 0).sum()), len(inline),
+                             unit="")
+  advice = advice_lib.Advice(
+      TURN_ON, staging["turn_on"], figure, "the staged micro-batches' memory, within "
+      "TUNIX_STAGE_MEMORY_BUDGET", "turns staging on, its depth sized each step (auto, the "
+      "default)", None)
+  window = summary_lib.window(run_)
+  checker = _checker()
+  check = (NO_TRAINER if window is None else NO_LAB if checker is None
+           else checker.staging_on(trainer, window.settings))
+  replay = None if isinstance(check, str) else {"mode": checker.INLINE, "step_s": check.before_s}
+  return _entries([advice], [check]), replay
+
+
+def _entries(advice: list[advice_lib.Advice], checks: list[Any]) -> list[dict[str, Any]]:
+  """Each advice with its check: a prediction, or why it has none (one line)."""
   out = []
   for a, check in zip(advice, checks):
     entry = {**a.as_dict(), "line": a.line(), "prediction": None, "checked": None,
@@ -372,12 +468,20 @@ def checked_advice(run_: runs_lib.Run) -> list[dict[str, Any]]:
   return sorted(out, key=lambda e: (e["recommended"], e["gain_s"]), reverse=True)
 
 
-def advice_lines(advice: list[dict[str, Any]]) -> list[str]:
+def advice_lines(advice: list[dict[str, Any]], nothing: str = NOTHING) -> list[str]:
   """Each change the simulator predicts no gain from, then each recommendation (the last line:
-  a recommendation, or that there is nothing to change)."""
+  a recommendation, or that there is nothing to change: `nothing` where the rule named none)."""
   out = [f"not recommended: {a['line']} (no shorter)" for a in advice if not a["recommended"]]
   out += [f"recommendation: {a['line']}" for a in advice if a["recommended"]]
   if not any(a["recommended"] for a in advice):
-    out.append("recommendation: " + (NOTHING if not advice else "nothing to change: simulate "
+    out.append("recommendation: " + (nothing if not advice else "nothing to change: simulate "
                                      "predicts none of the changes above shortens the step"))
   return out
+
+
+def nothing_named(summary: dict[str, Any]) -> str:
+  """What the report says where the rule named nothing: that staging kept the trainer's input
+  ready only where a trainer's record shows it, and its steps staged."""
+  if "trainer" not in summary:
+    return NO_TRAINER_RECORD
+  return NOTHING if summary["staging"]["staged"] else NO_STEP_STAGED

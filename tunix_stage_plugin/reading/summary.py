@@ -13,6 +13,8 @@ import numpy as np
 import pandas as pd
 
 from tunix_stage_plugin.core import advice as advice_lib
+from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.reading import runs as runs_lib
 
@@ -42,7 +44,7 @@ def estimated(steps: pd.DataFrame) -> np.ndarray:
   received, placed = steps["received"].to_numpy(), steps["placed"].to_numpy()
   per_receive = figures_lib.each(steps["received_s"].to_numpy(), received)
   per_place = steps["placed_s"] / np.maximum(placed, 1)
-  staged = steps["staged"].to_numpy()
+  staged = steps["placed_staged"].to_numpy()
   return np.where(staged > 0, steps["input_wait_s"] + staged * (per_receive + per_place),
                   steps["input_wait_s"])
 
@@ -67,10 +69,9 @@ def summary(trainer: pd.DataFrame, orchestrator: pd.DataFrame) -> dict[str, Any]
   if len(trainer):
     rows = judged(trainer)
     t = trainer[rows]
-    staged = t["staged"].to_numpy() > 0
+    staged = t["placed_staged"].to_numpy() > 0
     wait = t["input_wait_s"].to_numpy()
-    hid_in = staged if staged.any() else np.ones(len(t), dtype=bool)  # in the steps that staged
-    estimate = estimated(t)[hid_in]
+    estimate = estimated(t)[staged]  # in the steps that staged (none: nothing to say)
     first = first_steps(trainer)
     bound = trainer["bound_by"][~first].astype(object)
     out["trainer"] = {
@@ -85,7 +86,7 @@ def summary(trainer: pd.DataFrame, orchestrator: pd.DataFrame) -> dict[str, Any]
         "first_steps": int(first.sum()),
         "only_first": not (~first).any(),
         "inline_wait_estimate_s": median(estimate),
-        "hidden_s": median(estimate - wait[hid_in]),
+        "hidden_s": median(estimate - wait[staged]),
         "received": transports(trainer, "received"),
         # A record holding both (a job run staged and inline, or stages that fell back): each
         # path's input wait apart, so staging's effect is read off the job itself.
@@ -102,6 +103,49 @@ def summary(trainer: pd.DataFrame, orchestrator: pd.DataFrame) -> dict[str, Any]
         "stage_call_median_s": median(o["stage_call_median_s"][judged(o)]),
         "sent": transports(o, "sent"),
     }
+  return out
+
+
+STAGE = config_lib.SETTINGS_BY_FIELD["mode"]
+TURN_ON = f"{STAGE.env}={config_lib.MODE_STAGE}"
+
+
+def staging(run: runs_lib.Run) -> dict[str, Any]:
+  """Whether the run staged (a micro-batch trained staged, or placed on the trainer's staging
+  lane), and where it did not, what its records say of why (`said`: the processes by name), the
+  role whose setting turns staging on and that setting (`turn_on`; None where staging was on and
+  every stage fell back, which the advice rule judges)."""
+  trainer, orchestrator = run.trainer_steps, run.orchestrator_steps
+  out: dict[str, Any] = {"staged": bool(trainer["placed_staged"].sum()
+                                        or orchestrator["staged"].sum()),
+                         "said": None, "role": None, "turn_on": None}
+  if out["staged"]:
+    return out
+  names = {role: ", ".join(p.name for p in run.processes if p.role == role)
+           for role in (figures_lib.TRAINER, figures_lib.ORCHESTRATOR)}
+  if len(orchestrator):
+    trained = int(orchestrator["microbatches"].sum())
+    fell = {k: int(orchestrator[f"fallbacks_{k}"].sum()) for k in figures_lib.FALLBACK_KINDS}
+    kinds = ", ".join(f"{n} {k}" for k, n in fell.items() if n)
+    where = f"orchestrator {names[figures_lib.ORCHESTRATOR]}"
+    if fell[outcome.StageStatus.UNSUPPORTED.value]:
+      out.update(said=f"the trainer refused {where}'s stages as unsupported (staging is off on "
+                 f"the trainer, or it runs without the plugin), so all {trained} micro-batches "
+                 "trained inline", role=figures_lib.TRAINER)
+    elif kinds:
+      out["said"] = f"{where}'s stages all fell back inline ({kinds}); {trained} trained inline"
+    else:
+      out["said"] = f"{where} staged none of its {trained} micro-batches"
+  else:
+    inline = int(trainer["placed_inline"].sum())
+    out.update(said=f"the orchestrator sent every micro-batch with its train call (staging off "
+               "on it, or no plugin there: it wrote no record), and trainer "
+               f"{names[figures_lib.TRAINER]} placed all {inline} inline",
+               role=figures_lib.ORCHESTRATOR)
+  if out["role"] == figures_lib.ORCHESTRATOR:
+    out["turn_on"] = f"{TURN_ON} on the orchestrator"
+  elif out["role"] == figures_lib.TRAINER:
+    out["turn_on"] = f"{TURN_ON} on the trainer, with the plugin installed there"
   return out
 
 

@@ -458,9 +458,9 @@ def test_the_stage_figures_sit_beside_the_loss_in_maxtext_s_tensorboard(staging)
   assert loss_steps == list(range(STEPS)), found["train/loss"]
   stage = {tag: points for tag, points in found.items() if tag.startswith("train/stage/")}
   print(f"\nMaxText TensorBoard tags: {sorted(found)}")
-  for name in ("compute_s", "input_wait_mid_step_s", "staged", "bound_by_compute"):
+  for name in ("compute_s", "input_wait_mid_step_s", "placed_staged", "bound_by_compute"):
     assert [step for step, _ in stage[f"train/stage/{name}"]] == loss_steps, (name, stage)
-  assert sum(v for _, v in stage["train/stage/staged"]) == STEPS * MICRO
+  assert sum(v for _, v in stage["train/stage/placed_staged"]) == STEPS * MICRO
 
 
 def test_the_trainer_records_each_step_of_a_maxtext_engine(staging, tmp_path):

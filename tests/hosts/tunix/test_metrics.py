@@ -115,7 +115,7 @@ def test_with_opentelemetry_on_the_same_scalars_arrive_as_tunix_s_gauges():
   assert points["tunix.stage.compute_s"] == [({"tunix.training.mode": "train"},
                                                pytest.approx(1.1))]
   assert {f"tunix.{figures_lib.PREFIX.replace('/', '.')}{name}" for name in (
-      "compute_s", "input_wait_mid_step_s", "staged", "bound_by_compute")} <= set(points)
+      "compute_s", "input_wait_mid_step_s", "placed_staged", "bound_by_compute")} <= set(points)
   assert points["tunix.training.step"] == [({"tunix.training.mode": "train"}, 2)]
   tel.close()
 

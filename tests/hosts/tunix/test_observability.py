@@ -91,9 +91,62 @@ def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
   assert out.startswith("2 runs (jobs) in these records, each reported apart"), out
   first, second = out.split("\nrun 2 of 2: ")
   assert "trainer " in first and "orchestrator " in first and first.count("(tunix, 2 steps)") == 2
-  assert "trainer " in second and "orchestrator " not in second and "(tunix, 2 steps)" in second
+  # (its processes are named before its overall lines, which may say what the orchestrator did)
+  listed = second.split("\noverall (")[0]
+  assert "trainer " in listed and "orchestrator " not in listed and "(tunix, 2 steps)" in second
   assert "wait boundary" in out and "staging hid" in out
   assert all(part.splitlines()[-1].startswith("recommendation: ") for part in (first, second))
+  # Was staging worth it: the staged run says what staging hid; the inline one that it did not
+  # stage, which process and why, the setting that turns it on and the simulator's prediction.
+  assert "staging hid" in first and "did not stage" not in first
+  (said,) = [line.strip() for line in second.splitlines()
+             if line.strip().startswith("did not stage: ")]
+  trainer_name = f"{trainer[0]['process']['hostname']}:{trainer[0]['process']['pid']}"
+  assert said.startswith("did not stage: the orchestrator sent every micro-batch with its train "
+                         "call (staging off on it, or no plugin there: it wrote no record), and "
+                         f"trainer {trainer_name} placed all "
+                         f"{test_grpc.STEPS * test_grpc.MICRO} inline; turned on by "
+                         "TUNIX_STAGE_BATCH=stage on the orchestrator: at the default, simulate "
+                         "predicts "), said
+  assert "staging hid" not in second
+  assert "checked by simulate: its replay of the record as inline takes " in second
+  assert second.splitlines()[-1].startswith("recommendation: TUNIX_STAGE_BATCH=stage on the "
+                                            "orchestrator: turns staging on")
+
+
+def test_report_says_a_trainer_without_the_plugin_refused_staging(tmp_path):
+  """This process's orchestrator stages (the plugin installed here, writing its record) against a
+  trainer node without the plugin: tunix's worker has no stage_batch, so it answers the first
+  stage unsupported and every micro-batch trains inline; the trainer writes no record. `report`
+  says which process refused, why, and what turns staging on; nothing replays it."""
+  folder = tmp_path / "metrics"
+  proc, ports = test_grpc._start_node("plain")  # pylint: disable=protected-access
+  try:
+    _, _, reports = test_grpc.run_program(ports["plain"], staged=True,
+                                          settings={"metrics": str(folder)})
+  finally:
+    test_grpc._stop_node(proc)  # pylint: disable=protected-access
+  assert [r.stage_metrics["stage/staged"] for r in reports] == [0] * test_grpc.STEPS
+  by_role = job_records(folder)
+  assert by_role["trainer"] == [] and len(by_role["orchestrator"]) == test_grpc.STEPS
+  orchestrator = by_role["orchestrator"][0]["process"]
+  run = json.loads(subprocess.run(
+      [sys.executable, "-m", "tunix_stage_plugin", "report", str(folder), "--json"],
+      capture_output=True, text=True, timeout=60, check=True).stdout)["runs"][0]["summary"]
+  assert run["orchestrator"]["fallbacks_by_kind"] == {"unsupported": 1}
+  assert run["staging"] == {
+      "staged": False, "role": "trainer",
+      "turn_on": "TUNIX_STAGE_BATCH=stage on the trainer, with the plugin installed there",
+      "said": f"the trainer refused orchestrator {orchestrator['hostname']}:{orchestrator['pid']}"
+              "'s stages as unsupported (staging is off on the trainer, or it runs without the "
+              f"plugin), so all {test_grpc.STEPS * test_grpc.MICRO} micro-batches trained inline"}
+  out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
+                       capture_output=True, text=True, timeout=60, check=True).stdout
+  print(out)  # with -s: what a user's `tunix-stage report` says of this job
+  assert f"  did not stage: {run['staging']['said']}; turned on by " in out
+  assert "staging hid" not in out and "nothing to change" not in out
+  assert out.splitlines()[-1] == f"recommendation: {run['recommendations'][0]}"
+  assert out.splitlines()[-1].startswith("recommendation: TUNIX_STAGE_BATCH=stage on the trainer")
 
 
 def test_the_peft_train_device_span_ends_on_the_watcher_s_one_wait():
@@ -187,13 +240,13 @@ def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_
   assert loss_steps == list(range(1, test_grpc.STEPS + 1)), staged["train/loss"]
   stage = {tag: points for tag, points in staged.items() if tag.startswith("train/stage/")}
   print(f"\nstaged TensorBoard tags: {sorted(staged)}")
-  always = ("compute_s", "input_wait_mid_step_s", "other_s", "staged", "inline", "pool_waits",
-            "bound_by_compute", "bound_by_wire", "bound_by_shared_cores")
+  always = ("compute_s", "input_wait_mid_step_s", "other_s", "placed_staged", "placed_inline",
+            "pool_waits", "bound_by_compute", "bound_by_wire", "bound_by_shared_cores")
   for name in always:  # known every step: at every step of the loss, once
     assert [step for step, _ in stage[f"train/stage/{name}"]] == loss_steps, (name, stage)
   assert {tag.removeprefix("train/") for tag in stage} <= SCALARS[figures_lib.TRAINER]
   assert all(step in loss_steps for points in stage.values() for step, _ in points)
-  assert sum(v for _, v in stage["train/stage/staged"]) >= test_grpc.MICRO  # it staged
+  assert sum(v for _, v in stage["train/stage/placed_staged"]) >= test_grpc.MICRO  # it staged
   assert all(v > 0 for _, v in stage["train/stage/compute_s"])
   plain = tensorboard_scalars(off)
   assert [step for step, _ in plain["train/loss"]] == loss_steps

@@ -3,7 +3,8 @@ where a step's figures (and so its record) hold it, its unit, how a step sums it
 and a run sums its steps, and whether it is a metrics-logger scalar; what bounds a step; and the
 one formatter of seconds, sizes and speeds. The per-step line, the record's shape, the scalars,
 `tunix-stage report` (its DataFrame's columns are these names), `report A B` and the picture all
-read this table. docs/observability.md "The figures".
+read this table. A name means one thing in either role. docs/observability.md "The steps as a
+DataFrame" lists each column.
 """
 
 from __future__ import annotations
@@ -165,8 +166,8 @@ FIGURES: tuple[Figure, ...] = (
        "beside a transfer took than those alone", null=True, scalar=True, compared=True),
     _t("received", "receive.calls", COUNT, SUM, TOTAL, "micro-batches received by side channel "
        "or stream"),
-    _t("received_bytes", "receive.bytes", BYTES, SUM, TOTAL, "their bytes"),
-    _t("received_s", "receive.seconds", SECONDS, SUM, TOTAL, "their receives' time"),
+    _t("received_bytes", "receive.bytes", BYTES, SUM, TOTAL, "the received micro-batches' bytes"),
+    _t("received_s", "receive.seconds", SECONDS, SUM, TOTAL, "the receives' time"),
     _t("received_gib_s", "", RATE, ONE, MEDIAN, "the step's received bytes over its receives' "
        "time", null=True, scalar=True, compared=True,
        derive=lambda g: _per(g("received_bytes"), g("received_s"), GIB)),
@@ -174,19 +175,20 @@ FIGURES: tuple[Figure, ...] = (
     _t("placed", "place.count", COUNT, SUM, TOTAL, "placements (staging and inline lanes)"),
     _t("placed_s", "place.seconds", SECONDS, SUM, TOTAL, "the placements' time"),
     _t("placed_bytes", "place.bytes", BYTES, SUM, TOTAL, "the placements' bytes"),
-    _t("staged", "place.staged", COUNT, SUM, TOTAL, "placements on the staging lane",
+    _t("placed_staged", "place.staged", COUNT, SUM, TOTAL, "placements on the staging lane",
        scalar=True, compared=True),
-    _t("inline", "place.inline", COUNT, SUM, TOTAL, "placements inline (in the train call)",
-       scalar=True, compared=True),
+    _t("placed_inline", "place.inline", COUNT, SUM, TOTAL, "placements inline (in the train "
+       "call)", scalar=True, compared=True),
     _t("pool_waits", "pool.waits", COUNT, SUM, TOTAL, "transfers that waited for a receive "
        "buffer", scalar=True, compared=True),
-    _t("pool_wait_s", "pool.wait_s", SECONDS, SUM, TOTAL, "their waits' time"),
-    _t("pool_over_bound", "pool.over_bound", COUNT, SUM, TOTAL, "waits that ran out"),
+    _t("pool_wait_s", "pool.wait_s", SECONDS, SUM, TOTAL, "the pool waits' time"),
+    _t("pool_over_bound", "pool.over_bound", COUNT, SUM, TOTAL, "pool waits that ran out of time"),
     _t("peak_device_batches", "staged.peak_device", COUNT, MAX, MAX, "the most staged "
        "micro-batches held on the device at once", null=True, scalar=True, compared=True),
     _t("peak_host_batches", "staged.peak_host", COUNT, MAX, MAX, "the most held in host buffers "
        "at once", null=True),
-    _t("bound_by", "bound_by", CAUSE, ONE, TOTAL, "what bounded the step (CAUSES)"),
+    _t("bound_by", "bound_by", CAUSE, ONE, TOTAL, "what bounded the step: compute, wire or "
+       "shared cores"),
     *(_t(f"bound_by_{cause.replace(' ', '_')}", "", COUNT, ONE, TOTAL,
          f"1 where the step was bound by {cause}, else 0", scalar=True,
          derive=lambda g, c=cause: (g("bound_by") == c) * 1) for cause in CAUSES),
@@ -212,12 +214,12 @@ FIGURES: tuple[Figure, ...] = (
     _o("fallbacks", "fallbacks.count", COUNT, SUM, TOTAL, "stages that fell back inline",
        scalar=True, compared=True),
     *(_o(f"fallbacks_{kind}", f"fallbacks.by_kind.{kind}", COUNT, SUM, TOTAL,
-         f"fallbacks {kind}", scalar=True, compared=True, absent=0,
+         f"stages that fell back: {kind}", scalar=True, compared=True, absent=0,
          family=("fallbacks", "by_kind")) for kind in FALLBACK_KINDS),
     *_transfers(ORCHESTRATOR, "sent", "sent", "sent (a call's time holds its wait on the "
                 "trainer)", rate=True),
     _o("stage_calls", "stage_calls.count", COUNT, SUM, TOTAL, "stage calls"),
-    _o("stage_calls_s", "stage_calls.seconds", SECONDS, SUM, TOTAL, "their time"),
+    _o("stage_calls_s", "stage_calls.seconds", SECONDS, SUM, TOTAL, "the stage calls' time"),
     _o("stage_call_median_s", "stage_calls.median_s", SECONDS, MEDIAN, MEDIAN,
        "a stage call's latency", null=True, scalar=True, compared=True),
     _o("stage_call_max_s", "stage_calls.max_s", SECONDS, MAX, MAX, "the longest stage call",

@@ -47,8 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
           a metrics record: each trainer step as the trainer measured it (per micro-batch its
           median fwd_bwd, its receives' and placements' mean times; docs/observability.md).
           a bench JSON: its emulated wire and host-to-device times and one mode's recorded
-          fwd_bwd and update times (resident's: the device's own speed); --check predicts each
-          mode of that bench from that mode's own recorded times and compares.
+          fwd_bwd and update times over the steps its medians counted (resident's: the device's
+          own speed); --check predicts each mode of that bench from that mode's own recorded
+          times and compares.
           The first step fills the pipeline (as the bench's warm-up); medians are over the rest.
           """) + textwrap.fill(
               f"Bounds: at most {trace_lib.MAX_MICROBATCHES} micro-batches and "
@@ -75,8 +76,9 @@ def add_parser(subparsers: argparse._SubParsersAction, help_line: str) -> None:
                       f"wire), h2d=2x, compute=0.8x (F > 0 and <= {MAX_FACTOR:g}); once per "
                       "resource, not with --check; the table, the JSON and the picture say it")
   parser.add_argument("--check", action="store_true",
-                      help="INPUT is a bench JSON: predict each of its modes and compare with the "
-                      + flags_lib.literal(f"measured median step (a prediction within "
+                      help="INPUT is a bench JSON: predict each of its modes from the steps its "
+                      "median counted (its quiet steps; a run re-run on a busy machine left out) "
+                      + flags_lib.literal(f"and compare with that median (a prediction within "
                                           f"{CHECK_TOLERANCE:.0%} passes)"))
   parser.add_argument("--json", default=None, metavar="PATH",
                       help="also write the figures as JSON ('-': stdout, instead of the table)")
@@ -230,14 +232,14 @@ def _load(args: argparse.Namespace, values: dict[str, Any]
   every check of the input done; TraceError otherwise."""
   modes = values["modes"]
   if args.check:
-    bench, traces = _bench_traces(args.input, modes)
+    bench, traces = _bench_traces(args.input, modes)  # per mode: (its trace, what it counted)
     device, host = _bench_bounds(args.input, bench)
   else:
     trace = _scaled(trace_lib.load(args.input, mode="resident"), args.what_if, values["factors"])
     bench, traces = None, {m: trace for m in modes}
     device, host = values["device"], values["host"]
-  if args.png is not None:
-    _check_step(values["step"], traces)  # before any simulation: bad input is refused up front
+  if args.png is not None:  # before any simulation: bad input is refused up front
+    _check_step(values["step"], {m: t[0] if args.check else t for m, t in traces.items()})
   return bench, traces, device, host
 
 
@@ -292,7 +294,8 @@ def _check_step(step: int, traces: dict[str, Any]) -> None:
 
 
 def _bench_traces(path: str, modes: tuple[str, ...]) -> tuple[dict[str, Any], dict[str, Any]]:
-  """--check's input: the bench JSON and, per mode it measured, that mode's recorded times."""
+  """--check's input: the bench JSON and, per mode it measured, that mode's recorded times over
+  the steps its medians counted, and which those are (trace.bench_trace)."""
   bench = trace_lib.read_json(path)
   if not isinstance(bench, dict) or not isinstance(bench.get("modes"), dict):
     raise trace_lib.TraceError(core_inputs.invalid(
@@ -309,7 +312,7 @@ def _bench_traces(path: str, modes: tuple[str, ...]) -> tuple[dict[str, Any], di
     if isinstance(want, bool) or not isinstance(want, (int, float)) or not 0 < want < math.inf:
       raise trace_lib.TraceError(core_inputs.invalid(
           f"{path} modes.{mode}.median_step_s", json.dumps(want), "a number of seconds > 0"))
-  return bench, {mode: trace_lib.from_bench(bench, mode, path) for mode in modes}
+  return bench, {mode: trace_lib.bench_trace(bench, mode, path) for mode in modes}
 
 
 def _bench_bounds(path: str, bench: dict[str, Any]) -> tuple[int, int]:
@@ -335,7 +338,7 @@ def _check(path: str, bench: dict[str, Any], traces: dict[str, Any], device: int
   options = bench.get("options")
   tiny = isinstance(options, dict) and options.get("tiny") is True  # milliseconds: judge nothing
   results = {mode: run_lib.simulate(trace, mode, max_device_batches=device,
-                                    max_host_batches=host) for mode, trace in traces.items()}
+                                    max_host_batches=host) for mode, (trace, _) in traces.items()}
   hidden = run_lib.hidden_fractions(results)
   report_modes = {}
   for mode, result in results.items():
@@ -343,7 +346,8 @@ def _check(path: str, bench: dict[str, Any], traces: dict[str, Any], device: int
     want = measured[mode]["median_step_s"]
     error = result.median_step_s / want - 1.0
     figures.update(measured_median_step_s=want, error=error,
-                   within_tolerance=None if tiny else abs(error) <= CHECK_TOLERANCE)
+                   within_tolerance=None if tiny else abs(error) <= CHECK_TOLERANCE,
+                   counted=traces[mode][1].as_dict())
     report_modes[mode] = figures
   return {"input": path, "check": True, "tolerance": CHECK_TOLERANCE, "tiny": tiny,
           "max_device_batches": device, "max_host_batches": host, "modes": report_modes,
@@ -382,7 +386,8 @@ def _table(report: dict[str, Any]) -> str:
   lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                      enumerate(zip(row, widths))).rstrip() for row in (header, *rows)]
   lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
-  title = (f"tunix-stage simulate --check {report['input']}: predicted vs measured median step"
+  title = (f"tunix-stage simulate --check {report['input']}: predicted vs measured median step, "
+           "each over the steps the bench's median counted"
            + ("; a --tiny bench: its model computes in milliseconds, so its timings judge "
               "nothing (n/a)" if report.get("tiny") else "")
            if check else
@@ -392,7 +397,22 @@ def _table(report: dict[str, Any]) -> str:
            + (f"{what_if_label(report['what_if'])}; " if report["what_if"] else "")
            + "medians over steps 1.. (step 0 fills the pipeline); saved = inline total - mode "
            "total")
+  if check:
+    lines += _counted_lines(report)
   return "\n".join([title, "", *lines])
+
+
+def _counted_lines(report: dict[str, Any]) -> list[str]:
+  """Where a mode's medians left a run out or counted noisy steps: which runs and steps."""
+  out = []
+  for mode, r in report["modes"].items():
+    c = r["counted"]
+    if c["left_out"] or c["over"] != trace_lib.QUIET:
+      left = ("; left out: " + ", ".join(f"runs[{i}]" for i in c["left_out"])
+              + " (no quiet step: re-run)") if c["left_out"] else ""
+      out.append(f"{mode}: {c['over']} of " + ", ".join(f"runs[{i}]" for i in c["runs"])
+                 + f", timed steps {', '.join(str(s) for s in c['steps'])}{left}")
+  return [""] + out if out else []
 
 
 class _Picture:

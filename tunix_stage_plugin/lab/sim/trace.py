@@ -256,12 +256,39 @@ def _index(text: str, name: str) -> int:
     raise TraceError(inputs.refusal(name, text, e)) from None
 
 
+@dataclasses.dataclass(frozen=True)
+class Counted:
+  """The steps of one mode's bench runs that its medians counted, by the bench's rule
+  (lab/bench/report.summarize): the quiet ones (other processes within cpu.QUIET_CORES) where any
+  is, else every one. `runs`: the runs that counted a step (indexes into the JSON's `runs`);
+  `left_out`: the mode's runs with none counted, each re-run on a busy machine; `steps`: the
+  timed steps (positions in a run) some run counted; `over`: which steps, in words."""
+
+  runs: tuple[int, ...]
+  left_out: tuple[int, ...]
+  steps: tuple[int, ...]
+  over: str
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+QUIET, NOISY, UNMARKED = ("quiet steps", "every step (no quiet one)",
+                          "every step (the bench JSON marks none quiet)")
+
+
 def from_bench(data: dict[str, Any], mode: str, source: str) -> Trace:
+  """bench_trace's trace."""
+  return bench_trace(data, mode, source)[0]
+
+
+def bench_trace(data: dict[str, Any], mode: str, source: str) -> tuple[Trace, Counted]:
   """A `tunix-stage bench` JSON: the emulated wire and host-to-device times of every micro-batch
-  (calibration), `mode`'s recorded fwd_bwd and update times (each position's median over the
-  mode's runs, as the bench's own medians span its rounds), and the weight sync as the boundary.
-  The bench's warm-up step is not recorded: its first timed step stands in for it, as the step
-  that fills the pipeline."""
+  (calibration), `mode`'s recorded fwd_bwd and update times over the steps its medians counted
+  (each position's median over the runs that counted it, as the bench's own medians span its
+  rounds; a run re-run on a busy machine counts none), and the weight sync as the boundary. The
+  bench's warm-up step is not recorded: its first counted step stands in for it, as the step that
+  fills the pipeline. Also which runs and steps those are."""
   calibration = _field(data, "calibration", dict, f"{source} calibration")
   runs = _field(data, "runs", list, f"{source} runs")
   wire, h2d, sync = (_number(_field(calibration, k, (int, float), f"{source} calibration.{k}"),
@@ -275,6 +302,7 @@ def from_bench(data: dict[str, Any], mode: str, source: str) -> Trace:
     raise _refuse(source, f"a bench JSON with a {mode} run (from this version of "
                   "tunix-stage bench)", f"no {mode} run with recorded fwd_bwd times")
   shape = None
+  quiet: dict[int, list[bool] | None] = {}
   for i, run in mine:
     where = f"{source} runs[{i}]"
     steps = _field(run, "fwd_bwd_s", list, f"{where}.fwd_bwd_s")
@@ -285,18 +313,43 @@ def from_bench(data: dict[str, Any], mode: str, source: str) -> Trace:
     if found != shape or len(updates) != len(found):
       raise _refuse(where, f"the shape of runs[{mine[0][0]}] (micro-batches per step "
                     f"{shape}) and one update_s per step", "its steps differ")
+    quiet[i] = _quiet(run, len(found), where)
+  marked = any(q is not None for q in quiet.values())
+  any_quiet = any(any(q or ()) for q in quiet.values())
+  counted = {i: [True] * len(shape or ()) if not any_quiet or q is None else q
+             for i, q in quiet.items()}
 
-  def median(name: str, get) -> float:
-    return statistics.median(_number(get(run), name) for _, run in mine)
+  def median(name: str, get, counting: list[tuple[int, Any]]) -> float:
+    return statistics.median(_number(get(run), name) for _, run in counting)
 
-  steps = []
+  steps, positions = [], []
   for s, count in enumerate(shape or ()):
-    compute = [median(f"{source} fwd_bwd_s[{s}][{j}]", lambda r, s=s, j=j: r["fwd_bwd_s"][s][j])
-               for j in range(count)]
-    update = median(f"{source} update_s[{s}]", lambda r, s=s: r["update_s"][s])
+    counting = [(i, run) for i, run in mine if counted[i][s]]
+    if not counting:
+      continue  # no run counted this step: neither do the medians
+    positions.append(s)
+    compute = [median(f"{source} fwd_bwd_s[{s}][{j}]",
+                      lambda r, s=s, j=j: r["fwd_bwd_s"][s][j], counting) for j in range(count)]
+    update = median(f"{source} update_s[{s}]", lambda r, s=s: r["update_s"][s], counting)
     steps.append(StepTimes(tuple(MicroBatchTimes(wire, h2d, c) for c in compute), update, sync))
   name = f"{source} ({mode})"
-  return check_bounds(Trace(tuple(steps[:1] + steps), name), name)
+  chosen = Counted(runs=tuple(i for i, _ in mine if any(counted[i])),
+                   left_out=tuple(i for i, _ in mine if not any(counted[i])),
+                   steps=tuple(positions),
+                   over=QUIET if any_quiet else NOISY if marked else UNMARKED)
+  return check_bounds(Trace(tuple(steps[:1] + steps), name), name), chosen
+
+
+def _quiet(run: dict[str, Any], steps: int, where: str) -> list[bool] | None:
+  """A run's `step_quiet` (one true or false per timed step), or None where it has none (a
+  bench JSON from before the bench marked them)."""
+  if "step_quiet" not in run:
+    return None
+  quiet = _field(run, "step_quiet", list, f"{where}.step_quiet")
+  if len(quiet) != steps or not all(isinstance(q, bool) for q in quiet):
+    raise _refuse(f"{where}.step_quiet", f"one true or false per timed step ({steps})",
+                  value=quiet)
+  return quiet
 
 
 def from_chrome_trace(data: dict[str, Any], source: str) -> Trace:
