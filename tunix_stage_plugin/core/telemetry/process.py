@@ -84,7 +84,7 @@ class Telemetry:
 
   def trainer_step(self) -> outcome.TrainerStep | None:
     """The trainer's newest closed step in this process with the bounds in force (None before
-    its first step): what its stage_figures answers."""
+    its first step): what rides on its stage answers."""
     with self._lock:
       newest = self._newest.get(record_lib.TRAINER)
     if newest is None:
@@ -93,7 +93,7 @@ class Telemetry:
     bound = {field: config_lib.fixed(field, settings.get(
         field, config_lib.SETTINGS_BY_FIELD[field].default))
              for field in ("max_device_batches", "max_host_batches")}
-    return outcome.TrainerStep(run=run, figures=figures, host_sized="sizing" in figures, **bound)
+    return outcome.TrainerStep.of(figures, run=run, host_sized="sizing" in figures, **bound)
 
   def configure(self, settings: Settings) -> None:
     """New settings (a re-install): the next records follow them (a depth or bound no longer

@@ -40,9 +40,9 @@ def _trainer(engine: Any, role: datatypes.Role) -> Any:
 
 async def stage(engine: Any, router: route.Router, payload: Any, *, key: str,
                 role: datatypes.Role = ACTOR) -> outcome_lib.StageOutcome:
-  """`stage_batch(payload, key)` on the trainer of `role`: its StageOutcome; a trainer that can
-  never stage it answers UNSUPPORTED, a failure FAILED; a malformed or reused key raises
-  StageKeyError (the caller's bug, not a fallback)."""
+  """`stage_batch(payload, key)` on the trainer of `role`: its StageOutcome (the trainer's newest
+  closed step on it); a trainer that can never stage it answers UNSUPPORTED, a failure FAILED; a
+  malformed or reused key raises StageKeyError (the caller's bug, not a fallback)."""
   worker = _trainer(engine, role)
   try:
     with contract.typed_errors(contract.STAGE_BATCH):
@@ -94,20 +94,6 @@ async def reset(engine: Any, keys: list[str] | None = None, *, role: datatypes.R
     except asyncio.TimeoutError:
       raise TimeoutError(f"reset_staged got no answer within {timeout_s:g} s") from None
   return contract.dropped_keys(response)
-
-
-async def figures(engine: Any, *, role: datatypes.Role = ACTOR,
-                  timeout_s: float = RESET_TIMEOUT_S) -> outcome_lib.TrainerStep | None:
-  """The trainer's newest closed step, its figures and bounds (None before its first step);
-  contract.Unsupported from a trainer without stage_figures; TimeoutError after `timeout_s`."""
-  worker = _trainer(engine, role)
-  call = engine._invoke_worker(worker, contract.STAGE_FIGURES)  # pylint: disable=protected-access
-  with contract.typed_errors(contract.STAGE_FIGURES):
-    try:
-      response = await asyncio.wait_for(call, timeout_s)
-    except asyncio.TimeoutError:
-      raise TimeoutError(f"stage_figures got no answer within {timeout_s:g} s") from None
-  return contract.trainer_figures(response)
 
 
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,

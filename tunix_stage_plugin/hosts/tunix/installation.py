@@ -190,7 +190,7 @@ class Installation:
     if self.host_bound is None:
       from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
       self.host_bound = sizing.HostBound(budget_bytes=config.memory_budget,
-                                         device_bound=config.max_device_batches, host=HOST,
+                                         device_bound=config.max_device_batches,
                                          apply=self._apply_host_bound)
       self.telemetry.add_step_sink(self.host_bound, record_lib.TRAINER)
     self.host_bound.budget_bytes = config.memory_budget

@@ -27,13 +27,12 @@ from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.transport import frames
 from tunix_stage_plugin.transport import request as request_lib
 
-# A TrainerWorker's lane table (core.executor): stage_batch on the staging thread; heartbeat, info,
-# stage_figures and reset_staged answered at once (a reset only drops references, and must not
-# queue behind a stage waiting for a device slot: the reset is often what frees that slot); any
-# other method on the compute thread.
+# A TrainerWorker's lane table (core.executor): stage_batch on the staging thread; heartbeat, info
+# and reset_staged answered at once (a reset only drops references, and must not queue behind a
+# stage waiting for a device slot: the reset is often what frees that slot); any other method on
+# the compute thread.
 STAGING_METHODS = frozenset({contract.STAGE_BATCH})
-LIGHT_METHODS = frozenset({contract.HEARTBEAT, contract.INFO, contract.RESET_STAGED,
-                           contract.STAGE_FIGURES})
+LIGHT_METHODS = frozenset({contract.HEARTBEAT, contract.INFO, contract.RESET_STAGED})
 # The compute-lane calls the worker's hooks observe as computations (worker.py); every other call
 # on that lane is the lane's own (tracks.TRAINER_LANE).
 COMPUTATIONS = frozenset({contract.FWD_BWD, contract.UPDATE})

@@ -52,6 +52,7 @@ class StagingCalls:
       from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
       self.codec = codec_lib.parse(codec)
     self.raw_bytes = self.sent_bytes = 0
+    self.auto: Any = None  # core.sizing.AutoDepth, told each stage's answer (a depth at auto)
 
   async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
     if self.codec is not None:
@@ -59,7 +60,10 @@ class StagingCalls:
       payload = await asyncio.to_thread(compression.compress, self.codec, payload)
       self.raw_bytes += payload.nbytes
       self.sent_bytes += payload.wire_bytes
-    return await engine_lib.stage(self._engine, self.router, payload, key=key)
+    answer = await engine_lib.stage(self._engine, self.router, payload, key=key)
+    if self.auto is not None:  # the trainer's newest step on it
+      self.auto.answered(answer)
+    return answer
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
                   ) -> outcome_lib.Trained:
@@ -96,8 +100,7 @@ class Run:
     self.auto: Any = None  # core.sizing.AutoDepth, loaded only at auto
     if config_lib.is_auto(depth):
       from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
-      auto = self.auto = sizing.AutoDepth(config.memory_budget, self._trainer_figures,
-                                          inst.telemetry, installation_lib.HOST)
+      auto = self.auto = self.calls.auto = sizing.AutoDepth(config.memory_budget, inst.telemetry)
       depth = config_lib.fixed("max_staged_batches", depth)
 
       def depth_for(step: int, asked: int) -> int:
@@ -119,24 +122,15 @@ class Run:
   def step_result(self, result: Any, report: pipeline_lib.StepReport) -> StagedRLStepResult:
     """tunix's step result with the step's staging metrics; the step's figures recorded and
     said (the job's telemetry)."""
-    depth = self.pipeline.depth if self.auto is None else self.auto.before_record(report.step)
-    figures = self.inst.telemetry.orchestrator_step(
+    depth = self.pipeline.depth if self.auto is None else self.auto.step_ended(report)
+    self.inst.telemetry.orchestrator_step(
         report, depth, _codec_note(self.calls), host_step=contract.trained_step(report.result))
-    if self.auto is not None:  # the trainer's figures asked for, off the critical path
-      self.auto.after_step(figures)
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return StagedRLStepResult(**fields, stage_metrics=report.metrics())
 
-  async def _trainer_figures(self) -> outcome_lib.TrainerStep | None:
-    try:
-      return await engine_lib.figures(self.engine)
-    except contract.Unsupported as e:
-      from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
-      raise sizing.NoFigures(str(e)) from None
-
   async def close(self) -> None:
     if self.auto is not None:
-      await self.auto.close()
+      self.auto.close()
     await self.router.close()  # the stream channels belong to this loop
 
 

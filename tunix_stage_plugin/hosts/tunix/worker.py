@@ -1,5 +1,5 @@
-"""TrainerWorker: stage_batch / reset_staged / stage_figures, and fwd_bwd consuming a staged key
-exactly once.
+"""TrainerWorker: stage_batch (its answer carrying the trainer's newest closed step) /
+reset_staged, and fwd_bwd consuming a staged key exactly once.
 
 A staged batch is prepared once, on the staging thread, through the hosted trainer's own
 preparation step (hosts/placements.py; PeftTrainer's in peft.py), after a compressed payload is
@@ -90,18 +90,13 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
       result = state.store.stage(key, payload, functools.partial(_place, inst, state),
                                  check=functools.partial(_check, state),
                                  defer=executor_lib.defer_on_current_lane())
-    return self._response(**contract.stage_answer(result))  # pylint: disable=protected-access
+    newest = inst.telemetry.trainer_step()  # what an orchestrator at depth auto reads
+    return self._response(**contract.stage_answer(result, newest))  # pylint: disable=protected-access
 
   def reset_staged(self: Any, keys: list[str] | None = None) -> datatypes.Response:
     """Drops staged batches (all when `keys` is None), freeing their device buffers."""
     dropped = inst.staging_of(self).store.reset(keys)
     return self._response(**contract.reset_answer(dropped))  # pylint: disable=protected-access
-
-  def stage_figures(self: Any) -> datatypes.Response:
-    """The trainer's newest closed step, its figures and bounds (None before its first step):
-    what an orchestrator sizing its depth (auto) reads after each step."""
-    newest = inst.telemetry.trainer_step()
-    return self._response(**contract.figures_answer(newest))  # pylint: disable=protected-access
 
   @functools.wraps(original_fwd_bwd)
   def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -136,7 +131,6 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,
   peft.PeftPlacement(peft_cls, registry).apply()
   registry.set(worker_cls, contract.STAGE_BATCH, stage_batch)
   registry.set(worker_cls, contract.RESET_STAGED, reset_staged)
-  registry.set(worker_cls, contract.STAGE_FIGURES, stage_figures)
   registry.set(worker_cls, contract.FWD_BWD, fwd_bwd)
 
   @functools.wraps(original_update)

@@ -2,7 +2,8 @@
 
 Lanes (core.executor): fwd_bwd / update / weight_sync / setup / place_resident / finish on the
 compute lane in arrival order; stage_batch on the staging lane, so a stage overlaps a running
-fwd_bwd; heartbeat / info / timeline / memory / records / stage_figures / reset_staged inline.
+fwd_bwd; heartbeat / info / timeline / memory / records / reset_staged inline. A stage's answer
+carries the trainer's newest closed step in numbers (what an orchestrator at depth auto reads).
 With staging off, stage_batch runs on the compute lane and refuses, so an inline-only trainer
 never starts a staging thread.
 """
@@ -31,7 +32,6 @@ from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import pacing
@@ -61,7 +61,7 @@ class TrainerWorker:
   METHODS = frozenset({
       "heartbeat", "info", "timeline", "memory", "records", "setup", "place_resident", "fwd_bwd",
       "update",
-      "weight_sync", "finish", "stage_batch", "reset_staged", contract.STAGE_FIGURES,
+      "weight_sync", "finish", "stage_batch", "reset_staged",
   })
 
   def __init__(self, cfg: config_lib.StageConfig, *,
@@ -125,13 +125,6 @@ class TrainerWorker:
   def timeline(self) -> list[recorder_lib.Span]:
     """The spans recorded since the last setup, on this process's perf_counter clock."""
     return self._timeline.spans()
-
-  def stage_figures(self) -> dict[str, Any] | None:
-    """The trainer's newest closed step, its figures and bounds, as it travels (None before its
-    first step, and with staging off): what an orchestrator at depth auto reads after each
-    step."""
-    newest = None if self.telemetry is None else self.telemetry.trainer_step()
-    return None if newest is None else newest.as_dict()
 
   def records(self) -> list[dict[str, Any]]:
     """The trainer's own per-step records since the last setup (core.telemetry: what a job
@@ -293,8 +286,9 @@ class TrainerWorker:
 
     # Two phases: answered once received (a host buffer held), placed next on this lane, so the
     # next stage's payload crosses the wire while this one is placed.
-    return self.store.stage(key, batch, prepare, check=self._check_batch,
-                            defer=executor_lib.defer_on_current_lane()).as_dict()
+    answer = self.store.stage(key, batch, prepare, check=self._check_batch,
+                              defer=executor_lib.defer_on_current_lane())
+    return answer.carrying(self.telemetry.trainer_step()).as_dict()  # (on with staging on)
 
   def _check_batch(self, batch: Any) -> None:
     if not isinstance(batch, (data_lib.Batch, data_lib.PackedBatch)):
@@ -319,7 +313,7 @@ class TrainerWorker:
       return fixed
     device = self.cfg.max_device_batches if device is None else device
     if self.host_bound is None:
-      self.host_bound = sizing.HostBound(budget_bytes=self.cfg.memory_budget, host="embedded",
+      self.host_bound = sizing.HostBound(budget_bytes=self.cfg.memory_budget,
                                          device_bound=device, apply=self._apply_host_bound)
       if self.telemetry is not None:
         self.telemetry.add_step_sink(self.host_bound)
