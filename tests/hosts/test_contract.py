@@ -22,7 +22,17 @@ def response(**fields):
 
 def test_an_answer_is_read_back_as_it_was_built():
   outcome = outcome_lib.refused("ts0badcafe.0-s1-m2", "host bound reached")
-  assert contract.stage_outcome(response(metadata=contract.stage_answer(outcome))) == outcome
+  read = contract.stage_outcome(response(metadata=contract.stage_answer(outcome, None)))
+  assert read == outcome and read.trainer is None  # before the trainer's first step
+  # The trainer's newest closed step rides on the answer, its numbers as they were.
+  newest = outcome_lib.TrainerStep(
+      run="r", step=3, step_s=2.5, compute_s=2.0, mid_step_wait_s=0.25, boundary_wait_s=None,
+      other_s=0.0, microbatches=4, fwd_bwd_s=0.5, received=4, received_s=0.4,
+      received_bytes=4 << 20, placed=4, placed_s=0.1, placed_bytes=4 << 20, staged=4,
+      pool_waits=1, pool_wait_s=0.05, pool_over_bound=0, max_device_batches=1,
+      max_host_batches=2, host_sized=True)
+  read = contract.stage_outcome(response(metadata=contract.stage_answer(outcome, newest)))
+  assert read == outcome and read.trainer == newest and read.trainer.holds == 4
   assert contract.dropped_keys(response(metadata=contract.reset_answer(["a", "b"]))) == ["a", "b"]
   trained = contract.mark_placement_fallback(response(), "its placement failed")
   assert contract.placement_fallback(trained) == "its placement failed"

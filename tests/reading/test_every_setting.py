@@ -9,7 +9,6 @@ step sink), each step built of the spans a trainer records.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
@@ -19,6 +18,7 @@ import pytest
 from tests.core.test_telemetry import compute
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.pipeline import StepReport
@@ -74,7 +74,7 @@ def write_trainer(folder, cfg, host):
     def apply(bound, reason):
       tel.sized(record_lib.TRAINER, "max_host_batches", bound, reason)
     bound = sizing.HostBound(budget_bytes=cfg.memory_budget, device_bound=cfg.max_device_batches,
-                             host=host, apply=apply)
+                             apply=apply)
     tel.add_step_sink(bound, record_lib.TRAINER)
     tel.sized(record_lib.TRAINER, "max_host_batches", bound.bound, bound.reason)
   t = 0.0
@@ -96,29 +96,22 @@ def write_trainer(folder, cfg, host):
 
 def write_orchestrator(folder, cfg, host):
   """An orchestrator process's records as a job writes them: at auto each step's depth chosen
-  by the AutoDepth a job runs (told the trainer sends no figures: the default, said)."""
+  by the AutoDepth a job runs (its trainer answered a stage UNSUPPORTED, so no step numbers
+  come: the default, said)."""
   tel = telemetry(folder, cfg, host)
   tel.orchestrator()
-
-  async def fetch():
-    raise sizing.NoFigures("a test's trainer")
-
-  async def job():
-    auto = (sizing.AutoDepth(cfg.memory_budget, fetch, tel, host)
-            if config_lib.is_auto(cfg.max_staged_batches) else None)
-    for step in range(STEPS):
-      depth = cfg.max_staged_batches if auto is None else auto.depth_for(step, 2)
-      if auto is not None:
-        depth = auto.before_record(step)
-      figures = tel.orchestrator_step(StepReport(step, trained=2, staged=2, peak_staged=depth),
-                                      depth)
-      if auto is not None:
-        auto.after_step(figures)
-        await asyncio.sleep(0)  # its ask, a task of its own, runs here
+  auto = (sizing.AutoDepth(cfg.memory_budget, tel)
+          if config_lib.is_auto(cfg.max_staged_batches) else None)
+  if auto is not None:
+    auto.answered(outcome.unsupported("k", "a test's trainer"))
+  for step in range(STEPS):
+    depth = cfg.max_staged_batches if auto is None else auto.depth_for(step, 2)
+    report = StepReport(step, trained=2, staged=2, peak_staged=depth)
     if auto is not None:
-      await auto.close()
-
-  asyncio.run(job())
+      depth = auto.step_ended(report)
+    tel.orchestrator_step(report, depth)
+  if auto is not None:
+    auto.close()
   tel.close()
 
 

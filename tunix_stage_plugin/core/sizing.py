@@ -1,78 +1,236 @@
 """Staging that sizes itself (TUNIX_MAX_STAGED_BATCHES=auto, TUNIX_STAGE_MAX_HOST_BATCHES=auto):
-each step's stage-ahead depth (`Sizer`, the orchestrator's) and the trainer's host bound
-(`HostBound`, a step sink of the trainer's) chosen by the one rule of what to change
-(core/advice.py) from the last steps' figures as their step aggregators made them, within a
-memory budget in bytes that the staged micro-batches never exceed. Loaded only where a depth or
-bound is auto. docs/configuration.md "Staging that sizes itself", docs/simulate.md "auto".
+two small numeric controllers over numbers the steps already measured, within a memory budget in
+bytes that the staged micro-batches never exceed. The orchestrator's stage-ahead depth (`Sizer`,
+run in a job by `AutoDepth`) reads the trainer's newest closed step as it rides on each stage
+answer (core.outcome.TrainerStep) and its own steps (`OrchestratorStep`); the trainer's host
+bound (`HostBound`, a step sink of the trainer's) reads its own steps. Loaded only where a depth
+or bound is auto. docs/configuration.md "Staging that sizes itself", docs/simulate.md "auto".
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import logging
-from typing import Any, Awaitable, Callable, Iterable
+import math
+import statistics
+from typing import Any, Callable, Iterable, Sequence
 
-from tunix_stage_plugin.core import advice
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import outcome
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 
 log = logging.getLogger("tunix_stage_plugin")
-TRAINER, ORCHESTRATOR = figures_lib.TRAINER, figures_lib.ORCHESTRATOR
-WINDOW = 3  # the last steps a choice reads
-QUIET_STEPS = 3  # steps without a transfer waiting for a buffer before the host bound shrinks
 DEFAULT_DEPTH = config_lib.SETTINGS_BY_FIELD["max_staged_batches"].fixed  # where auto starts
+WINDOW = 3  # the last steps a choice reads
+STEP_SHARE = 0.25  # a wait counts once it held in this share of the window's steps (and one)
+SPIKE = 2.0  # the cushion: a stage this many times its recent length (2x gRPC contention spikes)
+TRIAL = 2  # the steps a deeper depth is measured at before it is kept
+CEILING_STEPS = 8  # the trainer steps a depth that did not pay is not tried again
+QUIET_STEPS = 3  # steps without a transfer waiting for a buffer before the host bound shrinks
 MIB = figures_lib.MIB
-RECEIVED = (("received_bytes", "received"), ("placed_bytes", "placed"))  # a trainer's bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
   step: int
   depth: int
-  reason: str  # "depth 2: <the figure that decided>; budget 6.0 GiB, 4.2 used"
+  reason: str  # "depth 2: <the numbers that decided>; budget 6.0 GiB, 4.2 used"
   asked: tuple[int, str] | None = None  # the depth the rule asked and why, before the budget
 
 
-def _table(role: str, rows: Iterable[dict[str, Any]]) -> dict[str, list[Any]]:
-  """Steps' figures by name (figures.row's), a value per step: what advice.Window.of reads."""
-  rows = list(rows)
-  return {name: [r[name] for r in rows] for name in figures_lib.BY_ROLE[role]}
+@dataclasses.dataclass(frozen=True)
+class OrchestratorStep:
+  """An orchestrator's step in numbers: the depth it ran at, the most micro-batches it held
+  staged or staging at once, and its stage calls' latency (median and longest; None where it
+  timed none)."""
+
+  step: int
+  depth: int
+  peak_staged: int
+  stage_call_s: float | None = None
+  stage_call_max_s: float | None = None
+
+  @classmethod
+  def of(cls, report: Any, depth: int, stage_calls: Sequence[float] = ()) -> "OrchestratorStep":
+    """From a step's core.pipeline.StepReport, its depth and its stage calls' seconds."""
+    return cls(report.step, depth, report.peak_staged,
+               statistics.median(stage_calls) if stage_calls else None,
+               max(stage_calls) if stage_calls else None)
 
 
-def _per_microbatch(rows: Iterable[dict[str, Any]], *pairs: tuple[str, str]) -> int | None:
-  """A micro-batch's bytes as the steps moved it (the largest seen): each pair's bytes figure
-  over its count figure, in the steps that counted any."""
-  sizes = [r[nbytes] / r[count] for r in rows for nbytes, count in pairs if r[count]]
-  return max(1, int(max(sizes))) if sizes else None
+@dataclasses.dataclass(frozen=True)
+class Wait:
+  """A wait over a window's steps: its mean a step, and in how many steps it was a significant
+  part of the step (figures.significant)."""
+
+  name: str
+  mean_s: float
+  held: int
+  of: int
+
+  @classmethod
+  def over(cls, name: str, values: Sequence[float], steps_s: Sequence[float]) -> "Wait":
+    held = sum(figures_lib.significant(v, s) for v, s in zip(values, steps_s))
+    return cls(name, math.fsum(values) / len(values), held, len(values))
+
+  @property
+  def counts(self) -> bool:
+    return self.held >= max(1, STEP_SHARE * self.of)
+
+  def __str__(self) -> str:
+    return f"{self.name} {self.mean_s:.2f} s a step (in {self.held} of {self.of} steps)"
+
+
+def _step_s(t: outcome.TrainerStep) -> float:
+  """A step's time; a first step's (none before it): its parts."""
+  if t.step_s is not None:
+    return t.step_s
+  return t.compute_s + t.mid_step_wait_s + (t.boundary_wait_s or 0.0) + t.other_s
+
+
+def _each(total: float, count: int) -> float:
+  return total / count if count else 0.0
+
+
+def _spans(ratio: float) -> int:
+  """How many of one thing a time `ratio` of it spans, a part under figures.SHARE of one not
+  counted (a placement of 2 % of a crossing does not ask for a second staged micro-batch)."""
+  return max(1, math.ceil(ratio - figures_lib.SHARE))
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+  known = [v for v in values if v is not None]
+  return statistics.median(known) if known else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  """The numbers the depth's rule reads over its last steps at the depth in force (the
+  trainer's, and the orchestrator's `used_up`)."""
+
+  step_s: float  # T, a step's time (mean)
+  wait: Wait  # W, the trainer's mid-step input wait
+  gain_s: float  # G = mean of min(W, T - B): what one more staged micro-batch can remove
+  transfer_s: float | None  # R, a micro-batch's crossing (median)
+  place_s: float  # P, its placement (median)
+  stage_s: float | None  # S, its crossing and placement, the longest step's mean
+  compute_s: float | None  # C, a micro-batch's compute (median)
+  used_up: bool  # every step held its depth's micro-batches staged or staging at once
+
+  @classmethod
+  def of(cls, trainer: Sequence[outcome.TrainerStep],
+         orchestrator: Sequence[OrchestratorStep]) -> "Window | None":
+    """Over the trainer steps that staged, where there are any (an inline step's wait says
+    nothing of a depth); None with no trainer step. Where the trainer timed no receive (tunix's
+    own call is received before any hook sees it), the orchestrator's stage calls stand for R
+    and S."""
+    if not trainer:
+      return None
+    trainer = [t for t in trainer if t.staged] or list(trainer)
+    steps_s = [_step_s(t) for t in trainer]
+    receives = [_each(t.received_s, t.received) for t in trainer]
+    places = [_each(t.placed_s, t.placed) for t in trainer]
+    if any(t.received for t in trainer):
+      transfer = _median(r for r, t in zip(receives, trainer) if t.received)
+      stage = max(r + p for r, p in zip(receives, places))
+    else:
+      transfer = _median(o.stage_call_s for o in orchestrator)
+      stage = max((o.stage_call_max_s for o in orchestrator if o.stage_call_max_s is not None),
+                  default=None)
+    # B: the stage path's busier part over the step's micro-batches (the wire's receives or the
+    # placements, each at its mean over the window: a receive ends in one step or the next).
+    received = sum(t.received for t in trainer)
+    each = max(_each(math.fsum(t.received_s for t in trainer), received) if received
+               else transfer or 0.0,
+               _each(math.fsum(t.placed_s for t in trainer), sum(t.placed for t in trainer)))
+    busy = [each * t.microbatches for t in trainer]
+    waits = [t.mid_step_wait_s for t in trainer]
+    gains = [max(0.0, min(w, s - b)) for w, s, b in zip(waits, steps_s, busy)]
+    return cls(step_s=math.fsum(steps_s) / len(steps_s),
+               wait=Wait.over("input wait mid-step", waits, steps_s),
+               gain_s=math.fsum(gains) / len(gains), transfer_s=transfer,
+               place_s=_median(p for p, t in zip(places, trainer) if t.placed) or 0.0,
+               stage_s=stage, compute_s=_median(t.fwd_bwd_s for t in trainer),
+               used_up=bool(orchestrator) and all(o.peak_staged >= o.depth
+                                                  for o in orchestrator))
+
+  @property
+  def pays(self) -> bool:
+    """One more staged micro-batch can remove a significant part of the step."""
+    return figures_lib.significant(self.gain_s, self.step_s)
+
+  @property
+  def wire_is_the_bound(self) -> bool:
+    """A micro-batch takes as long to cross as to compute: no depth keeps up."""
+    return (self.transfer_s is not None and self.compute_s is not None
+            and self.transfer_s >= self.compute_s)
+
+  def cushion(self) -> tuple[int, str]:
+    """The depth that hides a stage, and why: where the wire is the bound, the depth that keeps
+    it busy (the stages one crossing spans); else the stages a compute spans, a stage SPIKE
+    times the longest step's mean."""
+    if self.wire_is_the_bound:
+      want = _spans((self.transfer_s + self.place_s) / self.transfer_s) if self.transfer_s else 1
+      return want, (f"the wire is the bound: a micro-batch takes {self.transfer_s:.2f} s to cross "
+                    f"against {self.compute_s:.2f} s of compute, so no depth beyond {want} can "
+                    "hide it")
+    return _spans(SPIKE * self.stage_s / self.compute_s), (
+        f"a micro-batch's stage {self.stage_s:.2f} s against {self.compute_s:.2f} s of compute, "
+        f"{SPIKE:g}x spikes included, over the last {self.wait.of} step(s)")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Trial:
+  depth: int  # the depth tried (one deeper than the one before)
+  why: str
 
 
 class Sizer:
-  """Feed it each step's figures (`observe`: the trainer's and the orchestrator's, as their step
-  aggregators made them); the pipeline asks it each step's depth (`depth_for`) and, as it goes,
-  the most micro-batches the budget holds (`most`). From the fixed default depth it moves only on
-  a measured step's evidence (advice.choose_depth), never shallower than a depth the trainer was
-  seen to need, at most what the trainer can hold (`holds`) and the budget (depth x micro-batch
-  bytes; depth 1 where one micro-batch alone exceeds it, said once). A micro-batch's bytes are
-  given (the simulator's) or learned: the most this process sent (`sent`) or the trainer placed."""
+  """The stage-ahead depth, a numeric controller. Told the trainer's newest closed steps
+  (`trainer`, as they ride on stage answers) and the orchestrator's own (`orchestrator`); the
+  pipeline asks it each step's depth (`depth_for`) and, as it goes, the most micro-batches the
+  budget holds (`most`). Its rule, over the last WINDOW trainer steps run at the depth d in force
+  (T a step's time, W its mid-step input wait, B its micro-batches' time on the stage path's
+  busier part, receives or placements; R, P, S, C a micro-batch's crossing, placement, both,
+  compute):
+
+    G = mean(min(W, T - B))   the wait one more staged micro-batch can remove: at most the wait,
+                              at most the time the stage path stood idle
+    d + 1   where W counts (significant in STEP_SHARE of the steps), every step held d staged
+            ahead, and G >= figures.SHARE x T (it pays for its memory), unless d + 1 is a
+            ceiling; then kept (a floor) once the orchestrator held d + 1 at once in one of its
+            next TRIAL steps, else back to d with d + 1 a ceiling for CEILING_STEPS steps (the
+            stages cannot run further ahead)
+    want    where W does not count: ceil(SPIKE x S / C - SHARE), the stages a compute spans,
+            spikes included (where R >= C, the wire the bound: ceil((R + P) / R - SHARE), the
+            depth that keeps it busy); taken where shallower than d, never below the floor
+    d       otherwise
+    then    at most what the trainer holds, and depth x a micro-batch's bytes <= the budget
+            (depth 1 where one micro-batch alone exceeds it, said once).
+
+  It starts at the fixed default depth; a change restarts the window (the trainer step in flight
+  at the change ran at the depth before). A micro-batch's bytes are given (the simulator's) or
+  learned: the most this process sent (`sent`) or the trainer placed."""
 
   def __init__(self, *, budget_bytes: int, microbatch_bytes: int | None = None,
-               window: int = WINDOW, host: str = "tunix") -> None:
+               window: int = WINDOW) -> None:
     if microbatch_bytes is not None and (budget_bytes < microbatch_bytes or microbatch_bytes < 1):
       raise ValueError(f"a budget of {budget_bytes} bytes holds no micro-batch of "
                        f"{microbatch_bytes} bytes")
     self.budget_bytes, self.microbatch_bytes = budget_bytes, microbatch_bytes
-    self.host = host
-    self._trainer: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
-    self._orchestrator: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
-    self._bounds = (config_lib.SETTINGS_BY_FIELD["max_device_batches"].default,
-                    config_lib.SETTINGS_BY_FIELD["max_host_batches"].fixed)
+    self._trainer: collections.deque[outcome.TrainerStep] = collections.deque(maxlen=window)
+    self._first: outcome.TrainerStep | None = None  # a first step, read where no other is
+    self._orchestrator: collections.deque[OrchestratorStep] = collections.deque(maxlen=window)
+    self._newest: tuple[str, int] | None = None  # the trainer step last read (run, step)
+    self._since = 0  # the trainer steps read from (after a change: those run at the new depth)
     self._holds: int | None = None  # what the trainer can hold staged; None before it says
     self.depth = DEFAULT_DEPTH  # the depth in force
-    self._floor, self._floor_why = 1, ""  # the deepest depth the trainer was seen to need
+    self._floor, self._floor_why = 1, ""  # the deepest depth that paid
+    self._trial: _Trial | None = None
+    self._ceiling: tuple[int, int] | None = None  # a depth that did not pay, steps left
+    self._placed = 0  # the largest micro-batch the trainer placed, bytes
     self.sent = 0  # the largest micro-batch this process sent, bytes
     self._over = False  # one micro-batch alone exceeds the budget (said once)
     # The last few steps' choices: a step's depth is chosen before the step before it ends.
@@ -88,45 +246,90 @@ class Sizer:
   def _microbatch_bytes(self) -> int | None:
     if self.microbatch_bytes is not None:
       return self.microbatch_bytes
-    placed = _per_microbatch(self._trainer, ("placed_bytes", "placed")) or 0
-    return max(placed, self.sent) or None
+    return max(self._placed, self.sent) or None
 
-  def observe(self, trainer: outcome.TrainerStep | None,
-              orchestrator: dict[str, Any] | None) -> None:
-    """One step's figures (either side may be missing in a step): the trainer's newest step
-    with its bounds, the orchestrator's own step."""
-    if trainer is not None:
-      self._trainer.append(figures_lib.row(TRAINER, trainer.figures))
-      self._bounds = (trainer.max_device_batches, trainer.max_host_batches)
-      self._holds = trainer.holds
-    if orchestrator is not None:
-      self._orchestrator.append(figures_lib.row(ORCHESTRATOR, orchestrator))
+  def trainer(self, step: outcome.TrainerStep) -> None:
+    """The trainer's newest closed step, as a stage answer brought it (read once)."""
+    if self._newest is not None and step.run == self._newest[0] and step.step <= self._newest[1]:
+      return  # read already, or older than one read
+    if self._newest is None or step.run != self._newest[0]:  # a new run of the trainer
+      self._trainer.clear()
+      self._first, self._since = None, 0
+    self._newest = (step.run, step.step)
+    self._holds = step.holds
+    if step.placed:
+      self._placed = max(self._placed, max(1, step.placed_bytes // step.placed))
+    if self._ceiling is not None:
+      self._ceiling = None if self._ceiling[1] <= 1 else (self._ceiling[0], self._ceiling[1] - 1)
+    if step.step < self._since:
+      return  # it ran at the depth before
+    if step.step_s is None:
+      self._first = step
+    else:
+      self._trainer.append(step)
 
-  def window(self) -> advice.Window | None:
-    """The rule's window over the last steps observed."""
-    orchestrator = _table(ORCHESTRATOR, self._orchestrator)
-    depth = orchestrator["depth"][-1] if self._orchestrator else self.depth
-    settings = advice.Settings(
-        host=self.host, depth=depth,
-        prestage=any(orchestrator["prestaged"]) if self._orchestrator else None,
-        max_device_batches=self._bounds[0], max_host_batches=self._bounds[1])
-    return advice.Window.of(settings, _table(TRAINER, self._trainer), orchestrator,
-                            first_alone=True)
+  def orchestrator(self, step: OrchestratorStep) -> None:
+    """One of the orchestrator's own steps, as it ended."""
+    self._orchestrator.append(step)
+
+  def window(self) -> Window | None:
+    """The rule's numbers over the last steps at the depth in force (a first step, which
+    compiles, alone only where no other was read)."""
+    trainer = list(self._trainer) or ([self._first] if self._first is not None else [])
+    return Window.of(trainer, [o for o in self._orchestrator if o.depth == self.depth])
 
   def depth_for(self, step: int, depth: int) -> int:  # pylint: disable=unused-argument
     """The pipeline's seam: `step`'s depth (`depth`, the configured one, is not used)."""
-    window = self.window()
-    chosen, why, needed = advice.choose_depth(window, config_lib.MAX_DEPTH, self.depth)
-    why = why if window else f"the default ({why})"
-    if needed and chosen > self._floor:
-      self._floor, self._floor_why = chosen, why
-    if chosen < self._floor:
-      chosen, why = self._floor, f"kept: the trainer waited with a depth less ({self._floor_why})"
+    before = self.depth
+    chosen, why, trial = self._rule(self.window())
     if self._holds is not None and chosen > self._holds:
-      chosen, why = self._holds, f"what the trainer holds (depth {chosen} asked: {why})"
-    self.depth = chosen
-    self.choices.append(self.within_budget(step, chosen, why))
+      chosen, why, trial = self._holds, f"what the trainer holds (depth {chosen} asked: {why})", None
+    choice = self.within_budget(step, chosen, why)
+    if trial is not None and choice.depth == chosen:  # (not where the budget cut it)
+      self._trial = trial
+    self.depth = choice.depth
+    self.choices.append(choice)
+    if self.depth != before:  # the window restarts: the step in flight ran at the depth before
+      self._trainer.clear()
+      self._first = None
+      self._since = 0 if self._newest is None else self._newest[1] + 2
     return self.depth
+
+  def _rule(self, w: Window | None) -> tuple[int, str, _Trial | None]:
+    """The depth the rule asks from the depth in force, why, and the trial it starts."""
+    d = self.depth
+    if self._trial is not None and self._trial.depth != d:  # the budget or the host cut it
+      self._trial = None
+    if self._trial is not None:
+      trial, ran = self._trial, [o for o in self._orchestrator if o.depth == d]
+      if len(ran) < TRIAL:
+        return d, f"trying it: {trial.why}", None
+      self._trial = None
+      if any(o.peak_staged >= d for o in ran):
+        self._floor, self._floor_why = d, trial.why
+      else:
+        self._ceiling = (d, CEILING_STEPS)
+        return d - 1, (f"depth {d} was never filled in {len(ran)} steps (the stages cannot run "
+                       f"further ahead), not tried again for {CEILING_STEPS} steps"), None
+    if w is None or w.stage_s is None or not w.compute_s:
+      if self._newest is None:
+        return d, "the default (no step measured yet)", None
+      return d, f"kept: no step measured at depth {d} yet", None
+    if w.wait.counts and w.used_up:
+      if not w.pays:
+        return d, (f"kept: {w.wait}, {w.gain_s:.2f} s of it with the stages idle, too little "
+                   "for one more"), None
+      if self._ceiling is not None and d + 1 >= self._ceiling[0]:
+        return d, f"kept: depth {self._ceiling[0]} was never filled ({w.wait})", None
+      return d + 1, str(w.wait), _Trial(d + 1, str(w.wait))
+    want, why = w.cushion()
+    if want < d and w.wait.counts:
+      return d, f"kept: {w.wait}, with the depth not used up", None
+    if want > d:  # deeper only on a measured wait (above)
+      return d, f"kept: no mid-step wait with the depth used up ({why})", None
+    if want < self._floor:
+      return self._floor, f"kept: the trainer waited with a depth less ({self._floor_why})", None
+    return want, why, None
 
   def within_budget(self, step: int, chosen: int, why: str) -> Choice:
     """The choice of `chosen` for `step` (and why) as the budget lets it be held."""
@@ -136,7 +339,6 @@ class Sizer:
       self._over = True
     elif most is not None and chosen > most:
       chosen, why = most, f"the budget decided (depth {chosen} asked: {why})"
-    self.depth = min(self.depth, chosen)
     used = "a micro-batch's size not known yet" if nbytes is None else (
         f"{self._size(chosen * nbytes)} used")
     return Choice(step, chosen, f"depth {chosen}: {why}; budget {self._size(self.budget_bytes)}, "
@@ -147,7 +349,10 @@ class Sizer:
     step (its first one sent) may have cut it."""
     choice = next(c for c in reversed(self.choices) if c.step == step)
     capped = choice if choice.asked is None else self.within_budget(step, *choice.asked)
-    return choice if capped.depth == choice.depth else capped
+    if capped.depth >= choice.depth:
+      return choice
+    self.depth = min(self.depth, capped.depth)
+    return capped
 
   def _size(self, nbytes: int) -> str:
     if self.microbatch_bytes == 1:  # a budget counted in micro-batches (the simulator's)
@@ -168,35 +373,44 @@ def over_budget(nbytes: int, budget: int, say: bool, least: str, count: int = 1)
           f"{'s' if count == 1 else ''} it, so the least staging that works")
 
 
-class NoFigures(RuntimeError):
-  """The trainer can never send its figures (a trainer without stage_figures)."""
-
-
 class AutoDepth:
-  """A job's depth at auto (the orchestrator's): a Sizer fed each step with the orchestrator's own
-  step figures and the trainer's newest step, asked by `fetch` (the trainer's stage_figures call)
-  once per step after it, off the critical path (a task of its own; one at a time). A trainer
-  that can never send them (`fetch` raises NoFigures): the fixed default depth from then on, said
-  once. A recorder sink of the process's telemetry: the micro-batches it sends size the budget's
-  room (`room`, the pipeline's), from the first one sent."""
+  """A job's depth at auto (the orchestrator's): a Sizer told the trainer's newest closed step
+  as each stage answer brings it (`answered`, the host's stage call) and each of its own steps as
+  it ends (`step_ended`). A trainer that can never stage (a stage answered UNSUPPORTED: no step
+  numbers will come): the fixed default depth from then on, said once. A recorder sink of the
+  process's telemetry: the micro-batches it sends size the budget's room (`room`, the
+  pipeline's) from the first one sent, and its stage calls' times stand for a crossing where the
+  trainer times none."""
 
-  def __init__(self, budget_bytes: int,
-               fetch: Callable[[], Awaitable[outcome.TrainerStep | None]], telemetry: Any,
-               host: str) -> None:
-    self.sizer = Sizer(budget_bytes=budget_bytes, host=host)
-    self._fetch, self._telemetry = fetch, telemetry
-    self._task: asyncio.Task | None = None
-    self._seen: tuple[str, int] | None = None  # the trainer step last observed (run, step)
-    self.without: str | None = None  # why the trainer sends no figures: the default depth
+  def __init__(self, budget_bytes: int, telemetry: Any) -> None:
+    self.sizer = Sizer(budget_bytes=budget_bytes)
+    self._telemetry = telemetry
+    self._calls: dict[int, list[float]] = collections.defaultdict(list)  # stage calls by step
+    self.without: str | None = None  # why no step numbers come: the default depth
     telemetry.recorder.add_sink(self)
 
   def room(self) -> int | None:
     """The pipeline's: the most micro-batches staged ahead at once now (the budget's)."""
     return self.sizer.most
 
-  def record(self, span: Any) -> None:  # what this process sends: a micro-batch's bytes
+  def record(self, span: Any) -> None:  # what this process sends, and its stage calls
     if span.track == tracks.ORCHESTRATOR_SEND:
       self.sizer.sent = max(self.sizer.sent, dict(span.args).get("bytes") or 0)
+    elif span.track == tracks.ORCHESTRATOR_STAGE:
+      step = dict(span.args).get("step")
+      if step is not None:
+        self._calls[step].append(span.duration)
+
+  def answered(self, stage: outcome.StageOutcome) -> None:
+    """A stage call's answer: the trainer's newest closed step on it, or a trainer that can
+    never stage."""
+    if stage.trainer is not None:
+      self.sizer.trainer(stage.trainer)
+    elif stage.status is outcome.StageStatus.UNSUPPORTED and self.without is None:
+      self.without = stage.reason or "it cannot stage"
+      log.warning("tunix-stage: TUNIX_MAX_STAGED_BATCHES=auto: the trainer sends no step "
+                  "figures (%s); staging at the default depth %d from now on", self.without,
+                  DEFAULT_DEPTH)
 
   def depth_for(self, step: int, depth: int) -> int:
     """The pipeline's seam (under the host's own, where it has one)."""
@@ -213,59 +427,46 @@ class AutoDepth:
       self.sizer.choices.append(Choice(step, depth, f"depth {depth}: {who} (auto chose "
                                        f"{chosen.reason})"))
 
-  def before_record(self, step: int) -> int:
-    """`step` ended: its depth and why go in its record and line; returns the depth."""
-    if not any(c.step == step for c in self.sizer.choices):
-      return 0  # a step the pipeline asked no depth for (it staged nothing)
-    choice = self.sizer.held(step)
-    self._telemetry.sized(ORCHESTRATOR, "max_staged_batches", choice.depth, choice.reason)
+  def step_ended(self, report: Any) -> int:
+    """A step ended (`report`, its core.pipeline.StepReport): its depth and why go in its record
+    and line, and the sizer reads its numbers; returns the depth (0 for a step the pipeline
+    asked no depth for: it staged nothing)."""
+    calls = self._calls.pop(report.step, [])
+    for older in [s for s in self._calls if s < report.step]:
+      del self._calls[older]
+    if not any(c.step == report.step for c in self.sizer.choices):
+      return 0
+    choice = self.sizer.held(report.step)
+    self._telemetry.sized(figures_lib.ORCHESTRATOR, "max_staged_batches", choice.depth,
+                          choice.reason)
+    self.sizer.orchestrator(OrchestratorStep.of(report, choice.depth, calls))
     return choice.depth
 
-  def after_step(self, figures: dict[str, Any]) -> None:
-    """The step's figures are made (`figures`, the orchestrator's): the sizer reads them, and
-    the trainer is asked for its own."""
-    self.sizer.observe(None, figures)
-    if self.without is None and (self._task is None or self._task.done()):
-      self._task = asyncio.ensure_future(self._ask())
-
-  async def _ask(self) -> None:
-    try:
-      newest = await self._fetch()
-    except NoFigures as e:
-      self.without = str(e)
-      log.warning("tunix-stage: TUNIX_MAX_STAGED_BATCHES=auto: the trainer sends no step "
-                  "figures (%s); staging at the default depth %d from now on", e,
-                  DEFAULT_DEPTH)
-      return
-    except Exception as e:  # pylint: disable=broad-except  (asked again after the next step)
-      log.debug("tunix-stage: the trainer's figures were not read this step (%s: %s)",
-                type(e).__name__, e)
-      return
-    if newest is not None and (newest.run, newest.step) != self._seen:
-      self._seen = (newest.run, newest.step)
-      self.sizer.observe(newest, None)
-
-  async def close(self) -> None:
+  def close(self) -> None:
     self._telemetry.recorder.remove_sink(self)
-    task, self._task = self._task, None
-    if task is not None:
-      task.cancel()
-      await asyncio.gather(task, return_exceptions=True)
 
 
 class HostBound:
   """The trainer's host bound, sized each step (a telemetry step sink of the trainer's: told each
-  closed step's figures). One more receive buffer where the rule's HOST_BOUND holds over the last
-  steps (transfers waited for one and the trainer then waited for its input, or ran out of their
-  wait), while (device + host + 1) micro-batches fit the budget; one fewer after QUIET_STEPS steps
-  in which no transfer waited for one, never below 1. `apply(bound, reason)` sets it (the stores'
-  set_bounds and the receive pool's bound: a shrink only lowers it for later arrivals)."""
+  closed step's figures, read as a TrainerStep). Its rule, over the last WINDOW steps at the
+  bound in force (those that staged, where any did):
 
-  def __init__(self, *, budget_bytes: int, device_bound: int, host: str,
+    bound + 1   where the receive-pool wait counts (significant in STEP_SHARE of the steps) and
+                so does the trainer's input wait, mid-step or at the boundary (a transfer waited
+                for a buffer, then the trainer for its input), or a wait ran out; while
+                (device + bound + 1) micro-batches fit the budget
+    bound - 1   after QUIET_STEPS steps in which no transfer waited for a buffer, never below 1
+    1           where (device + 1) micro-batches exceed the budget (said once where one alone
+                does).
+
+  `apply(bound, reason)` sets it (the stores' set_bounds and the receive pool's bound: a shrink
+  only lowers it for later arrivals)."""
+
+  def __init__(self, *, budget_bytes: int, device_bound: int,
                apply: Callable[[int, str], None], bound: int = 1) -> None:
-    self.budget_bytes, self.host = budget_bytes, host
+    self.budget_bytes = budget_bytes
     self._apply = apply
-    self._steps: collections.deque[dict[str, Any]] = collections.deque(maxlen=WINDOW)
+    self._steps: collections.deque[outcome.TrainerStep] = collections.deque(maxlen=WINDOW)
     self.restart(device_bound, bound)
 
   def restart(self, device_bound: int, bound: int = 1) -> None:
@@ -278,8 +479,9 @@ class HostBound:
                    f"{figures_lib.size(self.budget_bytes)}")
 
   def step(self, figures: dict[str, Any]) -> None:
-    row = figures_lib.row(TRAINER, figures)
-    nbytes = _per_microbatch([row, *self._steps], *RECEIVED)
+    t = outcome.TrainerStep.of(figures, run="", max_device_batches=self.device_bound,
+                               max_host_batches=self.bound, host_sized=True)
+    nbytes = _microbatch_bytes([t, *self._steps])
     least = self.device_bound + 1  # the micro-batches a host bound of 1 lets the trainer hold
     if nbytes is not None and least * nbytes > self.budget_bytes:
       alone = nbytes > self.budget_bytes
@@ -287,21 +489,23 @@ class HostBound:
                                "host bound 1", 1 if alone else least), nbytes)
       self._over |= alone
       return
-    if not figures_lib.known(row["step_s"]):  # a first step (it compiles; none before it)
+    if t.step_s is None:  # a first step (it compiles; none before it)
       return
-    self._steps.append(row)
-    self._quiet = 0 if row["pool_waits"] else self._quiet + 1
-    settings = advice.Settings(host=self.host, depth=1, prestage=None,
-                               max_device_batches=self.device_bound, max_host_batches=self.bound)
-    window = advice.Window.of(settings, _table(TRAINER, self._steps), _table(ORCHESTRATOR, ()))
-    found = {a.kind: a for a in advice.advise(window)}
-    nbytes = _per_microbatch(self._steps, *RECEIVED)
+    self._steps.append(t)
+    self._quiet = 0 if t.pool_waits else self._quiet + 1
+    steps = [s for s in self._steps if s.staged] or list(self._steps)
+    steps_s = [s.step_s for s in steps]
+    pool = Wait.over("receive-pool wait", [s.pool_wait_s for s in steps], steps_s)
+    waited = (Wait.over("", [s.mid_step_wait_s for s in steps], steps_s).counts
+              or Wait.over("", [s.boundary_wait_s or 0.0 for s in steps], steps_s).counts)
+    needs = pool.counts and waited or any(s.pool_over_bound for s in steps)
+    nbytes = _microbatch_bytes(self._steps)
     fits = nbytes is not None and (self.device_bound + self.bound + 1) * nbytes <= self.budget_bytes
-    if advice.HOST_BOUND in found and fits:
-      self._set(self.bound + 1, f"{found[advice.HOST_BOUND].figure}", nbytes)
-    elif advice.HOST_BOUND in found:
-      self._set(self.bound, f"kept, one more receive buffer would exceed the budget "
-                f"({found[advice.HOST_BOUND].figure})", nbytes)
+    if needs and fits:
+      self._set(self.bound + 1, str(pool), nbytes)
+    elif needs:
+      self._set(self.bound, f"kept, one more receive buffer would exceed the budget ({pool})",
+                nbytes)
     elif self._quiet >= QUIET_STEPS and self.bound > 1:
       self._set(self.bound - 1, f"no transfer waited for a buffer in {self._quiet} steps", nbytes)
     elif self._quiet:
@@ -322,3 +526,12 @@ class HostBound:
     held = "" if nbytes is None else (
         f", {figures_lib.size((self.device_bound + self.bound) * nbytes)} used")
     return f"budget {figures_lib.size(self.budget_bytes)}{held}"
+
+
+def _microbatch_bytes(steps: Iterable[outcome.TrainerStep]) -> int | None:
+  """A micro-batch's bytes as the steps moved it (the largest seen): received or placed bytes
+  over their count, in the steps that counted any."""
+  sizes = [nbytes / count for t in steps
+           for nbytes, count in ((t.received_bytes, t.received), (t.placed_bytes, t.placed))
+           if count]
+  return max(1, int(max(sizes))) if sizes else None

@@ -42,11 +42,11 @@ HOST_CLASSES = (remote_execution.RemoteExecutionServer, remote_execution.GrpcRem
                 rl_program.RLStepResult)
 STAGE = config_lib.resolve({"mode": "stage"}, env={})
 # How this tunix's train loop is staged: the plugin's copy (c7d8950) or tunix's seam (c7d8950 with
-# patches/tunix-plugins-entry-point.patch), and the hooks each way installs: server 4, worker 5
+# patches/tunix-plugins-entry-point.patch), and the hooks each way installs: server 4, worker 4
 # (with PeftTrainer's seam), engine 3, program 3 (train_stage and the upstream change's two
 # methods) and, through the seam, 3 more (the seam's two methods and last_step_result).
 WAY = probes.loop_way(rl_program.StandardRLProgram)
-HOOKS = {probes.COPY: 16, probes.SEAM: 19}[WAY]
+HOOKS = {probes.COPY: 15, probes.SEAM: 18}[WAY]
 copy_only = pytest.mark.skipif(WAY != probes.COPY,
                                reason="the plugin's copy of train_stage only (c7d8950)")
 seam_only = pytest.mark.skipif(WAY != probes.SEAM,

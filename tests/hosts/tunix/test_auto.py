@@ -4,7 +4,7 @@ plugin installed at TUNIX_STAGE_MAX_HOST_BATCHES=auto, this process the orchestr
 TUNIX_MAX_STAGED_BATCHES=auto, both writing their records; the same job trained by a node
 without the plugin (tunix alone) is the reference. The parameters are bitwise equal, every
 micro-batch trained once, and each step's record carries its choice and why: the orchestrator's
-depth (from the trainer's figures, asked by stage_figures after each step), the trainer's host
+depth (from the trainer's newest closed step, riding on each stage answer), the trainer's host
 bound.
 """
 
@@ -54,7 +54,7 @@ def test_a_job_at_auto_trains_the_parameters_of_the_job_inline_and_says_each_cho
     assert r["settings"]["max_staged_batches"] == r["depth"] >= 1
   assert orchestrator[0]["sizing"] == ("depth 2: the default (no step measured yet); budget "
                                        "1.00 GiB, a micro-batch's size not known yet")
-  # The trainer's figures reached the orchestrator's choice (stage_figures after each step).
+  # The trainer's step numbers reached the orchestrator's choice (on the stage answers).
   assert any("no step measured yet" not in r["sizing"] for r in orchestrator[2:]), orchestrator
   for r in trainer:
     bound = r["settings"]["max_host_batches"]

@@ -66,8 +66,9 @@ class Telemetry:
     # A depth or bound sized each step (auto): its value in force and each role's last choice.
     self._in_force: dict[str, int] = {}
     self._sizing: dict[str, str] = {}
-    # Each side's newest step: its run, figures and the settings in force.
-    self._newest: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {}
+    # The trainer's newest closed step with the bounds in force (None before its first step):
+    # what rides on its stage answers, made once per step.
+    self.newest_trainer_step: outcome.TrainerStep | None = None
 
   def sized(self, role: str, field: str, value: int, reason: str | None) -> None:
     """`field` (a setting at auto) is `value` from now on, for `reason`: the records of `role`
@@ -79,19 +80,6 @@ class Telemetry:
         self._sizing.pop(role, None)
       else:
         self._sizing[role] = reason
-
-  def trainer_step(self) -> outcome.TrainerStep | None:
-    """The trainer's newest closed step in this process with the bounds in force (None before
-    its first step): what its stage_figures answers."""
-    with self._lock:
-      newest = self._newest.get(record_lib.TRAINER)
-    if newest is None:
-      return None
-    run, figures, settings = newest
-    bound = {field: config_lib.fixed(field, settings.get(
-        field, config_lib.SETTINGS_BY_FIELD[field].default))
-             for field in ("max_device_batches", "max_host_batches")}
-    return outcome.TrainerStep(run=run, figures=figures, host_sized="sizing" in figures, **bound)
 
   def configure(self, settings: Settings) -> None:
     """New settings (a re-install): the next records follow them (a depth or bound no longer
@@ -136,7 +124,7 @@ class Telemetry:
         self.recorder.add_sink(self._orchestrator)
       for history in self.history.values():
         history.clear()
-      self._newest.clear()
+      self.newest_trainer_step = None
       self.run = record_lib.new_run()
       writers, self._writers = list(self._writers.values()), {}
     for writer in writers:
@@ -181,7 +169,12 @@ class Telemetry:
       shaping = {field: self._in_force.get(field, value) if config_lib.is_auto(value) else value
                  for field, value in settings.shaping
                  if role in config_lib.SETTINGS_BY_FIELD[field].roles}
-      self._newest[role] = (self.run["id"], figures, shaping)
+      if role == record_lib.TRAINER:
+        bound = {field: config_lib.fixed(field, shaping.get(
+            field, config_lib.SETTINGS_BY_FIELD[field].default))
+                 for field in ("max_device_batches", "max_host_batches")}
+        self.newest_trainer_step = outcome.TrainerStep.of(
+            figures, run=self.run["id"], host_sized="sizing" in figures, **bound)
       rec = record_lib.make(role, host or settings.host, figures, shaping, self.run)
       self.history[role].append(rec)
       writer = None

@@ -37,7 +37,7 @@ class TunixAdapter:
   HOOK_GROUPS = (
       "server: trainer methods off the event loop, a chunked stream for calls over the "
       "message cap",
-      "worker: stage_batch/reset_staged/stage_figures/fwd_bwd(stage_key), fwd_bwd and update "
+      "worker: stage_batch/reset_staged/fwd_bwd(stage_key), fwd_bwd and update "
       "observed",
       "engine: stage_train_batch/reset_staged_batches/per_token_logps",
   )

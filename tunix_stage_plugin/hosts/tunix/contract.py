@@ -19,24 +19,22 @@ from tunix_stage_plugin.core import outcome as outcome_lib
 
 # ---------------------------------------------------------------- TrainerWorker's methods
 
-STAGE_BATCH = "stage_batch"  # (payload, key) -> a StageOutcome (stage_answer)
+# (payload, key) -> a StageOutcome with the trainer's newest closed step on it (stage_answer)
+STAGE_BATCH = "stage_batch"
 RESET_STAGED = "reset_staged"  # (keys=None) -> the dropped keys (reset_answer)
-# () -> the trainer's newest closed step (a TrainerStep: its figures and bounds), or None
-# (figures_answer); asked once per step where the depth is auto (core.sizing), on the light lane.
-STAGE_FIGURES = "stage_figures"
 FWD_BWD = "fwd_bwd"  # tunix's; the plugin adds the keyword STAGE_KEY
 UPDATE = "update"  # tunix's
 PER_TOKEN_LOGPS = "per_token_logps"  # tunix's (the reference worker's)
 HEARTBEAT, INFO = "heartbeat", "info"  # tunix's
 STAGE_KEY = "stage_key"  # fwd_bwd(stage_key=k): train the batch staged under k
 
-# A TrainerWorker's lane table (core.executor): stage_batch on the staging thread; heartbeat, info,
-# stage_figures and reset_staged answered at once (a reset only drops references, and must not
+# A TrainerWorker's lane table (core.executor): stage_batch on the staging thread; heartbeat, info
+# and reset_staged answered at once (a reset only drops references, and must not
 # queue behind a stage waiting for a host buffer: the reset is often what frees it); any other
 # method on the compute thread, the computations (OBSERVED) timed by the worker's hooks and every
 # other call as the lane's own.
 STAGING_METHODS = frozenset({STAGE_BATCH})
-LIGHT_METHODS = frozenset({HEARTBEAT, INFO, RESET_STAGED, STAGE_FIGURES})
+LIGHT_METHODS = frozenset({HEARTBEAT, INFO, RESET_STAGED})
 OBSERVED = frozenset({FWD_BWD, UPDATE})
 
 # ---------------------------------------------------------------- the trainer server's own methods
@@ -63,15 +61,17 @@ STREAM = "stream"  # the chunked stream, for calls over tunix's message cap
 
 # ---------------------------------------------------------------- what the answers carry
 
-_OUTCOME, _STAGED, _DROPPED, _FIGURES = "outcome", "staged", "dropped", "figures"
+_OUTCOME, _STAGED, _DROPPED = "outcome", "staged", "dropped"
 # In a staged fwd_bwd's answer: why the staged batch was trained from its payload (None: from its
 # placement).
 _PLACEMENT_FALLBACK = "placement_fallback"
 
 
-def stage_answer(outcome: outcome_lib.StageOutcome) -> dict[str, Any]:
-  """stage_batch's answer (the worker's response metadata)."""
-  return {_STAGED: outcome.staged, _OUTCOME: outcome.as_dict()}
+def stage_answer(outcome: outcome_lib.StageOutcome,
+                 newest: outcome_lib.TrainerStep | None) -> dict[str, Any]:
+  """stage_batch's answer (the worker's response metadata): the outcome, with the trainer's
+  newest closed step on it (None before its first), what a depth at auto sizes from."""
+  return {_STAGED: outcome.staged, _OUTCOME: outcome.carrying(newest).as_dict()}
 
 
 def stage_outcome(response: Any) -> outcome_lib.StageOutcome:
@@ -84,16 +84,6 @@ def reset_answer(dropped: list[str]) -> dict[str, Any]:
 
 def dropped_keys(response: Any) -> list[str]:
   return response.metadata[_DROPPED]
-
-
-def figures_answer(step: outcome_lib.TrainerStep | None) -> dict[str, Any]:
-  """stage_figures' answer: the trainer's newest closed step, or None before its first."""
-  return {_FIGURES: None if step is None else step.as_dict()}
-
-
-def trainer_figures(response: Any) -> outcome_lib.TrainerStep | None:
-  answer = response.metadata[_FIGURES]
-  return None if answer is None else outcome_lib.TrainerStep.from_dict(answer)
 
 
 def mark_placement_fallback(response: Any, reason: str | None) -> Any:
@@ -135,7 +125,7 @@ _MISSING_MODULE = re.compile(r"No module named '(?P<module>[^']+)'")
 PACKAGE = __name__.split(".", 1)[0]  # what a trainer without the plugin cannot import
 # The methods the plugin adds to the trainer: a trainer without them answers AttributeError
 # (tunix's "Method '...' not found").
-_ADDED = frozenset({STAGE_BATCH, RESET_STAGED, STAGE_FIGURES, SIDE_PORT})
+_ADDED = frozenset({STAGE_BATCH, RESET_STAGED, SIDE_PORT})
 # The plugin's errors a trainer raises by their name, as the orchestrator raises them.
 _BY_NAME = {t.__name__: t for t in (keys_lib.StageKeyError, outcome_lib.StagedPayloadUnreadable)}
 

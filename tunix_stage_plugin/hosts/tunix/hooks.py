@@ -108,26 +108,21 @@ def _server_hooks(registry: patching.PatchRegistry, inst: installation_lib.Insta
 
 def _worker_hooks(registry: patching.PatchRegistry, inst: installation_lib.Installation,
                   worker_cls: type) -> None:
-  """TrainerWorker: stage_batch / reset_staged / stage_figures, and fwd_bwd consuming a staged key
-  exactly once; fwd_bwd and update observed."""
+  """TrainerWorker: stage_batch (its answer carrying the trainer's newest closed step) /
+  reset_staged, and fwd_bwd consuming a staged key exactly once; fwd_bwd and update observed."""
   original_fwd_bwd = vars(worker_cls)[contract.FWD_BWD]
   original_update = vars(worker_cls)[contract.UPDATE]
 
   def stage_batch(self: Any, payload: Any, key: str) -> Any:
     """Stages `payload` under `key` for a later fwd_bwd(stage_key=key); answers a StageOutcome."""
     outcome = _trainer(inst).stage(self, payload, key)
-    return self._response(**contract.stage_answer(outcome))  # pylint: disable=protected-access
+    newest = inst.telemetry.newest_trainer_step  # what an orchestrator at depth auto reads
+    return self._response(**contract.stage_answer(outcome, newest))  # pylint: disable=protected-access
 
   def reset_staged(self: Any, keys: list[str] | None = None) -> Any:
     """Drops staged batches (all when `keys` is None), freeing their device buffers."""
     dropped = _trainer(inst).reset(self, keys)
     return self._response(**contract.reset_answer(dropped))  # pylint: disable=protected-access
-
-  def stage_figures(self: Any) -> Any:
-    """The trainer's newest closed step, its figures and bounds (None before its first step):
-    what an orchestrator sizing its depth (auto) reads after each step."""
-    newest = inst.telemetry.trainer_step()
-    return self._response(**contract.figures_answer(newest))  # pylint: disable=protected-access
 
   @functools.wraps(original_fwd_bwd)
   def fwd_bwd(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -140,7 +135,6 @@ def _worker_hooks(registry: patching.PatchRegistry, inst: installation_lib.Insta
 
   registry.set(worker_cls, contract.STAGE_BATCH, stage_batch)
   registry.set(worker_cls, contract.RESET_STAGED, reset_staged)
-  registry.set(worker_cls, contract.STAGE_FIGURES, stage_figures)
   registry.set(worker_cls, contract.FWD_BWD, fwd_bwd)
   registry.set(worker_cls, contract.UPDATE, update)
 

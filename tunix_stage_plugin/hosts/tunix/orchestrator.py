@@ -337,18 +337,6 @@ class OrchestratorSide:
         raise TimeoutError(f"reset_staged got no answer within {timeout_s:g} s") from None
     return contract.dropped_keys(response)
 
-  async def figures(self, engine: Any, *, role: datatypes.Role = ACTOR,
-                    timeout_s: float = RESET_TIMEOUT_S) -> outcome_lib.TrainerStep | None:
-    """The trainer's newest closed step, its figures and bounds (None before its first step);
-    contract.Unsupported from a trainer without stage_figures; TimeoutError after `timeout_s`."""
-    call = engine._invoke_worker(_trainer(engine, role), contract.STAGE_FIGURES)  # pylint: disable=protected-access
-    with contract.typed_errors(contract.STAGE_FIGURES):
-      try:
-        response = await asyncio.wait_for(call, timeout_s)
-      except asyncio.TimeoutError:
-        raise TimeoutError(f"stage_figures got no answer within {timeout_s:g} s") from None
-    return contract.trainer_figures(response)
-
   async def per_token_logps(self, engine: Any, role: datatypes.Role, items: Any,
                             original: Any) -> Any:
     """tunix's call, unless it carries a micro-batch large enough for the side channel or over
@@ -394,6 +382,7 @@ class StagingCalls:
       from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
       self.codec = codec_lib.parse(codec)
     self.raw_bytes = self.sent_bytes = 0
+    self.auto: Any = None  # core.sizing.AutoDepth, told each stage's answer (a depth at auto)
 
   async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
     if self.codec is not None:
@@ -401,7 +390,10 @@ class StagingCalls:
       payload = await asyncio.to_thread(codec_lib.compress_payload, self.codec, payload)
       self.raw_bytes += payload.nbytes
       self.sent_bytes += payload.wire_bytes
-    return await self._side.stage(self._engine, payload, key=key)
+    answer = await self._side.stage(self._engine, payload, key=key)
+    if self.auto is not None:  # the trainer's newest step on it
+      self.auto.answered(answer)
+    return answer
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
                   ) -> outcome_lib.Trained:

@@ -166,8 +166,7 @@ PROBES: tuple[tuple[str, tuple[probing.Check, ...]], ...] = (
         has_method("worker", contract.FWD_BWD, params=("payload",), coroutine=False,
                    var_kwargs=True, own=True),
         has_method("worker", "_response", params=(), coroutine=False, var_kwargs=True),
-        is_free("worker", contract.STAGE_BATCH, contract.RESET_STAGED,
-                contract.STAGE_FIGURES))),
+        is_free("worker", contract.STAGE_BATCH, contract.RESET_STAGED))),
     # fwd_bwd must prepare through the seam (inline and staged are then the same computation).
     ("trainer: PeftTrainer.fwd_bwd prepares through _prepare_payload(payload)", (
         has_method("peft", "_prepare_payload", params=("payload",), coroutine=False, own=True),

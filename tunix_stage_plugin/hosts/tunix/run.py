@@ -69,8 +69,7 @@ class Run:
     self.auto: Any = None  # core.sizing.AutoDepth, loaded only at auto
     if config_lib.is_auto(depth):
       from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
-      auto = self.auto = sizing.AutoDepth(config.memory_budget, self._trainer_figures,
-                                          inst.telemetry, installation_lib.HOST)
+      auto = self.auto = self.calls.auto = sizing.AutoDepth(config.memory_budget, inst.telemetry)
       depth = config_lib.fixed("max_staged_batches", depth)
 
       def depth_for(step: int, asked: int) -> int:
@@ -91,24 +90,15 @@ class Run:
   def step_result(self, result: Any, report: pipeline_lib.StepReport) -> StagedRLStepResult:
     """tunix's step result with the step's staging metrics; the step's figures recorded and
     said (the job's telemetry)."""
-    depth = self.pipeline.depth if self.auto is None else self.auto.before_record(report.step)
-    figures = self.inst.telemetry.orchestrator_step(
+    depth = self.pipeline.depth if self.auto is None else self.auto.step_ended(report)
+    self.inst.telemetry.orchestrator_step(
         report, depth, self.calls.codec_note(), host_step=contract.trained_step(report.result))
-    if self.auto is not None:  # the trainer's figures asked for, off the critical path
-      self.auto.after_step(figures)
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
     return StagedRLStepResult(**fields, stage_metrics=report.metrics())
 
-  async def _trainer_figures(self) -> Any:
-    try:
-      return await self.side.figures(self.engine)
-    except contract.Unsupported as e:
-      from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
-      raise sizing.NoFigures(str(e)) from None
-
   async def close(self) -> None:
     if self.auto is not None:
-      await self.auto.close()
+      self.auto.close()
     await self.side.close_connections()  # the stream channels belong to this loop
 
 

@@ -525,7 +525,6 @@ class TrainerSide:
       from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
       self.host_bound = sizing.HostBound(budget_bytes=config.memory_budget,
                                          device_bound=config.max_device_batches,
-                                         host=installation_lib.HOST,
                                          apply=self._apply_host_bound)
       telemetry.add_step_sink(self.host_bound, record_lib.TRAINER)
     self.host_bound.budget_bytes = config.memory_budget

@@ -52,6 +52,7 @@ class EmbeddedEngine:
     self.codec = codec
     self.wire = WireStats()
     self.recorder: recorder_lib.Recorder = recorder_lib.DISABLED  # each payload's send (telemetry)
+    self.auto: Any = None  # core.sizing.AutoDepth, told each stage's answer (a job at auto)
 
   async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
     """One call to the trainer; its error, when the plugin has a type for it, raised as that."""
@@ -81,9 +82,11 @@ class EmbeddedEngine:
     self.wire.stages += 1
     self.wire.stage_raw_bytes += payload.nbytes
     self.wire.stage_sent_bytes += sent_bytes
-    answer = await self._send("stage_batch", sent_bytes, sent, key=key,
-                              _pace=self._slowdown(payload))
-    return outcome_lib.StageOutcome.from_dict(answer)
+    answer = outcome_lib.StageOutcome.from_dict(await self._send(
+        "stage_batch", sent_bytes, sent, key=key, _pace=self._slowdown(payload)))
+    if self.auto is not None:  # the trainer's newest step on it, for the depth at auto
+      self.auto.answered(answer)
+    return answer
 
   async def train(self, payload: data_lib.Batch | None, *, stage_key: str | None,
                   apply_optimizer: bool) -> outcome_lib.Trained:
@@ -113,11 +116,6 @@ class EmbeddedEngine:
 
   async def reset(self, keys: list[str]) -> None:
     await self._call("reset_staged", keys)
-
-  async def figures(self) -> outcome_lib.TrainerStep | None:
-    """The trainer's newest closed step (its stage_figures: what auto sizes from)."""
-    answer = await self._call(contract.STAGE_FIGURES)
-    return None if answer is None else outcome_lib.TrainerStep.from_dict(answer)
 
   async def weight_sync(self, seconds: float) -> None:
     await self._call("weight_sync", seconds)

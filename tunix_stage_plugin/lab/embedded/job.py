@@ -92,15 +92,14 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
     train_engine = engine.resident()
   recorder: recorder_lib.Recorder = timeline or recorder_lib.Recorder()
   sends = engine.recorder  # the engine's own, given back after the job
-  if telemetry is None and plan.auto:  # the sizer reads the orchestrator's figures: no record
+  if telemetry is None and plan.auto:  # the sizer hears the sends and says its choices: no record
     telemetry = telemetry_lib.Telemetry(telemetry_lib.Settings(host="embedded", log_every=0))
   if telemetry is not None:
     telemetry.orchestrator()  # this process orchestrates: its step figures listen
     if timeline is not None:
       telemetry.recorder.add_sink(timeline)
     recorder = engine.recorder = telemetry.recorder
-  auto = (sizing.AutoDepth(plan.budget_bytes, engine.figures, telemetry, "embedded") if plan.auto
-          else None)
+  auto = engine.auto = sizing.AutoDepth(plan.budget_bytes, telemetry) if plan.auto else None
   pipeline = pipeline_lib.StagePipeline(train_engine, plan.depth, recorder=recorder,
                                         staging=plan.kind == "staged",
                                         depth_for=None if auto is None else auto.depth_for,
@@ -114,10 +113,9 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
   async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
     if plan.sync_s > 0:
       await engine.weight_sync(plan.sync_s)
-    depth = plan.depth if auto is None else auto.before_record(step)
-    figures = None if telemetry is None else telemetry.orchestrator_step(report, depth)
-    if auto is not None:  # the trainer's figures asked for, off the critical path
-      auto.after_step(figures)
+    depth = plan.depth if auto is None else auto.step_ended(report)
+    if telemetry is not None:
+      telemetry.orchestrator_step(report, depth)
     outcome = StepOutcome(step, time.perf_counter() - started.pop(step),
                           float(report.result["loss"]), report, depth)
     outcomes.append(outcome)
@@ -131,5 +129,6 @@ async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
   finally:
     engine.recorder = sends
     if auto is not None:
-      await auto.close()
+      engine.auto = None
+      auto.close()
   return outcomes

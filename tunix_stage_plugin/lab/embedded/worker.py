@@ -2,9 +2,10 @@
 
 Lanes (core.executor): fwd_bwd / update / weight_sync / setup / place_resident / finish on the
 compute lane in arrival order; stage_batch on the staging lane, so a stage overlaps a running
-fwd_bwd; heartbeat / info / timeline / memory / records / stage_figures / reset_staged inline.
-A received batch is placed by the placer thread (started with the first stage). With staging
-off, stage_batch runs on the compute lane and refuses, so an inline-only trainer never starts a
+fwd_bwd; heartbeat / info / timeline / memory / records / reset_staged inline. A stage's answer
+carries the trainer's newest closed step in numbers (what an orchestrator at depth auto reads). A
+received batch is placed by the placer thread (started with the first stage). With staging off,
+stage_batch runs on the compute lane and refuses, so an inline-only trainer never starts a
 staging or placer thread.
 """
 
@@ -62,7 +63,7 @@ class TrainerWorker:
   METHODS = frozenset({
       "heartbeat", "info", "timeline", "memory", "records", "setup", "place_resident", "fwd_bwd",
       "update",
-      "weight_sync", "finish", "stage_batch", "reset_staged", contract.STAGE_FIGURES,
+      "weight_sync", "finish", "stage_batch", "reset_staged",
   })
 
   def __init__(self, cfg: config_lib.StageConfig, *,
@@ -128,13 +129,6 @@ class TrainerWorker:
   def timeline(self) -> list[recorder_lib.Span]:
     """The spans recorded since the last setup, on this process's perf_counter clock."""
     return self._timeline.spans()
-
-  def stage_figures(self) -> dict[str, Any] | None:
-    """The trainer's newest closed step, its figures and bounds, as it travels (None before its
-    first step, and with staging off): what an orchestrator at depth auto reads after each
-    step."""
-    newest = None if self.telemetry is None else self.telemetry.trainer_step()
-    return None if newest is None else newest.as_dict()
 
   def records(self) -> list[dict[str, Any]]:
     """The trainer's own per-step records since the last setup (core.telemetry: what a job
@@ -293,7 +287,7 @@ class TrainerWorker:
                                     name="embedded-placer")
           self._placer = (store, placer)
           placer.start()
-    return result.as_dict()
+    return result.carrying(self.telemetry.newest_trainer_step).as_dict()
 
   def _placing(self, store: store_lib.StagedBatchStore) -> None:
     """The placer thread: each received batch, in order, placed once a device slot is free."""
@@ -335,7 +329,7 @@ class TrainerWorker:
       return fixed
     device = self.cfg.max_device_batches if device is None else device
     if self.host_bound is None:
-      self.host_bound = sizing.HostBound(budget_bytes=self.cfg.memory_budget, host="embedded",
+      self.host_bound = sizing.HostBound(budget_bytes=self.cfg.memory_budget,
                                          device_bound=device, apply=self._apply_host_bound)
       if self.telemetry is not None:
         self.telemetry.add_step_sink(self.host_bound)

@@ -99,6 +99,38 @@ async def _source(trace: trace_lib.Trace, step: int
                                   closes_step=index == last)
 
 
+class _Answering:
+  """The virtual-time trainer as auto's sizer sees it: each stage answer brings the trainer's
+  newest closed step (as a trainer with the plugin answers), its steps as its telemetry makes
+  them."""
+
+  def __init__(self, trainer: model.SimTrainer, sizer: sizing.Sizer, bounds: tuple[int, int]
+               ) -> None:
+    self.trainer, self.sizer, self.bounds = trainer, sizer, bounds
+    self.newest: outcome_lib.TrainerStep | None = None
+    trainer.timeline.add_sink(recorder_lib.TrainerSteps(self._closed))
+
+  def _closed(self, figures: dict) -> None:
+    self.newest = outcome_lib.TrainerStep.of(
+        figures, run=HOST, max_device_batches=self.bounds[0], max_host_batches=self.bounds[1],
+        host_sized=False)
+
+  async def stage(self, payload: model.SimMicroBatch, *, key: str
+                  ) -> outcome_lib.StageOutcome:
+    answer = (await self.trainer.stage(payload, key=key)).carrying(self.newest)
+    if answer.trainer is not None:
+      self.sizer.trainer(answer.trainer)
+    return answer
+
+  async def train(self, payload: model.SimMicroBatch | None, *, stage_key: str | None,
+                  apply_optimizer: bool) -> outcome_lib.Trained:
+    return await self.trainer.train(payload, stage_key=stage_key,
+                                    apply_optimizer=apply_optimizer)
+
+  async def reset(self, keys: list[str]) -> None:
+    await self.trainer.reset(keys)
+
+
 async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
                max_host_batches: int) -> ModeResult:
   plan = plan_of(mode)
@@ -107,19 +139,12 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
     max_device_batches = max(max_device_batches, plan.depth)
   trainer = model.SimTrainer(max_device_batches=max_device_batches,
                              max_host_batches=max_host_batches, resident=plan.kind == "resident")
-  sizer = (sizing.Sizer(budget_bytes=plan.depth, microbatch_bytes=1, host=HOST) if auto
-           else None)
+  sizer = sizing.Sizer(budget_bytes=plan.depth, microbatch_bytes=1) if auto else None
   pipeline = pipeline_lib.StagePipeline(
-      trainer, 1 if auto else plan.depth, recorder=trainer.timeline,
-      staging=plan.kind in ("staged", "auto"),
+      trainer if sizer is None else _Answering(trainer, sizer, (max_device_batches, max_host_batches)),
+      1 if auto else plan.depth,
+      recorder=trainer.timeline, staging=plan.kind in ("staged", "auto"),
       depth_for=None if sizer is None else sizer.depth_for)
-  # Each step's figures as the processes' telemetry makes them, for the sizer (auto).
-  trainer_steps: list[dict] = []
-  trainer_telemetry_sink = recorder_lib.TrainerSteps(trainer_steps.append)
-  orchestrator_steps = recorder_lib.OrchestratorSteps()
-  if auto:
-    trainer.timeline.add_sink(trainer_telemetry_sink)
-    trainer.timeline.add_sink(orchestrator_steps)
   fallbacks, peak, depths, choices = 0, 0, [], []
 
   async def after_step(step: int, report: pipeline_lib.StepReport) -> None:
@@ -131,13 +156,8 @@ async def _run(trace: trace_lib.Trace, mode: str, max_device_batches: int,
       choice = sizer.held(step)
       depth = choice.depth
       choices.append(choice.reason)
+      sizer.orchestrator(sizing.OrchestratorStep.of(report, depth))
     depths.append(depth)
-    if sizer is not None:  # as the step aggregators make them, and the trainer's stage_figures
-      trainer_step = None if not trainer_steps else outcome_lib.TrainerStep(
-          run=HOST, figures=trainer_steps.pop(), max_device_batches=max_device_batches,
-          max_host_batches=max_host_batches, host_sized=False)
-      sizer.observe(trainer_step, orchestrator_steps.step(report, depth))
-      trainer_steps.clear()
     await trainer.boundary(step, trace.steps[step].boundary_s)
 
   await pipeline.run_steps(lambda step: _source(trace, step), steps=len(trace.steps),
