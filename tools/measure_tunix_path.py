@@ -39,7 +39,7 @@ from tunix.experimental.orchestrator import distributed_rl_engine
 from tests.hosts.tunix import test_grpc as node_lib
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.hosts.tunix import orchestrator
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
 GIB = 1 << 30
@@ -71,7 +71,7 @@ async def time_stages(port: int, sizes: list[int], runs: int) -> dict[int, tuple
       found[mib] = (times[0], statistics.median(times[1:]))
       del payload
   finally:
-    await route.router_of(ADAPTER.installation, engine).close()
+    await ADAPTER.installation.orchestrator_side().close()
     await handle.close()
   return found
 

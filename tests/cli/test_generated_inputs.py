@@ -258,7 +258,7 @@ def _records() -> tuple[dict[str, Any], ...]:
   """A real trainer's and orchestrator's records, as the telemetry core writes them."""
   # pylint: disable=import-outside-toplevel
   from tests.cli.test_report import write_trainer_job
-  from tunix_stage_plugin.core import outcome
+  from tunix_stage_plugin.core import contract
   from tunix_stage_plugin.core import pipeline
   from tunix_stage_plugin.core import tracks
   from tunix_stage_plugin.core.telemetry import process
@@ -273,7 +273,7 @@ def _records() -> tuple[dict[str, Any], ...]:
                        transport="side", bytes=1 << 20)
       tel.orchestrator_step(pipeline.StepReport(step, trained=2, staged=1, inline=1, fallbacks=1,
                                                 peak_staged=1, fallback_reasons=[pipeline.Fallback(
-                                                    outcome.StageStatus.REFUSED, "x")]), 2)
+                                                    contract.StageStatus.REFUSED, "x")]), 2)
     tel.close()
     return tuple(json.loads(line) for path, _ in records_lib.files([folder])
                  for line in pathlib.Path(path).read_text().splitlines())

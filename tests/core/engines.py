@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core.outcome import StageOutcome, StagedPayloadUnreadable
-from tunix_stage_plugin.core.outcome import Trained
+from tunix_stage_plugin.core.contract import StageOutcome, StagedPayloadUnreadable
+from tunix_stage_plugin.core.contract import Trained
 from tunix_stage_plugin.core import store as store_lib
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 
 OK, PREPARE_FAILS, LOST_REPLY = "ok", "prepare_fails", "lost_reply"
 # Staged, but its train call finds the staged bytes unreadable (a damaged compressed payload):
@@ -30,7 +30,7 @@ class LostReply(ConnectionError):
 
 
 def trainer_executor(name: str = "trainer", **kwargs: Any) -> executor_lib.MethodExecutor:
-  """A MethodExecutor with tunix's trainer lane table (hosts/tunix/contract.py)."""
+  """A MethodExecutor with tunix's trainer lane table (core/contract.py)."""
   return executor_lib.MethodExecutor(staging_methods=contract.STAGING_METHODS,
                                      light_methods=contract.LIGHT_METHODS, name=name, **kwargs)
 

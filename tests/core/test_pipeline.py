@@ -9,9 +9,9 @@ import pytest
 
 from tests.core.engines import LOST_REPLY, PREPARE_FAILS, UNREADABLE, ThreadedEngine, TrainFailed
 from tests.core.engines import source_of
-from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core.pipeline import MicroBatch, PipelineContractError, StagePipeline
-from tunix_stage_plugin.core.store import StageKeyError
+from tunix_stage_plugin.core.contract import StageKeyError
 
 
 def run(coro):
@@ -106,12 +106,12 @@ def test_an_unreadable_answer_to_an_inline_train_is_not_retried(engine_factory):
   class Confused(ThreadedEngine):
     async def train(self, payload, *, stage_key, apply_optimizer):
       if stage_key is None:
-        raise outcome_lib.StagedPayloadUnreadable("nothing was staged")
+        raise contract.StagedPayloadUnreadable("nothing was staged")
       return await super().train(payload, stage_key=stage_key, apply_optimizer=apply_optimizer)
 
   engine = Confused(1)
   try:
-    with pytest.raises(outcome_lib.StagedPayloadUnreadable):
+    with pytest.raises(contract.StagedPayloadUnreadable):
       run(StagePipeline(engine, 1).run_step(0, source_of(list(range(3)))))
     assert engine.trained == [] and len(engine.store) == 0
   finally:
@@ -382,12 +382,12 @@ class _Unsupported:
   async def stage(self, payload, *, key):
     self.staged_offers += 1
     self.offered.set()
-    return outcome_lib.unsupported(key, "no stage_batch on this trainer")
+    return contract.unsupported(key, "no stage_batch on this trainer")
 
   async def train(self, payload, *, stage_key, apply_optimizer):
     await self.offered.wait()  # the first train call runs until a stage was offered
     self.trained.append(payload)
-    return outcome_lib.Trained(None)
+    return contract.Trained(None)
 
   async def reset(self, keys):
     raise AssertionError("nothing was staged: nothing to reset")

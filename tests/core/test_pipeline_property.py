@@ -36,7 +36,7 @@ def scenarios(draw):
       cancel_at=draw(st.integers(1, 2 * len(flat))),  # the k-th stage/train event
       depth=draw(st.integers(1, 3)), bound=draw(st.integers(1, 3)),
       slot_wait_s=draw(st.sampled_from([0.0, 5.0])), prestage=draw(st.booleans()),
-      split=draw(st.booleans()), host_bound=draw(st.integers(1, 2)),
+      host_bound=draw(st.integers(1, 2)),
       pull_delay_s=draw(st.sampled_from([0.0, 0.001])),
       # The host's seams: a depth per step (None: the pipeline's own), and its prestage rule.
       step_depths=draw(st.one_of(st.none(), st.lists(st.integers(0, 3), min_size=steps,
@@ -100,8 +100,7 @@ def test_exactly_once_in_order_bounded_counted_and_nothing_left(sc):
       sc["bound"], stage_outcomes=sc["outcomes"], stage_delay_s=sc["delays"],
       fail_train={sc["fail_train"]} if fault == "train_fails" else set(),
       fail_train_before_take={sc["fail_train"]} if fault == "train_fails_before_take" else set(),
-      slot_wait_s=sc["slot_wait_s"], on_event=on_event, split=sc["split"],
-      max_host_batches=sc["host_bound"])
+      slot_wait_s=sc["slot_wait_s"], on_event=on_event, max_host_batches=sc["host_bound"])
   flat = [p for step in sc["payloads"] for p in step]
   reports, error = None, None
   try:
@@ -116,7 +115,7 @@ def test_exactly_once_in_order_bounded_counted_and_nothing_left(sc):
     assert engine.trained == flat  # exactly once, in order
     ends = [sum(len(p) for p in sc["payloads"][:s + 1]) for s in range(len(sc["payloads"]))]
     assert engine.updates == ends  # the optimizer step is each step's last call
-    # Not staged, refused, failed, lost, or (split) received but never placed.
+    # Not staged, refused, failed, lost, or received but never placed.
     failed = [p for p, outcome in engine.attempts if outcome != OK]
     assert sum(r.fallbacks for r in reports) == len(failed)
     unplaced = sum(outcome == "unplaced" for _, outcome in engine.attempts)

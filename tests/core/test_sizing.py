@@ -1,5 +1,5 @@
 """Staging that sizes itself, its two parts on real objects (docs/configuration.md "Staging that
-sizes itself"): the trainer's host bound (core.sizing.HostBound, a trainer step sink) applied to
+sizes itself"): the trainer's host bound (core.host_bound.HostBound, a trainer step sink) applied to
 a real store and receive pool from figures a real trainer aggregator makes of its spans; the
 depth's rule (core.sizing.Sizer) on a trainer's step numbers, which ride on each stage answer
 through the real step loop; and a depth that changes each step through the real step loop and
@@ -12,8 +12,8 @@ import asyncio
 
 from tests.core.engines import ThreadedEngine, source_of
 from tunix_stage_plugin.transport import listener as buffers_lib
-from tunix_stage_plugin.core import keys as keys_lib
-from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core import contract
+from tunix_stage_plugin.core import host_bound as host_bound_lib
 from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import tracks
@@ -54,7 +54,7 @@ class Trainer:
     self.pool = buffers_lib.HostBufferPool()
     self.pool.set_bound(DEVICE + 1)
     self.reasons = []
-    self.sink = sizing.HostBound(budget_bytes=budget_bytes, device_bound=DEVICE,
+    self.sink = host_bound_lib.HostBound(budget_bytes=budget_bytes, device_bound=DEVICE,
                                  apply=self.apply)
     self.steps = trainer_lib.TrainerSteps(self.sink.step)
     self.t = 0.0
@@ -98,7 +98,7 @@ def test_the_host_bound_never_exceeds_the_budget():
 def test_a_shrink_drops_no_received_batch():
   trainer = Trainer(budget_bytes=1 << 30)
   trainer.run(True, True)
-  keys = [f"{keys_lib.run_prefix()}-k{i}" for i in range(3)]
+  keys = [f"{contract.run_prefix()}-k{i}" for i in range(3)]
   for key in keys[:2]:  # two received, their placements not yet run (no placer)
     assert trainer.store.receive(key, key).staged
   trainer.run(False, False, False, False)
@@ -147,7 +147,7 @@ def test_a_trainer_that_cannot_stage_leaves_the_default_depth_said_once(caplog):
   depths = []
   for step in range(3):
     depths.append(auto.depth_for(step, 2))
-    auto.answered(outcome.unsupported(f"k{step}", "the trainer has no stage_batch"))
+    auto.answered(contract.unsupported(f"k{step}", "the trainer has no stage_batch"))
     auto.step_ended(StepReport(step, peak_staged=1))
   auto.close()
   assert depths == [2, 2, 2]  # the default from the start, and once it cannot learn
@@ -187,13 +187,13 @@ class Sending:
       await asyncio.sleep(0)
     self.held.add(key)
     self.most = max(self.most, len(self.held))
-    return outcome.staged(key)
+    return contract.staged(key)
 
   async def train(self, payload, *, stage_key, apply_optimizer):
     self.held.discard(stage_key)  # taken as its call arrives: the ones held are staged ahead
     for _ in range(8):  # a train call outlasts a few stages (turns of the loop, no wall time)
       await asyncio.sleep(0)
-    return outcome.Trained(payload)
+    return contract.Trained(payload)
 
   async def reset(self, keys):
     self.held.difference_update(keys)
@@ -260,12 +260,12 @@ class Answering:
     self.t = 0.0
 
   def _closed(self, figures):
-    self.newest = outcome.TrainerStep.of(figures, run="r", max_device_batches=4,
+    self.newest = contract.TrainerStep.of(figures, run="r", max_device_batches=4,
                                          max_host_batches=4, host_sized=False)
 
   async def stage(self, payload, *, key):
     await asyncio.sleep(0)
-    answer = outcome.StageOutcome.from_dict(outcome.staged(key).carrying(self.newest).as_dict())
+    answer = contract.StageOutcome.from_dict(contract.staged(key).carrying(self.newest).as_dict())
     self.auto.answered(answer)
     return answer
 
@@ -281,7 +281,7 @@ class Answering:
       self.t += 0.1
     for _ in range(8):  # a train call outlasts a few stages (turns of the loop, no wall time)
       await asyncio.sleep(0)
-    return outcome.Trained(payload)
+    return contract.Trained(payload)
 
   async def reset(self, keys):
     pass
@@ -316,7 +316,7 @@ def test_the_trainer_s_newest_step_rides_on_the_stage_answers_and_sizes_the_dept
 def numbers(step, *, wait_s, busy_s, step_s=100.0, n=10):
   """A trainer step in numbers: `n` micro-batches of 9 s compute in `step_s`, their receives
   `busy_s` in all (the stage path's busier part), the device idle mid-step `wait_s`."""
-  return outcome.TrainerStep(
+  return contract.TrainerStep(
       run="r", step=step, step_s=step_s, compute_s=9.0 * n, mid_step_wait_s=wait_s,
       boundary_wait_s=0.0, other_s=0.0, microbatches=n, fwd_bwd_s=9.0, received=n,
       received_s=busy_s, received_bytes=n * MIB, placed=n, placed_s=0.5 * n,

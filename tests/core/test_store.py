@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from tunix_stage_plugin.core.outcome import StageStatus
+from tunix_stage_plugin.core.contract import StageStatus
 from tests.core.engines import trainer_executor
 from tunix_stage_plugin.core.store import PlacementFailed, StagedBatchStore, StageKeyError
 

@@ -24,7 +24,7 @@ import pytest
 from tests.core.engines import ThreadedEngine, source_of
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
-from tunix_stage_plugin.core.outcome import StageStatus
+from tunix_stage_plugin.core.contract import StageStatus
 from tunix_stage_plugin.core.pipeline import Fallback, StagePipeline, StepReport
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.core.telemetry import lines

@@ -18,7 +18,7 @@ import pytest
 
 from tests.embedded.support import (bulk_connect, bulk_connection, bulk_frame, bulk_header,
                                     bulk_port, call, closed_by_peer, raw_bulk_call, wait_for)
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib

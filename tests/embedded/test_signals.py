@@ -27,7 +27,7 @@ import pytest
 from tests import procs
 from tests.embedded.support import (bulk_frame, bulk_header, call, process_state, raw_bulk_call,
                                     wait_for)
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib

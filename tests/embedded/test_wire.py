@@ -17,8 +17,7 @@ import pytest
 from tests.embedded.support import no_new_threads
 from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import lanes as lanes_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import server as server_lib
@@ -60,7 +59,7 @@ def test_large_arrays_travel_out_of_band_and_come_back_aligned():
   np.testing.assert_array_equal(args[0], big)
   np.testing.assert_array_equal(kwargs["odd"], odd)
   for array in (args[0], kwargs["odd"]):
-    assert array.ctypes.data % buffers_lib.ALIGNMENT == 0
+    assert array.ctypes.data % wire.ALIGNMENT == 0
     assert array.flags.writeable
   assert len(transfer) == wire.TRANSFER_ID_BYTES
   assert _roundtrip((big,), {})[1][1] != transfer  # fresh for every call
@@ -178,7 +177,7 @@ class _Echo:
 
   def digest(self, array, *, label):
     return {"sha": hashlib.sha256(array.tobytes()).hexdigest(), "label": label,
-            "aligned": array.ctypes.data % buffers_lib.ALIGNMENT == 0,
+            "aligned": array.ctypes.data % wire.ALIGNMENT == 0,
             "thread": threading.current_thread().name}
 
   def stage_batch(self):
@@ -195,8 +194,8 @@ class _Echo:
 
 
 async def _serve(echo):
-  executor = executor_lib.MethodExecutor(staging_methods=lanes_lib.STAGING_METHODS,
-                                         light_methods=lanes_lib.LIGHT_METHODS, name="echo")
+  executor = executor_lib.MethodExecutor(staging_methods=contract.STAGING_METHODS,
+                                         light_methods=contract.LIGHT_METHODS, name="echo")
   server = server_lib.WorkerServer(echo, executor)
   port = await server.start(0)
   return server, executor, f"127.0.0.1:{port}"

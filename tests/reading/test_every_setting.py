@@ -18,7 +18,8 @@ import pytest
 from tests.core.test_telemetry import compute
 from tunix_stage_plugin.cli import main as cli_main
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core import contract
+from tunix_stage_plugin.core import host_bound as host_bound_lib
 from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.pipeline import StepReport
@@ -73,7 +74,7 @@ def write_trainer(folder, cfg, host):
   if config_lib.is_auto(cfg.max_host_batches):
     def apply(bound, reason):
       tel.sized(record_lib.TRAINER, "max_host_batches", bound, reason)
-    bound = sizing.HostBound(budget_bytes=cfg.memory_budget, device_bound=cfg.max_device_batches,
+    bound = host_bound_lib.HostBound(budget_bytes=cfg.memory_budget, device_bound=cfg.max_device_batches,
                              apply=apply)
     tel.add_step_sink(bound, record_lib.TRAINER)
     tel.sized(record_lib.TRAINER, "max_host_batches", bound.bound, bound.reason)
@@ -103,7 +104,7 @@ def write_orchestrator(folder, cfg, host):
   auto = (sizing.AutoDepth(cfg.memory_budget, tel)
           if config_lib.is_auto(cfg.max_staged_batches) else None)
   if auto is not None:
-    auto.answered(outcome.unsupported("k", "a test's trainer"))
+    auto.answered(contract.unsupported("k", "a test's trainer"))
   for step in range(STEPS):
     depth = cfg.max_staged_batches if auto is None else auto.depth_for(step, 2)
     report = StepReport(step, trained=2, staged=2, peak_staged=depth)

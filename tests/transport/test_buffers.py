@@ -11,6 +11,7 @@ import pytest
 
 from tests.embedded.support import wait_for
 from tunix_stage_plugin.transport import listener as buffers_lib
+from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
 
@@ -22,7 +23,7 @@ def test_buffers_are_aligned_writable_and_of_the_asked_size():
   for nbytes in (1, 3, MIB - 1, MIB, 5 * MIB + 7):
     buffer = pool.take(nbytes)
     assert buffer.nbytes == nbytes and buffer.dtype == np.uint8
-    assert buffer.ctypes.data % buffers_lib.ALIGNMENT == 0 and buffer.flags.writeable
+    assert buffer.ctypes.data % wire.ALIGNMENT == 0 and buffer.flags.writeable
   assert pool.made == 2  # only the two of at least POOL_MIN_BYTES are pooled
 
 
@@ -83,7 +84,7 @@ def test_a_chunk_sink_fills_each_buffer_in_order_with_one_copy():
   got = sink.finish()
   for buffer, part in zip(got, parts):
     np.testing.assert_array_equal(buffer, part)
-    assert buffer.ctypes.data % buffers_lib.ALIGNMENT == 0
+    assert buffer.ctypes.data % wire.ALIGNMENT == 0
 
 
 @pytest.mark.parametrize("chunks, message", [

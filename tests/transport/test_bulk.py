@@ -67,7 +67,7 @@ def test_a_frame_reaches_its_call_whichever_arrives_first(listener):
     assert [b.nbytes for b in got.buffers] == sizes
     np.testing.assert_array_equal(got.buffers[0], arrays[0])
     np.testing.assert_array_equal(got.buffers[1].view(np.int64), arrays[1])
-    assert all(b.ctypes.data % buffers_lib.ALIGNMENT == 0 for b in got.buffers)
+    assert all(b.ctypes.data % wire.ALIGNMENT == 0 for b in got.buffers)
     assert got.ended >= got.started
   assert pool.made == 2  # the 9 MiB buffer was pooled, once per transfer alive at once
 

@@ -12,7 +12,7 @@ import pytest
 
 from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.transport import sender
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.transport import wire
 
 MIB = 1 << 20
@@ -37,9 +37,16 @@ class Messages:
     return self._messages[self.pulled - 1]
 
 
+async def receive_call(messages, pool, max_bytes, setting="the setting"):
+  """One chunked call read as the trainer reads it: its header checked, then its chunks."""
+  messages = aiter(messages)
+  header = await buffers_lib.receive_header(messages, max_bytes, setting)
+  return header, await buffers_lib.receive_chunks(messages, header, pool)
+
+
 def receive(messages, pool=None, max_bytes=1 << 40):
-  header, received = asyncio.run(buffers_lib.receive(messages, pool or buffers_lib.HostBufferPool(),
-                                                 max_bytes, "the setting"))
+  header, received = asyncio.run(receive_call(messages, pool or buffers_lib.HostBufferPool(),
+                                              max_bytes))
   return wire.decode_received(header, received.buffers)
 
 
@@ -67,7 +74,7 @@ def test_a_call_round_trips_in_chunks_into_aligned_pooled_buffers_without_a_copy
   for name in ("experts", "tokens"):
     np.testing.assert_array_equal(got[name], sent[name])
     assert got[name].dtype == sent[name].dtype and got[name].flags.writeable
-    assert got[name].ctypes.data % buffers_lib.ALIGNMENT == 0
+    assert got[name].ctypes.data % wire.ALIGNMENT == 0
   # The big array *is* the pooled buffer it was received into: held while it lives, reused after.
   assert pool.made == 1 and pool.held_bytes() == experts and pool.idle_bytes() == 0
   del got, kwargs
@@ -140,37 +147,27 @@ def test_a_pickle_for_another_method_than_the_header_names_is_refused():
     receive(Messages([header]))
 
 
-class Sent:
-  """What a client's stream yielded (header and chunks), counted as grpc pulls it."""
-
-  def __init__(self, encoded, accepted):
-    self._stream = sender.send(encoded, accepted)
-    self.messages = 0
-
-  def __aiter__(self):
-    return self
-
-  async def __anext__(self):
-    message = await anext(self._stream)
-    self.messages += 1
-    return message
-
-
 async def send_chunked(rpc, encoded):
-  """Sends `encoded` as the trainer's client does (chunks only once the header is accepted);
-  answers the reply (or the AioRpcError's code) and how many messages were sent."""
-  calls = []
-
-  async def accepted():
-    metadata = await calls[0].initial_metadata()
-    return metadata.get(contract.STREAM_READY_KEY) == contract.STREAM_READY
-
-  sent = Sent(encoded, accepted)
-  calls.append(rpc(sent, timeout=60))
+  """Sends `encoded` as the orchestrator's connection does (the header, then the chunks only
+  once the trainer accepted it); answers the reply (or the AioRpcError's code) and how many
+  messages were sent."""
+  call, sent = rpc(timeout=60), 0
+  messages = sender.messages(encoded)
   try:
-    return pickle.loads(await calls[0]), sent.messages
+    try:
+      await call.write(next(messages))
+      sent += 1
+      metadata = await call.initial_metadata()
+      if metadata and metadata.get(contract.STREAM_READY_KEY) == contract.STREAM_READY:
+        for message in messages:
+          await call.write(message)
+          sent += 1
+      await call.done_writing()
+    except asyncio.InvalidStateError:  # the trainer answered early
+      pass
+    return pickle.loads(await call), sent
   except grpc.aio.AioRpcError as e:
-    return e.code(), sent.messages
+    return e.code(), sent
 
 
 async def serve_and_send(payload, cap, max_bytes):
@@ -182,18 +179,18 @@ async def serve_and_send(payload, cap, max_bytes):
   pool = buffers_lib.HostBufferPool()
 
   async def execute(request_iterator, context):
-    async def accept():
-      await context.send_initial_metadata(((contract.STREAM_READY_KEY, contract.STREAM_READY),))
+    messages = aiter(request_iterator)
     try:
-      header, received = await buffers_lib.receive(request_iterator, pool, max_bytes, "the setting",
-                                               accept)
+      header = await buffers_lib.receive_header(messages, max_bytes, "the setting")
+      await context.send_initial_metadata(((contract.STREAM_READY_KEY, contract.STREAM_READY),))
+      received = await buffers_lib.receive_chunks(messages, header, pool)
       _, method, _, kwargs = wire.decode_received(header, received.buffers)
       del received
     except wire.WireError as e:
       return pickle.dumps(("refused", str(e)))
     array = kwargs["payload"]
     return pickle.dumps((method, array.nbytes, int(array[::4096].astype(np.int64).sum()),
-                         array.ctypes.data % buffers_lib.ALIGNMENT))
+                         array.ctypes.data % wire.ALIGNMENT))
 
   async def unary(request, context):
     return b"unreachable"
@@ -240,8 +237,8 @@ def test_a_refused_header_is_answered_before_any_chunk_is_sent():
 
 def test_a_received_call_says_what_its_header_announced_and_when_its_bytes_came():
   encoded = wire.encode(None, "fwd_bwd", (), {"payload": payload()})
-  header, received = asyncio.run(buffers_lib.receive(Messages(sender.messages(encoded)),
-                                                 buffers_lib.HostBufferPool(), 1 << 40, "setting"))
+  header, received = asyncio.run(receive_call(Messages(sender.messages(encoded)),
+                                              buffers_lib.HostBufferPool(), 1 << 40))
   assert header.method == "fwd_bwd"
   assert header.announced == sum(b.nbytes for b in encoded.buffers)
   assert received.started <= received.ended

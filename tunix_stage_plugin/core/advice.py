@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 
 # A cause counts once it held at least this share of the window's steps (and one step): a cause
@@ -149,7 +149,7 @@ class Window:
     bound = tuple(np.asarray(trainer["bound_by"], dtype=object)[rows])
     o = {name: np.asarray(orchestrator[name], dtype=np.float64) for name in (
         "depth", "peak_staged", "stage_call_median_s", "stage_call_max_s",
-        f"fallbacks_{outcome.StageStatus.REFUSED.value}")}
+        f"fallbacks_{contract.StageStatus.REFUSED.value}")}
     receives = figures_lib.each(f["received_s"], f["received"])
     places = figures_lib.each(f["placed_s"], f["placed"])
     # A micro-batch's crossing: its receive on the trainer; where the trainer timed none (tunix's
@@ -170,7 +170,7 @@ class Window:
         pool_wait_s=f["pool_wait_s"],
         over_bound=int(f["pool_over_bound"].sum()),
         bound_by=bound,
-        refused=tuple(int(n) for n in o[f"fallbacks_{outcome.StageStatus.REFUSED.value}"]),
+        refused=tuple(int(n) for n in o[f"fallbacks_{contract.StageStatus.REFUSED.value}"]),
         depth_full=bool(len(depth)) and bool(np.all((peak >= depth) | (depth == 0))),
         transfer_s=transfer_s,
         place_s=figures_lib.median(places[f["placed"] > 0]),

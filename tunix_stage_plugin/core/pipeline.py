@@ -17,8 +17,7 @@ import enum
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
-from tunix_stage_plugin.core import keys as keys_lib
-from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 
@@ -36,12 +35,12 @@ class MicroBatch:
 class StageEngine(Protocol):
   """What the pipeline drives (the tunix adapter and the embedded host both provide it)."""
 
-  async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
+  async def stage(self, payload: Any, *, key: str) -> contract.StageOutcome:
     """Stages `payload` under `key`. Raising counts as FAILED (the trainer may hold it), except
     for a StageKeyError: a malformed or reused key is the caller's bug and ends the step."""
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
-                  ) -> outcome_lib.Trained:
+                  ) -> contract.Trained:
     """Trains one micro-batch: the staged one when `stage_key` is set, else `payload`.
 
     Raises outcome.StagedPayloadUnreadable when the staged payload did not decode on the trainer
@@ -87,9 +86,9 @@ class Fallback(str):
   device bound reached"), with its typed status: its stage's (refused, failed, unsupported), or
   UNPLACED. The telemetry counts fallbacks by `status`."""
 
-  status: outcome_lib.StageStatus
+  status: contract.StageStatus
 
-  def __new__(cls, status: outcome_lib.StageStatus, reason: str | None) -> "Fallback":
+  def __new__(cls, status: contract.StageStatus, reason: str | None) -> "Fallback":
     fallback = super().__new__(cls, f"{status.value}: {reason}")
     fallback.status = status
     return fallback
@@ -185,13 +184,13 @@ class _Window:
         self.stage = (entry, asyncio.create_task(self._stage(entry)))
         self.report.peak_staged = max(self.report.peak_staged, self.staged_count())
 
-  async def _stage(self, entry: _Entry) -> outcome_lib.StageOutcome:
+  async def _stage(self, entry: _Entry) -> contract.StageOutcome:
     recorder_lib.CALL.set((self.step, entry.index))  # this task's: what it sends counts here
     with self.pipeline.recorder.span(tracks.ORCHESTRATOR_STAGE,
                                      f"stage s{self.step} m{entry.index}", step=self.step,
                                      index=entry.index) as args:
       outcome = await self.pipeline.engine.stage(entry.mb.payload, key=entry.key)
-      args["status"] = outcome.status.value if isinstance(outcome, outcome_lib.StageOutcome) \
+      args["status"] = outcome.status.value if isinstance(outcome, contract.StageOutcome) \
           else None
       return outcome
 
@@ -210,23 +209,23 @@ class _Window:
             f"the micro-batch source of step {self.step} yielded {type(item).__name__}; "
             "accepted: MicroBatch")
       else:
-        key = keys_lib.build(self.pipeline.key_prefix, self.step, self.pulled)
+        key = contract.build_key(self.pipeline.key_prefix, self.step, self.pulled)
         self.entries.append(_Entry(self.pulled, item, key))
         self.pulled += 1
         self.exhausted = item.closes_step
     if self.stage is not None and self.stage[1] in done:
       (entry, task), self.stage = self.stage, None
       if task.cancelled():
-        outcome = outcome_lib.failed(entry.key, "stage cancelled")
+        outcome = contract.failed(entry.key, "stage cancelled")
       elif task.exception() is not None:
         error = task.exception()
-        if isinstance(error, keys_lib.StageKeyError):
+        if isinstance(error, contract.StageKeyError):
           raise error  # the caller's bug (a malformed or reused key), not a staging failure
-        outcome = outcome_lib.failed(entry.key,
+        outcome = contract.failed(entry.key,
                                      f"stage call failed: {type(error).__name__}: {error}")
       else:
         outcome = task.result()
-        if not isinstance(outcome, outcome_lib.StageOutcome) or outcome.key != entry.key:
+        if not isinstance(outcome, contract.StageOutcome) or outcome.key != entry.key:
           raise PipelineContractError(
               f"engine.stage returned {outcome!r} for key {entry.key!r}; accepted: a "
               "StageOutcome for that key")
@@ -235,17 +234,17 @@ class _Window:
       else:
         self._fallback(entry, outcome)
 
-  def _fallback(self, entry: _Entry, outcome: outcome_lib.StageOutcome) -> None:
+  def _fallback(self, entry: _Entry, outcome: contract.StageOutcome) -> None:
     entry.status = _Status.FALLBACK
     self.report.fallbacks += 1
     self.report.fallback_reasons.append(Fallback(outcome.status, outcome.reason))
     log.info("stage of step %d micro-batch %d fell back to inline (%s): %s", self.step,
              entry.index, outcome.status.value, outcome.reason)
-    if outcome.status is outcome_lib.StageStatus.FAILED:
+    if outcome.status is contract.StageStatus.FAILED:
       # The trainer may hold the batch although the call failed here (a lost reply): drop it so
       # it cannot hold a device slot. A refusal staged nothing.
       self.orphan_resets.append(asyncio.create_task(self.pipeline.reset_quietly([entry.key])))
-    elif outcome.status is outcome_lib.StageStatus.UNSUPPORTED:
+    elif outcome.status is contract.StageStatus.UNSUPPORTED:
       self.pipeline.stop_staging(outcome.reason or "the trainer cannot stage")
 
   async def abort(self, extra_keys: tuple[str, ...] = ()) -> None:
@@ -314,8 +313,8 @@ class StagePipeline:
                room: Callable[[], int | None] | None = None) -> None:
     if not isinstance(depth, int) or isinstance(depth, bool) or depth < 1:
       raise ValueError(f"depth (TUNIX_MAX_STAGED_BATCHES) must be an int >= 1; got {depth!r}")
-    key_prefix = keys_lib.run_prefix() if key_prefix is None else key_prefix
-    keys_lib.check_prefix(key_prefix)  # raises naming the rule
+    key_prefix = contract.run_prefix() if key_prefix is None else key_prefix
+    contract.check_prefix(key_prefix)  # raises naming the rule
     self.engine = engine
     self.depth = depth
     self.key_prefix = key_prefix
@@ -505,18 +504,18 @@ class StagePipeline:
             stage_key=entry.key if staged else None,
             apply_optimizer=entry.mb.closes_step,
         )
-      except outcome_lib.StagedPayloadUnreadable as e:
+      except contract.StagedPayloadUnreadable as e:
         if not staged:
           raise
         # The trainer took the key and trained nothing: this micro-batch goes inline once.
         trained = _checked(await self.engine.train(entry.mb.payload, stage_key=None,
                                                    apply_optimizer=entry.mb.closes_step))
-        trained = outcome_lib.Trained(trained.result, fallback=f"staged payload unreadable: {e}")
+        trained = contract.Trained(trained.result, fallback=f"staged payload unreadable: {e}")
     _checked(trained)
     if staged and trained.fallback is not None:  # placed nothing: the trainer trained it inline
       staged = False
       report.fallbacks += 1
-      report.fallback_reasons.append(Fallback(outcome_lib.StageStatus.UNPLACED,
+      report.fallback_reasons.append(Fallback(contract.StageStatus.UNPLACED,
                                               trained.fallback))
       log.info("staged micro-batch %d of step %d could not be placed; the trainer trained it "
                "inline: %s", entry.index, window.step, trained.fallback)
@@ -535,8 +534,8 @@ def _agreed(prestage_next: PrestageNext, next_step: int) -> bool:
   return answer
 
 
-def _checked(trained: Any) -> outcome_lib.Trained:
-  if not isinstance(trained, outcome_lib.Trained):
+def _checked(trained: Any) -> contract.Trained:
+  if not isinstance(trained, contract.Trained):
     raise PipelineContractError(f"engine.train returned {type(trained).__name__}; accepted: "
                                 "outcome.Trained")
   return trained

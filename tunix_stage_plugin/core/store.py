@@ -19,20 +19,23 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import logging
 import math
 import threading
 import time
 import weakref
 from typing import Any, Iterable, Iterator
 
-from tunix_stage_plugin.core import keys as keys_lib
-from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.core.keys import StageKeyError
+from tunix_stage_plugin.core import contract
+from tunix_stage_plugin.core.contract import StageKeyError
 
 # How many keys the store remembers, each kind in its own FIFO: keys reset before their stage
 # arrived (that stage is then refused), and keys already used (staging one again is an error).
 # Older ones are forgotten; keys carry a per-orchestrator prefix and the step, so none comes back.
+log = logging.getLogger("tunix_stage_plugin")
+
 REMEMBERED_KEYS = 4096
+REMEMBERED_SESSIONS = 64  # a worker remembers the last these many orchestrator sessions it saw
 
 
 class PlacementFailed(Exception):
@@ -174,9 +177,9 @@ class StagedBatchStore:
     self.stats.peak_host = max(self.stats.peak_host, held_host)
     self._window_peaks = (max(self._window_peaks[0], held), max(self._window_peaks[1], held_host))
 
-  def _refuse(self, key: str, reason: str) -> outcome_lib.StageOutcome:
+  def _refuse(self, key: str, reason: str) -> contract.StageOutcome:
     self.stats.refused += 1
-    return outcome_lib.refused(key, reason)
+    return contract.refused(key, reason)
 
   @staticmethod
   def _remember(fifo: collections.OrderedDict[str, None], key: str) -> None:
@@ -202,13 +205,13 @@ class StagedBatchStore:
             f"held for {self.slot_wait_s} s (TUNIX_STAGE_MAX_DEVICE_BATCHES)")
 
   def receive(self, key: str, payload: Any, *, refuse: str | None = None
-              ) -> outcome_lib.StageOutcome:
+              ) -> contract.StageOutcome:
     """Holds `payload` under `key` in a host buffer for the placer; STAGED at once.
 
     `refuse`: why this payload can never be staged (the host's check of it, done first): refused
     now, before any wait. Refused too after `slot_wait_s` without a host buffer, or when its key
     was reset first."""
-    keys_lib.check(key)
+    contract.check_key(key)
     with self._cond:
       if key in self._entries or key in self._pending or key in self._used:
         raise StageKeyError(f"stage key {key!r} was already used; keys are single-use")
@@ -232,7 +235,7 @@ class StagedBatchStore:
         self._cond.notify_all()  # the placer may be waiting for it
       finally:
         self._pending.discard(key)
-    return outcome_lib.staged(key)
+    return contract.staged(key)
 
   def placements(self) -> Iterator[Placing]:
     """The placer's loop: each received batch, in arrival order, once a device slot is free for
@@ -297,7 +300,7 @@ class StagedBatchStore:
 
     Raises PlacementFailed (carrying the payload) when its placement failed or cannot happen.
     """
-    keys_lib.check(key)
+    contract.check_key(key)
     with self._cond:
       entry = self._entries.get(key)
       if (entry is not None and entry.state is _State.RECEIVED
@@ -339,7 +342,7 @@ class StagedBatchStore:
         for k in self._pending:
           self._remember(self._cancelled, k)
       else:
-        targets = [keys_lib.check(k) for k in keys]
+        targets = [contract.check_key(k) for k in keys]
       dropped = []
       for k in targets:
         entry = self._entries.pop(k, None)
@@ -363,6 +366,41 @@ class StagedBatchStore:
     with self._cond:
       self._closed = True
       self._cond.notify_all()
+    return dropped
+
+
+class Sessions:
+  """One worker's orchestrator sessions: the first stage of a new one drops the older ones'
+  batches. An orchestrator that dies without its cleanup leaves its staged keys holding the
+  trainer's slots, and tunix has no call that tells a trainer a new orchestrator started; each
+  staged loop's keys carry its process's session (core/contract.py), so a new session shows it. Keys
+  without a session never drop anything. docs/tunix.md "One orchestrator per trainer"."""
+
+  def __init__(self) -> None:
+    self._lock = threading.Lock()
+    self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+    self.dropped = 0  # staged batches dropped because a newer session started
+
+  def admit(self, store: StagedBatchStore, key: str) -> list[str]:
+    """Called before `key` is staged; returns the keys dropped (a new session's first stage)."""
+    session = contract.session_of(key)
+    if session is None:
+      return []
+    with self._lock:
+      if session in self._seen:
+        return []
+      self._seen[session] = None
+      while len(self._seen) > REMEMBERED_SESSIONS:
+        self._seen.popitem(last=False)
+      older = [k for k in store.keys() if contract.session_of(k) not in (None, session)]
+      dropped = store.reset(older) if older else []
+      self.dropped += len(dropped)
+    if dropped:
+      sessions = sorted({contract.session_of(k) for k in dropped})
+      log.warning("tunix-stage: orchestrator session ts%s started staging on this trainer: "
+                  "dropped %d staged batch(es) of %d older session(s) (%s) that no one will "
+                  "train (one orchestrator per trainer at a time; docs/tunix.md)", session,
+                  len(dropped), len(sessions), ", ".join(f"ts{s}" for s in sessions))
     return dropped
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 
 from tunix_stage_plugin.core import advice as advice_lib
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.reading import runs as runs_lib
 
@@ -128,7 +128,7 @@ def staging(run: runs_lib.Run) -> dict[str, Any]:
     fell = {k: int(orchestrator[f"fallbacks_{k}"].sum()) for k in figures_lib.FALLBACK_KINDS}
     kinds = ", ".join(f"{n} {k}" for k, n in fell.items() if n)
     where = f"orchestrator {names[figures_lib.ORCHESTRATOR]}"
-    if fell[outcome.StageStatus.UNSUPPORTED.value]:
+    if fell[contract.StageStatus.UNSUPPORTED.value]:
       out.update(said=f"the trainer refused {where}'s stages as unsupported (staging is off on "
                  f"the trainer, or it runs without the plugin), so all {trained} micro-batches "
                  "trained inline", role=figures_lib.TRAINER)

@@ -232,7 +232,7 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import codec as codec_lib
 from tests.records import job_records
 from tunix_stage_plugin.hosts.maxtext import placement as placement_lib
-from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.core import codec_spec
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
 pytestmark = pytest.mark.maxtext
@@ -326,7 +326,7 @@ def test_a_compressed_stage_is_decoded_and_trains_to_the_same_bits(staging, monk
   payloads, reference, engine, worker = _pair()
   codec, snapshots = codec_lib.parse("on"), []
   for n, item in enumerate(payloads):
-    packed = compression.compress(codec, item)
+    packed = codec_lib.compress_payload(codec, item)
     # RLTrainerPayload is a dataclass, not a pytree: its fields were packed one by one.
     assert type(packed.tree) is type(item)
     fields = [getattr(packed.tree, f.name) for f in dataclasses.fields(packed.tree)]

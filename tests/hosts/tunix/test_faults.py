@@ -177,11 +177,9 @@ from tests.embedded.support import process_state, wait_for
 from tests.hosts.tunix import test_grpc
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import keys as keys_lib
-from tunix_stage_plugin.hosts.tunix import engine as engine_lib
-from tunix_stage_plugin.hosts.tunix import sessions
-from tunix_stage_plugin.hosts.tunix import side as side_lib
-from tunix_stage_plugin.hosts.tunix import route
+from tunix_stage_plugin.core import contract
+from tunix_stage_plugin.hosts.tunix import orchestrator
+from tunix_stage_plugin.core import store as sessions
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport import sender as sender_lib
@@ -322,8 +320,8 @@ def test_a_sigstopped_trainer_fails_the_job_within_the_call_deadline_plus_a_shor
   # The cleanup could not reach the frozen trainer: its reset is kept (retried before a next
   # step), and it cost RESET_TIMEOUT_S.
   assert "could not reset staged keys" in caplog.text, caplog.text
-  assert f"reset_staged got no answer within {engine_lib.RESET_TIMEOUT_S:g} s" in caplog.text
-  assert took < deadline_s + engine_lib.RESET_TIMEOUT_S + 2.5, took  # margin: a loaded machine
+  assert f"reset_staged got no answer within {orchestrator.RESET_TIMEOUT_S:g} s" in caplog.text
+  assert took < deadline_s + orchestrator.RESET_TIMEOUT_S + 2.5, took  # margin: a loaded machine
   # The trainer, resumed, answers again and holds what the failed step left (nothing is lost:
   # the next orchestrator's first stage drops it, see the next test); clean it for the next test.
   _call(port, "reset_staged", keys=None)
@@ -370,8 +368,8 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   assert after["keys"] == []
   del params, inputs
   # The trainer said so, in one line naming the count and the dead session.
-  dead = keys_lib.session_of(staged[0])
-  assert dead is not None and dead != sessions.SESSION
+  dead = contract.session_of(staged[0])
+  assert dead is not None and dead != sessions.contract.SESSION
   line = (f"staging on this trainer: dropped 2 staged batch(es) of 1 older session(s) (ts{dead})")
   wait_for(lambda: line in _read(node.log.name), 10, "the trainer's log line")
   assert _read(node.log.name).count("older session(s)") == 1
@@ -433,7 +431,7 @@ async def _stage_big(port, seed, key, deadline_s=120.0):
     await engine.reset_staged_batches([key])
     return outcome
   finally:
-    await route.router_of(ADAPTER.installation, engine).close()
+    await ADAPTER.installation.orchestrator_side().close()
     await handle.close()
 
 
@@ -506,7 +504,7 @@ def test_a_trainer_killed_mid_transfer_fails_the_call_at_once_leaving_nothing(st
     if issubclass(kind, grpc.aio.AioRpcError):
       assert code == grpc.StatusCode.UNAVAILABLE, error
     else:
-      assert kind is side_lib.SideChannelError, error
+      assert kind is orchestrator.SideChannelError, error
       assert "broke while sending stage_batch's 256.1 MiB" in message, error
     assert took < deadline_s / 2, took  # generous: it is about the kernel noticing, not a deadline
     # grpcio closes the dead trainer's connection attempts on threads of its own: a bounded poll.

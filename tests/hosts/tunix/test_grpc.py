@@ -370,11 +370,9 @@ import jax
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.hosts.tunix import compression
-from tunix_stage_plugin.hosts.tunix import route
-from tunix_stage_plugin.hosts.tunix import run as run_lib
-from tunix_stage_plugin.hosts.tunix import stream as stream_hooks
+from tunix_stage_plugin.core import contract
+from tunix_stage_plugin.core import codec_spec
+from tunix_stage_plugin.hosts.tunix import orchestrator
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
 pytestmark = pytest.mark.tunix
@@ -601,7 +599,7 @@ def test_a_damaged_compressed_payload_is_trained_inline_and_counted(node, inline
   """The 2nd and 5th compressed payloads get one byte flipped in each chunk after packing, as a
   bad link would (loopback gRPC cannot be made to flip a bit): the trainer's decode fails its
   crc32, it trains nothing by that key, and the pipeline sends that micro-batch inline."""
-  calls, compress = [], compression.compress
+  calls, compress = [], codec_lib.compress_payload
 
   def damaging(codec, payload):
     packed = compress(codec, payload)
@@ -614,7 +612,7 @@ def test_a_damaged_compressed_payload_is_trained_inline_and_counted(node, inline
             chunk[chunk.size // 2] ^= 0x5A
     return packed
 
-  monkeypatch.setattr(compression, "compress", damaging)
+  monkeypatch.setattr(codec_lib, "compress_payload", damaging)
   caplog.set_level(logging.INFO, logger="tunix_stage_plugin")
   params, _, reports = run_program(node["corrupted"], staged=True, codec="on")
   assert len(calls) >= 5
@@ -652,7 +650,7 @@ def test_a_micro_batch_over_tunix_message_cap_stages_raw_in_chunks_and_compresse
       outcome = await engine.stage_train_batch(over, key="over-raw")
       dropped = await engine.reset_staged_batches(["over-raw"])
     finally:
-      await route.router_of(ADAPTER.installation, engine).close()
+      await ADAPTER.installation.orchestrator_side().close()
       await handle.close()
     return outcome, dropped
 
@@ -806,17 +804,17 @@ def test_an_over_cap_fallback_trains_inline_through_the_stream(node, big_payload
   itself, without sending (a real refusal needs the trainer's 30 s slot wait; a real failure,
   a broken trainer): the pipeline trains each of those micro-batches inline, and that inline
   call, 256 MiB, goes through the chunked stream like any other."""
-  stage, calls = run_lib.StagingCalls.stage, []
+  stage, calls = orchestrator.StagingCalls.stage, []
 
   async def stage_or_fall_back(self, payload, *, key):
     calls.append(key)
     if len(calls) == 2:
-      return outcome_lib.refused(key, "injected refusal")
+      return contract.refused(key, "injected refusal")
     if len(calls) == 5:
-      return outcome_lib.failed(key, "injected failure")
+      return contract.failed(key, "injected failure")
     return await stage(self, payload, key=key)
 
-  monkeypatch.setattr(run_lib.StagingCalls, "stage", stage_or_fall_back)
+  monkeypatch.setattr(orchestrator.StagingCalls, "stage", stage_or_fall_back)
   port = node["over_cap_fallback"]
   before = chunked_calls(port)
   params, _, reports = run_program(port, staged=True, payloads=big_payloads)
@@ -838,7 +836,7 @@ def test_over_the_cap_with_no_stream_on_the_trainer_stops_with_one_line(node, bi
   RESOURCE_EXHAUSTED."""
   port = node["plain_no_stream"]
   payloads = big_payloads[:MICRO]
-  with pytest.raises(stream_hooks.PayloadOverCap) as stopped:
+  with pytest.raises(orchestrator.PayloadOverCap) as stopped:
     run_program(port, staged=True, payloads=payloads, steps=1)
   line = str(stopped.value)
   assert "\n" not in line and stopped.value.__cause__ is None, line

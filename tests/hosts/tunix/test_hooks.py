@@ -38,14 +38,13 @@ from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import store as store_lib
-from tunix_stage_plugin.core.outcome import StageStatus
+from tunix_stage_plugin.core.contract import StageStatus
 from tunix_stage_plugin.hosts import tunix as tunix_host
-from tunix_stage_plugin.hosts.tunix import compression
+from tunix_stage_plugin.core import codec_spec
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.hosts.tunix import probes
-from tunix_stage_plugin.hosts.tunix import route
-from tunix_stage_plugin.hosts.tunix import run as run_lib
+from tunix_stage_plugin.hosts.tunix import orchestrator
 
 pytestmark = pytest.mark.tunix
 ACTOR = datatypes.Role.ACTOR
@@ -363,14 +362,15 @@ def test_engine_stage_answers_a_typed_outcome(staging):
   assert outcome.reason == "tunix-stage-plugin is not installed on the trainer"
 
 
-def test_the_pipelines_calls_go_once_through_the_router_the_run_holds(staging):
-  """A stage, a train by key and an inline train: each one Router.call of the router handed to
-  StagingCalls (never a second lookup), tunix's answer as tunix gives it, and a trainer's error
-  typed by the one map."""
+def test_the_pipelines_calls_go_once_through_the_trainers_connection(staging):
+  """A stage, a train by key and an inline train: each routed once by the one connection to the
+  trainer, tunix's answer as tunix gives it, and a trainer's error typed by the one map."""
   trainer = RecordingTrainer()
-  engine = make_engine(trainer_worker.TrainerWorker(lambda: trainer))
-  router = route.Router()
-  calls = run_lib.StagingCalls(engine, router)
+  worker = trainer_worker.TrainerWorker(lambda: trainer)
+  engine = make_engine(worker)
+  side = ADAPTER.installation.orchestrator_side()
+  calls = orchestrator.StagingCalls(side, engine)
+  connection = side.connection(worker)
   payload = {"mb": np.full((1, 2), 4, np.int32)}
 
   async def main():
@@ -381,11 +381,11 @@ def test_the_pipelines_calls_go_once_through_the_router_the_run_holds(staging):
       await calls.train(None, stage_key="r-1", apply_optimizer=False)  # consumed
     return outcome, staged, inline
 
-  with mock.patch.object(router, "call", wraps=router.call) as call, \
-       mock.patch.object(route, "router_of", side_effect=AssertionError("a second lookup")):
+  with mock.patch.object(connection, "route", wraps=connection.route) as route:
     outcome, staged, inline = asyncio.run(main())
-  assert [c.args[1] for c in call.call_args_list] == [
+  assert [c.args[0] for c in route.call_args_list] == [
       contract.STAGE_BATCH, contract.FWD_BWD, contract.FWD_BWD, contract.FWD_BWD]
+  assert side.connection(worker) is connection
   assert outcome.staged and staged.fallback is None and inline.fallback is None
   assert set(inline.result) == {"fwd_bwd", "updated", "train_step", "accumulated"}
   assert inline.result["train_step"] == 1 and inline.result["accumulated"] is True
@@ -424,12 +424,12 @@ def test_compression_round_trips_tunix_payloads_byte_for_byte():
       prompt_ids=ids, prompt_mask=ids >= 0, completion_ids=ids[:, :, :4],
       completion_mask=np.ones((4, 256), bool), advantages=np.ones(4, np.float32),
       ref_per_token_logps=None, old_per_token_logps=logps)
-  packed = compression.compress(codec_lib.parse("on"), example)
+  packed = codec_lib.compress_payload(codec_lib.parse("on"), example)
   leaves = jax.tree.leaves(packed.tree)
   assert isinstance(packed.tree, rl_common.TrainExample)
   assert sum(isinstance(x, codec_lib.PackedArray) for x in leaves) == 3  # ids, mask, logps
   assert packed.wire_bytes < packed.nbytes / 2
-  out = compression.decompress(packed)
+  out = codec_lib.decompress_payload(packed)
   assert isinstance(out, rl_common.TrainExample) and out.ref_per_token_logps is None
   for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(example)):
     assert got.dtype == want.dtype and got.shape == want.shape
@@ -438,11 +438,11 @@ def test_compression_round_trips_tunix_payloads_byte_for_byte():
   # tunix's TrainerPayload types are dataclasses, not pytrees: packed field by field.
   payload = datatypes.RLTrainerPayload(token_ids=ids, token_mask=ids >= 0,
                                        advantages=np.ones(4, np.float32), loss_mask=ids >= 0)
-  packed = compression.compress(codec_lib.parse("on"), payload)
+  packed = codec_lib.compress_payload(codec_lib.parse("on"), payload)
   assert isinstance(packed.tree, datatypes.RLTrainerPayload) and packed.tree is not payload
   assert isinstance(packed.tree.token_ids, codec_lib.PackedArray)
   assert isinstance(payload.token_ids, np.ndarray)  # the orchestrator's own payload is untouched
-  out = compression.decompress(packed)
+  out = codec_lib.decompress_payload(packed)
   assert type(out) is datatypes.RLTrainerPayload and out.prompt_ids is None
   for name in ("token_ids", "token_mask", "advantages", "loss_mask"):
     got, want = getattr(out, name), getattr(payload, name)
@@ -454,7 +454,7 @@ def test_a_trainer_without_the_codec_refuses_a_compressed_stage_at_once(staging,
   worker = trainer_worker.TrainerWorker(lambda: trainer)
   worker.initialize()
   monkeypatch.setattr(codec_lib, "installed", lambda name: False)
-  payload = compression.CompressedPayload("blosc2-lz4", {"mb": np.zeros((1, 2), np.int32)}, 8, 8)
+  payload = codec_spec.CompressedPayload("blosc2-lz4", {"mb": np.zeros((1, 2), np.int32)}, 8, 8)
   outcome = worker.stage_batch(payload, key="z-1").metadata["outcome"]
   assert outcome["status"] == "refused"
   assert "codec blosc2-lz4 is not installed on the trainer" in outcome["reason"]

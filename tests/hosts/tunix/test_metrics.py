@@ -21,7 +21,8 @@ from tunix_stage_plugin.core.pipeline import StepReport  # pylint: disable=wrong
 from tunix_stage_plugin.core.telemetry import process  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import figures as figures_lib  # pylint: disable=wrong-import-position
-from tunix_stage_plugin.hosts.tunix import metrics  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.hosts.tunix import peft as metrics  # pylint: disable=wrong-import-position
+from tunix_stage_plugin.hosts.tunix import run as run_lib
 
 pytestmark = pytest.mark.tunix
 
@@ -126,7 +127,7 @@ def test_the_orchestrator_s_scalars_reach_jax_monitoring_listeners_at_the_traine
   at the trainer's step its last update answered (the orchestrator's own step where the answer
   carried none); a listener that raises is said once and no longer told, and the job goes on."""
   tel = process.Telemetry(process.Settings(host="tunix", log_every=0))
-  tel.add_step_sink(metrics.MonitoringSink(), record_lib.ORCHESTRATOR)
+  tel.add_step_sink(run_lib.MonitoringSink(), record_lib.ORCHESTRATOR)
   tel.orchestrator_step(StepReport(0, trained=4, staged=3, inline=1), 2, host_step=11)
   tel.orchestrator_step(StepReport(1, trained=4, staged=4), 2, host_step=12)
   tel.orchestrator_step(StepReport(2, trained=4, staged=4), 2)  # no step answered: its own

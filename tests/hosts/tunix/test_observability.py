@@ -161,7 +161,7 @@ def test_the_peft_train_device_span_ends_on_the_watcher_s_one_wait():
 
   from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
   from tunix_stage_plugin.core.telemetry import recorder as trainer_lib
-  from tunix_stage_plugin.hosts.tunix import tracing
+  from tunix_stage_plugin.hosts.tunix import peft as tracing
 
   tracer = perf_tracer.PerfTracer(devices=jax.devices(), export_fn=lambda timelines: timelines)
   mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"))

@@ -27,12 +27,9 @@ from tunix.experimental.orchestrator import distributed_rl_engine  # pylint: dis
 from tests.hosts.tunix.test_stream import ACTOR, MIB, big, cap, close, new_worker, serve
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core.outcome import StageStatus
-from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import engine as engine_lib
-from tunix_stage_plugin.hosts.tunix import route
-from tunix_stage_plugin.hosts.tunix import run as run_lib
-from tunix_stage_plugin.hosts.tunix import side
+from tunix_stage_plugin.core.contract import StageStatus
+from tunix_stage_plugin.core import contract
+from tunix_stage_plugin.hosts.tunix import orchestrator
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 from tunix_stage_plugin.transport import wire
 
@@ -55,11 +52,11 @@ def test_a_stage_and_an_inline_train_call_travel_the_side_channel(staging, caplo
   async def main():
     server, handle, engine = await serve(worker)
     assert server in staging.side_channels
-    router = route.router_of(ADAPTER.installation, engine)
+    router = ADAPTER.installation.orchestrator_side()
     try:
       outcome = await engine.stage_train_batch(staged, key="b-1")
       await engine.train_step(None, role=ACTOR, apply_optimizer=False, stage_key="b-1")
-      trained = await engine_lib.train(engine, router, inline, stage_key=None,
+      trained = await router.train(engine, inline, stage_key=None,
                                        apply_optimizer=True)
     finally:
       await close(server, handle, engine)
@@ -83,16 +80,16 @@ def test_a_stage_and_an_inline_train_call_travel_the_side_channel(staging, caplo
 def test_below_the_threshold_the_call_is_the_hosts_own(staging):
   worker = new_worker()
   small = big(mib=1)
-  small["experts"] = small["experts"][:-64]  # with the tokens, just under side.MIN_BYTES
+  small["experts"] = small["experts"][:-64]  # with the tokens, just under orchestrator.SIDE_MIN_BYTES
 
   async def main():
     server, handle, engine = await serve(worker)
-    router = route.router_of(ADAPTER.installation, engine)
+    router = ADAPTER.installation.orchestrator_side()
     host = distributed_rl_engine.DistributedRLEngine.train_step
     try:
       with mock.patch.object(distributed_rl_engine.DistributedRLEngine, "train_step",
                              autospec=True, side_effect=host) as train_step:
-        await run_lib.StagingCalls(engine, router).train(small, stage_key=None,
+        await orchestrator.StagingCalls(router, engine).train(small, stage_key=None,
                                                                apply_optimizer=False)
     finally:
       await close(server, handle, engine)
@@ -112,11 +109,11 @@ def test_a_trainer_without_a_side_channel_is_asked_once_and_said_in_one_line(sta
 
   async def main():
     server, handle, engine = await serve(worker)
-    router = route.router_of(ADAPTER.installation, engine)
+    router = ADAPTER.installation.orchestrator_side()
     try:
       with mock.patch.object(handle, "asubmit", wraps=handle.asubmit) as asubmit:
         for seed in range(3):
-          await route.invoke(engine, router, handle, "fwd_bwd", payload=big(seed, mib=2))
+          await router.call(engine, handle, "fwd_bwd", payload=big(seed, mib=2))
     finally:
       await close(server, handle, engine)
     return [c.args[0] for c in asubmit.call_args_list]
@@ -141,9 +138,9 @@ def test_a_side_channel_this_process_cannot_reach_leaves_calls_over_the_cap_to_t
   async def main():
     server, handle, engine = await serve(worker)
     staging.side_channels[server].listener.close()  # announced still; unreachable now
-    router = route.router_of(ADAPTER.installation, engine)
+    router = ADAPTER.installation.orchestrator_side()
     try:
-      await engine_lib.train(engine, router, sent, stage_key=None, apply_optimizer=False)
+      await router.train(engine, sent, stage_key=None, apply_optimizer=False)
     finally:
       await close(server, handle, engine)
     return router
@@ -183,7 +180,7 @@ def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_i
             "fwd_bwd", encoded.body, encoded.buffers, transfer))
       raw.settimeout(10)
       ended = raw.recv(1) == b""  # the trainer dropped the connection
-      await engine_lib.train(engine, route.router_of(ADAPTER.installation, engine), big(5, mib=4),
+      await ADAPTER.installation.orchestrator_side().train(engine, big(5, mib=4),
                              stage_key=None, apply_optimizer=False)  # the next works
     finally:
       raw.close()
@@ -218,11 +215,11 @@ def test_a_side_channel_broken_mid_transfer_fails_the_call_clearly_and_the_next_
 
   async def main():
     server, handle, engine = await serve(worker)
-    router = route.router_of(ADAPTER.installation, engine)
+    router = ADAPTER.installation.orchestrator_side()
     try:
-      with pytest.raises((RuntimeError, side.SideChannelError)) as failed:
-        await route.invoke(engine, router, handle, "fwd_bwd", payload=big(1, mib=24))
-      await route.invoke(engine, router, handle, "fwd_bwd", payload=big(2, mib=24))
+      with pytest.raises((RuntimeError, orchestrator.SideChannelError)) as failed:
+        await router.call(engine, handle, "fwd_bwd", payload=big(1, mib=24))
+      await router.call(engine, handle, "fwd_bwd", payload=big(2, mib=24))
     finally:
       await close(server, handle, engine)
     return failed.value

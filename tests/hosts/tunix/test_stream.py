@@ -33,12 +33,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core.outcome import StageStatus
-from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import engine as engine_lib
-from tunix_stage_plugin.hosts.tunix import route
-from tunix_stage_plugin.hosts.tunix import run as run_lib
-from tunix_stage_plugin.hosts.tunix import stream
+from tunix_stage_plugin.core.contract import StageStatus
+from tunix_stage_plugin.core import contract
+from tunix_stage_plugin.hosts.tunix import orchestrator
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 from tunix_stage_plugin.transport import wire
 
@@ -102,7 +99,7 @@ async def serve(worker):
 
 
 async def close(server, handle, engine):
-  await route.router_of(ADAPTER.installation, engine).close()
+  await ADAPTER.installation.orchestrator_side().close()
   await handle.close()
   await server.stop_serving()
 
@@ -121,11 +118,11 @@ def test_an_inline_train_call_over_the_cap_goes_in_chunks_and_runs_on_the_comput
   async def main():
     server, handle, engine = await serve(worker)
     assert server in staging.streaming_servers
-    router = route.router_of(ADAPTER.installation, engine)
+    router = ADAPTER.installation.orchestrator_side()
     try:
       with pytest.raises(grpc.aio.AioRpcError) as unary:  # tunix's own call cannot carry it
         await engine.train_step(sent, role=ACTOR)
-      trained = await engine_lib.train(engine, router, sent, stage_key=None,
+      trained = await router.train(engine, sent, stage_key=None,
                                        apply_optimizer=True)
     finally:
       await close(server, handle, engine)
@@ -154,8 +151,8 @@ def test_below_the_cap_the_inline_call_is_the_hosts_own_train_step(cap, staging)
 
   async def main():
     server, handle, engine = await serve(worker)
-    router = route.router_of(ADAPTER.installation, engine)
-    calls = run_lib.StagingCalls(engine, router)
+    router = ADAPTER.installation.orchestrator_side()
+    calls = orchestrator.StagingCalls(router, engine)
     host = distributed_rl_engine.DistributedRLEngine.train_step
     try:
       with mock.patch.object(distributed_rl_engine.DistributedRLEngine, "train_step",
@@ -203,7 +200,7 @@ def test_a_header_over_the_trainers_cap_is_refused_before_its_bytes(cap, staging
     server, handle, engine = await serve(worker)
     try:
       with pytest.raises(RuntimeError) as refused:
-        await engine_lib.train(engine, route.router_of(ADAPTER.installation, engine), big(),
+        await ADAPTER.installation.orchestrator_side().train(engine, big(),
                                stage_key=None, apply_optimizer=False)
     finally:
       await close(server, handle, engine)
@@ -227,10 +224,10 @@ def test_a_trainer_without_the_stream_stops_an_over_cap_call_with_one_line(cap):
     manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True)
     try:
       outcome = await engine.stage_train_batch(big(), key="big-1")
-      with pytest.raises(stream.PayloadOverCap) as stopped:
-        await engine_lib.train(engine, route.router_of(ADAPTER.installation, engine), big(),
+      with pytest.raises(orchestrator.PayloadOverCap) as stopped:
+        await ADAPTER.installation.orchestrator_side().train(engine, big(),
                                stage_key=None, apply_optimizer=True)
-      await route.router_of(ADAPTER.installation, engine).close()
+      await ADAPTER.installation.orchestrator_side().close()
     finally:
       manager.uninstall("tunix", quiet=True)
       await handle.close()
@@ -291,7 +288,7 @@ def test_reference_log_probs_over_the_cap_go_in_chunks_to_the_reference_worker(c
                                                        rpc_timeout_s=30)
     engine = distributed_rl_engine.DistributedRLEngine(
         [], {}, inference_workers={datatypes.Role.REFERENCE: handle})
-    router = route.router_of(ADAPTER.installation, engine)
+    router = ADAPTER.installation.orchestrator_side()
     try:
       # The engine's own method, hooked: tunix's call below the cap, the stream above it.
       small = await engine.per_token_logps(datatypes.Role.REFERENCE, items=big(1, 1))

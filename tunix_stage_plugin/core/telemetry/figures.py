@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import tracks
 
 TRAINER, ORCHESTRATOR = "trainer", "orchestrator"
@@ -40,7 +40,7 @@ FLOOR_S = 0.02
 
 # The transports a micro-batch crosses by, and how the lines name them.
 TRANSPORTS = {"side": "side channel", "stream": "chunked stream", "unary": "gRPC call"}
-FALLBACK_KINDS = tuple(s.value for s in outcome.StageStatus if s is not outcome.StageStatus.STAGED)
+FALLBACK_KINDS = tuple(s.value for s in contract.StageStatus if s is not contract.StageStatus.STAGED)
 
 Get = Callable[[str], Any]
 

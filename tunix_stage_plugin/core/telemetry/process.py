@@ -13,7 +13,7 @@ import threading
 from typing import Any, Protocol
 
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import outcome
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core.telemetry import lines
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
@@ -68,7 +68,7 @@ class Telemetry:
     self._sizing: dict[str, str] = {}
     # The trainer's newest closed step with the bounds in force (None before its first step):
     # what rides on its stage answers, made once per step.
-    self.newest_trainer_step: outcome.TrainerStep | None = None
+    self.newest_trainer_step: contract.TrainerStep | None = None
 
   def sized(self, role: str, field: str, value: int, reason: str | None) -> None:
     """`field` (a setting at auto) is `value` from now on, for `reason`: the records of `role`
@@ -173,7 +173,7 @@ class Telemetry:
         bound = {field: config_lib.fixed(field, shaping.get(
             field, config_lib.SETTINGS_BY_FIELD[field].default))
                  for field in ("max_device_batches", "max_host_batches")}
-        self.newest_trainer_step = outcome.TrainerStep.of(
+        self.newest_trainer_step = contract.TrainerStep.of(
             figures, run=self.run["id"], host_sized="sizing" in figures, **bound)
       rec = record_lib.make(role, host or settings.host, figures, shaping, self.run)
       self.history[role].append(rec)

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable, Iterator, Protocol
 
-from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 
@@ -328,8 +328,8 @@ def _placements(spans: list[Span]) -> dict[str, Any]:
 # ---------------------------------------------------------------- the orchestrator's steps
 
 # What a fallback can be (core.pipeline.Fallback's status), counted per step in this order.
-FALLBACK_KINDS = tuple(status for status in outcome_lib.StageStatus
-                       if status is not outcome_lib.StageStatus.STAGED)
+FALLBACK_KINDS = tuple(status for status in contract.StageStatus
+                       if status is not contract.StageStatus.STAGED)
 
 
 class OrchestratorSteps:

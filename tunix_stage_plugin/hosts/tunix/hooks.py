@@ -27,7 +27,7 @@ from tunix.experimental.common import datatypes
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts import probing
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
 

@@ -11,22 +11,16 @@ dropped. docs/design.md "Layout".
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 
-if TYPE_CHECKING:
-  from tunix_stage_plugin.hosts.tunix import orchestrator as orchestrator_lib
-  from tunix_stage_plugin.hosts.tunix import trainer as trainer_lib
-
 # The most one chunked or side-channel call may announce; a header announcing more is refused
 # before any of its bytes is read. Far above a production micro-batch (5 GB), far below what a
 # corrupt header could claim.
 MAX_STREAM_BYTES = 64 << 30
-# Where that cap is set, for the line that refuses a header over it.
-CAP_SETTING = f"{__name__}.MAX_STREAM_BYTES"
 HOST = "tunix"  # the host the records name (a trainer's own kind, e.g. maxtext, where it has one)
 
 
@@ -48,11 +42,11 @@ class Installation:
     # the cap on one bulk call.
     self.serve_side_channel = True
     self.max_stream_bytes = MAX_STREAM_BYTES
-    self.trainer: trainer_lib.TrainerSide | None = None
-    self.orchestrator: orchestrator_lib.OrchestratorSide | None = None
+    self.trainer: Any = None  # trainer.TrainerSide, once made
+    self.orchestrator: Any = None  # orchestrator.OrchestratorSide, once made
     live.on_update(self._reconfigure)
 
-  def trainer_side(self) -> trainer_lib.TrainerSide:
+  def trainer_side(self) -> Any:
     """The trainer's side, made on the first call a server of this process serves."""
     with self._lock:
       if self.trainer is None:
@@ -61,7 +55,7 @@ class Installation:
         self.trainer = trainer.TrainerSide(self)
       return self.trainer
 
-  def orchestrator_side(self) -> orchestrator_lib.OrchestratorSide:
+  def orchestrator_side(self) -> Any:
     """The orchestrator's side, made on the first call an engine of this process sends."""
     with self._lock:
       if self.orchestrator is None:
@@ -80,7 +74,7 @@ class Installation:
 
   # What tests and the bench read of the trainer's side (made here if no call made it yet).
 
-  def staging_of(self, worker: Any) -> trainer_lib.WorkerStaging:
+  def staging_of(self, worker: Any) -> Any:
     return self.trainer_side().staging_of(worker)
 
   @property

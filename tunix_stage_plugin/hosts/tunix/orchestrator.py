@@ -20,23 +20,19 @@ import dataclasses
 import logging
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import grpc
 from tunix.experimental.common import datatypes
 from tunix.experimental.worker import remote_execution
 
 from tunix_stage_plugin.core import codec_spec
-from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import figures
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.transport import sender as sender_lib
 from tunix_stage_plugin.transport import wire
-
-if TYPE_CHECKING:
-  from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 
 log = logging.getLogger("tunix_stage_plugin")
 
@@ -258,12 +254,22 @@ class OrchestratorSide:
   """The orchestrator's side of one installation: a connection per trainer handle, and the calls
   that go through them."""
 
-  def __init__(self, inst: installation_lib.Installation) -> None:
+  def __init__(self, inst: Any) -> None:  # the installation.Installation that makes it
     self.inst = inst
     self.recorder = inst.recorder
     self._lock = threading.Lock()
     self._connections: "weakref.WeakKeyDictionary[Any, Connection]" = (
         weakref.WeakKeyDictionary())
+
+  @property
+  def calls(self) -> collections.Counter[str]:
+    """The calls each bulk transport carried (contract.SIDE_CHANNEL, contract.STREAM)."""
+    return sum((c.calls for c in list(self._connections.values())), collections.Counter())
+
+  @property
+  def bytes(self) -> collections.Counter[str]:
+    """Their bytes, by transport."""
+    return sum((c.bytes for c in list(self._connections.values())), collections.Counter())
 
   def connection(self, handle: Any) -> Connection:
     with self._lock:
@@ -272,31 +278,34 @@ class OrchestratorSide:
         connection = self._connections[handle] = Connection(handle, self.recorder)
       return connection
 
+  async def call(self, engine: Any, worker: Any, method: str, **kwargs: Any) -> Any:
+    """tunix's `engine._invoke_worker(worker, method, **kwargs)`, over the transport that takes
+    it."""
+    connection = self.connection(worker)
+    route = await connection.route(method, kwargs)
+    with connection.sending(route):
+      if route.transport == contract.UNARY:
+        return await engine._invoke_worker(worker, method, **kwargs)  # pylint: disable=protected-access
+      return await connection.send(route)
+
   async def stage(self, engine: Any, payload: Any, *, key: str, role: datatypes.Role = ACTOR
-                  ) -> outcome_lib.StageOutcome:
+                  ) -> contract.StageOutcome:
     """`stage_batch(payload, key)` on the trainer of `role`: its StageOutcome; a trainer that can
     never stage it answers UNSUPPORTED, a failure FAILED; a malformed or reused key raises
     StageKeyError (the caller's bug, not a fallback)."""
-    worker = _trainer(engine, role)
-    connection = self.connection(worker)
-    kwargs = {"payload": payload, "key": key}
     try:
       with contract.typed_errors(contract.STAGE_BATCH):
-        route = await connection.route(contract.STAGE_BATCH, kwargs)
-        with connection.sending(route):
-          if route.transport == contract.UNARY:
-            response = await engine._invoke_worker(worker, contract.STAGE_BATCH, **kwargs)  # pylint: disable=protected-access
-          else:
-            response = await connection.send(route)
+        response = await self.call(engine, _trainer(engine, role), contract.STAGE_BATCH,
+                                   payload=payload, key=key)
     except (PayloadOverCap, contract.Unsupported) as e:  # e.g. no chunked stream there
-      return outcome_lib.unsupported(key, str(e))
+      return contract.unsupported(key, str(e))
     except RuntimeError as e:  # the trainer's error, or a failure on this side
-      return outcome_lib.failed(key, f"stage_batch failed on the trainer: {str(e)[:500]}")
+      return contract.failed(key, f"stage_batch failed on the trainer: {str(e)[:500]}")
     return contract.stage_outcome(response)
 
   async def train(self, engine: Any, payload: Any, *, stage_key: str | None,
                   apply_optimizer: bool, role: datatypes.Role = ACTOR,
-                  accumulate_gradients: bool = True) -> outcome_lib.Trained:
+                  accumulate_gradients: bool = True) -> contract.Trained:
     """tunix's `engine.train_step(payload, ...)` (`train_step(None, stage_key=k, ...)` for a
     staged batch), byte for byte, unless its fwd_bwd takes the side channel or the stream: then
     that fwd_bwd goes there with the same keywords, and `update` and the answer are tunix's
@@ -321,7 +330,7 @@ class OrchestratorSide:
       answer = contract.train_step_answer(answer, step, accumulated=accumulate_gradients)
     fallback = (None if stage_key is None else contract.placement_fallback(
         contract.fwd_bwd_response(answer, updated=apply_optimizer)))
-    return outcome_lib.Trained(answer, fallback=fallback)
+    return contract.Trained(answer, fallback=fallback)
 
   async def reset(self, engine: Any, keys: list[str] | None = None, *,
                   role: datatypes.Role = ACTOR, timeout_s: float | None = None) -> list[str]:
@@ -384,7 +393,7 @@ class StagingCalls:
     self.raw_bytes = self.sent_bytes = 0
     self.auto: Any = None  # core.sizing.AutoDepth, told each stage's answer (a depth at auto)
 
-  async def stage(self, payload: Any, *, key: str) -> outcome_lib.StageOutcome:
+  async def stage(self, payload: Any, *, key: str) -> contract.StageOutcome:
     if self.codec is not None:
       from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
       payload = await asyncio.to_thread(codec_lib.compress_payload, self.codec, payload)
@@ -396,7 +405,7 @@ class StagingCalls:
     return answer
 
   async def train(self, payload: Any, *, stage_key: str | None, apply_optimizer: bool
-                  ) -> outcome_lib.Trained:
+                  ) -> contract.Trained:
     return await self._side.train(self._engine, payload, stage_key=stage_key,
                                   apply_optimizer=apply_optimizer)
 

@@ -118,38 +118,47 @@ class PeftPlacement:
     return tracer if isinstance(tracer, tracer_lib.PerfTracer) else None
 
   def metrics_logger(self, target: Any) -> metrics_logger_lib.MetricsLogger | None:
-    """The MetricsLogger a PeftTrainer logs its loss with, or None (a logger of another kind)."""
-    logger = target.metrics_logger
-    return logger if isinstance(logger, metrics_logger_lib.MetricsLogger) else None
+    return logger_of(target)
 
   def step_sink(self, target: Any, logger: Any) -> "MetricsSink":
     return MetricsSink(logger, target.metrics_prefix)
 
-  @contextlib.contextmanager
   def computation_span(self, tracer: tracer_lib.PerfTracer, target: Any
-                       ) -> Iterator[Callable[[], None]]:
-    """A `peft_train` span of one fwd_bwd or update call on `target` (its step, as its own train()
-    tags it): its host span around the block (tunix's `tracer.span`, on no device); yields what
-    adds its device span, from the block's start to when it is called, on the devices tunix's
-    `tracer.span` would pick. The compute watcher calls it once the computation's output is
-    ready (so no thread of tunix's waits for the same output again)."""
-    tags = {perf_constants.STEP: target._train_steps, perf_constants.ROLE: "actor"}  # pylint: disable=protected-access
-    devices = model_mesh(target.model).devices
-    if tracer._collect_on_first_device_per_mesh:  # pylint: disable=protected-access
-      devices = devices.flat[:1]
-    begin = time.perf_counter()
-
-    def ended() -> None:
-      timelines = tracer._get_or_create_device_timelines(devices)  # pylint: disable=protected-access
-      timelines.span(perf_constants.PEFT_TRAIN, begin, [], tags=tags)  # no waitlist: ended now
-
-    with tracer.span(perf_constants.PEFT_TRAIN, tags=tags):
-      yield ended
+                       ) -> contextlib.AbstractContextManager[Callable[[], None]]:
+    return computation(tracer, target, model_mesh(target.model))
 
   def apply(self) -> Callable[[], None]:
     """Registers this kind (its seam is set at install, hooks.py); returns the call that removes
     it."""
     return placements.register(self)
+
+
+def logger_of(trainer: Any) -> metrics_logger_lib.MetricsLogger | None:
+  """The MetricsLogger a PeftTrainer logs its loss with, or None (a logger of another kind)."""
+  logger = trainer.metrics_logger
+  return logger if isinstance(logger, metrics_logger_lib.MetricsLogger) else None
+
+
+@contextlib.contextmanager
+def computation(tracer: tracer_lib.PerfTracer, trainer: Any, mesh: Any
+                ) -> Iterator[Callable[[], None]]:
+  """A `peft_train` span of one fwd_bwd or update call on `trainer` (a PeftTrainer; its step, as
+  its own train() tags it): its host span around the block (tunix's `tracer.span`, on no device);
+  yields what adds its device span, from the block's start to when it is called, on the devices
+  tunix's `tracer.span` would pick. The compute watcher calls it once the computation's output
+  is ready (so no thread of tunix's waits for the same output again)."""
+  tags = {perf_constants.STEP: trainer._train_steps, perf_constants.ROLE: "actor"}  # pylint: disable=protected-access
+  devices = mesh.devices
+  if tracer._collect_on_first_device_per_mesh:  # pylint: disable=protected-access
+    devices = devices.flat[:1]
+  begin = time.perf_counter()
+
+  def ended() -> None:
+    timelines = tracer._get_or_create_device_timelines(devices)  # pylint: disable=protected-access
+    timelines.span(perf_constants.PEFT_TRAIN, begin, [], tags=tags)  # no waitlist: ended now
+
+  with tracer.span(perf_constants.PEFT_TRAIN, tags=tags):
+    yield ended
 
 
 class TracerSink:

@@ -15,11 +15,10 @@ import inspect
 from typing import Any
 
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import keys as keys_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.probing import Probe, has_all, has_method, is_free, that
 from tunix_stage_plugin.hosts.probing import parameters as _params
-from tunix_stage_plugin.hosts.tunix import contract
 
 # The two ways the train loop is staged (program.py).
 SEAM = "seam"  # tunix's train_stage, unchanged; the plugin stages through the loop's seam
@@ -90,7 +89,7 @@ def error_envelope(t: Tunix) -> str | None:
     t.remote.ExecutionResponse(error_message="m", error_type="StageKeyError").unwrap()
   except RuntimeError as e:
     typed = contract.typed_error(e, contract.STAGE_BATCH)
-    if isinstance(typed, keys_lib.StageKeyError) and str(typed) == "m":
+    if isinstance(typed, contract.StageKeyError) and str(typed) == "m":
       return None
     return f"the remote error envelope changed: {str(e)[:80]!r}"
   return "ExecutionResponse.unwrap() did not raise for an error response"

@@ -17,11 +17,10 @@ import jax
 from tunix.experimental.orchestrator import rl_program
 
 from tunix_stage_plugin.core import config as config_lib
-from tunix_stage_plugin.core import keys as keys_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
-from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import orchestrator as orchestrator_lib
 
@@ -79,7 +78,7 @@ class Run:
     else:
       depth_for = seam
     self.pipeline = pipeline_lib.StagePipeline(
-        self.calls, depth, key_prefix=keys_lib.next_loop_prefix(), recorder=inst.recorder,
+        self.calls, depth, key_prefix=contract.next_loop_prefix(), recorder=inst.recorder,
         depth_for=depth_for, open_ended=open_ended,
         room=None if self.auto is None else self.auto.room)
 

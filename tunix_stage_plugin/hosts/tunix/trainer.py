@@ -36,21 +36,18 @@ import numpy as np
 from tunix_stage_plugin.core import codec_spec
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core import keys as keys_lib
-from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.hosts import placements
-from tunix_stage_plugin.hosts.tunix import contract
-from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import peft
 from tunix_stage_plugin.transport import listener as listener_lib
 from tunix_stage_plugin.transport import wire
 
-if TYPE_CHECKING:
-  from tunix_stage_plugin.core import sizing
+if TYPE_CHECKING:  # loaded where the host bound is auto
+  from tunix_stage_plugin.core import host_bound as host_bound_lib
 
 log = logging.getLogger("tunix_stage_plugin")
 
@@ -58,7 +55,9 @@ CLOSE_TIMEOUT_S = 10.0  # how long uninstall waits for a lane's running call bef
 # Where the side channel's listener binds: every interface, as tunix's server ("[::]:port");
 # "0.0.0.0" where the machine has no IPv6.
 BIND_HOSTS = ("::", "0.0.0.0")
-REMEMBERED_SESSIONS = 64  # a worker remembers the last these many orchestrator sessions it saw
+# Where the trainer's cap on one bulk call is set (Installation.max_stream_bytes, from it), for
+# the line that refuses a header over it.
+CAP_SETTING = "tunix_stage_plugin.hosts.tunix.installation.MAX_STREAM_BYTES"
 # What a trainer may not hold (a line's words): what the telemetry reads, and what is then lost.
 OUTPUT = ("computation output to watch", "its steps are not measured")
 TRACER = ("PerfTracer to read", "staging's spans are not on its timelines")
@@ -92,41 +91,6 @@ def nbytes(payload: Any) -> int:
              if isinstance(leaf, (np.ndarray, jax.Array)))
 
 
-class Sessions:
-  """One worker's orchestrator sessions: the first stage of a new one drops the older ones'
-  batches. An orchestrator that dies without its cleanup leaves its staged keys holding the
-  trainer's slots, and tunix has no call that tells a trainer a new orchestrator started; each
-  staged loop's keys carry its process's session (core/keys.py), so a new session shows it. Keys
-  without a session never drop anything. docs/tunix.md "One orchestrator per trainer"."""
-
-  def __init__(self) -> None:
-    self._lock = threading.Lock()
-    self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
-    self.dropped = 0  # staged batches dropped because a newer session started
-
-  def admit(self, store: store_lib.StagedBatchStore, key: str) -> list[str]:
-    """Called before `key` is staged; returns the keys dropped (a new session's first stage)."""
-    session = keys_lib.session_of(key)
-    if session is None:
-      return []
-    with self._lock:
-      if session in self._seen:
-        return []
-      self._seen[session] = None
-      while len(self._seen) > REMEMBERED_SESSIONS:
-        self._seen.popitem(last=False)
-      older = [k for k in store.keys() if keys_lib.session_of(k) not in (None, session)]
-      dropped = store.reset(older) if older else []
-      self.dropped += len(dropped)
-    if dropped:
-      sessions = sorted({keys_lib.session_of(k) for k in dropped})
-      log.warning("tunix-stage: orchestrator session ts%s started staging on this trainer: "
-                  "dropped %d staged batch(es) of %d older session(s) (%s) that no one will "
-                  "train (one orchestrator per trainer at a time; docs/tunix.md)", session,
-                  len(dropped), len(sessions), ", ".join(f"ts{s}" for s in sessions))
-    return dropped
-
-
 class WorkerStaging:
   """One TrainerWorker's staging: its store, its trainer's placement and the placer thread."""
 
@@ -136,7 +100,7 @@ class WorkerStaging:
     self.placement: Any = None  # how this worker's trainer stages (a hosts.placements.Placement)
     self.target: Any = None  # the object whose preparation seam stages
     self.unsupported: str | None = None  # why this worker's trainer can never stage
-    self.sessions = Sessions()
+    self.sessions = store_lib.Sessions()  # a new orchestrator drops its predecessors' batches
     self.placer: threading.Thread | None = None  # started with the first stage
 
 
@@ -144,7 +108,7 @@ class TrainerSide:
   """The trainer's side of one installation: the lanes of each served TrainerWorker, the receive
   pool, each server's side channel, each worker's staging, the computations' watcher."""
 
-  def __init__(self, inst: installation_lib.Installation) -> None:
+  def __init__(self, inst: Any) -> None:  # the installation.Installation that makes it
     m = inst.modules
     self.inst = inst
     self.recorder = inst.recorder
@@ -174,7 +138,7 @@ class TrainerSide:
     self._tracers: list[Any] = []
     self._logger: Any = None  # the metrics logger told of each trainer step (the first met)
     # The host bound in force: the setting's, or at auto the trainer's own choice each step.
-    self.host_bound: sizing.HostBound | None = None
+    self.host_bound: host_bound_lib.HostBound | None = None
     self._config = inst.live.config
     self._host = self._host_bound_of(self._config)
     self._bound_pool()
@@ -275,7 +239,7 @@ class TrainerSide:
     try:
       header = wire.decode_header(_header_bytes(request))
       try:
-        wire.announced_bytes(header, self.inst.max_stream_bytes, installation_lib.CAP_SETTING)
+        wire.announced_bytes(header, self.inst.max_stream_bytes, CAP_SETTING)
       except wire.WireError:
         side.transfers.refuse(header.transfer)  # its frame is dropped at once
         raise
@@ -302,7 +266,7 @@ class TrainerSide:
         if serving is None:
           raise RuntimeError("the server this stream belongs to is gone")
         header = await listener_lib.receive_header(messages, self.inst.max_stream_bytes,
-                                                   installation_lib.CAP_SETTING)
+                                                   CAP_SETTING)
         # The header passed: the client sends the chunks now.
         await context.send_initial_metadata(((contract.STREAM_READY_KEY,
                                               contract.STREAM_READY),))
@@ -332,24 +296,29 @@ class TrainerSide:
   # ------------------------------------------------------------ a worker's staging
 
   def staging_of(self, worker: Any) -> WorkerStaging:
-    """`worker`'s staging, its trainer's placement chosen (on its first stage or call)."""
+    """`worker`'s staging (made on its first stage or call)."""
     with self._lock:
       state = self._workers.get(worker)
-      new = state is None
-      if new:
-        state = self._workers[worker] = WorkerStaging(self._config, self._host)
-    if new:
-      self._bound_pool()  # one more worker: room for its staged batches too
+      if state is not None:
+        return state
+      state = self._workers[worker] = WorkerStaging(self._config, self._host)
+    self._bound_pool()  # one more worker: room for its staged batches too
+    return state
+
+  def _chosen(self, worker: Any) -> WorkerStaging:
+    """`worker`'s staging, its trainer's placement chosen (once, on its first stage or call)."""
+    state = self.staging_of(worker)
+    if state.placement is None and state.unsupported is None:
       state.placement, state.target, state.unsupported = placements.choose(worker._trainer)  # pylint: disable=protected-access
       if state.target is not None:
         store_lib.track(state.target, state.store)
     return state
 
-  def stage(self, worker: Any, payload: Any, key: str) -> outcome_lib.StageOutcome:
+  def stage(self, worker: Any, payload: Any, key: str) -> contract.StageOutcome:
     """`payload` received under `key` (answered at once); placed next by the placer thread."""
-    state = self.staging_of(worker)
+    state = self._chosen(worker)
     if state.unsupported is not None:
-      return outcome_lib.unsupported(keys_lib.check(key), state.unsupported)
+      return contract.unsupported(contract.check_key(key), state.unsupported)
     state.sessions.admit(state.store, key)  # a new orchestrator: its predecessors' go
     result = state.store.receive(key, payload, refuse=_unstageable(state, payload))
     if result.staged and state.placer is None:
@@ -383,7 +352,7 @@ class TrainerSide:
               kwargs: dict[str, Any]) -> Any:
     """The host's fwd_bwd, observed; with `stage_key=k`, on the batch staged under k, taken
     once (an unknown key raises) and handed through the trainer's preparation step."""
-    state = self.staging_of(worker)
+    state = self._chosen(worker)
     if kwargs.get(contract.STAGE_KEY) is None:  # the host's call, observed only
       payload = kwargs.get("payload", args[0] if args else None)
       return self._observed(state, contract.FWD_BWD, original, (worker, *args), kwargs, payload)
@@ -409,7 +378,7 @@ class TrainerSide:
   def update(self, worker: Any, original: Callable[..., Any], args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
     """The host's update, its computation observed (it ends a step of the telemetry)."""
-    return self._observed(self.staging_of(worker), contract.UPDATE, original, (worker, *args),
+    return self._observed(self._chosen(worker), contract.UPDATE, original, (worker, *args),
                           kwargs)
 
   # ------------------------------------------------------------ observed for the telemetry
@@ -522,8 +491,8 @@ class TrainerSide:
     if not config_lib.is_auto(config.max_host_batches):
       return config.max_host_batches
     if self.host_bound is None:
-      from tunix_stage_plugin.core import sizing  # pylint: disable=import-outside-toplevel
-      self.host_bound = sizing.HostBound(budget_bytes=config.memory_budget,
+      from tunix_stage_plugin.core import host_bound as host_bound_lib  # pylint: disable=import-outside-toplevel
+      self.host_bound = host_bound_lib.HostBound(budget_bytes=config.memory_budget,
                                          device_bound=config.max_device_batches,
                                          apply=self._apply_host_bound)
       telemetry.add_step_sink(self.host_bound, record_lib.TRAINER)
@@ -613,5 +582,5 @@ def _unplaced_payload(key: str, payload: Any) -> Any:
   try:
     return codec.decompress_payload(payload)
   except codec.CodecError as e:  # trains nothing: the orchestrator sends it inline
-    raise outcome_lib.StagedPayloadUnreadable(
+    raise contract.StagedPayloadUnreadable(
         f"staged batch {key!r} did not decode ({e}); send it with its train call") from None

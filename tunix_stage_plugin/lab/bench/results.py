@@ -7,14 +7,18 @@ Host-agnostic: the runner, report, checks, trace and `simulate` read these, and 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from tunix_stage_plugin.core import codec as codec_lib
+from tunix_stage_plugin.core import codec_spec
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
+
+if TYPE_CHECKING:  # the codec loads where a mode compresses
+  from tunix_stage_plugin.core import codec as codec_lib
 
 WARMUP_STEPS = 1
 # A calibration's resident steps: the first compiles; the medians and the compute's memory use
@@ -25,8 +29,11 @@ CALIBRATION_STEPS = 3
 def mode_codec(stage_codec: str, mode: str) -> codec_lib.Codec | None:
   """The codec of a mode's stages: --stage_codec, or `on` for a codec mode when that is off.
   Raises codec.CodecUnavailable when its library is not installed."""
-  if modes_lib.BY_NAME[mode].codec and stage_codec == codec_lib.OFF:
-    stage_codec = codec_lib.ON
+  if modes_lib.BY_NAME[mode].codec and stage_codec == codec_spec.OFF:
+    stage_codec = codec_spec.ON
+  if stage_codec.strip() == codec_spec.OFF:
+    return None
+  from tunix_stage_plugin.core import codec as codec_lib  # pylint: disable=import-outside-toplevel
   return codec_lib.parse(stage_codec)
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 import numpy as np
 
 from tunix_stage_plugin.transport import listener as buffers_lib
+from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import host as host_lib
 from tunix_stage_plugin.lab.bench import results
@@ -127,7 +128,7 @@ def measure_memcpy(batch: data_lib.Batch) -> tuple[float, float]:
   """Bytes per second of one copy of `batch`'s arrays into fresh memory, then into that memory
   again (its pages already faulted): the best a host path could do with one copy."""
   rates = []
-  targets = [buffers_lib.aligned_empty(a.nbytes) for a in batch.arrays.values()]
+  targets = [wire.aligned_empty(a.nbytes) for a in batch.arrays.values()]
   for _ in range(2):
     start = time.perf_counter()
     for target, array in zip(targets, batch.arrays.values()):

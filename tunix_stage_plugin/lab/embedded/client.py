@@ -36,7 +36,7 @@ from typing import Any
 
 import grpc
 
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.lab.embedded import pacing
 from tunix_stage_plugin.lab.embedded import server as server_lib

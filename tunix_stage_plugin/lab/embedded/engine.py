@@ -10,8 +10,7 @@ from typing import Any, Callable
 
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
 
@@ -71,7 +70,7 @@ class EmbeddedEngine:
     """Runs on a worker thread."""
     return data_lib.pack_batch(self.codec, payload)
 
-  async def stage(self, payload: data_lib.Batch, *, key: str) -> outcome_lib.StageOutcome:
+  async def stage(self, payload: data_lib.Batch, *, key: str) -> contract.StageOutcome:
     sent: Any = payload
     sent_bytes = payload.nbytes
     if self.codec is not None:
@@ -82,19 +81,19 @@ class EmbeddedEngine:
     self.wire.stages += 1
     self.wire.stage_raw_bytes += payload.nbytes
     self.wire.stage_sent_bytes += sent_bytes
-    answer = outcome_lib.StageOutcome.from_dict(await self._send(
+    answer = contract.StageOutcome.from_dict(await self._send(
         "stage_batch", sent_bytes, sent, key=key, _pace=self._slowdown(payload)))
     if self.auto is not None:  # the trainer's newest step on it, for the depth at auto
       self.auto.answered(answer)
     return answer
 
   async def train(self, payload: data_lib.Batch | None, *, stage_key: str | None,
-                  apply_optimizer: bool) -> outcome_lib.Trained:
+                  apply_optimizer: bool) -> contract.Trained:
     if stage_key is not None:
       result = await self._call("fwd_bwd", stage_key=stage_key)
     else:
       result = await self._train_inline(payload)
-    return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer),
+    return contract.Trained(await self._maybe_update(result, apply_optimizer),
                                fallback=result["placement_fallback"])
 
   async def _train_inline(self, payload: data_lib.Batch) -> dict[str, Any]:
@@ -102,9 +101,9 @@ class EmbeddedEngine:
     self.wire.inline_bytes += payload.nbytes
     return await self._send("fwd_bwd", payload.nbytes, payload, _pace=self._slowdown(payload))
 
-  async def train_resident(self, mb_id: str, *, apply_optimizer: bool) -> outcome_lib.Trained:
+  async def train_resident(self, mb_id: str, *, apply_optimizer: bool) -> contract.Trained:
     result = await self._call("fwd_bwd", resident=mb_id)
-    return outcome_lib.Trained(await self._maybe_update(result, apply_optimizer))
+    return contract.Trained(await self._maybe_update(result, apply_optimizer))
 
   def resident(self) -> "ResidentEngine":
     return ResidentEngine(self)
@@ -127,11 +126,11 @@ class ResidentEngine:
   def __init__(self, engine: EmbeddedEngine) -> None:
     self._engine = engine
 
-  async def stage(self, payload: data_lib.Batch, *, key: str) -> outcome_lib.StageOutcome:
+  async def stage(self, payload: data_lib.Batch, *, key: str) -> contract.StageOutcome:
     raise NotImplementedError("resident micro-batches are never staged")
 
   async def train(self, payload: data_lib.Batch, *, stage_key: str | None,
-                  apply_optimizer: bool) -> outcome_lib.Trained:
+                  apply_optimizer: bool) -> contract.Trained:
     return await self._engine.train_resident(payload.mb_id, apply_optimizer=apply_optimizer)
 
   async def reset(self, keys: list[str]) -> None:

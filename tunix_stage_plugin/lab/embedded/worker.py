@@ -24,8 +24,8 @@ from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import executor as executor_lib
-from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.core import sizing
+from tunix_stage_plugin.core import contract
+from tunix_stage_plugin.core import host_bound as host_bound_lib
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.core import store as store_lib
 from tunix_stage_plugin.lab.bench import trace as trace_lib
@@ -33,7 +33,6 @@ from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.hosts.tunix import contract
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.embedded import pacing
 
@@ -82,7 +81,7 @@ class TrainerWorker:
     if self.telemetry is not None:
       self.telemetry.trainer(lambda: self.store.take_peaks())
     # The host bound at auto: sized after each step (a trainer step sink), 1 to start with.
-    self.host_bound: sizing.HostBound | None = None
+    self.host_bound: host_bound_lib.HostBound | None = None
     self._sized = False
     self.store = store_lib.StagedBatchStore(cfg.max_device_batches,
                                             max_host_batches=self._host_bound(None))
@@ -210,7 +209,7 @@ class TrainerWorker:
           try:
             payload = data_lib.unpack_batch(payload, self.pool)
           except codec_lib.CodecError as decode:
-            raise outcome_lib.StagedPayloadUnreadable(
+            raise contract.StagedPayloadUnreadable(
                 f"staged micro-batch {payload.mb_id} did not decode ({decode}); "
                 f"send it with its train call") from None
         item = _Staged(payload.step, payload.mb_id, self._place(payload, "inline"))
@@ -275,7 +274,7 @@ class TrainerWorker:
     """Receives `batch` under `key`, answered at once (a StageOutcome as a dict); the placer
     thread places it next, so the next stage's payload crosses the wire meanwhile."""
     if not self.cfg.enabled:
-      return outcome_lib.unsupported(
+      return contract.unsupported(
           key, "staging is off on this trainer (TUNIX_STAGE_BATCH=off)").as_dict()
     self._require_trainer()
     store = self.store
@@ -329,7 +328,7 @@ class TrainerWorker:
       return fixed
     device = self.cfg.max_device_batches if device is None else device
     if self.host_bound is None:
-      self.host_bound = sizing.HostBound(budget_bytes=self.cfg.memory_budget,
+      self.host_bound = host_bound_lib.HostBound(budget_bytes=self.cfg.memory_budget,
                                          device_bound=device, apply=self._apply_host_bound)
       if self.telemetry is not None:
         self.telemetry.add_step_sink(self.host_bound)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.lab.bench import trace as bench_trace
 from tunix_stage_plugin.lab.sim import trace as trace_lib
@@ -82,7 +82,7 @@ class SimTrainer:
     start, end = await self._h2d.use(mb.times.h2d_s)
     self.timeline.add(H2D, mb.name, start, end, step=mb.step, lane=lane, bytes=0)
 
-  async def stage(self, payload: SimMicroBatch, *, key: str) -> outcome_lib.StageOutcome:
+  async def stage(self, payload: SimMicroBatch, *, key: str) -> contract.StageOutcome:
     await self._receive(payload)
     answered = asyncio.get_running_loop().create_future()
     placed = self._placed[key] = asyncio.get_running_loop().create_future()
@@ -92,9 +92,9 @@ class SimTrainer:
         try:
           await asyncio.wait_for(self._host.acquire(), self.slot_wait_s)
         except asyncio.TimeoutError:
-          answered.set_result(outcome_lib.refused(key, "host bound reached"))
+          answered.set_result(contract.refused(key, "host bound reached"))
           return
-        answered.set_result(outcome_lib.staged(key))
+        answered.set_result(contract.staged(key))
         await self._device.acquire()
         self._host.release()
         await self._copy(payload, "staging")
@@ -106,7 +106,7 @@ class SimTrainer:
     return await answered
 
   async def train(self, payload: SimMicroBatch | None, *, stage_key: str | None,
-                  apply_optimizer: bool) -> outcome_lib.Trained:
+                  apply_optimizer: bool) -> contract.Trained:
     if stage_key is None and not self.resident:
       await self._receive(payload)
     async with self._compute:
@@ -126,7 +126,7 @@ class SimTrainer:
         await asyncio.sleep(payload.update_s)
         self.timeline.add(COMPUTE, f"update s{payload.step}", start, self._now(),
                           step=payload.step, kind=tracks.UPDATE)
-    return outcome_lib.Trained(payload.name)
+    return contract.Trained(payload.name)
 
   async def boundary(self, step: int, seconds: float) -> None:
     async with self._compute:

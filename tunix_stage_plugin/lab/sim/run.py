@@ -14,7 +14,7 @@ from typing import AsyncIterator
 import looptime
 
 from tunix_stage_plugin.core import inputs
-from tunix_stage_plugin.core import outcome as outcome_lib
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.lab.bench import metrics
 from tunix_stage_plugin.lab.bench import modes as modes_lib
@@ -107,23 +107,23 @@ class _Answering:
   def __init__(self, trainer: model.SimTrainer, sizer: sizing.Sizer, bounds: tuple[int, int]
                ) -> None:
     self.trainer, self.sizer, self.bounds = trainer, sizer, bounds
-    self.newest: outcome_lib.TrainerStep | None = None
+    self.newest: contract.TrainerStep | None = None
     trainer.timeline.add_sink(recorder_lib.TrainerSteps(self._closed))
 
   def _closed(self, figures: dict) -> None:
-    self.newest = outcome_lib.TrainerStep.of(
+    self.newest = contract.TrainerStep.of(
         figures, run=HOST, max_device_batches=self.bounds[0], max_host_batches=self.bounds[1],
         host_sized=False)
 
   async def stage(self, payload: model.SimMicroBatch, *, key: str
-                  ) -> outcome_lib.StageOutcome:
+                  ) -> contract.StageOutcome:
     answer = (await self.trainer.stage(payload, key=key)).carrying(self.newest)
     if answer.trainer is not None:
       self.sizer.trainer(answer.trainer)
     return answer
 
   async def train(self, payload: model.SimMicroBatch | None, *, stage_key: str | None,
-                  apply_optimizer: bool) -> outcome_lib.Trained:
+                  apply_optimizer: bool) -> contract.Trained:
     return await self.trainer.train(payload, stage_key=stage_key,
                                     apply_optimizer=apply_optimizer)
 

@@ -44,7 +44,7 @@ from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.core.telemetry import record as record_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.lab import rss
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import host as host_lib

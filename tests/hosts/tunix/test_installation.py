@@ -1,22 +1,39 @@
-"""tunix host's installation state (hosts/tunix/installation.py, no tunix needed): the trainer's
-receive pool is bounded by what its workers may hold staged, and follows a reconfiguration."""
+"""tunix host's installation state (hosts/tunix/installation.py and the trainer's side it makes):
+the trainer's receive pool is bounded by what its workers may hold staged, and follows a
+reconfiguration; one metrics logger per process is told each trainer step."""
 
 from __future__ import annotations
 
-import functools
+import types
 
+import pytest
+
+pytest.importorskip("tunix.experimental.orchestrator.rl_program",
+                    reason="tunix's experimental stack (google/tunix main) is not importable")
+
+# pylint: disable=wrong-import-position
 from tunix_stage_plugin.core import config as config_lib
+from tunix_stage_plugin.core import patching
+from tunix_stage_plugin.hosts.tunix import adapter
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
+
+pytestmark = pytest.mark.tunix
 
 
 class _Worker:
-  """Stands for a TrainerWorker: the installation keys its state by the object only."""
+  """Stands for a TrainerWorker: the trainer's side keys its staging by the object only."""
+
+
+def _installation(live: config_lib.LiveConfig) -> installation_lib.Installation:
+  tunix = adapter.TunixAdapter()
+  tunix.load()
+  return installation_lib.Installation(live, tunix.modules, patching.PatchRegistry())
 
 
 def test_the_receive_pool_is_bounded_by_the_workers_staging_bounds():
   live = config_lib.LiveConfig(config_lib.resolve(
       {"mode": "stage", "max_device_batches": 2, "max_host_batches": 1}, env={}))
-  inst = installation_lib.Installation(live)
+  inst = _installation(live)
   try:
     assert inst.pool.bound == 3  # before any worker stages: one worker's room
     first, second = _Worker(), _Worker()
@@ -36,8 +53,7 @@ def test_the_receive_pool_is_bounded_by_the_workers_staging_bounds():
 def test_one_metrics_logger_per_process_is_told_each_trainer_step():
   """The figures are the process's and a logger's backends listen process-wide: the first
   logger met gets a step sink, once; another trainer's logger gets none (no double logging)."""
-  inst = installation_lib.Installation(config_lib.LiveConfig(config_lib.resolve(
-      {"mode": "stage"}, env={})))
+  inst = _installation(config_lib.LiveConfig(config_lib.resolve({"mode": "stage"}, env={})))
   made = []
 
   class Sink:
@@ -47,10 +63,11 @@ def test_one_metrics_logger_per_process_is_told_each_trainer_step():
     def step(self, figures):
       del figures
 
+  placement = types.SimpleNamespace(step_sink=lambda target, logger: Sink(logger))
   try:
     first, second = object(), object()
     for logger in (first, first, second):
-      inst.log_into(logger, functools.partial(Sink, logger))
+      inst.trainer_side()._log_into(placement, object(), logger)  # pylint: disable=protected-access
     assert made == [first]
   finally:
     inst.close()

@@ -1,4 +1,4 @@
-"""The wire contract between the tunix hooks' two ends (hosts/tunix/contract.py, no tunix
+"""The wire contract between the tunix hooks' two ends (core/contract.py, no tunix
 needed): what an answer carries is built and read in one place, and a remote error is read from
 tunix's envelope once, into a type callers match on."""
 
@@ -8,9 +8,7 @@ import types
 
 import pytest
 
-from tunix_stage_plugin.core import keys
-from tunix_stage_plugin.core import outcome as outcome_lib
-from tunix_stage_plugin.hosts.tunix import contract
+from tunix_stage_plugin.core import contract
 
 
 def response(**fields):
@@ -21,11 +19,11 @@ def response(**fields):
 
 
 def test_an_answer_is_read_back_as_it_was_built():
-  outcome = outcome_lib.refused("ts0badcafe.0-s1-m2", "host bound reached")
+  outcome = contract.refused("ts0badcafe.0-s1-m2", "host bound reached")
   read = contract.stage_outcome(response(metadata=contract.stage_answer(outcome, None)))
   assert read == outcome and read.trainer is None  # before the trainer's first step
   # The trainer's newest closed step rides on the answer, its numbers as they were.
-  newest = outcome_lib.TrainerStep(
+  newest = contract.TrainerStep(
       run="r", step=3, step_s=2.5, compute_s=2.0, mid_step_wait_s=0.25, boundary_wait_s=None,
       other_s=0.0, microbatches=4, fwd_bwd_s=0.5, received=4, received_s=0.4,
       received_bytes=4 << 20, placed=4, placed_s=0.1, placed_bytes=4 << 20, staged=4,
@@ -82,10 +80,10 @@ def test_one_map_turns_the_trainers_errors_into_the_plugins_types():
   envelope = RuntimeError("RemoteExecutionError [StageKeyError]: stage key 'k' is not staged\n"
                           "Remote traceback:\n...")
   typed = contract.typed_error(envelope, contract.FWD_BWD)
-  assert type(typed) is keys.StageKeyError and str(typed) == "stage key 'k' is not staged"
+  assert type(typed) is contract.StageKeyError and str(typed) == "stage key 'k' is not staged"
   unreadable = contract.RemoteError("StagedPayloadUnreadable", "zstd: corrupt")
   typed = contract.typed_error(unreadable, contract.FWD_BWD)
-  assert type(typed) is outcome_lib.StagedPayloadUnreadable and str(typed) == "zstd: corrupt"
+  assert type(typed) is contract.StagedPayloadUnreadable and str(typed) == "zstd: corrupt"
   # AttributeError is "no such method" only for a method the plugin adds to the trainer.
   missing = contract.RemoteError("AttributeError", "Method 'stage_batch' not found")
   typed = contract.typed_error(missing, contract.STAGE_BATCH)
@@ -96,7 +94,7 @@ def test_one_map_turns_the_trainers_errors_into_the_plugins_types():
   assert contract.typed_error(ValueError("RemoteExecutionError [StageKeyError]: k"),
                               contract.STAGE_BATCH) is None
   # The context manager raises the typed error from the original; any other error as it is.
-  with pytest.raises(keys.StageKeyError) as raised:
+  with pytest.raises(contract.StageKeyError) as raised:
     with contract.typed_errors(contract.STAGE_BATCH):
       raise envelope
   assert raised.value.__cause__ is envelope
