@@ -189,9 +189,9 @@ class Window:
 
   @property
   def wire_is_the_bound(self) -> bool:
-    """A micro-batch takes as long to cross as to compute: staging cannot keep up."""
-    return (self.transfer_s is not None and self.compute_s is not None
-            and self.transfer_s >= self.compute_s)
+    """A micro-batch takes as long to cross as to compute (figures.wire_bound)."""
+    return figures_lib.wire_bound(self.transfer_s, self.compute_s,
+                                  figures_lib.median(self.step_s))
 
   def wire_why(self, auto: bool = False) -> str:
     """What the figures say where the wire is the bound. At `auto` (a depth sized each step,

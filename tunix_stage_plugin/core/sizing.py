@@ -138,9 +138,14 @@ class Window:
 
   @property
   def wire_is_the_bound(self) -> bool:
-    """A micro-batch takes as long to cross as to compute: no depth keeps up."""
-    return (self.transfer_s is not None and self.compute_s is not None
-            and self.transfer_s >= self.compute_s)
+    """A micro-batch takes as long to cross as to compute (figures.wire_bound)."""
+    return figures_lib.wire_bound(self.transfer_s, self.compute_s, self.step_s)
+
+  @property
+  def noise(self) -> bool:
+    """A micro-batch's stage and compute are both under the noise floor (figures.significant):
+    they say nothing of a depth."""
+    return not figures_lib.significant(max(self.stage_s, self.compute_s), self.step_s)
 
   def cushion(self) -> tuple[int, str]:
     """The depth that hides a stage, and why: where the wire is the bound, the depth that keeps
@@ -148,9 +153,11 @@ class Window:
     times the longest step's mean."""
     if self.wire_is_the_bound:
       want = _spans((self.transfer_s + self.place_s) / self.transfer_s) if self.transfer_s else 1
-      return want, (f"the wire is the bound: a micro-batch takes {self.transfer_s:.2f} s to cross "
-                    f"against {self.compute_s:.2f} s of compute, so no depth beyond {want} can "
-                    "hide it")
+      crossing = (f"a micro-batch takes {self.transfer_s:.2f} s to cross against "
+                  f"{self.compute_s:.2f} s of compute")
+      if self.wait.counts:  # the trainer's steps were bound by their input wait too
+        return want, f"the wire is the bound: {crossing}, so no depth beyond {want} can hide it"
+      return want, f"{crossing}: depth {want} keeps the wire busy"
     return _spans(SPIKE * self.stage_s / self.compute_s), (
         f"a micro-batch's stage {self.stage_s:.2f} s against {self.compute_s:.2f} s of compute, "
         f"{SPIKE:g}x spikes included, over the last {self.wait.of} step(s)")
@@ -297,6 +304,10 @@ class Sizer:
       if self._ceiling is not None and d + 1 >= self._ceiling[0]:
         return d, f"kept: depth {self._ceiling[0]} was never filled ({w.wait})", None
       return d + 1, str(w.wait), _Trial(d + 1, str(w.wait))
+    if w.noise:
+      return d, (f"kept: a micro-batch's stage ({w.stage_s:.2f} s) and compute "
+                 f"({w.compute_s:.2f} s) are under the noise floor (each under "
+                 f"{figures_lib.FLOOR_S:g} s or {figures_lib.SHARE:.0%} of a step)"), None
     want, why = w.cushion()
     if want < d and w.wait.counts:
       return d, f"kept: {w.wait}, with the depth not used up", None

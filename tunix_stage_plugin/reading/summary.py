@@ -37,16 +37,9 @@ def judged(steps: pd.DataFrame) -> np.ndarray:
 
 
 def estimated(steps: pd.DataFrame) -> np.ndarray:
-  """Per trainer step, the input wait it would have had inline: each micro-batch staged in it
-  would have received and been placed between two computations. An upper bound (tunix answers a
-  call once its computation is queued, so its own loop overlaps part of the next call's
-  transfer)."""
-  received, placed = steps["received"].to_numpy(), steps["placed"].to_numpy()
-  per_receive = figures_lib.each(steps["received_s"].to_numpy(), received)
-  per_place = steps["placed_s"] / np.maximum(placed, 1)
-  staged = steps["placed_staged"].to_numpy()
-  return np.where(staged > 0, steps["input_wait_s"] + staged * (per_receive + per_place),
-                  steps["input_wait_s"])
+  """Per trainer step, the input wait it would have had inline: its wait and what staging saved
+  in it (figures' `saved_s`, an upper bound)."""
+  return (steps["input_wait_s"] + steps["saved_s"].fillna(0.0)).to_numpy()
 
 
 def _step_s(steps: pd.DataFrame) -> pd.Series:
@@ -86,7 +79,7 @@ def summary(trainer: pd.DataFrame, orchestrator: pd.DataFrame) -> dict[str, Any]
         "first_steps": int(first.sum()),
         "only_first": not (~first).any(),
         "inline_wait_estimate_s": median(estimate),
-        "hidden_s": median(estimate - wait[staged]),
+        "hidden_s": median(t["saved_s"].to_numpy()[staged]),
         "received": transports(trainer, "received"),
         # A record holding both (a job run staged and inline, or stages that fell back): each
         # path's input wait apart, so staging's effect is read off the job itself.

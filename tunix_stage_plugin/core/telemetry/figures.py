@@ -1,10 +1,7 @@
-"""The step figures, one table: each figure a staging process measures per step, its name, role,
-where a step's figures (and so its record) hold it, its unit, how a step sums its micro-batches
-and a run sums its steps, and whether it is a metrics-logger scalar; what bounds a step; and the
-one formatter of seconds, sizes and speeds. The per-step line, the record's shape, the scalars,
-`tunix-stage report` (its DataFrame's columns are these names), `report A B` and the picture all
-read this table. A name means one thing in either role. docs/observability.md "The steps as a
-DataFrame" lists each column.
+"""The step figures, one table: each figure's name, role, place in a step's figures, unit, how a
+step and a run sum it, and whether it is a scalar; what bounds a step; the one formatter of
+seconds, sizes and speeds. The line, the record, the scalars and `tunix-stage report` all read it.
+A name means one thing in either role. docs/observability.md "The steps as a DataFrame".
 """
 
 from __future__ import annotations
@@ -102,6 +99,16 @@ def _per(a: Any, b: Any, scale: float = 1.0) -> Any:
     return np.where(b > 0, a / (np.where(b > 0, b, 1) * scale), math.nan)
 
 
+def _saved(g: Get) -> Any:
+  """A step's input wait that staging saved: its staged placements, each as long as a receive
+  and a placement of the step (their means), which inline would have run between two
+  computations (an upper bound: tunix answers a call once its computation is queued). NaN where
+  the step staged none."""
+  staged = g("placed_staged")
+  each_s = each(g("received_s"), g("received")) + each(g("placed_s"), g("placed"))
+  return np.where(staged > 0, staged * each_s, math.nan)
+
+
 def _t(name: str, path: str, unit: str, within: str, over: str | None, what: str,
        **kwargs: Any) -> Figure:
   return Figure(name, TRAINER, tuple(path.split(".")) if path else (), unit, within, over, what,
@@ -179,6 +186,10 @@ FIGURES: tuple[Figure, ...] = (
        scalar=True, compared=True),
     _t("placed_inline", "place.inline", COUNT, SUM, TOTAL, "placements inline (in the train "
        "call)", scalar=True, compared=True),
+    _t("saved_s", "", SECONDS, SUM, MEDIAN, "the input wait staging saved: the staged "
+       "micro-batches' receives and placements, which inline would have run between two "
+       "computations (none where none staged)", null=True, scalar=True, compared=True,
+       derive=_saved),
     _t("pool_waits", "pool.waits", COUNT, SUM, TOTAL, "transfers that waited for a receive "
        "buffer", scalar=True, compared=True),
     _t("pool_wait_s", "pool.wait_s", SECONDS, SUM, TOTAL, "the pool waits' time"),
@@ -283,6 +294,13 @@ def bound_by(step_s: float, input_wait: float, slowdown_s: float | None) -> str:
   if significant(slowdown_s, step_s):
     return SHARED_CORES
   return COMPUTE
+
+
+def wire_bound(transfer_s: float | None, compute_s: float | None, step_s: float | None) -> bool:
+  """A micro-batch takes as long to cross as to compute, and its crossing is no noise in the
+  step (`significant`): no depth keeps the device fed. The sizer and the advice judge so."""
+  return (known(transfer_s) and known(compute_s) and known(step_s)
+          and transfer_s >= compute_s and significant(transfer_s, step_s))
 
 
 def transports(parts: Iterable[tuple[str, int, int, float]], *, rate: bool = True

@@ -44,12 +44,17 @@ def trainer_line(figures: dict[str, Any]) -> str:
   micro-batch that came inside a gRPC call is not among them (the orchestrator's line counts it)."""
   v = figures_lib.row(figures_lib.TRAINER, figures)
   received = _by_transport(v, "received") or "nothing by side channel or stream"
+  # A first step compiles and has no step before it: nothing in it is judged.
+  judged = (f"bound by {v['bound_by']}" if figures_lib.known(v["step_s"])
+            else "not judged: a first step compiles")
+  if figures_lib.known(v["saved_s"]):
+    judged += f"; staging saved {_s(v['saved_s'])} s"
   return (f"tunix-stage: trainer step {figures['step']}: {_s(v['step_s'])} s = compute "
           f"{_s(v['compute_s'])}{slowdown(v['slowdown_s'], v['beside_transfer'])} + input wait "
           f"{_s(v['input_wait_mid_step_s'])} mid-step, {_s(v['input_wait_boundary_s'])} at the "
           f"boundary + other calls {_s(v['other_s'])}; received {received}; placed "
           f"{v['placed']} in {_s(v['placed_s'])} s; pool waits {v['pool_waits']} "
-          f"({_s(v['pool_wait_s'])} s); bound by {v['bound_by']}{_sizing(v)}")
+          f"({_s(v['pool_wait_s'])} s); {judged}{_sizing(v)}")
 
 
 def orchestrator_line(figures: dict[str, Any]) -> str:
