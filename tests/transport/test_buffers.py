@@ -11,6 +11,7 @@ import pytest
 
 from tests.embedded.support import wait_for
 from tunix_stage_plugin.transport import listener as buffers_lib
+from tunix_stage_plugin.transport import stream
 from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core import tracks
@@ -77,7 +78,7 @@ def test_reserve_makes_the_missing_buffers_once_and_take_reuses_them():
 def test_a_chunk_sink_fills_each_buffer_in_order_with_one_copy():
   pool = buffers_lib.HostBufferPool()
   parts = [np.arange(3 * MIB, dtype=np.uint8), np.arange(5, dtype=np.uint8)]
-  sink = buffers_lib.ChunkSink([p.nbytes for p in parts], pool)
+  sink = stream.ChunkSink([p.nbytes for p in parts], pool)
   for part in parts:
     for start in range(0, part.nbytes, 2 * MIB):
       sink.write(part[start:start + 2 * MIB].tobytes())
@@ -93,7 +94,7 @@ def test_a_chunk_sink_fills_each_buffer_in_order_with_one_copy():
     ([b"\0" * 8, b"\0" * 8], "overruns buffer 0"),
 ])
 def test_a_chunk_sink_refuses_streams_that_break_their_sizes(chunks, message):
-  sink = buffers_lib.ChunkSink([12, 4], buffers_lib.HostBufferPool())
+  sink = stream.ChunkSink([12, 4], buffers_lib.HostBufferPool())
   with pytest.raises(ValueError, match=message):
     for chunk in chunks:
       sink.write(chunk)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tunix_stage_plugin.transport import listener as buffers_lib
-from tunix_stage_plugin.transport import sender
+from tunix_stage_plugin.transport import stream
 from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.transport import wire
 
@@ -40,8 +40,8 @@ class Messages:
 async def receive_call(messages, pool, max_bytes, setting="the setting"):
   """One chunked call read as the trainer reads it: its header checked, then its chunks."""
   messages = aiter(messages)
-  header = await buffers_lib.receive_header(messages, max_bytes, setting)
-  return header, await buffers_lib.receive_chunks(messages, header, pool)
+  header = await stream.receive_header(messages, max_bytes, setting)
+  return header, await stream.receive_chunks(messages, header, pool)
 
 
 def receive(messages, pool=None, max_bytes=1 << 40):
@@ -61,7 +61,7 @@ def test_a_call_round_trips_in_chunks_into_aligned_pooled_buffers_without_a_copy
   encoded = wire.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False})
   assert len(encoded.body) < 4096  # the arrays are out of band
   assert encoded.nbytes == len(encoded.body) + sent["experts"].nbytes + sent["tokens"].nbytes
-  messages = list(sender.messages(encoded))
+  messages = list(stream.messages(encoded))
   # The header, then each buffer in chunks of at most CHUNK_BYTES, never spanning two buffers.
   sizes = [len(m) for m in messages[1:]]
   experts = sent["experts"].nbytes
@@ -85,9 +85,9 @@ def test_a_large_pickle_travels_as_the_streams_first_part():
   strided = np.arange(4 * MIB, dtype=np.uint8)[::2]  # not contiguous: numpy pickles it in band
   encoded = wire.encode("r-1", "stage_batch", (), {"payload": {"a": strided}, "key": "k"})
   assert len(encoded.body) > wire.HEADER_BODY_MAX and not encoded.buffers
-  header = wire.decode_header(next(sender.messages(encoded)))
+  header = wire.decode_header(next(stream.messages(encoded)))
   assert header.body is None and header.sizes == [len(encoded.body)]
-  request_id, method, _, kwargs = receive(Messages(sender.messages(encoded)))
+  request_id, method, _, kwargs = receive(Messages(stream.messages(encoded)))
   assert (request_id, method, kwargs["key"]) == ("r-1", "stage_batch", "k")
   np.testing.assert_array_equal(kwargs["payload"]["a"], strided)
 
@@ -152,7 +152,7 @@ async def send_chunked(rpc, encoded):
   once the trainer accepted it); answers the reply (or the AioRpcError's code) and how many
   messages were sent."""
   call, sent = rpc(timeout=60), 0
-  messages = sender.messages(encoded)
+  messages = stream.messages(encoded)
   try:
     try:
       await call.write(next(messages))
@@ -181,9 +181,9 @@ async def serve_and_send(payload, cap, max_bytes):
   async def execute(request_iterator, context):
     messages = aiter(request_iterator)
     try:
-      header = await buffers_lib.receive_header(messages, max_bytes, "the setting")
+      header = await stream.receive_header(messages, max_bytes, "the setting")
       await context.send_initial_metadata(((contract.STREAM_READY_KEY, contract.STREAM_READY),))
-      received = await buffers_lib.receive_chunks(messages, header, pool)
+      received = await stream.receive_chunks(messages, header, pool)
       _, method, _, kwargs = wire.decode_received(header, received.buffers)
       del received
     except wire.WireError as e:
@@ -237,7 +237,7 @@ def test_a_refused_header_is_answered_before_any_chunk_is_sent():
 
 def test_a_received_call_says_what_its_header_announced_and_when_its_bytes_came():
   encoded = wire.encode(None, "fwd_bwd", (), {"payload": payload()})
-  header, received = asyncio.run(receive_call(Messages(sender.messages(encoded)),
+  header, received = asyncio.run(receive_call(Messages(stream.messages(encoded)),
                                               buffers_lib.HostBufferPool(), 1 << 40))
   assert header.method == "fwd_bwd"
   assert header.announced == sum(b.nbytes for b in encoded.buffers)

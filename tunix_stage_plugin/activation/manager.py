@@ -1,14 +1,10 @@
 """install / uninstall: one activation per host per process, idempotent and exactly reversible.
 
-`install` resolves the configuration (off touches nothing), loads the host adapter, imports the
-host, runs every capability probe, and only when all pass applies the hooks through a registry
-that records what each class had; a refusal installs nothing. Its one line (refusal or
-activation) goes to stderr, because a pod's stdout is often the training log that users grep. An
-invalid setting is never a refusal: ConfigError, which stops the automatic paths through
-`activate_from_env`. `hook_driver` gives an imported known driver the staging flags
-(activation/drivers.py), even where the host's hooks were refused. docs/tunix.md "Activation,
-three ways", "Driver flags"; docs/configuration.md (the misspelled-variable warning, said once
-per process).
+`install` resolves the settings (off touches nothing), loads the host, runs every probe, and only
+when all pass applies the hooks through a registry that records what each class had. Its one
+line goes to stderr: a pod's stdout is often the training log. An invalid setting is a
+ConfigError, never a refusal. `hook_driver` gives a known driver the staging flags.
+docs/tunix.md "Activation, three ways".
 """
 
 from __future__ import annotations
@@ -18,14 +14,16 @@ import functools
 import os
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
-from tunix_stage_plugin.hosts import interface as hosts_lib
 from tunix_stage_plugin.activation import entry_points
 from tunix_stage_plugin.hosts import triggers
 from tunix_stage_plugin.activation import importhook
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
+
+if TYPE_CHECKING:  # the adapters' contract: typing only
+  from tunix_stage_plugin.hosts import interface as hosts_lib
 
 DEFAULT_HOST = "tunix"
 

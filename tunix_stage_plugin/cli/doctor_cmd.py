@@ -9,7 +9,6 @@ import argparse
 import importlib.util
 import json
 import platform
-import sys
 from typing import Any
 
 from tunix_stage_plugin import __version__

@@ -1,14 +1,10 @@
-"""Staging configuration: one table of settings, resolved as explicit > env > default.
+"""Staging's settings, one table, resolved as explicit > env > default.
 
-Every consumer (the CLI, the bench and simulator flags, the driver flags, `tunix-stage config
---check`, and through it the launch recipes) goes through `parse_value`/`resolve`, so a value is
-validated by one set of rules, with one range; `resolve` reports every bad setting at once in one
-ConfigError (lines from inputs.invalid), and `unknown_variables` names a likely misspelled
-variable and the closest setting. Before its own parser, every setting's value meets one rule
-(`value_problem`): no control or invisible character, no byte that is not UTF-8, and no
-whitespace at either end (refused by name, never trimmed), so that whatever carries an accepted
-value to another process (an `env` list, a `NAME=value` line, a command line) carries it as one
-entry, unchanged. docs/configuration.md.
+Every consumer (the CLI, the flags, `tunix-stage config --check`, the recipes) goes through
+`parse_value` and `resolve`: one rule and one range per value. `resolve` names every bad setting
+at once in one ConfigError. Every value first meets `value_problem`: no control or invisible
+character, no byte that is not UTF-8, no whitespace at either end (refused, never trimmed), so a
+value reaches another process as one entry, unchanged. docs/configuration.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""The contract between an orchestrator and a trainer, built and parsed here and nowhere else: the
-stage keys, the typed outcomes, the methods the plugin adds and their lanes, what their answers
-carry, and the remote errors both ends answer with.
+"""The contract between an orchestrator and a trainer, built and parsed here only: the stage keys,
+the outcomes, the methods the plugin adds and their lanes, what answers carry, the remote errors.
 
-A pipeline's key is `<prefix>-s<step>-m<index>`, the prefix per run: `st<8 hex>`, or
-`ts<session>.<n>` where a host tells orchestrator processes apart (tunix's: a trainer that sees a
-new session drops the older sessions' batches, docs/tunix.md "One orchestrator per trainer").
-
-The pipeline acts on an outcome's status alone, never on a reason's text (docs/design.md "Core
-semantics"). The answers are tunix's Response metadata, which the embedded host speaks too; a
-remote error is tunix's envelope, parsed once into a `RemoteError`, and `typed_error` is the one
-map to the plugin's typed errors (no caller reads a type's name). Imports no host.
+A key is `<prefix>-s<step>-m<index>`; the prefix is `st<8 hex>` per run, or `ts<session>.<n>`
+where a trainer tells orchestrators apart (docs/tunix.md "One orchestrator per trainer"). The
+pipeline acts on an outcome's status, never on a reason's text. A remote error is tunix's
+envelope, parsed once (`RemoteError`); `typed_error` is the one map to the plugin's errors.
 """
 
 from __future__ import annotations

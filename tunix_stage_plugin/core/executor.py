@@ -1,12 +1,10 @@
-"""Method executor for a served worker: which thread runs which remote method.
+"""Which thread runs which remote method of a served worker.
 
-Why: a host runs every sync worker method inline on its RPC server's only event loop, so a stage
-waits behind a running fwd_bwd. Three lanes, by the host's lane table (tunix's: hosts/tunix/
-lanes.py): compute, one FIFO thread for every method the table does not name (trainer state is
-still touched by one thread in arrival order); staging, one thread for the staging methods; inline,
-the light methods answered on the caller's thread. Lane threads are daemons, so a process that
-gives up on a stuck lane (`close(timeout=...)` returns the busy ones) can exit: docs/embedded.md
-"Stopping the trainer".
+A host runs every sync worker method on its server's one event loop, so a stage would wait behind
+a running fwd_bwd. Three lanes, by the host's lane table (tunix's: core/contract.py): compute, one
+FIFO thread for every method the table does not name; staging, one thread for the staging
+methods; inline, the light methods, on the caller's thread. Lane threads are daemons, so a
+process that gives up on a stuck lane can exit: docs/embedded.md "Stopping the trainer".
 """
 
 from __future__ import annotations

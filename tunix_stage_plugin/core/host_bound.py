@@ -1,10 +1,7 @@
-"""The trainer's host bound at auto (TUNIX_STAGE_MAX_HOST_BATCHES=auto): how many received
-micro-batches may wait in host buffers for a device slot, sized each step from the trainer's own
-steps within a memory budget in bytes (`HostBound`, a step sink of the trainer's). Here too what
-both of staging's sizers share: how a wait over a window counts, a micro-batch's bytes as the steps
-moved it, and the line where the budget decided. The orchestrator's depth: core/sizing.py.
-Loaded only where a bound or the depth is auto. docs/configuration.md "Staging that sizes
-itself".
+"""The trainer's host bound at auto: how many received micro-batches may wait in host buffers,
+sized each step from the trainer's own steps within the memory budget (`HostBound`). Also what
+both sizers share: a wait over a window, a micro-batch's bytes, the budget's line. The depth:
+core/sizing.py. docs/configuration.md "Staging that sizes itself".
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The trainer's staged micro-batches: keyed, bounded in host and device memory, consumed once.
 
-A stage has two phases, as grain's `device_put` has two bounded stages. `receive` takes the
-payload into one of `max_host_batches` host buffers and answers at once, so the next payload can
-cross the wire. The placer (one thread of the host's) then pulls each received batch in arrival
-order from `placements`, once one of `max_device_batches` device slots is free, places it and hands
-the result back through the job. `take` hands a placed batch out exactly once; a batch whose
-placement failed hands its payload back (`PlacementFailed`), so the trainer trains it inline: no
-second transfer. Every call goes down into the store; the store calls nothing of its host's.
-
-Contract breaks (a malformed, reused or unknown key) raise. A stage that cannot be held returns a
-typed `StageOutcome`, because a failed stage degrades to the inline path. `track` and `discard`
-say which stores hold batches placed through a trainer, for a host event that makes them wrong.
-docs/design.md "A micro-batch's way".
+Two bounded phases, as in grain's `device_put`. `receive` holds a payload in one of
+`max_host_batches` host buffers and answers at once, so the next one can cross the wire. The
+placer pulls each received batch in order from `placements` once one of `max_device_batches`
+device slots is free. `take` hands a placed batch out once; a failed placement hands its payload
+back (`PlacementFailed`), trained inline with no second transfer. The store calls nothing of its
+host's. A broken key raises; a stage that cannot be held returns a typed `StageOutcome`.
 """
 
 from __future__ import annotations

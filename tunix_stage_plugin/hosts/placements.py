@@ -1,16 +1,11 @@
-"""How each kind of trainer behind tunix's TrainerWorker is staged: the registry of placements (one
-per kind), the seam a staged batch is handed through, and the payload transforms users register.
+"""How each kind of trainer is staged: the registry of placements, the seam a staged batch is handed
+through, and the payload transforms users register.
 
-A placement prepares and places a payload on the trainer's placer thread through the trainer's
-own preparation step. When that batch is trained, the same step (its "seam") hands the placed
-batch through instead of preparing again, so a staged micro-batch is prepared exactly once, as
-inline (tunix's PeftTrainer: hosts/tunix/peft.py; MaxText's engine: hosts/maxtext/). The seam
-knows a batch to hand through, or an inline payload whose preparation a call times, by the
-object itself (`handing`, `timing`): the placer's payloads, prepared on another thread meanwhile,
-are other objects.
-
-The registry and the handing table are the process's, not one installation's: two adapters' hooks
-meet here. docs/design.md "A micro-batch's way"; docs/maxtext.md.
+A placement prepares a payload through the trainer's own preparation step, on the placer thread.
+When the batch trains, the same step (its seam) hands the placed batch through instead of
+preparing again: a staged micro-batch is prepared once, as inline. The seam knows a batch by the
+object itself (`handing`, `timing`). The registry is the process's: two adapters' hooks meet here.
+docs/design.md "A micro-batch's way"; docs/maxtext.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The trainer's end of the bulk transport: where a call's bytes are received, into pooled aligned
-buffers, from the bulk channel (a listener beside the host's server) or a chunked stream.
+"""The trainer's end of the bulk channel: a call's bytes received into pooled aligned buffers.
 
-Why pooled aligned buffers: numpy arrays unpickled over a 64-byte-aligned buffer are writable and
-aligned, and on CPU `jax.device_put` of one is zero-copy; a fresh large buffer costs its page
-faults on first touch (docs/performance.md "Throughput of the host path"). A buffer goes back to
-its `HostBufferPool` only when no array, view or JAX alias references it (CPython's reference
-count of its owner). A pool can be bounded in transfers (`set_bound`), counting on CPU the buffers
-whose computation has not ended.
-
-The listener never unpickles anything, fills buffers only for a transfer whose header passed its
-cap, and bounds every wait on a peer by `wire.BulkLimits` (its host binds it: 127.0.0.1 for the
-embedded trainer, where tunix's server listens for tunix's). docs/embedded.md "The bulk channel"
-and "Limits of the bulk channel"; docs/tunix.md "Where the trainer's memory goes".
+Why pooled and aligned: numpy arrays unpickled over a 64-byte-aligned buffer are writable, and on
+CPU `jax.device_put` of one is zero-copy; a fresh large buffer pays its page faults on first
+touch. A buffer goes back to its `HostBufferPool` once nothing references it (CPython's reference
+count). The listener never unpickles, fills buffers only for a header that passed its cap, and
+bounds every wait on a peer by `wire.BulkLimits`. docs/embedded.md "The bulk channel".
 """
 
 
@@ -27,7 +20,7 @@ import struct
 import sys
 import threading
 import time
-from typing import AsyncIterator, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -213,48 +206,6 @@ class HostBufferPool:
           kept.append(slot)
       self._slots = kept
     return idle
-
-
-class ChunkSink:
-  """Receives a stream of chunks into aligned buffers of announced sizes, one copy per byte.
-
-  For transports that hand over their bytes in messages (a gRPC client stream): each chunk is
-  copied into the buffer it belongs to as it arrives, so nothing payload-sized is held but the
-  buffers themselves; a chunk never spans two buffers. A stream that carries more than it
-  announced is refused at the first chunk past the total, one that ends early at `finish`.
-  """
-
-  def __init__(self, sizes: Sequence[int], pool: HostBufferPool) -> None:
-    self.sizes = list(sizes)
-    self.announced = sum(self.sizes)
-    self.buffers = pool.take_all(self.sizes)
-    self.received = 0
-    self._index = 0
-    self._filled = 0
-
-  def write(self, chunk: bytes | memoryview) -> None:
-    data = memoryview(chunk).cast("B")
-    if self.received + data.nbytes > self.announced:
-      raise ValueError(f"the stream carried more than the {self.announced} bytes it announced "
-                       f"(refused at {self.received + data.nbytes} bytes)")
-    while self._index < len(self.sizes) and self._filled == self.sizes[self._index]:
-      self._index, self._filled = self._index + 1, 0
-    room = self.sizes[self._index] - self._filled
-    if data.nbytes > room:
-      raise ValueError(f"a chunk of {data.nbytes} bytes overruns buffer {self._index} "
-                       f"({self._filled} of {self.sizes[self._index]} bytes filled); chunks never "
-                       "span buffers")
-    target = self.buffers[self._index]
-    target[self._filled:self._filled + data.nbytes] = np.frombuffer(data, np.uint8)
-    self._filled += data.nbytes
-    self.received += data.nbytes
-
-  def finish(self) -> list[np.ndarray]:
-    if self.received != self.announced:
-      raise ValueError(f"the stream ended after {self.received} of the {self.announced} bytes "
-                       "it announced")
-    buffers, self.buffers = self.buffers, []
-    return buffers
 
 
 # ---------------------------------------------------------------- the bulk channel's listener
@@ -595,43 +546,3 @@ def _fail(transfer: _Transfer, error: BaseException) -> None:
     transfer.future.set_exception(error)
   except concurrent.futures.InvalidStateError:
     pass
-
-
-# ---------------------------------------------------------------- a chunked stream's receive
-
-
-async def receive_header(messages: AsyncIterator[bytes], max_bytes: int, setting: str
-                         ) -> wire.Header:
-  """A chunked call's header, its first message, checked against `max_bytes` (set by `setting`)
-  before any of its bytes is read; WireError naming the rule it breaks."""
-  try:
-    first = await anext(messages)
-  except StopAsyncIteration:
-    raise WireError("a chunked call ended before its header") from None
-  header = wire.decode_header(first)
-  wire.announced_bytes(header, max_bytes, setting)
-  return header
-
-
-async def receive_chunks(messages: AsyncIterator[bytes], header: wire.Header,
-                         pool: HostBufferPool) -> wire.Received:
-  """The rest of a chunked call (its parts' chunks, one message each) into buffers from `pool`.
-
-  Runs on the server's event loop: each chunk costs one copy of at most CHUNK_BYTES there; the
-  buffers are taken on a worker thread (a bounded pool may wait for a computation to give
-  buffers back)."""
-  sink = await asyncio.to_thread(ChunkSink, header.sizes, pool)
-  started = time.perf_counter()
-  async for chunk in messages:
-    if len(chunk) > wire.CHUNK_BYTES:
-      raise WireError(f"{header.method}: a chunk of {len(chunk)} bytes is larger than the "
-                      f"{wire.CHUNK_BYTES}-byte chunks a bulk call sends")
-    try:
-      sink.write(chunk)
-    except ValueError as e:
-      raise WireError(f"{header.method}: {e}") from None
-  try:
-    buffers = sink.finish()
-  except ValueError as e:
-    raise WireError(f"{header.method}: {e}") from None
-  return wire.Received(buffers, started, time.perf_counter())

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 from tunix_stage_plugin.transport import wire
 
@@ -190,17 +190,3 @@ async def call_with_bytes(rpc: Awaitable[Any], sender: BulkSender, transfer: byt
       task.cancel()
     await asyncio.gather(call, send, return_exceptions=True)
     lease.end()
-
-
-# ---------------------------------------------------------------- a chunked stream's send
-
-
-def messages(encoded: wire.EncodedRequest) -> Iterator[bytes]:
-  """The stream: the header, then every part in chunks.
-
-  grpcio takes each message as bytes (a memoryview is not sent), so each chunk is copied once
-  into the message, a chunk at a time; nothing payload-sized is made.
-  """
-  yield encoded.header(wire.new_transfer_id())
-  for chunk in wire.iter_chunks(encoded.parts):  # PickleBuffer.raw() and the body: flat views
-    yield bytes(chunk)

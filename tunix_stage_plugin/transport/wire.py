@@ -1,18 +1,11 @@
-"""A call's bytes, both ends agree on them: its encoding and the one bulk format it travels in.
+"""A call's bytes, as both ends agree on them: its encoding and the one bulk format.
 
-A call is the request tuple tunix pickles (request id, method, args, kwargs), pickled with
-protocol 5 and a `buffer_callback` (`encode`): every contiguous array stays out of band in its own
-memory, so the pickle is a few KiB and no array byte is copied. The orchestrator measures a call
-so before it picks a transport; the trainer decodes it over the buffers its bytes were received
-into (`decode_received`).
-
-A call too large for the host's own message travels in bulk: its header (`encode_header`: the
-method, the pickle or None when the pickle is the first part, the parts' sizes, a fresh transfer
-id), then its parts in chunks of at most CHUNK_BYTES, never spanning two parts. Two carriers take
-it: the bulk channel (a `frame_header`, then the chunks, on a plain TCP connection) and, on
-tunix's host, a gRPC client stream. Either way the trainer checks the header (`decode_header`) and
-its cap (`announced_bytes`) before any byte and fails a call with WireError. Imports no host.
-docs/design.md "A micro-batch's way".
+`encode` pickles tunix's request tuple with protocol 5 out of band: every contiguous array stays
+in its own memory, so no array byte is copied. A call too large for the host's own message
+travels in bulk: a header (`encode_header`: method, pickle, the parts' sizes, a transfer id), then
+its parts in chunks of at most CHUNK_BYTES. The bulk channel and the chunked stream both carry
+it. The trainer checks the header and its cap before any byte (`decode_header`,
+`announced_bytes`) and fails a call with WireError. Imports no host.
 """
 
 

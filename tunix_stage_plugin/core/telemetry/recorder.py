@@ -1,14 +1,10 @@
 """The spans one process records of its staging path, and the steps they make.
 
-A span is (track, name, start, end, args) in seconds of the process's `time.perf_counter`,
-recorded where the work happens by code that knows nothing of who listens (the step aggregators
-below, tunix's PerfTracer, a bench's kept spans). A recorder with no sink costs one branch per
-span; a sink that raises is dropped with one line: telemetry never fails a job.
-
-Two sinks make each side's step figures. The trainer's (`TrainerSteps`) closes a step with its
-update's computation; a `ComputeWatcher` thread sees each computation end, since a trainer's calls
-answer once the work is queued. The orchestrator's (`OrchestratorSteps`) makes a step's figures
-from the pipeline's step report. docs/observability.md "How it is measured" and "The record".
+A span is (track, name, start, end, args) in `time.perf_counter` seconds, recorded where the work
+happens by code that knows nothing of who listens. With no sink a span costs one branch; a sink
+that raises is dropped with one line: telemetry never fails a job. `TrainerSteps` closes a step
+with its update's computation (seen ready by the `ComputeWatcher` thread); `OrchestratorSteps`
+makes a step's figures from the pipeline's report. docs/observability.md "How it is measured".
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
-"""What tunix's classes get while staging is installed: every hook, in one place, each thin.
+"""Every hook tunix's classes get while staging is installed, each thin.
 
-A hook hands its call to its role's side (installation.py), made on the role's first call: the
-trainer's (trainer.py) for the servers and TrainerWorker, the orchestrator's (orchestrator.py) for
-DistributedRLEngine, a staged run (run.py, loop_copy.py) for StandardRLProgram's train loop. So
-every process gets every hook and loads only the role it plays. Which hooks and why:
-docs/tunix.md "What it hooks"; a micro-batch's way through them: docs/design.md.
+A hook hands its call to its role's side (installation.py), made on that role's first call, so
+every process gets every hook and loads only the role it plays. Which hooks and why: docs/tunix.md
+"What it hooks".
 
-Traps specific to this code: grpc takes handlers only before start, so the stream's method is added
-when tunix assigns `_server` inside the wrapped `start_serving_async` (a property for that one
-moment; the value stays in the instance's `__dict__`). `stop_serving` stops the side channel first
-(no new bytes), then tunix's stop, then drops the worker's staged batches (nothing can train them)
-and joins the server's lanes. An engine whose type is not DistributedRLEngine (tunix's tests use
-spec'd MagicMocks, which pass isinstance) keeps tunix's loop.
+Traps: grpc takes handlers only before start, so the stream's method is added when tunix assigns
+`_server` inside `start_serving_async` (a property for that one moment). `stop_serving` stops the
+side channel, then tunix's server, then drops the worker's staged batches and joins its lanes. An
+engine whose type is not DistributedRLEngine (tunix's tests use spec'd MagicMocks) keeps tunix's
+loop.
 """
 
 from __future__ import annotations
@@ -25,14 +22,12 @@ from typing import Any
 from tunix.experimental.common import datatypes
 
 from tunix_stage_plugin.core import patching
-from tunix_stage_plugin.hosts import placements
 from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
 
 log = logging.getLogger("tunix_stage_plugin")
-PEFT_SEAM = "_prepare_payload"  # PeftTrainer's preparation step (hosts/tunix/peft.py)
 ACTOR = datatypes.Role.ACTOR
 
 
@@ -41,7 +36,6 @@ def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation)
   _server_hooks(registry, inst, m.remote_execution.RemoteExecutionServer,
                 m.remote_execution.GrpcRemoteExecutionServer)
   _worker_hooks(registry, inst, m.trainer_worker.TrainerWorker)
-  placements.set_seam(registry, m.peft_trainer.PeftTrainer, PEFT_SEAM)
   _engine_hooks(registry, inst, m.engine.DistributedRLEngine)
   _program_hooks(registry, inst, m.program.StandardRLProgram, m.engine.DistributedRLEngine)
 
@@ -211,8 +205,10 @@ def _program_hooks(registry: patching.PatchRegistry, inst: installation_lib.Inst
       return False
     return True
 
-  if probes.loop_way(program_cls) == probes.SEAM:
-    _seam_way(registry, inst, program_cls, engine_cls)
+  if probes.loop_way(program_cls) == probes.SEAM:  # only the way this tunix has is loaded
+    # pylint: disable-next=import-outside-toplevel
+    from tunix_stage_plugin.hosts.tunix import loop_seam
+    loop_seam.apply(registry, inst, program_cls, engine_cls)
   else:
     _copy_way(registry, inst, program_cls, engine_cls)
   registry.set(program_cls, "_stage_ahead_while_pending", _stage_ahead_while_pending)
@@ -244,95 +240,3 @@ def _copy_way(registry: patching.PatchRegistry, inst: installation_lib.Installat
       await run.close()
 
   registry.set(program_cls, "train_stage", train_stage)
-
-
-def _seam_way(registry: patching.PatchRegistry, inst: installation_lib.Installation,
-              program_cls: type, engine_cls: type) -> None:
-  """A tunix with the train loop's seam (patches/tunix-plugins-entry-point.patch): tunix's
-  train_stage and the step's bookkeeping run as tunix wrote them; the hooks are the seam
-  (`_train_microbatches`, `_step_microbatches`, a wrapped `train_stage`, and `last_step_result`
-  as a property adding the step's `stage/*` metrics). A subclass overriding a seam method is not
-  staged across the boundary; one whose `_train_microbatches` never calls tunix's is not staged
-  at all (said at its first step that could have staged)."""
-  original_train_stage = program_cls.__dict__["train_stage"]
-  original_step = program_cls.__dict__["_step_microbatches"]
-  original_train = program_cls.__dict__["_train_microbatches"]
-  # The run of the train_stage whose task (context) is running.
-  current: contextvars.ContextVar[Any] = contextvars.ContextVar("tunix_stage_seam_run",
-                                                                default=None)
-
-  def run_of(program: Any) -> Any:
-    """The run.SeamRun of `program`'s train_stage in this task, or None."""
-    run = current.get()
-    return run if run is not None and run.program is program else None
-
-  @functools.wraps(original_train_stage)
-  async def train_stage(self: Any, engine: Any, num_steps: int | None = None) -> None:
-    # The real type: a MagicMock(spec=DistributedRLEngine) passes isinstance; tunix's loop,
-    # with nothing staged, is the right one for it.
-    if not issubclass(type(engine), engine_cls):
-      return await original_train_stage(self, engine, num_steps)
-    own = [m for m in probes.SEAM_METHODS if getattr(type(self), m) is not hooks[m]]
-    if own and inst.first_time(f"seam-overridden:{type(self).__qualname__}"):
-      log.info("tunix-stage: %s overrides %s: its steps are staged only where it calls tunix's "
-               "(super()), and never across the step boundary (micro-batches made early could "
-               "not reach its override)", type(self).__qualname__, ", ".join(own))
-    # pylint: disable-next=import-outside-toplevel  (the loop loads where a program trains staged)
-    from tunix_stage_plugin.core import pipeline as pipeline_lib
-    from tunix_stage_plugin.hosts.tunix import run as run_lib  # pylint: disable=import-outside-toplevel
-    run = run_lib.SeamRun(inst, self, engine, num_steps, original_step, early_ok=not own)
-    token = current.set(run)
-    try:
-      return await original_train_stage(self, engine, num_steps)  # tunix's, as it wrote it
-    finally:
-      current.reset(token)
-      await pipeline_lib.settle(run.close())
-
-  def _step_microbatches(self: Any, engine: Any) -> Any:
-    run = run_of(self)
-    early = None if run is None else run.early_microbatches()
-    return early if early is not None else original_step(self, engine)
-
-  async def _train_microbatches(self: Any, engine: Any, step: int, microbatches: Any) -> Any:
-    run = run_of(self)
-    if run is None or engine is not run.engine:
-      return await original_train(self, engine, step, microbatches)
-    return await run.train(step, microbatches)
-
-  def say_unstaged(program: Any, result: Any) -> None:
-    """A step that trained micro-batches without the seam: staged none of them. Said once per
-    program class, with why."""
-    cls = type(program)
-    if not inst.first_time(f"seam-never-called:{cls.__qualname__}"):
-      return
-    why = (f"{cls.__qualname__}._train_microbatches overrides tunix's without calling it (call "
-           "super()._train_microbatches(engine, step, microbatches) in it to stage)"
-           if cls._train_microbatches is not hooks["_train_microbatches"] else
-           "tunix's train_stage trained this step without it")
-    log.warning("tunix-stage: step %d staged 0 of %d micro-batches: the seam "
-                "StandardRLProgram._train_microbatches was never called; %s", result.step,
-                result.num_microbatches, why)
-
-  def get_last_step_result(self: Any) -> Any:
-    try:
-      return self.__dict__["last_step_result"]
-    except KeyError:
-      raise AttributeError(f"{type(self).__name__!r} object has no attribute "
-                           "'last_step_result'") from None
-
-  def set_last_step_result(self: Any, value: Any) -> None:
-    run = run_of(self)  # tunix records a step's result: add the step's staging metrics
-    if run is not None and type(value) is inst.modules.program.RLStepResult:
-      if value.step in run.reports:
-        value = run.step_result(value, run.reports.pop(value.step))
-      elif value.num_microbatches:
-        say_unstaged(self, value)
-    self.__dict__["last_step_result"] = value
-
-  hooks = {"_step_microbatches": _step_microbatches, "_train_microbatches": _train_microbatches}
-  registry.set(program_cls, "train_stage", train_stage)
-  for name, hook in hooks.items():
-    registry.set(program_cls, name, functools.wraps(program_cls.__dict__[name])(hook))
-    hooks[name] = program_cls.__dict__[name]  # what a subclass that does not override finds
-  registry.set(program_cls, "last_step_result",
-               property(get_last_step_result, set_last_step_result))

@@ -203,7 +203,8 @@ class Connection:
           contract.STREAM_METHOD,
           response_deserializer=remote_execution.ExecutionResponse.deserialize)
     call = self._stream(timeout=self.handle._rpc_timeout_s)  # pylint: disable=protected-access
-    messages = sender_lib.messages(encoded)
+    from tunix_stage_plugin.transport import stream  # pylint: disable=import-outside-toplevel
+    messages = stream.messages(encoded)
     try:
       try:
         await call.write(next(messages))  # the header; the chunks once the trainer accepts it

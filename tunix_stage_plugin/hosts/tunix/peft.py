@@ -1,17 +1,10 @@
-"""tunix's PeftTrainer as a placement (hosts/placements.py): stage through its `_prepare_payload`;
-its PerfTracer told of staging; its MetricsLogger told each step's `stage/...` scalars.
+"""tunix's PeftTrainer as a placement (hosts/placements.py): staged through its `_prepare_payload`.
 
-A PeftTrainer subclass that overrides `_prepare_payload` is staged through its own override: the
-first time such a trainer stages, the override becomes a seam too (through the installation's
-patch registry, so uninstall restores it), so the override runs once per micro-batch, on the
-placer thread. Loaded by the trainer's side (trainer.py) on its first worker.
-
-Where a PeftTrainer was given a `PerfTracer`, tunix's own export shows staging beside the
-training it feeds: each staging span on a host timeline of its own, and a `peft_train` device
-span per fwd_bwd and update, ended when the compute watcher sees the output ready (no second
-wait). Where it logs its loss with a tunix `MetricsLogger`, its backends (TensorBoard, W&B,
-OpenTelemetry) show `stage/...` beside the loss, at the step the loss is logged at.
-docs/tunix.md "What it hooks"; docs/observability.md.
+A subclass's own `_prepare_payload` becomes a seam too, the first time it stages (undone with the
+installation), so it runs once per micro-batch. Where the trainer has a `PerfTracer`, tunix's
+export shows staging's spans on their own timeline and a `peft_train` device span per
+computation. Where it logs with a tunix `MetricsLogger`, its backends show `stage/...` beside the
+loss, at the loss's step. docs/tunix.md "What it hooks"; docs/observability.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
-"""What a process that serves tunix's workers runs: the trainer's side of one installation.
+"""The trainer's side of one installation: what a process that serves tunix's workers runs.
 
-Every call a server received comes here once, whatever carried it (`execute`): tunix's unary call,
-the bulk side channel (its header on tunix's call, its bytes on a listener beside the server) or
-the chunked stream on the server's own port. A bulk call is received and decoded here over the
-pooled buffers its bytes arrived in, then dispatched like any other. A TrainerWorker's calls run
-on its server's lanes (core.executor): tunix would run them on the server's only event loop, where
-a stage would wait behind a running fwd_bwd.
-
-A worker's staging (`WorkerStaging`): `stage` receives a payload into its store and answers; the
-worker's placer thread places it through the trainer's own preparation step (hosts/placements.py,
-tunix's PeftTrainer in peft.py); `fwd_bwd(stage_key=k)` takes it once and hands it through that
-step. Each fwd_bwd and update is observed for the telemetry. Made by the installation on the first
-call a server of this process serves (hooks.py hands every call here). docs/design.md "A
-micro-batch's way".
+Every call a server received enters once, at `execute`, whatever carried it (tunix's call, the
+side channel or the chunked stream). A TrainerWorker's calls run on its server's lanes
+(core/executor.py): on tunix's one event loop a stage would wait behind a running fwd_bwd. Each
+worker's staging is a store and a placer thread (`WorkerStaging`). The hops: docs/design.md
+"A micro-batch's way".
 """
 
 from __future__ import annotations
@@ -128,6 +120,9 @@ class TrainerSide:
     self.bulk_calls: collections.Counter[str] = collections.Counter()
     self.chunked_calls: collections.Counter[str] = collections.Counter()
     self._workers: "weakref.WeakKeyDictionary[Any, WorkerStaging]" = weakref.WeakKeyDictionary()
+    # PeftTrainer's own preparation step becomes the seam a staged batch passes, undone with the
+    # installation: set here, so a process that serves no TrainerWorker keeps tunix's untouched.
+    placements.set_seam(inst.registry, m.peft_trainer.PeftTrainer, peft.SEAM)
     self._unplace_peft = peft.PeftPlacement(m.peft_trainer.PeftTrainer, inst.registry).apply()
     # A trainer's step figures listen from the start: its first stages arrive before its first
     # computation.
@@ -263,12 +258,12 @@ class TrainerSide:
       try:
         if serving is None:
           raise RuntimeError("the server this stream belongs to is gone")
-        header = await listener_lib.receive_header(messages, self.inst.max_stream_bytes,
-                                                   CAP_SETTING)
+        from tunix_stage_plugin.transport import stream  # pylint: disable=import-outside-toplevel
+        header = await stream.receive_header(messages, self.inst.max_stream_bytes, CAP_SETTING)
         # The header passed: the client sends the chunks now.
         await context.send_initial_metadata(((contract.STREAM_READY_KEY,
                                               contract.STREAM_READY),))
-        received = await listener_lib.receive_chunks(messages, header, self.pool)
+        received = await stream.receive_chunks(messages, header, self.pool)
       except Exception as e:  # pylint: disable=broad-except  (travels back in tunix's envelope)
         return self._error(e, None).serialize()
       self.chunked_calls[header.method] += 1

@@ -8,8 +8,11 @@ from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.core import tracks
 
-# (row label, track): the tracks with a label in core.tracks, drawn top to bottom in table order.
-ROWS = tuple((t.label, t.name) for t in tracks.TRACKS if t.label is not None)
+# (row label, track): the rows drawn, top to bottom.
+ROWS = (("device compute", tracks.DEVICE_COMPUTE), ("weight sync", tracks.DEVICE_SYNC),
+        ("host-to-device", tracks.TRAINER_H2D), ("decode (trainer)", tracks.TRAINER_DECODE),
+        ("wire in (trainer)", tracks.TRAINER_RECEIVE),
+        ("receive pool wait", tracks.TRAINER_POOL_WAIT), ("stage call", tracks.ORCHESTRATOR_STAGE))
 COLOURS = {
     "inline": "#d62728", "staged": "#2ca02c", "resident": "#1f77b4", "update": "#444444",
     tracks.DEVICE_SYNC: "#bbbbbb", "h2d/staging": "#ff7f0e", "h2d/inline": "#d62728",

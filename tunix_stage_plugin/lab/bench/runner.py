@@ -18,7 +18,6 @@ from typing import Callable
 
 import numpy as np
 
-from tunix_stage_plugin.transport import listener as buffers_lib
 from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.lab.bench import cpu
 from tunix_stage_plugin.lab.bench import host as host_lib

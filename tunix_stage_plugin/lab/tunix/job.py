@@ -60,7 +60,6 @@ from tunix.experimental.worker import remote_execution
 from tunix.experimental.worker import trainer_worker
 
 from tunix_stage_plugin.activation import manager
-from tunix_stage_plugin.core import flags as flags_lib
 from tunix_stage_plugin.lab import inputs
 from tunix_stage_plugin.lab.embedded import data as data_lib
 from tunix_stage_plugin.lab.tunix import node as node_lib
@@ -159,8 +158,8 @@ def _make_trainer(sizes: data_lib.Sizes, microbatches: int, seed: int) -> _MeshB
 
 
 def _trainer_parser() -> argparse.ArgumentParser:
-  parser = flags_lib.Parser(prog=f"{PROG} trainer_main",
-                            description="A tunix trainer node of the small job.")
+  parser = argparse.ArgumentParser(prog=f"{PROG} trainer_main",
+                                   description="A tunix trainer node of the small job.")
   parser.add_argument("--port", type=_port, default=0,
                       help="the gRPC server's port (default 0: a free one)")
   parser.add_argument("--worker_id", default="trainer-0", help="the TrainerWorker's id")
@@ -211,8 +210,8 @@ class _Items:
 
 
 def _orchestrator_parser() -> argparse.ArgumentParser:
-  parser = flags_lib.Parser(prog=f"{PROG} orchestrator_main",
-                            description="The small job's orchestrator: tunix's train loop.")
+  parser = argparse.ArgumentParser(prog=f"{PROG} orchestrator_main",
+                                   description="The small job's orchestrator: tunix's train loop.")
   parser.add_argument("--steps", type=_count, default=3, metavar="N",
                       help="training steps (default 3)")
   parser.add_argument("--seed", type=_seed, default=0, help="the micro-batches' seed")
