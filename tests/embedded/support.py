@@ -16,7 +16,6 @@ import grpc
 
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
-from tunix_stage_plugin.lab.embedded import engine as engine_lib
 from tunix_stage_plugin.lab.embedded import job as job_lib
 from tunix_stage_plugin.lab.embedded import server as server_lib
 from tunix_stage_plugin.transport import wire
@@ -28,7 +27,7 @@ TINY = data_lib.TINY_SIZES
 class PlanResult:
   outcomes: list[job_lib.StepOutcome]
   finish: dict[str, Any]
-  wire: engine_lib.WireStats | None = None
+  wire: client_lib.WireStats | None = None
 
   @property
   def fallbacks(self) -> list[int]:
@@ -37,8 +36,8 @@ class PlanResult:
 
 async def run_plan_async(address: str, plan: job_lib.JobPlan, *,
                          sizes: data_lib.Sizes = TINY, seed: int = 0,
-                         engine: Callable[[client_lib.WorkerClient], engine_lib.EmbeddedEngine]
-                         = engine_lib.EmbeddedEngine,
+                         engine: Callable[[client_lib.WorkerClient], client_lib.EmbeddedEngine]
+                         = client_lib.EmbeddedEngine,
                          **setup: Any) -> PlanResult:
   async with client_lib.WorkerClient(address) as client:
     await client.wait_ready()

@@ -17,7 +17,7 @@ from tunix_stage_plugin.core import codec as codec_lib
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import tracks
 from tunix_stage_plugin.lab.embedded import data as data_lib
-from tunix_stage_plugin.lab.embedded import engine as engine_lib
+from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import job as job_lib
 from tunix_stage_plugin.lab.embedded import worker as worker_lib
 
@@ -78,7 +78,7 @@ def test_a_corrupted_or_truncated_chunk_raises_codec_error(name):
     data_lib.unpack_batch(truncated)
 
 
-class CorruptingEngine(engine_lib.EmbeddedEngine):
+class CorruptingEngine(client_lib.EmbeddedEngine):
   """The real engine; the packed bytes of the micro-batches in `corrupt` are damaged after packing,
   as a bad link would (there is no real way to make gRPC over loopback flip a bit)."""
 
@@ -104,7 +104,7 @@ def test_uncompressed_staging_of_the_rl_payload_matches_inline(trainer, inline_d
 
 @pytest.mark.parametrize("name", codecs(*codec_lib.CODECS))
 def test_compressed_staging_trains_to_the_same_parameters_as_inline(trainer, inline_digest, name):
-  engine = functools.partial(engine_lib.EmbeddedEngine, codec=codec_lib.parse(name))
+  engine = functools.partial(client_lib.EmbeddedEngine, codec=codec_lib.parse(name))
   result = run_plan(trainer.address, STAGED, sizes=RL, engine=engine)
   assert result.finish["trained_order"] == EXPECTED
   assert result.finish["param_digest"] == inline_digest
@@ -134,7 +134,7 @@ def test_a_corrupted_compressed_payload_falls_back_inline_and_is_counted(trainer
   assert len(reasons) == 2 and all("did not decode" in r for r in reasons), reasons
   assert result.finish["store"]["failed"] == 2
   clean = run_plan(trainer.address, STAGED, sizes=RL,
-                   engine=functools.partial(engine_lib.EmbeddedEngine,
+                   engine=functools.partial(client_lib.EmbeddedEngine,
                                             codec=codec_lib.parse(DEFAULT)))
   # each corrupted one is sent again, uncompressed, with its train call
   assert result.wire.inline == clean.wire.inline + 2

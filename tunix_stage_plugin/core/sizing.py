@@ -361,7 +361,7 @@ class AutoDepth:
     elif span.track == tracks.ORCHESTRATOR_STAGE:
       step = dict(span.args).get("step")
       if step is not None:
-        self._calls[step].append(span.duration)
+        self._calls[step].append(span.end - span.start)
 
   def answered(self, stage: contract.StageOutcome) -> None:
     """A stage call's answer: the trainer's newest closed step on it, or a trainer that can

@@ -82,16 +82,16 @@ def _orchestrate(port: int) -> None:
   # pylint: disable=import-outside-toplevel
   sys.path.insert(0, HERE)
   import test_grpc
-  from tunix_stage_plugin.hosts.tunix import run
+  from tunix_stage_plugin.hosts.tunix import orchestrator
 
-  stage = run.StagingCalls.stage
+  stage = orchestrator.StagingCalls.stage
 
   async def stage_and_say(self, payload, *, key):
     outcome = await stage(self, payload, key=key)
     print(f"{outcome.status.value} {key}", flush=True)
     return outcome
 
-  run.StagingCalls.stage = stage_and_say
+  orchestrator.StagingCalls.stage = stage_and_say
   test_grpc.run_program(port, staged=True)
 
 
@@ -142,7 +142,7 @@ class At:
     self.nbytes, self.act, self.sent, self.fired = nbytes, act, 0, None
 
   async def __call__(self, buffers):
-    from tunix_stage_plugin.transport import frames  # pylint: disable=import-outside-toplevel
+    from tunix_stage_plugin.transport import wire  # pylint: disable=import-outside-toplevel
     for chunk in wire.iter_chunks(buffers):
       if self.fired is None and self.sent >= self.nbytes:
         self.fired = self.sent
@@ -179,7 +179,6 @@ from tunix_stage_plugin.activation import manager
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.hosts.tunix import orchestrator
-from tunix_stage_plugin.core import store as sessions
 from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport import sender as sender_lib
@@ -369,7 +368,7 @@ def test_a_restarted_orchestrator_stages_from_its_first_step(node, staging):
   del params, inputs
   # The trainer said so, in one line naming the count and the dead session.
   dead = contract.session_of(staged[0])
-  assert dead is not None and dead != sessions.contract.SESSION
+  assert dead is not None and dead != contract.SESSION
   line = (f"staging on this trainer: dropped 2 staged batch(es) of 1 older session(s) (ts{dead})")
   wait_for(lambda: line in _read(node.log.name), 10, "the trainer's log line")
   assert _read(node.log.name).count("older session(s)") == 1
@@ -431,7 +430,7 @@ async def _stage_big(port, seed, key, deadline_s=120.0):
     await engine.reset_staged_batches([key])
     return outcome
   finally:
-    await ADAPTER.installation.orchestrator_side().close()
+    await ADAPTER.installation.orchestrator_side().close_connections()
     await handle.close()
 
 

@@ -650,7 +650,7 @@ def test_a_micro_batch_over_tunix_message_cap_stages_raw_in_chunks_and_compresse
       outcome = await engine.stage_train_batch(over, key="over-raw")
       dropped = await engine.reset_staged_batches(["over-raw"])
     finally:
-      await ADAPTER.installation.orchestrator_side().close()
+      await ADAPTER.installation.orchestrator_side().close_connections()
       await handle.close()
     return outcome, dropped
 

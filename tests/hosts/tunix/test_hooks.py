@@ -370,7 +370,8 @@ def test_the_pipelines_calls_go_once_through_the_trainers_connection(staging):
   engine = make_engine(worker)
   side = ADAPTER.installation.orchestrator_side()
   calls = orchestrator.StagingCalls(side, engine)
-  connection = side.connection(worker)
+  handle = engine._trainer_workers[ACTOR]  # pylint: disable=protected-access
+  connection = side.connection(handle)
   payload = {"mb": np.full((1, 2), 4, np.int32)}
 
   async def main():
@@ -385,7 +386,7 @@ def test_the_pipelines_calls_go_once_through_the_trainers_connection(staging):
     outcome, staged, inline = asyncio.run(main())
   assert [c.args[0] for c in route.call_args_list] == [
       contract.STAGE_BATCH, contract.FWD_BWD, contract.FWD_BWD, contract.FWD_BWD]
-  assert side.connection(worker) is connection
+  assert side.connection(handle) is connection
   assert outcome.staged and staged.fallback is None and inline.fallback is None
   assert set(inline.result) == {"fwd_bwd", "updated", "train_step", "accumulated"}
   assert inline.result["train_step"] == 1 and inline.result["accumulated"] is True

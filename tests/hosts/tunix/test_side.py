@@ -51,7 +51,7 @@ def test_a_stage_and_an_inline_train_call_travel_the_side_channel(staging, caplo
 
   async def main():
     server, handle, engine = await serve(worker)
-    assert server in staging.side_channels
+    assert server in staging.trainer_side().side_channels
     router = ADAPTER.installation.orchestrator_side()
     try:
       outcome = await engine.stage_train_batch(staged, key="b-1")
@@ -137,7 +137,7 @@ def test_a_side_channel_this_process_cannot_reach_leaves_calls_over_the_cap_to_t
 
   async def main():
     server, handle, engine = await serve(worker)
-    staging.side_channels[server].listener.close()  # announced still; unreachable now
+    staging.trainer_side().side_channels[server].listener.close()  # announced still; unreachable now
     router = ADAPTER.installation.orchestrator_side()
     try:
       await router.train(engine, sent, stage_key=None, apply_optimizer=False)
@@ -205,7 +205,7 @@ def test_a_side_channel_broken_mid_transfer_fails_the_call_clearly_and_the_next_
 
   def break_once(sizes):
     if not broken:
-      side_channel, = staging.side_channels.values()
+      side_channel, = staging.trainer_side().side_channels.values()
       for conn in list(side_channel.listener._connections):  # pylint: disable=protected-access
         conn.shutdown(socket.SHUT_RDWR)
       broken.append(True)
@@ -236,11 +236,11 @@ def test_the_side_channel_closes_with_the_server_and_on_uninstall(staging):
 
   async def main():
     server, handle, engine = await serve(worker)
-    listener = staging.side_channels[server].listener
+    listener = staging.trainer_side().side_channels[server].listener
     await close(server, handle, engine)
     return server, listener
 
   server, listener = asyncio.run(main())
-  assert server not in staging.side_channels
+  assert server not in staging.trainer_side().side_channels
   with pytest.raises(OSError):
     socket.create_connection(("127.0.0.1", listener.port), timeout=5).close()

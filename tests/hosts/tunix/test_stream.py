@@ -99,7 +99,7 @@ async def serve(worker):
 
 
 async def close(server, handle, engine):
-  await ADAPTER.installation.orchestrator_side().close()
+  await ADAPTER.installation.orchestrator_side().close_connections()
   await handle.close()
   await server.stop_serving()
 
@@ -117,7 +117,7 @@ def test_an_inline_train_call_over_the_cap_goes_in_chunks_and_runs_on_the_comput
 
   async def main():
     server, handle, engine = await serve(worker)
-    assert server in staging.streaming_servers
+    assert server in staging.trainer_side().streaming_servers
     router = ADAPTER.installation.orchestrator_side()
     try:
       with pytest.raises(grpc.aio.AioRpcError) as unary:  # tunix's own call cannot carry it
@@ -227,7 +227,7 @@ def test_a_trainer_without_the_stream_stops_an_over_cap_call_with_one_line(cap):
       with pytest.raises(orchestrator.PayloadOverCap) as stopped:
         await ADAPTER.installation.orchestrator_side().train(engine, big(),
                                stage_key=None, apply_optimizer=True)
-      await ADAPTER.installation.orchestrator_side().close()
+      await ADAPTER.installation.orchestrator_side().close_connections()
     finally:
       manager.uninstall("tunix", quiet=True)
       await handle.close()

@@ -16,6 +16,7 @@ from typing import Any
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
+from tunix_stage_plugin.transport import wire
 
 # The most one chunked or side-channel call may announce; a header announcing more is refused
 # before any of its bytes is read. Far above a production micro-batch (5 GB), far below what a
@@ -38,9 +39,10 @@ class Installation:
     self._said: set[str] = set()  # the once-per-installation log lines already said
     self.telemetry = telemetry_lib.Telemetry(telemetry_lib.Settings.of(HOST, live.config))
     self.recorder = self.telemetry.recorder
-    # Whether servers started from now on get a bulk side channel (tests serve without one), and
-    # the cap on one bulk call.
+    # Whether servers started from now on get a bulk side channel (tests serve without one), the
+    # bounds its listener holds a peer to, and the cap on one bulk call.
     self.serve_side_channel = True
+    self.bulk_limits = wire.BulkLimits()
     self.max_stream_bytes = MAX_STREAM_BYTES
     self.trainer: Any = None  # trainer.TrainerSide, once made
     self.orchestrator: Any = None  # orchestrator.OrchestratorSide, once made

@@ -119,14 +119,12 @@ class TrainerSide:
     self._executors: "weakref.WeakKeyDictionary[Any, executor_lib.MethodExecutor]" = (
         weakref.WeakKeyDictionary())
     # Where large calls are received (buffers reused once nothing references them), each
-    # server's side channel and the bounds its listener holds a peer to, the calls each carrier
-    # brought, per method.
+    # server's side channel, the calls each carrier brought, per method.
     self.pool = listener_lib.HostBufferPool()
     self.pool.recorder = self.recorder
     self.side_channels: "weakref.WeakKeyDictionary[Any, SideChannel]" = (
         weakref.WeakKeyDictionary())
     self.streaming_servers: "weakref.WeakSet[Any]" = weakref.WeakSet()
-    self.bulk_limits = wire.BulkLimits()
     self.bulk_calls: collections.Counter[str] = collections.Counter()
     self.chunked_calls: collections.Counter[str] = collections.Counter()
     self._workers: "weakref.WeakKeyDictionary[Any, WorkerStaging]" = weakref.WeakKeyDictionary()
@@ -211,7 +209,7 @@ class TrainerSide:
 
   def listen(self, server: Any) -> None:
     """Starts `server`'s side channel listener (its receive buffers are the pool)."""
-    transfers = listener_lib.Transfers(self.bulk_limits)
+    transfers = listener_lib.Transfers(self.inst.bulk_limits)
     for host in BIND_HOSTS:
       listener = listener_lib.BulkListener(self.pool, transfers, host=host)
       try:

@@ -26,7 +26,6 @@ from tunix_stage_plugin.lab.bench import modes as modes_lib
 from tunix_stage_plugin.lab.bench import results
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
-from tunix_stage_plugin.lab.embedded import engine as engine_lib
 from tunix_stage_plugin.lab.embedded import job as job_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 
@@ -85,7 +84,7 @@ class BenchHost:
     self.options = options
     self.trainer: process_lib.TrainerProcess | None = None
     self.client: client_lib.WorkerClient | None = None
-    self.engine: engine_lib.EmbeddedEngine | None = None
+    self.engine: client_lib.EmbeddedEngine | None = None
 
   @property
   def pids(self) -> tuple[int, ...]:
@@ -111,7 +110,7 @@ class BenchHost:
     assert self.trainer is not None
     self.client = client_lib.WorkerClient(self.trainer.address)
     await self.client.wait_ready()
-    self.engine = engine_lib.EmbeddedEngine(self.client, transfer_slowdown=transfer_slowdown(
+    self.engine = client_lib.EmbeddedEngine(self.client, transfer_slowdown=transfer_slowdown(
         self.options.scenario, self.options.seed, self.options.microbatches))
 
   async def close(self) -> None:
@@ -172,7 +171,7 @@ class BenchHost:
       batch_for: Callable[[int, int], data_lib.Batch] = lambda s, i: data_lib.Batch(s, i, {})
     else:
       batch_for = make
-    self.engine.wire = engine_lib.WireStats()
+    self.engine.wire = client_lib.WireStats()
     self.engine.codec = self.options.codec_for(mode)
     gc.collect()  # the previous run's garbage is not this run's memory
     orchestrator_baseline = rss.reset_peak()

@@ -24,7 +24,7 @@ from tunix_stage_plugin.lab.bench import trace as trace_lib
 from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.core.telemetry import recorder as recorder_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
-from tunix_stage_plugin.lab.embedded import engine as engine_lib
+from tunix_stage_plugin.lab.embedded import client as client_lib
 
 KINDS = ("inline", "staged", "resident")
 
@@ -78,7 +78,7 @@ async def _source(batch_for: Callable[[int, int], data_lib.Batch], step: int, mi
     yield pipeline_lib.MicroBatch(batch_for(step, index), closes_step=index == microbatches - 1)
 
 
-async def run_job(engine: engine_lib.EmbeddedEngine, plan: JobPlan,
+async def run_job(engine: client_lib.EmbeddedEngine, plan: JobPlan,
                   batch_for: Callable[[int, int], data_lib.Batch], *,
                   timeline: trace_lib.Kept | None = None,
                   telemetry: telemetry_lib.Telemetry | None = None,

@@ -25,7 +25,6 @@ from tunix_stage_plugin.core.telemetry import process as telemetry_lib
 from tunix_stage_plugin.lab import inputs
 from tunix_stage_plugin.lab.embedded import client as client_lib
 from tunix_stage_plugin.lab.embedded import data as data_lib
-from tunix_stage_plugin.lab.embedded import engine as engine_lib
 from tunix_stage_plugin.lab.embedded import job as job_lib
 
 PROG = "orchestrator_main"
@@ -150,7 +149,7 @@ async def run(settings: Settings) -> int:
     # Built when pulled; the bulk arrays once per position (data.BatchMaker): memory does not grow
     # with --steps.
     codec = codec_lib.parse(settings.cfg.codec) if plan.kind == "staged" else None
-    engine = engine_lib.EmbeddedEngine(client, codec=codec)
+    engine = client_lib.EmbeddedEngine(client, codec=codec)
     telemetry = (telemetry_lib.Telemetry(telemetry_lib.Settings.of("embedded", settings.cfg))
                  if settings.cfg.enabled else None)
     try:

@@ -69,6 +69,7 @@ class TrainerWorker:
                timeline: trace_lib.Kept | None = None,
                fail_stage: Iterable[str] = ()) -> None:
     self.cfg = cfg
+    self._staging = cfg.enabled  # read once: what stage_batch answers
     self._configured_fail_stage = frozenset(fail_stage)
     # What this process records (core.telemetry): the bench's timeline and, with staging on,
     # the job's own step figures (its records and per-step line).
@@ -273,7 +274,7 @@ class TrainerWorker:
   def stage_batch(self, batch: data_lib.Batch, *, key: str) -> dict[str, Any]:
     """Receives `batch` under `key`, answered at once (a StageOutcome as a dict); the placer
     thread places it next, so the next stage's payload crosses the wire meanwhile."""
-    if not self.cfg.enabled:
+    if not self._staging:
       return contract.unsupported(
           key, "staging is off on this trainer (TUNIX_STAGE_BATCH=off)").as_dict()
     self._require_trainer()
@@ -360,7 +361,8 @@ class TrainerWorker:
     held = trainer.device_bytes_in_use()
     if held is not None:
       self._device_sampled_peak = max(held, self._device_sampled_peak or 0)
-    self._h2d.transfer(batch.nbytes, start)
+    if self._h2d.bytes_per_s is not None:  # an emulated link: the copy takes its time
+      self._h2d.transfer(batch.nbytes, start)
     self.recorder.add(tracks.TRAINER_H2D, batch.mb_id, start, time.perf_counter(), step=batch.step,
                       lane=lane, bytes=batch.nbytes)
     return placed
