@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The two venvs the host suites run in (docs/tunix.md "Tests against real tunix", docs/maxtext.md
-# "Tests"): a tunix venv and a MaxText venv (recipes below), built once per key outside the work
-# tree and reused. .ci/run uses it; a contributor gets the same with it.
+# The two venvs the host suites run in (docs/tests.md "The host venvs"): a tunix venv and a
+# MaxText venv (recipes below), built once per key outside the work tree and reused. .ci/run
+# uses it; a contributor gets the same with it.
 # Usage: tools/host_venvs.sh [--print-paths] TUNIX_SOURCE   (--help: this text)
 #
 # TUNIX_SOURCE: a tunix checkout (a directory, installed editable from where it is) or tunix's

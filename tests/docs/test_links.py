@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-README_MAX_LINES = 250
+README_MAX_LINES = 120
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 

@@ -28,7 +28,7 @@ BASE = RECIPES / "mlperf_base.sh"
 SCRIPTS = (BASE, K8S, LOCAL)
 LIB = RECIPES / "cli_lib.sh"  # sourced by the launchers, never run on its own
 DEVICE_CHECK = REPO / "tools" / "device_check.sh"  # the bench on an accelerator (docs/bench.md)
-HOST_VENVS = REPO / "tools" / "host_venvs.sh"  # the host suites' venvs (docs/tunix.md)
+HOST_VENVS = REPO / "tools" / "host_venvs.sh"  # the host suites' venvs (docs/tests.md)
 CI_RUN = REPO / ".ci" / "run"
 VENV_BIN = Path(sys.executable).parent
 
