@@ -1,6 +1,6 @@
 """The bench's own step split of old, kept as a test oracle: each step's time, device idle and
 compute straight from its device compute spans (by their `step` args), written independently of
-the trainer's split (core.telemetry.trainer.TrainerSteps) that the bench now reads.
+the trainer's split (core.telemetry.recorder.TrainerSteps) that the bench now reads.
 
 For step i: step seconds = end of step i's update - end of step i-1's; mid-step idle = the time
 between step i's first compute start and its last end that no compute span covers; boundary

@@ -1,4 +1,4 @@
-"""Stage keys (core/keys.py): one format, built, checked and parsed in one place."""
+"""Stage keys (core/contract.py): one format, built, checked and parsed in one place."""
 
 from __future__ import annotations
 

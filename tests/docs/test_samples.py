@@ -24,9 +24,11 @@ TRAINER = {
     "step": 3, "step_s": 2.45, "compute_s": 2.40,
     "input_wait_s": {"mid_step": 0.0, "boundary": 0.01}, "other_s": 0.04,
     "compute": {"slowdown_s": 0.03, "beside_transfer": 3},
-    "receive": {"by_transport": {"side": {"calls": 4, "bytes": 64 * MIB,
+    "receive": {"calls": 4, "bytes": 64 * MIB, "seconds": 64 * MIB / (2.10 * (1 << 30)),
+                "by_transport": {"side": {"calls": 4, "bytes": 64 * MIB,
                                           "seconds": 64 * MIB / (2.10 * (1 << 30))}}},
-    "place": {"count": 4, "seconds": 0.02}, "pool": {"waits": 0, "wait_s": 0.0},
+    # All 4 placed staged: the line says what staging saved (4 receives and placements).
+    "place": {"count": 4, "seconds": 0.02, "staged": 4}, "pool": {"waits": 0, "wait_s": 0.0},
     "bound_by": "compute",
     # At the default (auto) the line ends with the step's choice and why.
     "sizing": "host bound 1: no transfer waited for a buffer in 3 step(s); budget 6.00 GiB, 32.0 MiB used",

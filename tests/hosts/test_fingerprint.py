@@ -2,7 +2,7 @@
 docstring and the Python version (3.11 to 3.13), changed by any changed statement.
 
 The tunix program's probe pins StandardRLProgram.train_stage with it (its tests against real
-tunix: tests/hosts/tunix/test_train_stage.py).
+tunix: tests/hosts/tunix/test_activation.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""core.buffers: aligned receive buffers, reused only once nothing references them (no JAX here;
-the JAX alias case is tests/embedded/test_bulk.py)."""
+"""The pool (transport/listener.py) and the chunked stream's sink (transport/stream.py): aligned
+receive buffers, reused only once nothing references them (no JAX here; the JAX alias case is
+tests/embedded/test_bulk.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from tunix_stage_plugin.core import flags as flags_lib
 
 HOST = "tunix"
 ENGINES = ("maxtext",)  # optional engines behind tunix's TrainerWorker, reported next to tunix
-# Which trainers the worker hook stages (hosts/tunix/worker.py, hosts/maxtext/), and the one case
+# Which trainers the worker hook stages (hosts/placements.py, hosts/maxtext/), and the one case
 # it refuses (with one line, to the orchestrator, which then stops offering).
 TRAINERS = ("tunix PeftTrainer and its subclasses (a subclass's own _prepare_payload included: it "
             "runs once per micro-batch, on the staging thread), MaxText's training engine; "

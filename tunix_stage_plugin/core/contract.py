@@ -190,7 +190,7 @@ class TrainerStep:
   sized each step (auto, core/sizing.py) reads of the trainer, and a host bound sized each step
   reads of its own steps. Seconds are the step's sums over its micro-batches, but `fwd_bwd_s`
   (a micro-batch's compute, the step's median). `of` makes it from the figures a trainer's step
-  aggregator made (core/telemetry/trainer.py; their shape: core/telemetry/figures.py)."""
+  aggregator made (core/telemetry/recorder.py; their shape: core/telemetry/figures.py)."""
 
   run: str  # the trainer's run: a step is read once
   step: int

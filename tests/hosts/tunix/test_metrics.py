@@ -1,4 +1,4 @@
-"""Staging's step figures in tunix's own MetricsLogger (hosts/tunix/metrics.py), against the real
+"""Staging's step figures in tunix's own MetricsLogger (hosts/tunix/peft.py), against the real
 class: what it logs, under which names, at which step, and what a logger that raises costs; the
 orchestrator's figures through jax.monitoring (MonitoringSink), to a real listener.
 The real two-process job writing TensorBoard files: test_observability.py.

@@ -42,7 +42,7 @@ FALLBACK_KINDS = tuple(s.value for s in contract.StageStatus if s is not contrac
 Get = Callable[[str], Any]
 
 # The spans these figures are measured from, as a trainer's tunix PerfTracer shows them (its own
-# timelines, tunix-style names: hosts/tunix/tracing.py): the received, placed and pool figures'
+# timelines, tunix-style names: hosts/tunix/peft.py): the received, placed and pool figures'
 # spans, and a placement that fell back.
 SPANS = {tracks.TRAINER_RECEIVE: "stage_receive", tracks.TRAINER_H2D: "stage_place",
          tracks.TRAINER_POOL_WAIT: "stage_pool_wait", tracks.TRAINER_FALLBACK: "stage_fallback"}
@@ -143,7 +143,7 @@ def _transfers(role: str, prefix: str, path: str, what: str, rate: bool) -> list
 
 
 FIGURES: tuple[Figure, ...] = (
-    # The trainer's (core/telemetry/trainer.py makes them).
+    # The trainer's (core/telemetry/recorder.py's TrainerSteps makes them).
     _t("host_step", "host_step", COUNT, ONE, None, "the trainer's own step count after the "
        "step's update (tunix's train_steps, the step its loss is logged at)", null=True,
        optional=True),
@@ -205,7 +205,7 @@ FIGURES: tuple[Figure, ...] = (
          derive=lambda g, c=cause: (g("bound_by") == c) * 1) for cause in CAUSES),
     _t("sizing", "sizing", TEXT, ONE, None, "the host bound in force and why, where it is auto",
        null=True, optional=True),
-    # The orchestrator's (core/telemetry/orchestrator.py).
+    # The orchestrator's (core/telemetry/recorder.py's OrchestratorSteps).
     _o("host_step", "host_step", COUNT, ONE, None, "the trainer's step count its last update "
        "answered", null=True, optional=True),
     _o("step_s", "step_s", SECONDS, ONE, MEDIAN, "between this step's end and the one before's",

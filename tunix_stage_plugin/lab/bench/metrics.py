@@ -1,5 +1,5 @@
 """The bench's figures from a run's spans: each step's time and device idle as the trainer's own
-telemetry splits it (core.telemetry.trainer.TrainerSteps, over the trainer's device compute and
+telemetry splits it (core.telemetry.recorder.TrainerSteps, over the trainer's device compute and
 compute-lane spans: one clock, the trainer's), the compute per step, the host path, and whether
 the job's own records agree. For step i:
 

@@ -34,7 +34,7 @@ def payloads_held(options: results.BenchOptions) -> tuple[int, str]:
   m = options.microbatches
   # On the trainer: a step's resident batches (calibration, resident), or what staging holds at
   # once: the device and host bounds, the batch computing and the one arriving (the pool gets
-  # the last one placed back from JAX before it makes another, core/buffers.py).
+  # the last one placed back from JAX before it makes another, transport/listener.py).
   staged = options.max_device_batches + options.max_host_batches + 2
   on_trainer = max(m, staged)
   built = f"{m} built once on the orchestrator (one per position of a step)"

@@ -69,7 +69,7 @@ def sized_host(options: results.BenchOptions, mode: str) -> bool:
 
 def receive_buffers(options: results.BenchOptions, mode: str) -> int:
   """The receive buffers a mode's steady state reuses (measured): inline the one arriving (the
-  pool gets the last one back from JAX, core/buffers.py); staged also the device and host bounds'
+  pool gets the last one back from JAX, transport/listener.py); staged also the device and host bounds'
   batches; resident none."""
   kind = modes_lib.BY_NAME[mode].plan["kind"]
   if kind == "resident":

@@ -1,7 +1,7 @@
 """The trainer's gRPC service: a generic method call, as tunix's, on the production wire: a call is
-the request tunix's host sends (transport/request.py), a large one the bulk format
-(transport/wire.py) with its bytes on the bulk channel, and a failure answers in tunix's
-error envelope, which the client reads with core/contract.py (`unwrap`, `RemoteError`).
+the request tunix's host sends (transport/wire.py), a large one the bulk format with its bytes on
+the bulk channel, and a failure answers in tunix's error envelope, which the client reads with
+core/contract.py (`unwrap`, `RemoteError`).
 
 The server's event loop only moves messages: it never copies a payload, unpickles one, places it
 or waits for the device. Each method runs on its core.executor lane (compute, staging or inline),

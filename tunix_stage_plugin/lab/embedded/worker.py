@@ -121,7 +121,7 @@ class TrainerWorker:
     }
 
   def memory(self, reset: bool = False) -> dict[str, Any]:
-    """This process's memory (core.rss.report): resident and peak bytes, socket bytes moved,
+    """This process's memory (lab/rss.py): resident and peak bytes, socket bytes moved,
     tracemalloc's figures when tracing; `reset` restarts the peaks. For tools/profile_host_path."""
     return {**rss.report(reset=reset), "pool_held_bytes": self.pool.held_bytes(),
             "pool_idle_bytes": self.pool.idle_bytes()}
@@ -174,7 +174,7 @@ class TrainerWorker:
     if self.telemetry is not None:
       self.telemetry.restart()  # the job's step figures start again with this run
     # The memory this run starts from: the previous run's buffers given back, the peak restarted.
-    gc.collect()  # runs JAX's deferred releases of placed buffers (core/buffers.py)
+    gc.collect()  # runs JAX's deferred releases of placed buffers (transport/listener.py)
     self.pool.trim()
     self._rss_baseline = rss.reset_peak()
     for shape, dtype in self._trainer.sizes.array_layout().values():

@@ -11,7 +11,7 @@ own bookkeeping sits around tunix's classes, never inside them:
 - a wrapper around the PeftTrainer (as tunix's trainer node binds one to its mesh) records
   which micro-batch trained and swaps a resident micro-batch's id for its placed arrays; each
   fwd_bwd's and update's device span is the trainer's own compute watcher's
-  (core.telemetry.trainer.ComputeWatcher: the plugin's on its node, one of its class on the
+  (core.telemetry.recorder.ComputeWatcher: the plugin's on its node, one of its class on the
   plain node), so the calls still answer once XLA has the work queued, as tunix's do;
 - a PeftTrainer subclass times `_prepare_payload` (the placement, on whichever lane runs it);
 - `bench_*` methods on the TrainerWorker subclass: setup (the initial state again, and the
