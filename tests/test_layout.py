@@ -209,3 +209,12 @@ def test_installing_the_package_without_extras_pulls_no_lab_library():
                         if re.search(f"""extra == ["']{name}["']""", r)}
   assert set(LAB_LIBRARIES) <= extra("bench")
   assert set(READING_LIBRARIES) == extra("report") <= extra("bench")
+
+
+def test_tunix_s_host_is_at_most_twelve_modules_each_in_design_md_s_table():
+  """hosts/tunix/ holds one module per idea, at most 12, and docs/design.md names each."""
+  modules = sorted(p.name for p in (PACKAGE / "hosts" / "tunix").glob("*.py")
+                   if p.name != "__init__.py")
+  assert len(modules) + 1 <= 12, modules  # (with its __init__)
+  design = (PACKAGE.parent / "docs" / "design.md").read_text(encoding="utf-8")
+  assert [m for m in modules if f"| `{m}` |" not in design] == []

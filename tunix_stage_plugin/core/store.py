@@ -23,11 +23,11 @@ from typing import Any, Iterable, Iterator
 from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core.contract import StageKeyError
 
+log = logging.getLogger("tunix_stage_plugin")
+
 # How many keys the store remembers, each kind in its own FIFO: keys reset before their stage
 # arrived (that stage is then refused), and keys already used (staging one again is an error).
 # Older ones are forgotten; keys carry a per-orchestrator prefix and the step, so none comes back.
-log = logging.getLogger("tunix_stage_plugin")
-
 REMEMBERED_KEYS = 4096
 REMEMBERED_SESSIONS = 64  # a worker remembers the last these many orchestrator sessions it saw
 

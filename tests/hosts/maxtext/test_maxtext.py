@@ -158,7 +158,7 @@ def worker_staged_example(worker, item):
   """Stages `item` once more and returns its placed dynamic half (then drops it)."""
   from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER  # pylint: disable=import-outside-toplevel
   worker.stage_batch(item, key="probe-leaf")
-  staged = ADAPTER.installation.staging_of(worker).store.take("probe-leaf")
+  staged = ADAPTER.installation.trainer_side().staging_of(worker).store.take("probe-leaf")
   return staged.dynamic
 
 
@@ -282,7 +282,7 @@ def _pair(n_devices=1):
 
 def test_a_refused_stage_trains_inline_to_the_same_bits(staging):
   payloads, reference, engine, worker = _pair()
-  store = ADAPTER.installation.staging_of(worker).store
+  store = ADAPTER.installation.trainer_side().staging_of(worker).store
   store.set_bounds(1, 1)
   store.slot_wait_s = 0
 
@@ -313,7 +313,8 @@ def test_a_failed_placement_falls_back_to_the_same_bits(staging, monkeypatch):
   for n, item in enumerate(payloads):
     statuses.append(worker.stage_batch(item, key=f"f-{n}").metadata["outcome"]["status"])
     train_one(worker, engine, n, item, statuses[-1], f"f-{n}", snapshots)
-  assert statuses.count("failed") == 1 and len(ADAPTER.installation.staging_of(worker).store) == 0
+  assert statuses.count("failed") == 1
+  assert len(ADAPTER.installation.trainer_side().staging_of(worker).store) == 0
   assert same_bits(snapshots, reference)
 
 
@@ -336,7 +337,7 @@ def test_a_compressed_stage_is_decoded_and_trains_to_the_same_bits(staging, monk
     assert outcome["status"] == "staged", outcome
     train_one(worker, engine, n, item, "staged", f"z-{n}", snapshots)
   assert same_bits(snapshots, reference)
-  stats = ADAPTER.installation.staging_of(worker).store.stats
+  stats = ADAPTER.installation.trainer_side().staging_of(worker).store.stats
   assert stats.failed == 0 and stats.consumed == len(payloads)  # each trained from its placement
 
 
@@ -355,7 +356,7 @@ def test_restore_and_close_drop_what_was_staged(staging):
   engine = tiny_engine(me, pyconfig, maxtext)
   worker = trainer_worker.TrainerWorker(lambda: engine)
   worker.initialize()
-  store = ADAPTER.installation.staging_of(worker).store
+  store = ADAPTER.installation.trainer_side().staging_of(worker).store
   assert worker.stage_batch(payload(datatypes, 0, b=2), key="r-0").metadata["staged"]
   engine.close()
   assert len(store) == 0 and store.stats.dropped == 1

@@ -60,15 +60,15 @@ def _serve(workers: list[str]) -> None:
   def staging_state(self):
     from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
     inst = ADAPTER.installation
-    state = inst.staging_of(self)
+    state = inst.trainer_side().staging_of(self)
     # JAX drops its alias of a dropped batch's buffer in a gc callback (the pool's take collects
     # the same way before making a buffer): what is in use is what a collection leaves.
     gc.collect()
-    pool = inst.pool
+    pool = inst.trainer_side().pool
     return {"keys": state.store.keys(), "stats": dataclasses.asdict(state.store.stats),
             "pool": {"made": pool.made, "reused": pool.reused, "held": pool.held_bytes(),
                      "idle": pool.idle_bytes()},
-            "bulk_calls": dict(inst.bulk_calls),
+            "bulk_calls": dict(inst.trainer_side().bulk_calls),
             "recv_threads": sum(t.name == "trainer-bulk-recv" for t in threading.enumerate())}
 
   trainer_worker.TrainerWorker.staging_state = staging_state

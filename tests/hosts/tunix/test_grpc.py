@@ -197,16 +197,16 @@ def serve(kind: str) -> None:
       return list(self._trainer.trained)
 
     def chunked_calls(self):  # the plugin's node only: calls received through the stream
-      return dict(ADAPTER.installation.chunked_calls)
+      return dict(ADAPTER.installation.trainer_side().chunked_calls)
 
     def bulk_calls(self):  # the plugin's node only: calls received through the side channel
-      return dict(ADAPTER.installation.bulk_calls)
+      return dict(ADAPTER.installation.trainer_side().bulk_calls)
 
     def peak_rss(self):
       return rss.peak()
 
     def pool_stats(self):  # the plugin's node only: its chunked calls' receive buffers
-      pool = ADAPTER.installation.pool
+      pool = ADAPTER.installation.trainer_side().pool
       return {"made": pool.made, "reused": pool.reused, "held": pool.held_bytes(),
               "bound": pool.bound, "bound_waits": pool.bound_waits, "over_bound": pool.over_bound}
 
@@ -214,7 +214,7 @@ def serve(kind: str) -> None:
       return rss.reset_peak()
 
     def store_stats(self):  # the plugin's node only: this worker's staged-batch store
-      stats = ADAPTER.installation.staging_of(self).store.stats
+      stats = ADAPTER.installation.trainer_side().staging_of(self).store.stats
       return {"peak": stats.peak, "peak_host": stats.peak_host}
 
     def perf_spans(self):

@@ -170,7 +170,8 @@ def test_staged_program_trains_every_microbatch_once_in_order(staging):
   # Steps after the first start with micro-batches staged during the previous boundary.
   assert all(r.stage_metrics["stage/prestaged"] >= 1 for r in reports[1:])
   assert worker.state == datatypes.WorkerState.READY
-  assert len(ADAPTER.installation.staging_of(worker).store) == 0  # nothing left on the device
+  # Nothing left on the device.
+  assert len(ADAPTER.installation.trainer_side().staging_of(worker).store) == 0
 
 
 @pytest.mark.loop_way
@@ -257,7 +258,7 @@ def test_a_subclass_with_its_own_depth_is_honoured(staging):
   assert reports[1].stage_metrics["stage/staged"] == reports[1].stage_metrics["stage/prestaged"] \
       == 0
   assert reports[0].stage_metrics["stage/staged"] >= 1  # staging went on, one ahead
-  assert ADAPTER.installation.staging_of(worker).store.stats.staged == sum(
+  assert ADAPTER.installation.trainer_side().staging_of(worker).store.stats.staged == sum(
       r.stage_metrics["stage/staged"] for r in reports)
 
 
@@ -284,7 +285,7 @@ def test_failing_stage_falls_back_inline_and_is_counted(staging):
 def test_device_bound_holds_and_order_is_kept(staging):
   trainer, worker, reports = run_program(steps=2)
   assert [c[:2] for c in trainer.calls] == expected_calls(2)
-  stats = ADAPTER.installation.staging_of(worker).store.stats
+  stats = ADAPTER.installation.trainer_side().staging_of(worker).store.stats
   assert stats.peak == 1 and stats.staged >= 1  # never more than one batch on the device
   assert all(r.stage_metrics["stage/staged"] + r.stage_metrics["stage/inline"] == MB_PER_STEP
              for r in reports)
@@ -460,7 +461,7 @@ def test_a_trainer_without_the_codec_refuses_a_compressed_stage_at_once(staging,
   assert outcome["status"] == "refused"
   assert "codec blosc2-lz4 is not installed on the trainer" in outcome["reason"]
   assert codec_lib.EXTRA in outcome["reason"]
-  assert ADAPTER.installation.staging_of(worker).store.keys() == []
+  assert ADAPTER.installation.trainer_side().staging_of(worker).store.keys() == []
 
 
 def test_worker_stage_never_touches_state_and_degrades(staging):
@@ -523,7 +524,7 @@ def test_a_subclass_overriding_prepare_payload_is_staged_through_its_override_on
   original = vars(OwnPreparingTrainer)["_prepare_payload"]
   staged, worker, reports = run_program(steps=2, trainer_cls=OwnPreparingTrainer)
   assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 4  # the staged path ran
-  assert ADAPTER.installation.staging_of(worker).unsupported is None
+  assert ADAPTER.installation.trainer_side().staging_of(worker).unsupported is None
   assert vars(OwnPreparingTrainer)["_prepare_payload"] is not original  # now a seam
   manager.uninstall("tunix", quiet=True)
   assert vars(OwnPreparingTrainer)["_prepare_payload"] is original  # restored exactly
@@ -555,7 +556,7 @@ def test_a_trainer_that_cannot_stage_is_asked_once(staging, caplog):
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
   assert [r.stage_metrics["stage/fallbacks"] for r in reports] == [1, 0, 0]
   assert all(r.stage_metrics["stage/staged"] == 0 for r in reports)
-  assert ADAPTER.installation.staging_of(worker).unsupported.startswith(
+  assert ADAPTER.installation.trainer_side().staging_of(worker).unsupported.startswith(
       "InstancePreparingTrainer sets _prepare_payload on the instance")
   lines = [r.message for r in caplog.records if "cannot stage" in r.message]
   assert len(lines) == 1, lines
@@ -595,7 +596,7 @@ def test_uninstall_closes_executors_and_drops_staged_batches(staging):
   response = asyncio.run(handle.asubmit("stage_batch", payload={"mb": np.ones((1, 2), np.int32)},
                                         key="u-1"))
   assert response.metadata["staged"]
-  state = ADAPTER.installation.staging_of(worker)
+  state = ADAPTER.installation.trainer_side().staging_of(worker)
   assert state.store.keys() == ["u-1"]
   lanes = [t for t in threading.enumerate() if t.name.startswith("trainer-")]
   assert lanes, "the stage ran on an executor lane"
@@ -607,7 +608,7 @@ def test_uninstall_closes_executors_and_drops_staged_batches(staging):
 
 def test_a_reinstall_applies_new_depths_to_live_workers(staging):
   worker = trainer_worker.TrainerWorker(RecordingTrainer)
-  store = ADAPTER.installation.staging_of(worker).store
+  store = ADAPTER.installation.trainer_side().staging_of(worker).store
   assert (store.max_device_batches, store.max_host_batches) == (4, 1)
   manager.install(config_lib.resolve({"mode": "stage", "max_device_batches": 1,
                                       "max_host_batches": 2}, env={}), quiet=True)
@@ -785,7 +786,7 @@ def test_a_cleared_queue_ends_tunix_s_step_and_stops_the_staged_loop(staging):
                      "update, the staged loop cannot"):
     asyncio.run(main())
   assert ("update",) not in trainer.calls and reports == []
-  assert len(ADAPTER.installation.staging_of(worker).store) == 0  # nothing left staged
+  assert not ADAPTER.installation.trainer_side().staging_of(worker).store  # nothing left staged
   manager.uninstall("tunix", quiet=True)
   trainer, _, reports, main = run_cleared()
   asyncio.run(main())  # tunix's own loop: two steps, no update, each committed and reported
@@ -809,7 +810,7 @@ def test_a_cleared_queue_ends_the_step_as_tunix_s_loop_does(staging):
     reference.append((trainer.calls, [(r.step, r.num_rollouts, r.num_microbatches,
                                        r.train_result is None) for r in reports]))
     if staged:
-      assert len(ADAPTER.installation.staging_of(worker).store) == 0  # nothing left staged
+      assert not ADAPTER.installation.trainer_side().staging_of(worker).store  # nothing left staged
       assert [r.stage_metrics["stage/staged"] + r.stage_metrics["stage/inline"]
               for r in reports] == [2, 0]
   (staged_calls, staged_steps), (plain_calls, plain_steps) = reference
@@ -852,7 +853,7 @@ def test_the_seam_way_leaves_train_stage_tunix_s_and_stages_through_the_seam(sta
   assert [c[:2] for c in trainer.calls] == expected_calls(3)
   assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 6
   assert all(r.stage_metrics["stage/prestaged"] >= 1 for r in reports[1:])
-  assert len(ADAPTER.installation.staging_of(worker).store) == 0
+  assert len(ADAPTER.installation.trainer_side().staging_of(worker).store) == 0
 
 
 class NotCallingProgram(rl_program.StandardRLProgram):
@@ -886,7 +887,7 @@ def test_a_program_never_calling_the_seam_is_not_promised_staging_and_says_why_o
       "StandardRLProgram._train_microbatches was never called; "
       "NotCallingProgram._train_microbatches overrides tunix's without calling it (call "
       "super()._train_microbatches(engine, step, microbatches) in it to stage)")]
-  assert len(ADAPTER.installation.staging_of(worker).store) == 0
+  assert len(ADAPTER.installation.trainer_side().staging_of(worker).store) == 0
 
 
 @pytest.mark.loop_way
@@ -901,4 +902,4 @@ def test_a_program_overriding_the_seam_is_staged_within_its_steps(staging, caplo
   assert sum(r.stage_metrics["stage/staged"] for r in reports) >= 3  # staged within the steps
   lines = [r.message for r in caplog.records if "overrides _train_microbatches" in r.message]
   assert len(lines) == 1 and "never across the step boundary" in lines[0]
-  assert len(ADAPTER.installation.staging_of(worker).store) == 0
+  assert len(ADAPTER.installation.trainer_side().staging_of(worker).store) == 0

@@ -35,17 +35,17 @@ def test_the_receive_pool_is_bounded_by_the_workers_staging_bounds():
       {"mode": "stage", "max_device_batches": 2, "max_host_batches": 1}, env={}))
   inst = _installation(live)
   try:
-    assert inst.pool.bound == 3  # before any worker stages: one worker's room
+    assert inst.trainer_side().pool.bound == 3  # before any worker stages: one worker's room
     first, second = _Worker(), _Worker()
-    inst.staging_of(first)
-    assert inst.pool.bound == 3
-    inst.staging_of(second)
-    inst.staging_of(first)
-    assert inst.pool.bound == 6  # two workers on one node: room for both
+    inst.trainer_side().staging_of(first)
+    assert inst.trainer_side().pool.bound == 3
+    inst.trainer_side().staging_of(second)
+    inst.trainer_side().staging_of(first)
+    assert inst.trainer_side().pool.bound == 6  # two workers on one node: room for both
     live.update(config_lib.resolve(
         {"mode": "stage", "max_device_batches": 4, "max_host_batches": 2}, env={}))
-    assert inst.pool.bound == 12
-    assert inst.staging_of(second).store.max_device_batches == 4
+    assert inst.trainer_side().pool.bound == 12
+    assert inst.trainer_side().staging_of(second).store.max_device_batches == 4
   finally:
     inst.close()
 

@@ -14,6 +14,7 @@ plugin's spans next to `peft_train`.
 from __future__ import annotations
 
 import json
+import statistics
 import struct
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import jax  # pylint: disable=wrong-import-position
 
 from tests.hosts.tunix import test_grpc  # pylint: disable=wrong-import-position
 from tests.records import job_records  # pylint: disable=wrong-import-position
+from tunix_stage_plugin import reading  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import figures as figures_lib  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.core.telemetry import record as record_lib  # pylint: disable=wrong-import-position
 from tunix_stage_plugin.reading import records as records_lib  # pylint: disable=wrong-import-position
@@ -248,6 +250,23 @@ def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_
   assert all(step in loss_steps for points in stage.values() for step, _ in points)
   assert sum(v for _, v in stage["train/stage/placed_staged"]) >= test_grpc.MICRO  # it staged
   assert all(v > 0 for _, v in stage["train/stage/compute_s"])
+  # What staging saved sits beside the loss at each step that staged, as the trainer's record
+  # holds it; the report's "staging hid" is its median over the judged steps that staged.
+  rows = reading.steps(str(tmp_path / "m"))
+  rows = rows[rows["role"] == figures_lib.TRAINER]
+  saved = [(int(step), value) for step, value in zip(rows["host_step"], rows["saved_s"])
+           if value == value]
+  assert saved, rows[["host_step", "placed_staged", "saved_s"]]
+  assert [step for step, _ in stage["train/stage/saved_s"]] == [step for step, _ in saved]
+  assert [v for _, v in stage["train/stage/saved_s"]] == pytest.approx(  # TensorBoard's float32
+      [value for _, value in saved], rel=1e-6)
+  report = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", "--json",
+                           str(tmp_path / "m")], capture_output=True, text=True, timeout=120,
+                          check=True)
+  (run,) = json.loads(report.stdout)["runs"]
+  judged = rows["step_s"].notna() & (rows["placed_staged"] > 0)
+  assert run["summary"]["trainer"]["hidden_s"] == pytest.approx(
+      statistics.median(rows["saved_s"][judged]))
   plain = tensorboard_scalars(off)
   assert [step for step, _ in plain["train/loss"]] == loss_steps
   assert not [tag for tag in plain if "stage/" in tag], sorted(plain)

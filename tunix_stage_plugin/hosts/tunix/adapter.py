@@ -89,8 +89,12 @@ class TunixAdapter:
     return version.describe("tunix", DIST, module_file)
 
   def probe(self, config: config_lib.StageConfig) -> list[Probe]:
-    from tunix_stage_plugin.hosts.tunix import probes  # pylint: disable=import-outside-toplevel
-    return probes.run(self.modules, config)
+    # pylint: disable=import-outside-toplevel
+    from tunix_stage_plugin.hosts.tunix import probes
+    if self.loop_way() == probes.SEAM:  # only the way this tunix has is loaded
+      from tunix_stage_plugin.hosts.tunix import loop_seam
+      return probes.run(self.modules, config, loop_seam.PROBE)
+    return probes.run(self.modules, config, probes.COPY_PROBE)
 
   def apply(self, registry: patching.PatchRegistry, live: config_lib.LiveConfig) -> None:
     # pylint: disable-next=import-outside-toplevel

@@ -74,27 +74,6 @@ class Installation:
       self._said.add(what)
       return True
 
-  # What tests and the bench read of the trainer's side (made here if no call made it yet).
-
-  def staging_of(self, worker: Any) -> Any:
-    return self.trainer_side().staging_of(worker)
-
-  @property
-  def pool(self) -> Any:
-    return self.trainer_side().pool
-
-  @property
-  def host_bound(self) -> Any:
-    return self.trainer_side().host_bound
-
-  @property
-  def bulk_calls(self) -> Any:
-    return self.trainer_side().bulk_calls
-
-  @property
-  def chunked_calls(self) -> Any:
-    return self.trainer_side().chunked_calls
-
   def drain(self, timeout: float | None = None) -> bool:
     """Waits until every computation dispatched so far is recorded (a bench between its runs)."""
     return self.trainer is None or self.trainer.drain(timeout)

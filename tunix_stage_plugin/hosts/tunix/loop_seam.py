@@ -4,22 +4,73 @@ tunix wrote them; the hooks are the seam (`_train_microbatches`, `_step_microbat
 `train_stage`, and `last_step_result` as a property adding the step's `stage/*` metrics). A
 subclass overriding a seam method is not staged across the boundary; one whose
 `_train_microbatches` never calls tunix's is not staged at all (said at its first step that could
-have staged). Loaded at install only on such a tunix; the staged run (run.py) where a program
-first trains staged. docs/tunix.md "The train loop, two ways".
+have staged). Here too the seam's probe (`PROBE`). Loaded at install only on such a tunix; the
+staged run (run.py) where a program first trains staged. docs/tunix.md "The train loop, two ways".
 """
 
 from __future__ import annotations
 
+import ast
 import contextvars
+import dataclasses
 import functools
 import logging
 from typing import Any
 
 from tunix_stage_plugin.core import patching
+from tunix_stage_plugin.hosts import probing
+from tunix_stage_plugin.hosts.probing import has_all, has_method, is_free, that
 from tunix_stage_plugin.hosts.tunix import installation as installation_lib
 from tunix_stage_plugin.hosts.tunix import probes
 
 log = logging.getLogger("tunix_stage_plugin")
+
+STEP_MICROBATCHES_FIELDS = frozenset({"batches", "groups", "rewards", "num_rollouts",
+                                      "num_microbatches"})
+
+
+def _train_stage(t: probes.Tunix) -> probing.Body:
+  return probing.Body(t.program.train_stage)
+
+
+def _trains_each_microbatch(t: probes.Tunix) -> bool:
+  """_train_microbatches calls engine.train_step(..., accumulate_gradients=, apply_optimizer=) in
+  its async loop over microbatches.batches."""
+  seam = probing.Body(t.program._train_microbatches)  # pylint: disable=protected-access
+  trains = [c for f in seam.iterates("microbatches.batches", is_async=True)
+            for c in ast.walk(f) if isinstance(c, ast.Call)
+            and probing.dotted(c.func) == "engine.train_step"]
+  return any({"accumulate_gradients", "apply_optimizer"} <= probing.keywords(c) for c in trains)
+
+
+# The seam's probe (probes.py runs it), by its parsed code: train_stage makes each step's
+# micro-batches, trains them through _train_microbatches and records the step's result;
+# _train_microbatches is the per-micro-batch loop the staged one stands in for.
+PROBE: tuple[str, tuple[probing.Check, ...]] = (
+    "program: the train loop's seam (_step_microbatches, _train_microbatches)", (
+        that(lambda t: dataclasses.is_dataclass(getattr(t.program_module, "StepMicrobatches",
+                                                        None)),
+             "rl_program.StepMicrobatches (a dataclass) is missing"),
+        has_all("rl_program.StepMicrobatches",
+                lambda t: {f.name for f in dataclasses.fields(t.program_module.StepMicrobatches)},
+                sorted(STEP_MICROBATCHES_FIELDS)),
+        has_method("program", "_step_microbatches", params=("engine",), coroutine=False,
+                   own=True),
+        has_method("program", "_train_microbatches", params=("engine", "step", "microbatches"),
+                   coroutine=True, own=True),
+        is_free("program", "last_step_result"),
+        that(lambda t: _train_stage(t).call_order("self._step_microbatches",
+                                                  "self._train_microbatches")
+             == ["self._step_microbatches", "self._train_microbatches"],
+             "StandardRLProgram.train_stage does not call self._step_microbatches, then "
+             "self._train_microbatches"),
+        that(lambda t: not _train_stage(t).calls("engine.train_step"),
+             "StandardRLProgram.train_stage calls engine.train_step itself, beside the seam"),
+        that(lambda t: _train_stage(t).assigns("self.last_step_result"),
+             "StandardRLProgram.train_stage does not assign self.last_step_result"),
+        that(_trains_each_microbatch,
+             "StandardRLProgram._train_microbatches does not call engine.train_step(..., "
+             "accumulate_gradients=, apply_optimizer=) for each of microbatches.batches")))
 
 
 def apply(registry: patching.PatchRegistry, inst: installation_lib.Installation,

@@ -1,15 +1,14 @@
 """Capability probes: does this tunix have what each hook relies on, with the expected shape?
 
 Run before anything is patched; any failure means nothing is installed. The probes are a table
-(`PROBES`, `LOOP_PROBES`; hosts/probing.py `run`) over the tunix classes (`Tunix`): the attributes
-the hooks call or replace, what their bodies do (from the parsed code), and that the names the
-hooks add are still free. `loop_way` picks how the train loop is staged: through its seam, or by
-the plugin's fingerprint-pinned copy (docs/tunix.md "The train loop, two ways").
+(`PROBES`, then the train loop's: `COPY_PROBE`, or the seam's in loop_seam.py; hosts/probing.py
+`run`) over the tunix classes (`Tunix`): the attributes the hooks call or replace, what their
+bodies do (from the parsed code), and that the names the hooks add are still free. `loop_way`
+picks how the train loop is staged (docs/tunix.md "The train loop, two ways").
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 from typing import Any
@@ -24,8 +23,6 @@ from tunix_stage_plugin.hosts.probing import parameters as _params
 SEAM = "seam"  # tunix's train_stage, unchanged; the plugin stages through the loop's seam
 COPY = "copy"  # the plugin's copy of tunix c7d8950's train_stage replaces it (fingerprint-pinned)
 SEAM_METHODS = ("_step_microbatches", "_train_microbatches")
-STEP_MICROBATCHES_FIELDS = frozenset({"batches", "groups", "rewards", "num_rollouts",
-                                      "num_microbatches"})
 STEP_RESULT_FIELDS = frozenset({"step", "policy_version", "num_rollouts", "num_microbatches",
                                 "reward_mean", "reward_std", "train_result"})
 # probing.fingerprint of StandardRLProgram.train_stage at tunix c7d8950: the body the staged loop
@@ -66,7 +63,10 @@ class Tunix:
   config: config_lib.StageConfig
 
 
-def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
+def run(m: Any, config: config_lib.StageConfig,
+        loop: tuple[str, tuple[probing.Check, ...]]) -> list[Probe]:
+  """Every probe of PROBES, then `loop`, the train loop's (by its way: COPY_PROBE or
+  loop_seam.PROBE), on `m`'s tunix classes."""
   try:
     tunix = Tunix(m.remote_execution.RemoteExecutionServer,
                   m.remote_execution.GrpcRemoteExecutionServer, m.trainer_worker.TrainerWorker,
@@ -74,7 +74,6 @@ def run(m: Any, config: config_lib.StageConfig) -> list[Probe]:
                   m.peft_trainer.PeftTrainer, m.remote_execution, m.program, config)
   except AttributeError as e:  # a tunix whose modules lack the classes the hooks patch
     return [Probe("tunix classes the hooks patch", False, f"AttributeError: {e}")]
-  loop = LOOP_PROBES[loop_way(tunix.program)]
   return probing.run((*PROBES, loop), tunix)
 
 
@@ -95,16 +94,6 @@ def error_envelope(t: Tunix) -> str | None:
   return "ExecutionResponse.unwrap() did not raise for an error response"
 
 
-def _trains_each_microbatch(t: Tunix) -> bool:
-  """_train_microbatches calls engine.train_step(..., accumulate_gradients=, apply_optimizer=) in
-  its async loop over microbatches.batches."""
-  seam = probing.Body(t.program._train_microbatches)  # pylint: disable=protected-access
-  trains = [c for f in seam.iterates("microbatches.batches", is_async=True)
-            for c in ast.walk(f) if isinstance(c, ast.Call)
-            and probing.dotted(c.func) == "engine.train_step"]
-  return any({"accumulate_gradients", "apply_optimizer"} <= probing.keywords(c) for c in trains)
-
-
 def program_body(t: Tunix) -> str | None:
   train_stage = vars(t.program).get("train_stage")
   if train_stage is None:
@@ -122,10 +111,6 @@ def program_body(t: Tunix) -> str | None:
           f"{TRAIN_STAGE_FINGERPRINT}, the body the plugin's staged loop reproduces and would "
           f"replace{other}; upgrade tunix-stage-plugin, or check that the staged loop still does "
           f"what this body does (docs/tunix.md) and set {ACCEPT.env}={found}")
-
-
-def _train_stage(t: Tunix) -> probing.Body:
-  return probing.Body(t.program.train_stage)
 
 
 # One row per probe: its name, then what it checks, on which of the Tunix classes, in order; the
@@ -193,34 +178,7 @@ PROBES: tuple[tuple[str, tuple[probing.Check, ...]], ...] = (
         is_free("program", "_stage_ahead_while_pending", "_prestage_across_boundary"))),
 )
 
-# The train loop's probe, by its way. Through the seam (patches/tunix-plugins-entry-point.patch),
-# by its parsed code: train_stage makes each step's micro-batches, trains them through
-# _train_microbatches and records the step's result; _train_microbatches is the per-micro-batch
-# loop the staged one stands in for. Through the copy: train_stage's body, by its fingerprint.
-LOOP_PROBES: dict[str, tuple[str, tuple[probing.Check, ...]]] = {
-    SEAM: ("program: the train loop's seam (_step_microbatches, _train_microbatches)", (
-        that(lambda t: dataclasses.is_dataclass(getattr(t.program_module, "StepMicrobatches",
-                                                        None)),
-             "rl_program.StepMicrobatches (a dataclass) is missing"),
-        has_all("rl_program.StepMicrobatches",
-                lambda t: {f.name for f in dataclasses.fields(t.program_module.StepMicrobatches)},
-                sorted(STEP_MICROBATCHES_FIELDS)),
-        has_method("program", "_step_microbatches", params=("engine",), coroutine=False,
-                   own=True),
-        has_method("program", "_train_microbatches", params=("engine", "step", "microbatches"),
-                   coroutine=True, own=True),
-        is_free("program", "last_step_result"),
-        that(lambda t: _train_stage(t).call_order("self._step_microbatches",
-                                                  "self._train_microbatches")
-             == ["self._step_microbatches", "self._train_microbatches"],
-             "StandardRLProgram.train_stage does not call self._step_microbatches, then "
-             "self._train_microbatches"),
-        that(lambda t: not _train_stage(t).calls("engine.train_step"),
-             "StandardRLProgram.train_stage calls engine.train_step itself, beside the seam"),
-        that(lambda t: _train_stage(t).assigns("self.last_step_result"),
-             "StandardRLProgram.train_stage does not assign self.last_step_result"),
-        that(_trains_each_microbatch,
-             "StandardRLProgram._train_microbatches does not call engine.train_step(..., "
-             "accumulate_gradients=, apply_optimizer=) for each of microbatches.batches"))),
-    COPY: ("program: StandardRLProgram.train_stage's body", (program_body,)),
-}
+# The train loop's probe on a tunix without the seam: train_stage's body, by its fingerprint (the
+# seam's: loop_seam.PROBE).
+COPY_PROBE: tuple[str, tuple[probing.Check, ...]] = (
+    "program: StandardRLProgram.train_stage's body", (program_body,))

@@ -89,7 +89,7 @@ class WorkerStaging:
   def __init__(self, config: config_lib.StageConfig, host_bound: int) -> None:
     self.store = store_lib.StagedBatchStore(config.max_device_batches,
                                             max_host_batches=host_bound)
-    self.placement: Any = None  # how this worker's trainer stages (a hosts.placements.Placement)
+    self.placement: Any = None  # how this worker's trainer stages (a hosts.interface.Placement)
     self.target: Any = None  # the object whose preparation seam stages
     self.unsupported: str | None = None  # why this worker's trainer can never stage
     self.sessions = store_lib.Sessions()  # a new orchestrator drops its predecessors' batches
@@ -274,9 +274,8 @@ class TrainerSide:
     })
 
   async def stopped(self, server: Any) -> None:
-    """`server` stopped: no call comes any more, so its worker's staged batches can never be
-    trained. Dropping them frees their device slots (a placement waiting for one returns now);
-    then its lanes are joined (a running fwd_bwd finishes first), off the loop."""
+    """`server` stopped: its worker's staged batches can never train, so they are dropped (their
+    device slots freed), then its lanes joined off the loop."""
     with self._lock:
       executor = self._executors.pop(server, None)
     if executor is not None:
@@ -378,10 +377,8 @@ class TrainerSide:
 
   def _observed(self, state: WorkerStaging, kind: str, call: Callable[..., Any],
                 args: tuple[Any, ...], kwargs: dict[str, Any], payload: Any = None) -> Any:
-    """`call(*args, **kwargs)` (the worker's fwd_bwd or update), its computation handed to the
-    watcher: queued once the call's inline preparation of `payload` (if any) ended, its output
-    watched off this lane. Where the trainer has a tunix PerfTracer, a `peft_train` span around
-    it; where it has a metrics logger, each step's figures go there too."""
+    """`call(*args, **kwargs)` (the worker's fwd_bwd or update), its computation's output watched
+    off this lane; a `peft_train` span where the trainer has a PerfTracer."""
     placement, target = state.placement, state.target
     if target is None:  # a trainer staging cannot serve: nothing to watch
       return call(*args, **kwargs)
@@ -418,8 +415,7 @@ class TrainerSide:
 
   def _read(self, read: Callable[..., Any], target: Any, lacking: tuple[str, str],
             *args: Any) -> Any:
-    """`read(target, *args)` (what the telemetry reads of the trainer), or None, said once per
-    trainer type and `lacking` where this trainer does not hold it: it trains on."""
+    """`read(target, *args)`, or None, said once per trainer type where it fails: it trains on."""
     try:
       return read(target, *args)
     except Exception as e:  # pylint: disable=broad-except  (telemetry never fails a training call)
@@ -452,9 +448,8 @@ class TrainerSide:
     self.recorder.add_sink(peft.TracerSink(tracer))
 
   def _log_into(self, placement: Any, target: Any, logger: Any) -> None:
-    """Tells `logger` (a trainer's own metrics logger) each trainer step's figures from now on,
-    where no logger is told yet: the figures are this process's, and a logger's backends listen
-    process-wide (jax.monitoring), so one logger gets them to every backend once."""
+    """Tells `logger` each trainer step's figures from now on, where no logger is told yet: a
+    logger's backends listen process-wide (jax.monitoring), so one reaches every backend."""
     with self._lock:
       if self._logger is not None:
         return

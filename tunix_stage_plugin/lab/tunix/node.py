@@ -353,8 +353,9 @@ def _host_bound(value: int | str) -> None:
   import tunix_stage_plugin
   installation = _installation()
   config = installation.live.config
-  if installation.host_bound is not None:  # a new run sizes from the start, as a job's first
-    installation.host_bound.restart(config.max_device_batches)
+  host_bound = installation.trainer_side().host_bound
+  if host_bound is not None:  # a new run sizes from the start, as a job's first
+    host_bound.restart(config.max_device_batches)
   tunix_stage_plugin.install(dataclasses.replace(config, max_host_batches=value), quiet=True)
 
 
