@@ -26,6 +26,7 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 from tunix.experimental.common import datatypes  # pylint: disable=wrong-import-position
 from tunix.experimental.orchestrator import distributed_rl_engine
 from tunix.experimental.orchestrator import rl_program
+from tunix.experimental.train import peft_trainer_v2
 from tunix.experimental.worker import remote_execution
 from tunix.experimental.worker import trainer_worker
 
@@ -34,19 +35,21 @@ from tunix_stage_plugin.core import patching
 from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.hosts import probing
 from tunix_stage_plugin.hosts.tunix import probes
+from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
 pytestmark = pytest.mark.tunix
 HOST_CLASSES = (remote_execution.RemoteExecutionServer, remote_execution.GrpcRemoteExecutionServer,
                 remote_execution.InProcessRemoteExecutionServer, trainer_worker.TrainerWorker,
                 distributed_rl_engine.DistributedRLEngine, rl_program.StandardRLProgram,
-                rl_program.RLStepResult)
+                rl_program.RLStepResult, peft_trainer_v2.PeftTrainer)
 STAGE = config_lib.resolve({"mode": "stage"}, env={})
 # How this tunix's train loop is staged: the plugin's copy (c7d8950) or tunix's seam (c7d8950 with
-# patches/tunix-plugins-entry-point.patch), and the hooks each way installs: server 4, worker 4
-# (with PeftTrainer's seam), engine 3, program 3 (train_stage and the upstream change's two
-# methods) and, through the seam, 3 more (the seam's two methods and last_step_result).
+# patches/tunix-plugins-entry-point.patch), and the hooks each way installs: server 4, worker 3,
+# engine 3, program 3 (train_stage and the upstream change's two methods) and, through the seam,
+# 3 more (the seam's two methods and last_step_result). PeftTrainer's seam is one more, set where
+# a process first serves a worker (its trainer side), so an orchestrator's PeftTrainer is tunix's.
 WAY = probes.loop_way(rl_program.StandardRLProgram)
-HOOKS = {probes.COPY: 15, probes.SEAM: 18}[WAY]
+HOOKS = {probes.COPY: 14, probes.SEAM: 17}[WAY]
 copy_only = pytest.mark.skipif(WAY != probes.COPY,
                                reason="the plugin's copy of train_stage only (c7d8950)")
 seam_only = pytest.mark.skipif(WAY != probes.SEAM,
@@ -79,6 +82,10 @@ def test_install_uninstall_reinstall_leaves_classes_exactly_as_they_were(clean):
           activation.hooks
     assert manager.install(STAGE, quiet=True).installed  # idempotent
     assert snapshot() != before
+    prepare = vars(peft_trainer_v2.PeftTrainer)["_prepare_payload"]
+    assert not hasattr(prepare, "__wrapped__")  # no worker served yet: tunix's own
+    ADAPTER.installation.trainer_side()  # as the first call a server of this process serves
+    assert vars(peft_trainer_v2.PeftTrainer)["_prepare_payload"].__wrapped__ is prepare
     manager.uninstall("tunix", quiet=True)
     assert snapshot() == before
   assert not hasattr(trainer_worker.TrainerWorker, "stage_batch")

@@ -64,7 +64,7 @@ def test_a_stage_and_an_inline_train_call_travel_the_side_channel(staging, caplo
 
   outcome, result, router = asyncio.run(main())
   assert outcome.status is StageStatus.STAGED
-  assert staging.bulk_calls == {"stage_batch": 1, "fwd_bwd": 1} and not staging.chunked_calls
+  assert staging.trainer_side().bulk_calls == {"stage_batch": 1, "fwd_bwd": 1} and not staging.trainer_side().chunked_calls
   (placed, _, _), (payload, kwargs, thread) = worker._trainer.fwd  # pylint: disable=protected-access
   np.testing.assert_array_equal(np.asarray(placed["experts"]), staged["experts"])
   np.testing.assert_array_equal(payload["experts"], inline["experts"])
@@ -99,7 +99,7 @@ def test_below_the_threshold_the_call_is_the_hosts_own(staging):
   assert train_step.call_args_list == [mock.call(mock.ANY, small, role=ACTOR,
                                                  accumulate_gradients=True,
                                                  apply_optimizer=False)]
-  assert not staging.bulk_calls and not staging.chunked_calls
+  assert not staging.trainer_side().bulk_calls and not staging.trainer_side().chunked_calls
 
 
 def test_a_trainer_without_a_side_channel_is_asked_once_and_said_in_one_line(staging, caplog):
@@ -123,7 +123,7 @@ def test_a_trainer_without_a_side_channel_is_asked_once_and_said_in_one_line(sta
   lines = [r.getMessage() for r in caplog.records if "side channel" in r.getMessage()]
   assert len(lines) == 1 and lines[0].startswith("tunix-stage: no side channel on 127.0.0.1:")
   assert lines[0].endswith("calls over the 128 MiB cap use the chunked stream"), lines
-  assert not staging.bulk_calls and len(worker._trainer.fwd) == 3  # pylint: disable=protected-access
+  assert not staging.trainer_side().bulk_calls and len(worker._trainer.fwd) == 3  # pylint: disable=protected-access
 
 
 def test_a_side_channel_this_process_cannot_reach_leaves_calls_over_the_cap_to_the_stream(
@@ -147,7 +147,7 @@ def test_a_side_channel_this_process_cannot_reach_leaves_calls_over_the_cap_to_t
 
   router = asyncio.run(main())
   assert router.calls[contract.STREAM] == 1 and router.calls[contract.SIDE_CHANNEL] == 0
-  assert staging.chunked_calls == {"fwd_bwd": 1} and not staging.bulk_calls
+  assert staging.trainer_side().chunked_calls == {"fwd_bwd": 1} and not staging.trainer_side().bulk_calls
   (payload, _, _), = worker._trainer.fwd  # pylint: disable=protected-access
   np.testing.assert_array_equal(payload["experts"], sent["experts"])
   lines = [r.getMessage() for r in caplog.records if "side channel" in r.getMessage()]
@@ -191,17 +191,17 @@ def test_a_header_whose_bytes_never_come_is_refused_within_the_bound_and_frees_i
   assert re.match(r"RemoteExecutionError \[WireError\]: the bulk frame stalled after 1048576 of "
                   r"its 41943\d\d bytes: none came for 0\.5 s \(BulkLimits\.stall_s\)", message), message
   assert ended
-  assert staging.bulk_calls == {"fwd_bwd": 1} and len(worker._trainer.fwd) == 1  # pylint: disable=protected-access
+  assert staging.trainer_side().bulk_calls == {"fwd_bwd": 1} and len(worker._trainer.fwd) == 1  # pylint: disable=protected-access
   # The abandoned transfer's 4 MiB buffer went back to the pool: the next call received into it
   # (the trainer keeps that one's payload).
-  assert (staging.pool.made, staging.pool.reused, staging.pool.held_bytes()) == (1, 1, 4 * MIB)
+  assert (staging.trainer_side().pool.made, staging.trainer_side().pool.reused, staging.trainer_side().pool.held_bytes()) == (1, 1, 4 * MIB)
 
 
 def test_a_side_channel_broken_mid_transfer_fails_the_call_clearly_and_the_next_works(staging):
   """The trainer's receive connection is shut down as its first buffer is taken (a real broken
   connection): the call ends with one clear error, nothing is run, the next call works."""
   worker = new_worker()
-  take_all, broken = staging.pool.take_all, []
+  take_all, broken = staging.trainer_side().pool.take_all, []
 
   def break_once(sizes):
     if not broken:
@@ -211,7 +211,7 @@ def test_a_side_channel_broken_mid_transfer_fails_the_call_clearly_and_the_next_
       broken.append(True)
     return take_all(sizes)
 
-  staging.pool.take_all = break_once
+  staging.trainer_side().pool.take_all = break_once
 
   async def main():
     server, handle, engine = await serve(worker)
@@ -226,7 +226,7 @@ def test_a_side_channel_broken_mid_transfer_fails_the_call_clearly_and_the_next_
 
   error = asyncio.run(main())
   assert "broke" in str(error).splitlines()[0], error
-  assert staging.bulk_calls == {"fwd_bwd": 1}
+  assert staging.trainer_side().bulk_calls == {"fwd_bwd": 1}
   (payload, _, _), = worker._trainer.fwd  # pylint: disable=protected-access
   np.testing.assert_array_equal(payload["experts"], big(2, mib=24)["experts"])
 

@@ -140,7 +140,7 @@ def test_an_inline_train_call_over_the_cap_goes_in_chunks_and_runs_on_the_comput
   assert set(result) == {"fwd_bwd", "updated", "train_step", "accumulated"}
   assert result["updated"] is True and result["train_step"] == 1 and result["accumulated"]
   assert result["fwd_bwd"].metadata["queued"] is True
-  assert staging.chunked_calls == {"fwd_bwd": 1} and trainer.updates == 1
+  assert staging.trainer_side().chunked_calls == {"fwd_bwd": 1} and trainer.updates == 1
   sent_bytes = wire.encode(None, "fwd_bwd", (), {"payload": sent, "skip_jit": False}).nbytes
   assert (router.calls[contract.STREAM], router.bytes[contract.STREAM]) == (1, sent_bytes)
 
@@ -168,7 +168,7 @@ def test_below_the_cap_the_inline_call_is_the_hosts_own_train_step(cap, staging)
   assert train_step.call_args_list == [mock.call(mock.ANY, small, role=ACTOR,
                                                  accumulate_gradients=True,
                                                  apply_optimizer=False)]
-  assert router.calls[contract.STREAM] == 1 and staging.chunked_calls == {"fwd_bwd": 1}
+  assert router.calls[contract.STREAM] == 1 and staging.trainer_side().chunked_calls == {"fwd_bwd": 1}
   assert worker._trainer.updates == 1  # pylint: disable=protected-access
 
 
@@ -186,7 +186,7 @@ def test_a_stage_over_the_cap_goes_in_chunks_on_the_staging_lane(cap, staging):
     return outcome
 
   assert asyncio.run(main()).status is StageStatus.STAGED
-  assert staging.chunked_calls == {"stage_batch": 1}  # the train call by key went unary
+  assert staging.trainer_side().chunked_calls == {"stage_batch": 1}  # the train call by key went unary
   (placed, _, _), = worker._trainer.fwd  # pylint: disable=protected-access
   assert isinstance(placed["experts"], jax.Array)  # placed at stage time, on the staging lane
   np.testing.assert_array_equal(np.asarray(placed["experts"]), sent["experts"])
@@ -210,7 +210,7 @@ def test_a_header_over_the_trainers_cap_is_refused_before_its_bytes(cap, staging
   assert message.startswith("RemoteExecutionError [WireError]: fwd_bwd announces 25165888 "
                             "bytes (24.0 MiB), above this trainer's 16777216-byte cap"), message
   assert "refused before reading any of its bytes" in message
-  assert worker._trainer.fwd == [] and not staging.chunked_calls  # pylint: disable=protected-access
+  assert worker._trainer.fwd == [] and not staging.trainer_side().chunked_calls  # pylint: disable=protected-access
 
 
 def test_a_trainer_without_the_stream_stops_an_over_cap_call_with_one_line(cap):
@@ -301,6 +301,6 @@ def test_reference_log_probs_over_the_cap_go_in_chunks_to_the_reference_worker(c
   small, calls_small, large, calls = asyncio.run(main())
   np.testing.assert_array_equal(small, big(1, 1)["experts"][:4])
   np.testing.assert_array_equal(large, big(2)["experts"][:4])
-  assert (calls_small, calls) == (0, 1) and staging.chunked_calls == {"per_token_logps": 1}
+  assert (calls_small, calls) == (0, 1) and staging.trainer_side().chunked_calls == {"per_token_logps": 1}
   # Not a TrainerWorker: run as tunix runs a unary call to it, on the server's loop.
   assert reference.threads == [threading.current_thread().name] * 2

@@ -104,7 +104,7 @@ def test_a_staged_micro_batch_crosses_at_most_14_files_and_never_goes_back_up(st
   finally:
     way.stop()
   assert profiled.staged >= 1 and profiled.fallbacks == 0, profiled
-  assert staging.bulk_calls["stage_batch"] >= 2  # the side channel carried the stages
+  assert staging.trainer_side().bulk_calls["stage_batch"] >= 2  # the side channel carried the stages
   calls = way.window("start", "end")
   files = way_lib.files(calls)
   print("\nthe files a staged micro-batch's calls pass through on tunix's host:",

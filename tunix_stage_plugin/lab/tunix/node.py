@@ -363,7 +363,7 @@ def _store(worker: BenchWorker) -> Any:
   """The plugin's staging store for this worker (None on a node without the plugin)."""
   if not worker.spec["plugin"]:
     return None
-  return _installation().staging_of(worker).store
+  return _installation().trainer_side().staging_of(worker).store
 
 
 def make_trainer(spec: dict[str, Any], mesh: Mesh, clocked: Clocked) -> MeshBound:
