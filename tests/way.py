@@ -100,3 +100,32 @@ def design_table(host: str) -> set[str]:
     if line.startswith("| `") and ".py" in line:
       named.add(line.split("|")[1].strip().strip("`").split(":")[0])
   return named
+
+
+def marking(engine_cls: type) -> type:
+  """`engine_cls` (a pipeline's engine), its train call marking "end" on `way` once the train
+  call of `key` returned: the window's end."""
+
+  class Marked(engine_cls):
+    key: str | None = None
+    way: Way
+
+    async def train(self, payload, *, stage_key, apply_optimizer):
+      trained = await super().train(payload, stage_key=stage_key, apply_optimizer=apply_optimizer)
+      if stage_key is not None and stage_key == self.key:
+        self.way.mark("end")
+      return trained
+
+  return Marked
+
+
+def check(way: Way, host: str, most: int) -> None:
+  """The window's calls on `host`: at most `most` files, none called back from below, and the
+  files docs/design.md's table names."""
+  calls = way.window("start", "end")
+  found = files(calls)
+  print(f"\nthe files a staged micro-batch's calls pass through ({host}):", *sorted(found),
+        sep="\n  ")
+  assert len(found) <= most, " ".join(sorted(found))
+  assert back_up(calls) == [], "\n".join(" > ".join(c) for c in back_up(calls))
+  assert found == design_table(host), sorted(found)

@@ -31,17 +31,7 @@ MOST_FILES = 14
 SIZES = dataclasses.replace(data_lib.TINY_SIZES, ballast=8192)
 
 
-class MarkedEngine(client_lib.EmbeddedEngine):
-  """The pipeline's engine, marking when the train call of `key` returned."""
-
-  key: str | None = None
-  way: way_lib.Way
-
-  async def train(self, payload, *, stage_key, apply_optimizer):
-    trained = await super().train(payload, stage_key=stage_key, apply_optimizer=apply_optimizer)
-    if stage_key is not None and stage_key == self.key:
-      self.way.mark("end")
-    return trained
+MarkedEngine = way_lib.marking(client_lib.EmbeddedEngine)  # marks the window's end
 
 
 def test_a_staged_micro_batch_crosses_at_most_14_files_and_never_goes_back_up():
@@ -91,10 +81,4 @@ def test_a_staged_micro_batch_crosses_at_most_14_files_and_never_goes_back_up():
     executor.close()
     worker.close()
   assert profiled.staged >= 1 and profiled.fallbacks == 0, profiled
-  calls = way.window("start", "end")
-  files = way_lib.files(calls)
-  print("\nthe files a staged micro-batch's calls pass through on the embedded host:",
-        *sorted(files), sep="\n  ")
-  assert len(files) <= MOST_FILES, " ".join(sorted(files))
-  assert way_lib.back_up(calls) == [], "\n".join(" > ".join(c) for c in way_lib.back_up(calls))
-  assert files == way_lib.design_table("embedded"), sorted(files)
+  way_lib.check(way, "embedded", MOST_FILES)

@@ -14,7 +14,7 @@ import contextlib
 import functools
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 from tunix_stage_plugin.core import patching
 
@@ -87,29 +87,25 @@ _timing: dict[int, Prepared] = {}  # by id(payload): an inline payload whose pre
 
 
 @contextlib.contextmanager
-def handing(placement: Placement, staged: Any) -> Iterator[Handed]:
+def _held(table: dict[int, Any], obj: Any, value: Any) -> Iterator[Any]:
+  """`value` in `table` under `obj`'s identity for the block's length."""
+  with _seams_lock:
+    table[id(obj)] = value
+  try:
+    yield value
+  finally:
+    with _seams_lock:
+      table.pop(id(obj), None)
+
+
+def handing(placement: Placement, staged: Any) -> ContextManager[Handed]:
   """Around the host's fwd_bwd(staged): the seam that meets `staged` hands it through once."""
-  handed = Handed(placement, staged)
-  with _seams_lock:
-    _handing[id(staged)] = handed
-  try:
-    yield handed
-  finally:
-    with _seams_lock:
-      _handing.pop(id(staged), None)
+  return _held(_handing, staged, Handed(placement, staged))
 
 
-@contextlib.contextmanager
-def timing(payload: Any) -> Iterator[Prepared]:
+def timing(payload: Any) -> ContextManager[Prepared]:
   """Around a host call that may prepare `payload` inline: when a seam prepared it."""
-  prepared = Prepared()
-  with _seams_lock:
-    _timing[id(payload)] = prepared
-  try:
-    yield prepared
-  finally:
-    with _seams_lock:
-      _timing.pop(id(payload), None)
+  return _held(_timing, payload, Prepared())
 
 
 def set_seam(registry: patching.PatchRegistry, cls: type, name: str) -> None:

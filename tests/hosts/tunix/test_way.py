@@ -21,14 +21,12 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 
 # pylint: disable=wrong-import-position
 from tests import way as way_lib
+from tests.hosts.tunix.test_side import staging  # pylint: disable=unused-import  (the fixture)
 from tests.hosts.tunix.test_stream import RecordingTrainer, big, close, serve
-from tunix_stage_plugin.activation import manager
-from tunix_stage_plugin.core import config as config_lib
 from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.core import pipeline as pipeline_lib
 from tunix_stage_plugin.core import sizing
 from tunix_stage_plugin.hosts.tunix import orchestrator
-from tunix_stage_plugin.hosts.tunix.adapter import ADAPTER
 
 from tunix.experimental.worker import trainer_worker
 
@@ -46,25 +44,7 @@ class Trainer(RecordingTrainer):
   _last_update_grad_norm = np.float32(0.0)
 
 
-@pytest.fixture
-def staging():
-  manager.uninstall("tunix", quiet=True)
-  assert manager.install(config_lib.resolve({"mode": "stage"}, env={}), quiet=True).installed
-  yield ADAPTER.installation
-  manager.uninstall("tunix", quiet=True)
-
-
-class MarkedCalls(orchestrator.StagingCalls):
-  """The pipeline's calls, marking when the train call of `key` returned."""
-
-  key: str | None = None
-  way: way_lib.Way
-
-  async def train(self, payload, *, stage_key, apply_optimizer):
-    trained = await super().train(payload, stage_key=stage_key, apply_optimizer=apply_optimizer)
-    if stage_key is not None and stage_key == self.key:
-      self.way.mark("end")
-    return trained
+MarkedCalls = way_lib.marking(orchestrator.StagingCalls)  # marks the window's end
 
 
 def test_a_staged_micro_batch_crosses_at_most_14_files_and_never_goes_back_up(staging):
@@ -104,12 +84,6 @@ def test_a_staged_micro_batch_crosses_at_most_14_files_and_never_goes_back_up(st
   finally:
     way.stop()
   assert profiled.staged >= 1 and profiled.fallbacks == 0, profiled
-  assert staging.trainer_side().bulk_calls["stage_batch"] >= 2  # the side channel carried the stages
-  calls = way.window("start", "end")
-  files = way_lib.files(calls)
-  print("\nthe files a staged micro-batch's calls pass through on tunix's host:",
-        *sorted(files), sep="\n  ")
-  assert len(files) <= MOST_FILES, " ".join(sorted(files))
-  assert way_lib.back_up(calls) == [], "\n".join(" > ".join(c) for c in way_lib.back_up(calls))
-  assert files == way_lib.design_table("tunix"), sorted(files)
-  del first
+  # The side channel carried the stages.
+  assert staging.trainer_side().bulk_calls["stage_batch"] >= 2
+  way_lib.check(way, "tunix", MOST_FILES)
