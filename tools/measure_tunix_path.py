@@ -71,7 +71,7 @@ async def time_stages(port: int, sizes: list[int], runs: int) -> dict[int, tuple
       found[mib] = (times[0], statistics.median(times[1:]))
       del payload
   finally:
-    await ADAPTER.installation.orchestrator_side().close()
+    await ADAPTER.installation.orchestrator_side().close_connections()
     await handle.close()
   return found
 
