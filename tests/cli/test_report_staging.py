@@ -145,11 +145,11 @@ def test_a_job_whose_trainer_refused_staging_says_so_and_that_nothing_replays_it
   (advice,) = summary["advice"]
   assert advice["recommended"] and advice["prediction"] is None
   assert advice["checked"].startswith("not checked (no trainer record to replay")
-  said = overall(report(folder).stdout)
+  out = report(folder).stdout
+  said = overall(out)
   assert said[0] == (f"did not stage: {summary['staging']['said']}; turned on by "
                      f"{summary['staging']['turn_on']}; what it would give is "
                      f"{advice['checked']}")
-  out = report(folder).stdout
   assert "checked by simulate" not in out and "nothing to change" not in out
   assert out.splitlines()[-1] == f"recommendation: {advice['line']}"
 
