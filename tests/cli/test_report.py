@@ -7,6 +7,8 @@ report prints are checked against what each step was built to hold.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -63,8 +65,17 @@ def write_trainer_job(folder, steps=4, boundary_wait=0.0, pool_waits=0, host_bat
 
 
 def report(*argv, check=True):
-  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", *argv],
-                        capture_output=True, text=True, timeout=60)
+  """`tunix-stage report ARGV`, its output and exit code, run in this process by the CLI's own
+  main (a process of its own costs ~0.5 s of imports a call; tests/reading/test_report_edges.py
+  runs it as a process, for its signals)."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      code = cli_main.main(["report", *argv])
+    except SystemExit as e:  # argparse's refusal of bad flags
+      code = e.code
+  proc = subprocess.CompletedProcess(["tunix-stage", "report", *argv], code, out.getvalue(),
+                                     err.getvalue())
   if check:
     assert proc.returncode == 0, proc.stderr
   return proc

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from tests.cli.test_report import report
 from tunix_stage_plugin.core.telemetry import figures as figures_lib
 from tunix_stage_plugin.lab.embedded import process as process_lib
 
@@ -36,12 +37,10 @@ def job(folder, payload_mib: str) -> tuple[str, str]:
   return log.read_text(encoding="utf-8"), orch.stderr
 
 
-def report(folder) -> tuple[str, dict]:
-  run = [sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)]
-  text = subprocess.run(run, capture_output=True, text=True, timeout=60, check=True).stdout
-  data = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60,
-                                   check=True).stdout)
-  (one,) = data["runs"]  # one job's records: one run
+def reported(folder) -> tuple[str, dict]:
+  """`tunix-stage report` on the folder: its text and its one run's JSON."""
+  text = report(str(folder)).stdout
+  (one,) = json.loads(report(str(folder), "--json").stdout)["runs"]  # one job's: one run
   return text, one
 
 
@@ -54,7 +53,7 @@ def test_received_and_sent_totals_count_every_step_as_their_tables_do(tmp_path):
   and the orchestrator's sent total are the same calls, step 0's among them, and each equals the
   sum of its table."""
   trainer_err, orch_err = job(tmp_path, "4")
-  text, data = report(tmp_path)
+  text, data = reported(tmp_path)
   trainer, orch = data["processes"]
   received = data["summary"]["trainer"]["received"]["side"]
   sent = data["summary"]["orchestrator"]["sent"]["side"]
@@ -90,7 +89,7 @@ def test_a_tiny_job_s_lines_name_the_transport_and_the_size_it_used(tmp_path):
       orch_lines
   assert all("received nothing by side channel or stream" in line
              for line in step_lines(trainer_err, "trainer "))
-  _, data = report(tmp_path)
+  _, data = reported(tmp_path)
   assert "side" not in data["summary"]["orchestrator"]["sent"]
   assert data["summary"]["trainer"]["received"] == {}
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
+
+from tests.cli.test_report import report
 
 DATA = pathlib.Path(__file__).parent.parent / "data"
 JOBS = sorted(p.name for p in DATA.iterdir() if p.is_dir())
@@ -28,10 +28,7 @@ OPTIONAL = {"trainer": ("host_step", "sizing"), "orchestrator": ("host_step", "s
 
 
 def report_json(folder):
-  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder),
-                         "--json", "--steps", "100"], capture_output=True, text=True,
-                        timeout=120, check=True)
-  return json.loads(proc.stdout)
+  return json.loads(report(str(folder), "--json", "--steps", "100").stdout)
 
 
 def said_null(role, record):

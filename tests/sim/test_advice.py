@@ -22,24 +22,19 @@ from tunix_stage_plugin.reading import report as report_cmd
 from tunix_stage_plugin.lab.embedded import process as process_lib
 from tunix_stage_plugin.lab.sim import advice as check_lib
 from tunix_stage_plugin.lab.sim import trace as trace_lib
+from tests.cli.test_report import report
 from tests.core.test_telemetry import compute
 
 MIB = 1 << 20
 
 
 def report_json(folder):
-  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder),
-                         "--json"], capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr
-  (run,) = json.loads(proc.stdout)["runs"]  # one job's records: one run
+  (run,) = json.loads(report(str(folder), "--json").stdout)["runs"]  # one job's records: one run
   return run["summary"]
 
 
 def report_text(folder):
-  proc = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
-                        capture_output=True, text=True, timeout=120)
-  assert proc.returncode == 0, proc.stderr
-  return proc.stdout
+  return report(str(folder)).stdout
 
 
 def simulated(folder, settings, wire=1.0):

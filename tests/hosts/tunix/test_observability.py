@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import statistics
 import struct
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -29,6 +27,7 @@ pytest.importorskip("tunix.experimental.orchestrator.rl_program",
 
 import jax  # pylint: disable=wrong-import-position
 
+from tests.cli.test_report import report  # pylint: disable=wrong-import-position
 from tests.hosts.tunix import test_grpc  # pylint: disable=wrong-import-position
 from tests.records import job_records  # pylint: disable=wrong-import-position
 from tunix_stage_plugin import reading  # pylint: disable=wrong-import-position
@@ -85,8 +84,7 @@ def test_a_job_records_its_steps_and_report_reads_them(tmp_path):
   assert {"peft_train", "stage_receive", "stage_place"} <= set(span_names), span_names
   assert any(f.startswith("perfetto_trace_v2_") for f in files), files
 
-  out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
-                       capture_output=True, text=True, timeout=60, check=True).stdout
+  out = report(str(folder)).stdout
   print(out)  # with -s: what a user's `tunix-stage report` says of this job
   # Two jobs: the staged one (its trainer steps beside its orchestrator's) and the inline one,
   # whose orchestrator ran without the plugin (the trainer's steps alone): never one median.
@@ -132,9 +130,7 @@ def test_report_says_a_trainer_without_the_plugin_refused_staging(tmp_path):
   by_role = job_records(folder)
   assert by_role["trainer"] == [] and len(by_role["orchestrator"]) == test_grpc.STEPS
   orchestrator = by_role["orchestrator"][0]["process"]
-  run = json.loads(subprocess.run(
-      [sys.executable, "-m", "tunix_stage_plugin", "report", str(folder), "--json"],
-      capture_output=True, text=True, timeout=60, check=True).stdout)["runs"][0]["summary"]
+  run = json.loads(report(str(folder), "--json").stdout)["runs"][0]["summary"]
   assert run["orchestrator"]["fallbacks_by_kind"] == {"unsupported": 1}
   assert run["staging"] == {
       "staged": False, "role": "trainer",
@@ -142,8 +138,7 @@ def test_report_says_a_trainer_without_the_plugin_refused_staging(tmp_path):
       "said": f"the trainer refused orchestrator {orchestrator['hostname']}:{orchestrator['pid']}"
               "'s stages as unsupported (staging is off on the trainer, or it runs without the "
               f"plugin), so all {test_grpc.STEPS * test_grpc.MICRO} micro-batches trained inline"}
-  out = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", str(folder)],
-                       capture_output=True, text=True, timeout=60, check=True).stdout
+  out = report(str(folder)).stdout
   print(out)  # with -s: what a user's `tunix-stage report` says of this job
   assert f"  did not stage: {run['staging']['said']}; turned on by " in out
   assert "staging hid" not in out and "nothing to change" not in out
@@ -260,10 +255,7 @@ def test_the_stage_figures_sit_beside_the_loss_in_the_trainer_s_tensorboard(tmp_
   assert [step for step, _ in stage["train/stage/saved_s"]] == [step for step, _ in saved]
   assert [v for _, v in stage["train/stage/saved_s"]] == pytest.approx(  # TensorBoard's float32
       [value for _, value in saved], rel=1e-6)
-  report = subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", "--json",
-                           str(tmp_path / "m")], capture_output=True, text=True, timeout=120,
-                          check=True)
-  (run,) = json.loads(report.stdout)["runs"]
+  (run,) = json.loads(report("--json", str(tmp_path / "m")).stdout)["runs"]
   judged = rows["step_s"].notna() & (rows["placed_staged"] > 0)
   assert run["summary"]["trainer"]["hidden_s"] == pytest.approx(
       statistics.median(rows["saved_s"][judged]))
@@ -311,10 +303,6 @@ def test_report_compares_two_real_runs_and_draws_them(tmp_path):
   for folder, bound in ((a, 1), (b, 2)):
     trainer = records_lib.read([folder]).steps[record_lib.TRAINER]
     assert set(trainer["max_host_batches"]) == {bound}
-
-  def report(*argv, check=True):
-    return subprocess.run([sys.executable, "-m", "tunix_stage_plugin", "report", *argv],
-                          capture_output=True, text=True, timeout=120, check=check)
 
   data = json.loads(report(a, b, "--json").stdout)
   assert [(r["label"], r["trainer_steps"], r["orchestrator_steps"]) for r in data["runs"]] == \
