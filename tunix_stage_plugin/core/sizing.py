@@ -372,6 +372,7 @@ class AutoDepth:
     elif span.track == tracks.ORCHESTRATOR_STAGE:
       step = dict(span.args).get("step")
       if step is not None:
+        # Not span.duration: a sink calls nothing back in the recorder that tells it.
         self._calls[step].append(span.end - span.start)
 
   def answered(self, stage: contract.StageOutcome) -> None:
