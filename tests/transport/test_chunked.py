@@ -147,25 +147,19 @@ def test_a_pickle_for_another_method_than_the_header_names_is_refused():
     receive(Messages([header]))
 
 
-async def send_chunked(rpc, encoded):
-  """Sends `encoded` as the orchestrator's connection does (the header, then the chunks only
-  once the trainer accepted it); answers the reply (or the AioRpcError's code) and how many
-  messages were sent."""
-  call, sent = rpc(timeout=60), 0
-  messages = stream.messages(encoded)
-  try:
-    try:
-      await call.write(next(messages))
+async def send_chunked(channel, encoded):
+  """Sends `encoded` as the orchestrator's connection does (stream.send); answers the reply (or
+  the AioRpcError's code) and how many messages were taken to be sent."""
+  sent = 0
+
+  def counted():
+    nonlocal sent
+    for message in stream.messages(encoded):
       sent += 1
-      metadata = await call.initial_metadata()
-      if metadata and metadata.get(contract.STREAM_READY_KEY) == contract.STREAM_READY:
-        for message in messages:
-          await call.write(message)
-          sent += 1
-      await call.done_writing()
-    except asyncio.InvalidStateError:  # the trainer answered early
-      pass
-    return pickle.loads(await call), sent
+      yield message
+
+  try:
+    return pickle.loads(await stream.send(channel, counted(), 60)), sent
   except grpc.aio.AioRpcError as e:
     return e.code(), sent
 
@@ -174,7 +168,7 @@ async def serve_and_send(payload, cap, max_bytes):
   """A real grpc.aio server and channel on 127.0.0.1, both capped at `cap` bytes a message (as
   tunix caps at 128 MiB), serving the chunked method as the trainer's hook does (header accepted
   with STREAM_READY_KEY, then the chunks). Sends `payload` whole (unary), chunked, and chunked to a
-  method the server does not have."""
+  server without the stream."""
   options = [("grpc.max_send_message_length", cap), ("grpc.max_receive_message_length", cap)]
   pool = buffers_lib.HostBufferPool()
 
@@ -200,18 +194,22 @@ async def serve_and_send(payload, cap, max_bytes):
       contract.STREAM_METHOD_NAME: grpc.stream_unary_rpc_method_handler(execute),
       "Unary": grpc.unary_unary_rpc_method_handler(unary)}),))
   port = server.add_insecure_port("127.0.0.1:0")
+  plain = grpc.aio.server(options=options)  # a server without the chunked stream
+  plain_port = plain.add_insecure_port("127.0.0.1:0")
   await server.start()
+  await plain.start()
   try:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
       with pytest.raises(grpc.aio.AioRpcError) as whole:
         await channel.unary_unary(f"/{contract.STREAM_SERVICE}/Unary")(pickle.dumps(payload),
                                                                         timeout=30)
       encoded = wire.encode(None, "stage_batch", (), {"payload": payload})
-      chunks = await send_chunked(channel.stream_unary(contract.STREAM_METHOD), encoded)
-      missing = await send_chunked(
-          channel.stream_unary(f"/{contract.STREAM_SERVICE}/Missing"), encoded)
+      chunks = await send_chunked(channel, encoded)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{plain_port}", options=options) as channel:
+      missing = await send_chunked(channel, encoded)
   finally:
     await server.stop(0)
+    await plain.stop(0)
   return encoded, whole.value.code(), chunks, missing
 
 
@@ -224,8 +222,42 @@ def test_a_payload_far_over_a_grpc_channels_cap_crosses_it_as_a_client_stream():
   assert (method, nbytes, misalignment) == ("stage_batch", sent.nbytes, 0)
   assert checksum == int(sent[::4096].astype(np.int64).sum())
   assert messages == 1 + 64 * MIB // CHUNK
-  # A server without the method: UNIMPLEMENTED (never a failed write), and no chunk was sent.
+  # A server without the stream: UNIMPLEMENTED (never the failed write's INTERNAL), no chunk sent.
   assert missing == (grpc.StatusCode.UNIMPLEMENTED, 1)
+
+
+def test_a_failed_header_write_still_tells_a_server_without_the_stream():
+  """A failed write hides the server's answer: one that races it reads INTERNAL, now and then
+  (grpc/grpc#36066). A send cap below the header's size fails the header's write every time: a
+  server without the stream is still told by UNIMPLEMENTED, one with it by the call's own
+  RESOURCE_EXHAUSTED."""
+
+  async def execute(request_iterator, context):
+    async for _ in request_iterator:
+      pass
+    return pickle.dumps("served")
+
+  async def send_to_both(encoded):
+    answers = []
+    for handlers in ((), (grpc.method_handlers_generic_handler(contract.STREAM_SERVICE, {
+        contract.STREAM_METHOD_NAME: grpc.stream_unary_rpc_method_handler(execute)}),)):
+      server = grpc.aio.server()
+      server.add_generic_rpc_handlers(handlers)
+      port = server.add_insecure_port("127.0.0.1:0")
+      await server.start()
+      try:
+        async with grpc.aio.insecure_channel(
+            f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", 64)]) as channel:
+          answers.append(await send_chunked(channel, encoded))
+      finally:
+        await server.stop(0)
+    return answers
+
+  encoded = wire.encode(None, "fwd_bwd", (), {"payload": np.zeros(MIB, np.uint8)})
+  assert len(encoded.header(TRANSFER)) > 64
+  without, with_stream = asyncio.run(send_to_both(encoded))
+  assert without == (grpc.StatusCode.UNIMPLEMENTED, 1)
+  assert with_stream == (grpc.StatusCode.RESOURCE_EXHAUSTED, 1)
 
 
 def test_a_refused_header_is_answered_before_any_chunk_is_sent():

@@ -12,8 +12,10 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Iterator, Sequence
 
+import grpc
 import numpy as np
 
+from tunix_stage_plugin.core import contract
 from tunix_stage_plugin.transport import wire
 from tunix_stage_plugin.transport.wire import WireError
 
@@ -98,6 +100,33 @@ async def receive_chunks(messages: AsyncIterator[bytes], header: wire.Header,
   except ValueError as e:
     raise WireError(f"{header.method}: {e}") from None
   return wire.Received(buffers, started, time.perf_counter())
+
+
+async def send(channel: grpc.aio.Channel, parts: Iterator[bytes], timeout: float | None) -> bytes:
+  """Sends a chunked call on `channel`: its header (the first of `parts`), then its chunks once the
+  server accepted the header. The server's answer; grpc.aio.AioRpcError where the call failed
+  (UNIMPLEMENTED: the server has no chunked stream)."""
+  call = channel.stream_unary(contract.STREAM_METHOD)(timeout=timeout)
+  try:
+    await call.write(next(parts))
+  except asyncio.InvalidStateError:  # the server answered first: the answer says why
+    return await call
+  except grpc.aio.AioRpcError:
+    # A failed write hides the server's answer: one that raced it reads INTERNAL, and the call
+    # may end so too (grpc/grpc#36066). Only a server without the stream answers before the
+    # header: one unary call asks whether it is that one (raising UNIMPLEMENTED); if not, the
+    # call's end says what failed.
+    await channel.unary_unary(contract.STREAM_METHOD)(b"", timeout=timeout)
+    return await call
+  try:
+    metadata = await call.initial_metadata()
+    if metadata and metadata.get(contract.STREAM_READY_KEY) == contract.STREAM_READY:
+      for message in parts:
+        await call.write(message)
+    await call.done_writing()
+  except (asyncio.InvalidStateError, grpc.aio.AioRpcError):
+    pass  # the server refused early: its answer says why
+  return await call
 
 
 def messages(encoded: wire.EncodedRequest) -> Iterator[bytes]:

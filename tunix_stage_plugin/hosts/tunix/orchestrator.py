@@ -96,7 +96,6 @@ class Connection:
     self._lock: asyncio.Lock | None = None
     self._loop: asyncio.AbstractEventLoop | None = None  # the loop the lock and channel are on
     self._channel: Any = None
-    self._stream: Any = None
     self.calls: collections.Counter[str] = collections.Counter()
     self.bytes: collections.Counter[str] = collections.Counter()
 
@@ -195,32 +194,19 @@ class Connection:
   async def _send_stream(self, encoded: wire.EncodedRequest) -> Any:
     """The call in chunks on the trainer's own port, sent once the trainer accepted its header."""
     loop = asyncio.get_running_loop()
-    if self._stream is None or self._loop is not loop:  # aio channels belong to their loop
+    if self._channel is None or self._loop is not loop:  # aio channels belong to their loop
       self._loop = loop
       self._channel = grpc.aio.insecure_channel(
           self.address, options=remote_execution._grpc_options())  # pylint: disable=protected-access
-      self._stream = self._channel.stream_unary(
-          contract.STREAM_METHOD,
-          response_deserializer=remote_execution.ExecutionResponse.deserialize)
-    call = self._stream(timeout=self.handle._rpc_timeout_s)  # pylint: disable=protected-access
     from tunix_stage_plugin.transport import stream  # pylint: disable=import-outside-toplevel
-    messages = stream.messages(encoded)
     try:
-      try:
-        await call.write(next(messages))  # the header; the chunks once the trainer accepts it
-        metadata = await call.initial_metadata()
-        if metadata and metadata.get(contract.STREAM_READY_KEY) == contract.STREAM_READY:
-          for message in messages:
-            await call.write(message)
-        await call.done_writing()
-      except asyncio.InvalidStateError:  # the trainer answered early: its answer says why
-        pass
-      response = await call
+      response = await stream.send(self._channel, stream.messages(encoded),
+                                   self.handle._rpc_timeout_s)  # pylint: disable=protected-access
     except grpc.aio.AioRpcError as e:
       if e.code() == grpc.StatusCode.UNIMPLEMENTED:
         raise PayloadOverCap(over_cap_line(encoded, self.address)) from None
       raise
-    return contract.unwrap(response)
+    return contract.unwrap(remote_execution.ExecutionResponse.deserialize(response))
 
   async def close(self) -> None:
     """Closes the side channel's idle connections and the stream's channel (on the event loop it
@@ -228,7 +214,7 @@ class Connection:
     if self._sender is not None:
       self._sender.close()
     channel, loop = self._channel, self._loop
-    self._channel = self._stream = None
+    self._channel = None
     if channel is not None and loop is asyncio.get_running_loop():
       await channel.close()
 
